@@ -1,0 +1,86 @@
+"""Executors: run a planned graph on CUDA streams, host threads, or inline."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pipeoff._errors import ConfigError
+from pipeoff.executor._backend import Backend
+from pipeoff.executor._run import Run
+from pipeoff.graph import TaskGraph
+from pipeoff.schedule import Schedule
+from pipeoff.staging import pools_for
+
+if TYPE_CHECKING:
+    from pipeoff.execution import Execution
+
+__all__ = ["BACKENDS", "execute"]
+
+BackendName = Literal["auto", "inline", "threads", "cuda"]
+BACKENDS = ("auto", "inline", "threads", "cuda")
+
+
+def _backend(name: str) -> Backend:
+    if name == "inline":
+        from pipeoff.executor.inline import InlineBackend
+
+        return InlineBackend()
+    if name == "threads":
+        from pipeoff.executor.threads import ThreadsBackend
+
+        return ThreadsBackend()
+    from pipeoff.executor.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
+    """The concrete backend ``backend`` names for this graph and schedule."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cuda" and graph.device.type != "cuda":
+        raise ConfigError(
+            f"backend='cuda' needs a graph on a CUDA device, but the graph's device is "
+            f"{graph.device}; build it with TaskGraph(device='cuda')"
+        )
+    if backend != "auto":
+        return backend
+    if schedule.is_synchronous:
+        return "inline"
+    return "cuda" if graph.device.type == "cuda" else "threads"
+
+
+def execute(
+    graph: TaskGraph, schedule: Schedule | None = None, *, backend: BackendName = "auto"
+) -> Execution:
+    """Plan ``graph`` with ``schedule`` and launch it.
+
+    Args:
+        graph: the tasks to run.
+        schedule: how to run them; the default is ``Schedule.pipelined()``.
+        backend: ``"auto"`` picks ``"inline"`` for a synchronous schedule,
+            ``"cuda"`` for a graph on a CUDA device, else ``"threads"``.
+
+    Returns:
+        The :class:`Execution`. On ``threads`` and ``cuda`` it returns before
+        the work is done; call :meth:`Execution.wait`.
+
+    Raises:
+        GraphError: the graph is malformed.
+        BudgetError: the schedule's budgets cannot be met.
+        ConfigError: ``schedule`` or ``backend`` is invalid.
+    """
+    if schedule is None:
+        schedule = Schedule.pipelined()
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule must be a pipeoff.Schedule, got {schedule!r}")
+    if not isinstance(graph, TaskGraph):
+        raise ConfigError(f"graph must be a pipeoff.TaskGraph, got {graph!r}")
+    from pipeoff.execution import Execution
+
+    name = resolve_backend(graph, schedule, backend)
+    plan = schedule.plan(graph)
+    impl = _backend(name)
+    run = Run(graph, plan, pools_for(graph.device), impl.name)
+    impl.launch(run)
+    return Execution(run, impl)

@@ -1,0 +1,231 @@
+"""The state of one execution that every backend shares: status, staging and records."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any
+
+from pipeoff import testing
+from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind
+from pipeoff.schedule import Plan
+from pipeoff.staging import Pools, StagingBlock
+from pipeoff.trace import BufferRecord, TaskRecord, Trace
+
+PENDING, OK, FAILED, CANCELLED = 0, 1, 2, 3
+_STATUS = {OK: "ok", FAILED: "failed", CANCELLED: "cancelled"}
+
+
+class Run:
+    """Bookkeeping of one launched plan; lanes call :meth:`run_task` for each task."""
+
+    def __init__(self, graph: TaskGraph, plan: Plan, pools: Pools, backend: str) -> None:
+        self.graph = graph
+        self.plan = plan
+        self.pools = pools
+        self.backend = backend
+        n = len(plan.order)
+        self.n = n
+        self.tasks: list[Task] = [graph.tasks[name] for name in plan.order]
+        self.index = {name: i for i, name in enumerate(plan.order)}
+        self.status = [PENDING] * n
+        self.enqueue_ns = [0] * n
+        self.start_ns = [0] * n
+        self.end_ns = [0] * n
+        self.results: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.error_task: str | None = None
+        self.cond = threading.Condition(threading.Lock())
+        self.remaining = n
+        self._waiters = 0
+        self.blocks: dict[str, StagingBlock] = {}
+        self.origin_ns = time.perf_counter_ns()
+        self.origin_unix_ns = time.time_ns()
+        self.rank = _rank()
+        self.backend_state: Any = None
+        """Per-run data of the backend (the CUDA events)."""
+        self._async = [
+            t.kind is TaskKind.HOST and t.work is not None and inspect.iscoroutinefunction(t.work)
+            for t in self.tasks
+        ]
+
+    # -- status -------------------------------------------------------------
+    def terminal(self, i: int) -> bool:
+        return self.status[i] != PENDING
+
+    def wait_terminal(self, i: int, deadline: float | None = None) -> bool:
+        """Block until task ``i`` ran, failed or was cancelled; False on deadline."""
+        if self.status[i] != PENDING:
+            return True
+        with self.cond:
+            self._waiters += 1
+            try:
+                while self.status[i] == PENDING:
+                    if deadline is None:
+                        self.cond.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or not self.cond.wait(left):
+                            if self.status[i] == PENDING:
+                                return False
+                return True
+            finally:
+                self._waiters -= 1
+
+    def wait_all(self, deadline: float | None = None) -> bool:
+        if self.remaining == 0:
+            return True
+        with self.cond:
+            self._waiters += 1
+            try:
+                while self.remaining:
+                    if deadline is None:
+                        self.cond.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self.cond.wait(left)
+                return True
+            finally:
+                self._waiters -= 1
+
+    def finish(self, i: int, status: int) -> None:
+        with self.cond:
+            self.status[i] = status
+            self.remaining -= 1
+            if self._waiters:
+                self.cond.notify_all()
+
+    def fail(self, i: int, err: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = err
+                self.error_task = self.tasks[i].name
+                err.add_note(
+                    f"(raised in pipeoff task {self.tasks[i].name!r} on lane {self.plan.lanes[i]!r})"
+                )
+
+    def pending(self) -> tuple[str, ...]:
+        return tuple(self.tasks[i].name for i in range(self.n) if self.status[i] == PENDING)
+
+    # -- staging ------------------------------------------------------------
+    def acquire(self, i: int) -> list[StagingBlock]:
+        """Take the blocks task ``i`` is the first user of; returns them."""
+        new = []
+        specs = self.graph.buffers
+        for b in self.plan.acquire[i]:
+            spec = specs[b]
+            block = self.pools.for_where(spec.where).acquire(spec.nbytes)
+            self.blocks[b] = block
+            new.append(block)
+        return new
+
+    def views(self, i: int) -> dict[str, Any]:
+        specs = self.graph.buffers
+        return {b: self.blocks[b].view(specs[b].nbytes) for b in self.tasks[i].buffers}
+
+    def release(self, i: int, ready: Any = None) -> None:
+        """Return the blocks task ``i`` is the last user of (also when it was cancelled)."""
+        specs = self.graph.buffers
+        for b in self.plan.release[i]:
+            block = self.blocks.pop(b, None)
+            if block is not None:
+                self.pools.for_where(specs[b].where).release(block, ready)
+
+    # -- running ------------------------------------------------------------
+    def cancel(self, i: int) -> None:
+        now = time.perf_counter_ns() - self.origin_ns
+        self.start_ns[i] = self.end_ns[i] = now
+        self.release(i)
+        self.finish(i, CANCELLED)
+
+    def run_task(self, i: int, lane: str) -> None:
+        """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish."""
+        for j in self.plan.waits[i]:
+            if self.status[j] == PENDING:
+                self.wait_terminal(j)
+        if self.error is not None:
+            self.cancel(i)
+            return
+        task = self.tasks[i]
+        status = OK
+        try:
+            self.acquire(i)
+        except BaseException as err:  # e.g. an out-of-memory allocating staging
+            self.fail(i, err)
+            self.cancel(i)
+            return
+        start = time.perf_counter_ns()
+        try:
+            if testing.installed():
+                testing.run_hooks(task.name, lane)
+            if task.work is not None:
+                ctx = TaskContext(task=task, lane=lane, buffers=self.views(i), results=self.results)
+                if self._async[i]:
+                    from pipeoff.executor._hostloop import run_async
+
+                    result = run_async(task.work, ctx)
+                else:
+                    result = task.work(ctx)
+                if result is not None:
+                    self.results[task.name] = result
+        except BaseException as err:
+            status = FAILED
+            self.fail(i, err)
+        end = time.perf_counter_ns()
+        self.start_ns[i] = start - self.origin_ns
+        self.end_ns[i] = end - self.origin_ns
+        self.release(i)
+        self.finish(i, status)
+
+    # -- trace --------------------------------------------------------------
+    def make_trace(self, metadata: dict[str, Any] | None = None) -> Trace:
+        sched = self.plan.schedule
+        records = tuple(
+            TaskRecord(
+                name=t.name,
+                kind=t.kind.value,
+                lane=self.plan.lanes[i],
+                start_ns=self.start_ns[i],
+                end_ns=self.end_ns[i],
+                enqueue_ns=self.enqueue_ns[i],
+                nbytes=t.nbytes,
+                deps=t.deps,
+                buffers=t.buffers,
+                status=_STATUS.get(self.status[i], "cancelled"),  # type: ignore[arg-type]
+                rank=self.rank,
+            )
+            for i, t in enumerate(self.tasks)
+        )
+        buffers = tuple(
+            BufferRecord(name=b.name, nbytes=b.nbytes, where=b.where, rank=self.rank)
+            for b in self.graph.buffers.values()
+        )
+        meta = {
+            "backend": self.backend,
+            "schedule": sched.kind,
+            "rank": self.rank,
+            "origin_unix_ns": self.origin_unix_ns,
+            "lookahead": sched.lookahead,
+        }
+        meta.update(metadata or {})
+        return Trace(
+            tasks=records,
+            buffers=buffers,
+            device_budget_bytes=sched.device_budget_bytes,
+            host_budget_bytes=sched.host_budget_bytes,
+            metadata=meta,
+        )
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 - a trace must never fail for its metadata
+        pass
+    return 0

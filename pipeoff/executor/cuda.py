@@ -1,0 +1,225 @@
+"""The CUDA backend: one stream per lane, events across lanes, the host never blocks.
+
+Streams are created once per process and device and reused by every
+execution (creating streams per step leaks caching-allocator pools). Each task
+is enqueued on its lane's stream between two timing events; its end event is
+its completion. A cross-lane dependency is ``wait_event`` on the consumer's
+stream. Tasks are issued in plan order, so an event is always recorded before
+any stream waits on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pipeoff import testing
+from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
+from pipeoff.graph import TaskContext
+
+_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+_events: dict[torch.device, list[torch.cuda.Event]] = {}
+_events_lock = threading.Lock()
+_dispatch_lock = threading.Lock()
+_SLEEP_CYCLES_PER_S = 1.4e9  # torch.cuda._sleep spins in clock cycles; ~H200 boost clock
+
+
+def lane_stream(device: torch.device, lane: str) -> torch.cuda.Stream:
+    """The stream of ``lane`` on ``device``, created on first use and kept."""
+    key = (device, lane)
+    s = _streams.get(key)
+    if s is None:
+        with _streams_lock:
+            s = _streams.get(key)
+            if s is None:
+                s = _streams[key] = torch.cuda.Stream(device=device)
+    return s
+
+
+def _take_events(device: torch.device, n: int) -> list[torch.cuda.Event]:
+    with _events_lock:
+        pool = _events.setdefault(device, [])
+        take = pool[-n:] if n else []
+        del pool[len(pool) - len(take):]
+    with torch.cuda.device(device):
+        take.extend(torch.cuda.Event(enable_timing=True) for _ in range(n - len(take)))
+    return take
+
+
+def _give_events(device: torch.device, events: list[torch.cuda.Event]) -> None:
+    with _events_lock:
+        _events.setdefault(device, []).extend(events)
+
+
+class _CudaRunState:
+    __slots__ = ("base", "device", "dispatched", "ends", "starts")
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.device = device
+        evs = _take_events(device, 2 * n + 1)
+        self.base = evs[0]
+        self.starts = evs[1 : n + 1]
+        self.ends = evs[n + 1 :]
+        self.dispatched = [False] * n
+
+
+class CudaBackend:
+    """Enqueues each lane's tasks on its stream; :func:`pipeoff.execute` returns at once."""
+
+    name = "cuda"
+
+    def launch(self, run: Run) -> None:
+        device = run.graph.device
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        state = _CudaRunState(run.n, device)
+        run.backend_state = state
+        caller = torch.cuda.current_stream(device)
+        # Every lane starts after the work the caller has already enqueued
+        # (the backward that produced the grads, the forward that wrote the
+        # params): without this wait, a lane could read them half-written.
+        state.base.record(caller)
+        lookahead = run.plan.schedule.lookahead
+        if lookahead is None or lookahead >= run.n:
+            self._dispatch(run, state, device, None)
+        else:
+            t = threading.Thread(
+                target=self._dispatch, args=(run, state, device, lookahead),
+                name="pipeoff-cuda-dispatch", daemon=True,
+            )
+            t.start()
+
+    def _dispatch(
+        self, run: Run, state: _CudaRunState, device: torch.device, lookahead: int | None
+    ) -> None:
+        lanes = run.plan.lanes
+        started: set[str] = set()
+        with torch.cuda.device(device):
+            for i in range(run.n):
+                if lookahead is not None and i >= lookahead:
+                    # Flow control on the dispatch thread (never the caller):
+                    # keep the launch queue from filling up.
+                    state.ends[i - lookahead].synchronize()
+                if run.error is not None:
+                    for j in range(i, run.n):
+                        run.cancel(j)
+                    return
+                lane = lanes[i]
+                stream = lane_stream(device, lane)
+                if lane not in started:
+                    started.add(lane)
+                    # Hazard: reading tensors the caller's stream is still producing.
+                    stream.wait_event(state.base)
+                run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
+                with _dispatch_lock:
+                    self._issue(run, state, stream, i)
+
+    def _issue(self, run: Run, state: _CudaRunState, stream: torch.cuda.Stream, i: int) -> None:
+        for j in run.plan.waits[i]:
+            # Hazard: starting before a dependency (or the previous user of a
+            # buffer, or a budget release) on another lane has finished.
+            stream.wait_event(state.ends[j])
+        task = run.tasks[i]
+        lane = run.plan.lanes[i]
+        try:
+            blocks = run.acquire(i)
+        except BaseException as err:  # an out-of-memory allocating staging
+            run.fail(i, err)
+            run.cancel(i)
+            return
+        for block in blocks:
+            if block.ready is not None:
+                # Hazard: reusing a pooled block while its previous last user
+                # (another execution's stream work) may still read or write it.
+                stream.wait_event(block.ready)
+        status = OK
+        name = f"pipeoff::{task.kind.value}::{task.name}"
+        with torch.cuda.stream(stream):
+            state.starts[i].record(stream)
+            try:
+                if testing.installed():
+                    delay = testing.delay_for(task.name, lane)
+                    if delay:
+                        torch.cuda._sleep(int(delay * _SLEEP_CYCLES_PER_S))
+                    testing.run_hooks(task.name, lane, sleep=False)
+                if task.work is not None:
+                    torch.cuda.nvtx.range_push(name)
+                    try:
+                        with torch.profiler.record_function(name):
+                            ctx = TaskContext(task=task, lane=lane, buffers=run.views(i),
+                                              stream=stream, results=run.results)
+                            result = task.work(ctx)
+                    finally:
+                        torch.cuda.nvtx.range_pop()
+                    if result is not None:
+                        run.results[task.name] = result
+            except BaseException as err:
+                status = FAILED
+                run.fail(i, err)
+            state.ends[i].record(stream)
+        state.dispatched[i] = True
+        run.release(i, ready=state.ends[i])
+        run.finish(i, status)
+
+    # -- completion -----------------------------------------------------------
+    def query(self, run: Run, i: int) -> bool:
+        if not run.terminal(i):
+            return False
+        state: _CudaRunState = run.backend_state
+        return not state.dispatched[i] or state.ends[i].query()
+
+    def synchronize(self, run: Run, i: int, deadline: float | None) -> bool:
+        if not run.wait_terminal(i, deadline):
+            return False
+        state: _CudaRunState = run.backend_state
+        if not state.dispatched[i]:
+            return True
+        if deadline is None:
+            state.ends[i].synchronize()
+            return True
+        while not state.ends[i].query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+
+    def synchronize_all(self, run: Run, deadline: float | None) -> bool:
+        return all(self.synchronize(run, i, deadline) for i in range(run.n))
+
+    def stream_wait(self, run: Run, i: int, stream: Any) -> None:
+        # The event must be recorded before a stream can wait on it; with a
+        # lookahead window the task may not be issued yet, so wait for that.
+        run.wait_terminal(i)
+        state: _CudaRunState = run.backend_state
+        if not state.dispatched[i]:
+            return
+        target = stream if stream is not None else torch.cuda.current_stream(run.graph.device)
+        # Hazard: the reader's stream running ahead of the task that writes its inputs.
+        target.wait_event(state.ends[i])
+
+    def resolve_times(self, run: Run) -> None:
+        state: _CudaRunState | None = run.backend_state
+        if state is None:  # already resolved when the run was finalized
+            return
+        for i in range(run.n):
+            if state.dispatched[i] and run.status[i] != CANCELLED:
+                # elapsed_time is in ms from the launch's base event.
+                run.start_ns[i] = int(state.base.elapsed_time(state.starts[i]) * 1e6)
+                run.end_ns[i] = int(state.base.elapsed_time(state.ends[i]) * 1e6)
+
+    def finalize(self, run: Run) -> None:
+        state: _CudaRunState | None = run.backend_state
+        if state is None or run.remaining:
+            return
+        self.resolve_times(run)
+        # The events go back to the pool and will be recorded again by later
+        # runs; a pooled block must not keep one as its "ready" marker.
+        ends = set(state.ends)
+        for pool in (run.pools.device, run.pools.host):
+            pool.forget_events(ends)
+        _give_events(state.device, [state.base, *state.starts, *state.ends])
+        run.backend_state = None

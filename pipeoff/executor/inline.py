@@ -1,0 +1,33 @@
+"""The inline backend: every task runs on the caller's thread, in issue order."""
+
+from __future__ import annotations
+
+import time
+
+from pipeoff.executor._backend import HostBackend
+from pipeoff.executor._run import Run
+
+
+class InlineBackend(HostBackend):
+    """Runs the plan to completion inside :func:`pipeoff.execute`.
+
+    It is the natural backend of :meth:`Schedule.synchronous`. On a CUDA graph
+    each task is followed by a synchronize of the current stream, so each task
+    is waited on before the next starts, as the synchronous schedule promises.
+    """
+
+    name = "inline"
+
+    def launch(self, run: Run) -> None:
+        cuda = run.graph.device.type == "cuda"
+        if cuda:
+            import torch
+        now = time.perf_counter_ns() - run.origin_ns
+        for i in range(run.n):
+            run.enqueue_ns[i] = now
+        for i in range(run.n):
+            run.run_task(i, run.plan.lanes[i])
+            if cuda and run.error is None:
+                # The synchronous schedule's contract: task i has finished on
+                # the device before task i+1 starts (RFC 0003's sequential path).
+                torch.cuda.current_stream(run.graph.device).synchronize()

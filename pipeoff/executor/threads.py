@@ -1,0 +1,122 @@
+"""The threads backend: one worker thread per lane, FIFO per lane, events across lanes.
+
+It is pipeoff's CPU stand-in for CUDA streams: ``execute`` returns at once,
+each lane runs its tasks in issue order, and a task waits for its cross-lane
+dependencies the way a stream waits on an event. Torch ops release the GIL, so
+copies and compute on different lanes really run at the same time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pipeoff.executor._backend import HostBackend
+from pipeoff.executor._run import Run
+
+_STOP = object()
+
+
+class _LaneWorker:
+    """A daemon thread draining a FIFO of ``(run, index)`` items or callables."""
+
+    def __init__(self, lane: str) -> None:
+        self.lane = lane
+        self._q: deque[Any] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._thread = threading.Thread(target=self._loop, name=f"pipeoff-{lane}", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[Any]) -> None:
+        with self._cond:
+            self._q.extend(items)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        lane = self.lane
+        q = self._q
+        while True:
+            with self._cond:
+                while not q:
+                    self._cond.wait()
+                batch = list(q)
+                q.clear()
+            for item in batch:
+                if item is _STOP:
+                    return
+                if callable(item):
+                    item()
+                else:
+                    run, i = item
+                    run.run_task(i, lane)
+
+
+_workers: dict[str, _LaneWorker] = {}
+_workers_lock = threading.Lock()
+# Held while one execution enqueues onto several lanes, so that executions
+# launched concurrently never interleave on lanes in different orders (which
+# could make each wait on the other: a deadlock).
+_dispatch_lock = threading.Lock()
+_DISPATCH_LANE = "dispatch"
+
+
+def _worker(lane: str) -> _LaneWorker:
+    w = _workers.get(lane)
+    if w is None:
+        with _workers_lock:
+            w = _workers.get(lane)
+            if w is None:
+                w = _workers[lane] = _LaneWorker(lane)
+    return w
+
+
+def lane_threads() -> dict[str, threading.Thread]:
+    """The lane threads started so far, by lane (they are created once per process)."""
+    return {lane: w._thread for lane, w in _workers.items()}
+
+
+class ThreadsBackend(HostBackend):
+    """Runs each lane on its own thread; ``launch`` returns without waiting."""
+
+    name = "threads"
+
+    def launch(self, run: Run) -> None:
+        lookahead = run.plan.schedule.lookahead
+        if lookahead is None or lookahead >= run.n:
+            self._launch_all(run)
+        else:
+            _worker(_DISPATCH_LANE).submit([self._windowed(run, lookahead)])
+
+    def _launch_all(self, run: Run) -> None:
+        lanes = run.plan.lanes
+        groups: dict[str, list[Any]] = {}
+        for i, lane in enumerate(lanes):
+            groups.setdefault(lane, []).append((run, i))
+        workers = {lane: _worker(lane) for lane in groups}
+        now = time.perf_counter_ns() - run.origin_ns
+        run.enqueue_ns = [now] * run.n
+        with _dispatch_lock:
+            for lane, items in groups.items():
+                workers[lane].submit(items)
+
+    def _windowed(self, run: Run, lookahead: int) -> Callable[[], None]:
+        def dispatch() -> None:
+            lanes = run.plan.lanes
+            for i in range(run.n):
+                if i >= lookahead:
+                    # Flow control, not a dependency: keep at most `lookahead`
+                    # tasks issued ahead of the oldest unfinished one.
+                    run.wait_terminal(i - lookahead)
+                if run.error is not None:
+                    for j in range(i, run.n):
+                        run.cancel(j)
+                    return
+                run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
+                w = _worker(lanes[i])
+                with _dispatch_lock:
+                    w.submit([(run, i)])
+
+        return dispatch

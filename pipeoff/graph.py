@@ -1,0 +1,291 @@
+"""Task graphs: the transfers, collectives and optimizer work of one offload operation.
+
+A :class:`TaskGraph` is built by a feature (the offload optimizer, LocalSGD)
+and handed to :func:`pipeoff.execute` with a :class:`~pipeoff.Schedule`.
+Tasks name their dependencies and the staging buffers they use; the graph
+itself knows nothing about lanes, streams or budgets.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pipeoff._errors import ConfigError, GraphError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BufferSpec", "Task", "TaskContext", "TaskGraph", "TaskKind"]
+
+Where = Literal["device", "host"]
+_WHERE = ("device", "host")
+
+
+class TaskKind(enum.Enum):
+    """What a task does; it picks the task's default lane and its trace category."""
+
+    D2H = "d2h"
+    """A copy from device memory to (pinned) host memory."""
+    H2D = "h2d"
+    """A copy from (pinned) host memory to device memory."""
+    ALLREDUCE = "allreduce"
+    """A collective over a process group."""
+    OPTIMIZER_CHUNK = "optimizer_chunk"
+    """An optimizer update over one chunk of parameters."""
+    HOST = "host"
+    """Host-side work: a CPU optimizer, an RPC, a wait on a future."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BufferSpec:
+    """A staging buffer that one or more tasks use.
+
+    It is live from the start of its first user (in issue order) to the end of
+    its last user, and its bytes count against the budget of its memory kind.
+    """
+
+    name: str
+    """Unique among the graph's buffers."""
+    nbytes: int
+    """Size in bytes; the task sees a flat ``torch.uint8`` tensor of this size."""
+    where: Where
+    """``"device"`` (accelerator memory) or ``"host"`` (pinned host memory)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"buffer name must be a non-empty string, got {self.name!r}")
+        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes <= 0:
+            raise ConfigError(
+                f"buffer {self.name!r}: nbytes must be a positive int, got {self.nbytes!r}"
+            )
+        if self.where not in _WHERE:
+            raise ConfigError(
+                f"buffer {self.name!r}: where must be 'device' or 'host', got {self.where!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Task:
+    """One node of a :class:`TaskGraph`."""
+
+    name: str
+    """Unique among the graph's tasks; it names the task in errors and traces."""
+    kind: TaskKind
+    """What the task does; it picks the default lane."""
+    work: Callable[[TaskContext], Any] | None
+    """Called with a :class:`TaskContext`. On CUDA it enqueues onto the current
+    stream (the lane's); on host it runs. ``None`` is a null task."""
+    deps: tuple[str, ...] = ()
+    """Names of the tasks that must finish before this one starts."""
+    nbytes: int = 0
+    """Bytes moved or computed on, for the trace and the cost model."""
+    buffers: tuple[str, ...] = ()
+    """Names of the staging buffers this task uses."""
+    lane: str | None = None
+    """Overrides the lane the schedule would pick from ``kind``."""
+
+
+@dataclass(slots=True)
+class TaskContext:
+    """What a task's ``work`` receives when it runs."""
+
+    task: Task
+    """The task being run."""
+    lane: str
+    """The lane it runs on."""
+    buffers: Mapping[str, torch.Tensor]
+    """Its staging buffers by name, each a flat ``torch.uint8`` tensor."""
+    stream: Any = None
+    """The CUDA stream of the lane (already current), or ``None`` on host lanes."""
+    results: Mapping[str, Any] = field(default_factory=dict)
+    """The return values of the tasks finished so far, by task name."""
+
+    def buffer(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Return staging buffer ``name``, viewed as ``dtype`` if given."""
+        try:
+            buf = self.buffers[name]
+        except KeyError:
+            raise GraphError(
+                f"task {self.task.name!r} asked for buffer {name!r}, but it declares only "
+                f"{sorted(self.buffers)}"
+            ) from None
+        return buf if dtype is None else buf.view(dtype)
+
+
+class TaskGraph:
+    """A directed acyclic graph of tasks and the staging buffers they use.
+
+    Build it with :meth:`add_buffer` and :meth:`add_task`; dependencies may name
+    tasks added later. :meth:`validate` (called by :func:`pipeoff.execute`)
+    checks names, dependencies and cycles. The topological order is
+    deterministic: among ready tasks, the one added first comes first.
+
+    Args:
+        device: the device that ``"device"`` buffers live on. ``None`` means
+            the CPU (the ``threads`` backend); a CUDA device selects the
+            ``cuda`` backend under ``backend="auto"``.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        import torch
+
+        self.device: torch.device = torch.device("cpu" if device is None else device)
+        self._tasks: dict[str, Task] = {}
+        self._buffers: dict[str, BufferSpec] = {}
+        self._validated = False
+
+    # -- building ---------------------------------------------------------
+    def add_buffer(self, name: str, nbytes: int, *, where: Where = "device") -> str:
+        """Declare a staging buffer and return its name.
+
+        Raises:
+            GraphError: a buffer with this name exists.
+            ConfigError: ``nbytes`` is not positive or ``where`` is unknown.
+        """
+        if name in self._buffers:
+            raise GraphError(f"duplicate buffer name {name!r}")
+        self._buffers[name] = BufferSpec(name=name, nbytes=nbytes, where=where)
+        self._validated = False
+        return name
+
+    def add_task(
+        self,
+        name: str,
+        kind: TaskKind,
+        work: Callable[[TaskContext], Any] | None = None,
+        *,
+        deps: Iterable[str] = (),
+        nbytes: int = 0,
+        buffers: Iterable[str] = (),
+        lane: str | None = None,
+    ) -> str:
+        """Add a task and return its name.
+
+        Raises:
+            GraphError: a task with this name exists.
+            ConfigError: ``kind`` is not a :class:`TaskKind`, ``work`` is not
+                callable, or ``nbytes`` is negative.
+        """
+        if name in self._tasks:
+            raise GraphError(f"duplicate task name {name!r}")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"task name must be a non-empty string, got {name!r}")
+        if not isinstance(kind, TaskKind):
+            raise ConfigError(f"task {name!r}: kind must be a pipeoff.TaskKind, got {kind!r}")
+        if work is not None and not callable(work):
+            raise ConfigError(f"task {name!r}: work must be callable or None, got {work!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
+        deps_t = (deps,) if isinstance(deps, str) else tuple(deps)
+        bufs_t = (buffers,) if isinstance(buffers, str) else tuple(buffers)
+        self._tasks[name] = Task(
+            name=name, kind=kind, work=work, deps=deps_t, nbytes=nbytes, buffers=bufs_t, lane=lane
+        )
+        self._validated = False
+        return name
+
+    # -- reading ----------------------------------------------------------
+    @property
+    def tasks(self) -> Mapping[str, Task]:
+        """The tasks by name, in the order they were added."""
+        return self._tasks
+
+    @property
+    def buffers(self) -> Mapping[str, BufferSpec]:
+        """The staging buffers by name, in the order they were declared."""
+        return self._buffers
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tasks
+
+    def validate(self) -> None:
+        """Check the graph.
+
+        Raises:
+            GraphError: a dependency or buffer is unknown, a task depends on
+                itself, a buffer has no user, or the dependencies form a cycle
+                (the message prints it).
+        """
+        if self._validated:
+            return
+        tasks = self._tasks
+        used: set[str] = set()
+        for t in tasks.values():
+            for d in t.deps:
+                if d not in tasks:
+                    raise GraphError(f"task {t.name!r} depends on unknown task {d!r}")
+                if d == t.name:
+                    raise GraphError(f"task {t.name!r} depends on itself")
+            for b in t.buffers:
+                if b not in self._buffers:
+                    raise GraphError(f"task {t.name!r} uses unknown buffer {b!r}")
+                used.add(b)
+        for b in self._buffers:
+            if b not in used:
+                raise GraphError(f"buffer {b!r} is declared but no task uses it")
+        self._topological_order()  # raises on a cycle
+        self._validated = True
+
+    def topological_order(self) -> tuple[str, ...]:
+        """Task names in a deterministic topological order (ties: first added first)."""
+        self.validate()
+        return self._topological_order()
+
+    def _topological_order(self) -> tuple[str, ...]:
+        index = {name: i for i, name in enumerate(self._tasks)}
+        names = list(self._tasks)
+        indegree = [0] * len(names)
+        children: list[list[int]] = [[] for _ in names]
+        for i, t in enumerate(self._tasks.values()):
+            for d in set(t.deps):
+                indegree[i] += 1
+                children[index[d]].append(i)
+        heap = [i for i, n in enumerate(indegree) if n == 0]
+        heapq.heapify(heap)
+        order: list[str] = []
+        while heap:
+            i = heapq.heappop(heap)
+            order.append(names[i])
+            for c in children[i]:
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    heapq.heappush(heap, c)
+        if len(order) != len(names):
+            raise GraphError(
+                "dependency cycle (each task must finish before the next): "
+                + " -> ".join(self._find_cycle())
+            )
+        return tuple(order)
+
+    def _find_cycle(self) -> list[str]:
+        color: dict[str, int] = {}
+        stack: list[str] = []
+        for root in self._tasks:
+            if color.get(root):
+                continue
+            # Iterative DFS: (node, iterator over its deps).
+            frames = [(root, iter(self._tasks[root].deps))]
+            color[root] = 1
+            stack.append(root)
+            while frames:
+                node, it = frames[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    frames.pop()
+                    stack.pop()
+                    color[node] = 2
+                elif color.get(nxt) == 1:
+                    cycle = stack[stack.index(nxt) :] + [nxt]
+                    return cycle[::-1]  # in execution direction
+                elif not color.get(nxt):
+                    color[nxt] = 1
+                    stack.append(nxt)
+                    frames.append((nxt, iter(self._tasks[nxt].deps)))
+        raise AssertionError("no cycle found in a graph that has one")

@@ -1,0 +1,392 @@
+"""Schedules: how a task graph is ordered, laid onto lanes and kept within budgets.
+
+A :class:`Schedule` is a frozen value. :meth:`Schedule.plan` turns a graph into
+a :class:`Plan`: the issue order, each task's lane, and the cross-lane waits
+that executors enforce with events. The waits include, besides the graph's
+dependencies, the *budget waits* that keep live staging under the budget when
+the lanes run concurrently (see :func:`_budget_waits`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeoff._errors import BudgetError, ConfigError
+from pipeoff.graph import TaskGraph, TaskKind
+
+__all__ = ["DEFAULT_LANES", "Plan", "Schedule"]
+
+DEFAULT_LANES: Mapping[TaskKind, str] = {
+    TaskKind.D2H: "d2h",
+    TaskKind.H2D: "h2d",
+    TaskKind.ALLREDUCE: "comm",
+    TaskKind.OPTIMIZER_CHUNK: "compute",
+    TaskKind.HOST: "host",
+}
+"""The lane each kind of task runs on under :meth:`Schedule.pipelined`."""
+
+SYNC_LANE = "main"
+_SEARCH_LIMIT = 200_000
+
+
+def _check_optional_positive(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """How to run a graph. Build one with :meth:`synchronous` or :meth:`pipelined`."""
+
+    kind: Literal["synchronous", "pipelined"]
+    """``"synchronous"``: one lane, each task waited on before the next starts.
+    ``"pipelined"``: one lane per task kind, all running concurrently."""
+    device_budget_bytes: int | None = None
+    """Most bytes of device staging live at once; ``None`` is unbounded."""
+    host_budget_bytes: int | None = None
+    """Most bytes of host staging live at once; ``None`` is unbounded."""
+    lookahead: int | None = None
+    """Most tasks issued ahead of the oldest unfinished one; ``None`` issues all
+    at once. A bounded window issues from a background thread, so the caller
+    never blocks (and a CUDA launch queue never fills)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("synchronous", "pipelined"):
+            raise ConfigError(
+                f"Schedule kind must be 'synchronous' or 'pipelined', got {self.kind!r}"
+            )
+        _check_optional_positive("device_budget_bytes", self.device_budget_bytes)
+        _check_optional_positive("host_budget_bytes", self.host_budget_bytes)
+        _check_optional_positive("lookahead", self.lookahead)
+
+    @classmethod
+    def synchronous(cls) -> Schedule:
+        """The degenerate schedule: one lane, strictly sequential, a host wait per task."""
+        return cls(kind="synchronous")
+
+    @classmethod
+    def pipelined(
+        cls,
+        *,
+        device_budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
+        lookahead: int | None = None,
+    ) -> Schedule:
+        """All lanes run concurrently; live staging stays within the budgets.
+
+        Args:
+            device_budget_bytes: cap on live device staging bytes, or ``None``.
+            host_budget_bytes: cap on live host staging bytes, or ``None``.
+            lookahead: cap on tasks issued but unfinished, or ``None``.
+
+        Raises:
+            ConfigError: a budget or ``lookahead`` is not a positive int.
+        """
+        return cls(
+            kind="pipelined",
+            device_budget_bytes=device_budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+            lookahead=lookahead,
+        )
+
+    @property
+    def is_synchronous(self) -> bool:
+        return self.kind == "synchronous"
+
+    def budget(self, where: str) -> int | None:
+        """The budget for ``"device"`` or ``"host"`` staging."""
+        return self.device_budget_bytes if where == "device" else self.host_budget_bytes
+
+    def plan(self, graph: TaskGraph) -> Plan:
+        """Order ``graph`` for this schedule.
+
+        Raises:
+            GraphError: the graph is malformed.
+            BudgetError: a buffer is larger than its budget, or no issue order
+                keeps live staging within the budgets.
+        """
+        graph.validate()
+        for spec in graph.buffers.values():
+            cap = self.budget(spec.where)
+            if cap is not None and spec.nbytes > cap:
+                raise BudgetError(
+                    f"staging buffer {spec.name!r} needs {spec.nbytes} bytes of {spec.where} "
+                    f"memory, more than the {spec.where}_budget_bytes={cap}"
+                )
+        if self.is_synchronous:
+            order = graph.topological_order()
+            lanes = tuple(SYNC_LANE for _ in order)
+        else:
+            order = _issue_order(graph, self)
+            lanes = tuple(
+                graph.tasks[n].lane or DEFAULT_LANES[graph.tasks[n].kind] for n in order
+            )
+        return _make_plan(graph, self, order, lanes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A graph laid out by a schedule. Indices refer to positions in ``order``."""
+
+    schedule: Schedule
+    """The schedule that made the plan."""
+    order: tuple[str, ...]
+    """Task names in issue order (a topological order)."""
+    lanes: tuple[str, ...]
+    """The lane of each task."""
+    waits: tuple[tuple[int, ...], ...]
+    """Per task, the earlier tasks on *other* lanes it must wait for: its
+    dependencies, the previous user of each of its buffers, and budget waits, reduced to the latest one per lane (a lane is
+    FIFO, so waiting on its latest implies the earlier ones)."""
+    acquire: tuple[tuple[str, ...], ...]
+    """Per task, the buffers it is the first user of."""
+    release: tuple[tuple[str, ...], ...]
+    """Per task, the buffers it is the last user of."""
+    planned_peak_bytes: Mapping[str, int]
+    """The highest sum of open buffer bytes along the order, per memory kind."""
+
+    @property
+    def lane_names(self) -> tuple[str, ...]:
+        """The distinct lanes, in order of first use."""
+        return tuple(dict.fromkeys(self.lanes))
+
+
+def _issue_order(graph: TaskGraph, schedule: Schedule) -> tuple[str, ...]:
+    """A topological order whose open staging stays within the budgets.
+
+    A buffer is *open* from the issue of its first user to the issue of its
+    last. Greedy: issue the earliest-added ready task whose new buffers fit.
+    If that gets stuck, search the orders exhaustively (bounded) before giving up.
+    """
+    budgets = {w: schedule.budget(w) for w in ("device", "host")}
+    if not graph.buffers or all(b is None for b in budgets.values()):
+        return graph.topological_order()
+    problem = _OrderProblem(graph, budgets)
+    order = problem.greedy()
+    if order is None:
+        order = problem.search()
+    return tuple(problem.names[i] for i in order)
+
+
+class _OrderProblem:
+    def __init__(self, graph: TaskGraph, budgets: Mapping[str, int | None]) -> None:
+        self.names = list(graph.tasks)
+        index = {n: i for i, n in enumerate(self.names)}
+        self.n = len(self.names)
+        self.budgets = budgets
+        self.specs = graph.buffers
+        self.deps = [tuple({index[d] for d in t.deps}) for t in graph.tasks.values()]
+        self.children: list[list[int]] = [[] for _ in range(self.n)]
+        for i, ds in enumerate(self.deps):
+            for d in ds:
+                self.children[d].append(i)
+        self.uses = [t.buffers for t in graph.tasks.values()]
+        self.users: dict[str, int] = {b: 0 for b in graph.buffers}
+        for bufs in self.uses:
+            for b in set(bufs):
+                self.users[b] += 1
+
+    def _fits(self, i: int, opened: Mapping[str, int], open_bytes: Mapping[str, int]) -> bool:
+        need = {"device": 0, "host": 0}
+        for b in set(self.uses[i]):
+            if b not in opened:
+                need[self.specs[b].where] += self.specs[b].nbytes
+        for w, cap in self.budgets.items():
+            if cap is not None and need[w] and open_bytes[w] + need[w] > cap:
+                return False
+        return True
+
+    def _place(self, i: int, opened: dict[str, int], open_bytes: dict[str, int]) -> None:
+        for b in set(self.uses[i]):
+            w = self.specs[b].where
+            if b not in opened:
+                opened[b] = 0
+                open_bytes[w] += self.specs[b].nbytes
+            opened[b] += 1
+            if opened[b] == self.users[b]:
+                open_bytes[w] -= self.specs[b].nbytes
+
+    def greedy(self) -> list[int] | None:
+        indegree = [len(d) for d in self.deps]
+        ready = [i for i in range(self.n) if indegree[i] == 0]
+        heapq.heapify(ready)
+        opened: dict[str, int] = {}
+        open_bytes = {"device": 0, "host": 0}
+        order: list[int] = []
+        while ready:
+            skipped: list[int] = []
+            chosen = -1
+            while ready:
+                i = heapq.heappop(ready)
+                if self._fits(i, opened, open_bytes):
+                    chosen = i
+                    break
+                skipped.append(i)
+            for s in skipped:
+                heapq.heappush(ready, s)
+            if chosen < 0:
+                return None
+            self._place(chosen, opened, open_bytes)
+            order.append(chosen)
+            for c in self.children[chosen]:
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    heapq.heappush(ready, c)
+        return order
+
+    def search(self) -> list[int]:
+        """Depth-first search over the downsets of the graph, memoizing dead ends."""
+        dead: set[frozenset[int]] = set()
+        expansions = 0
+        order: list[int] = []
+        placed: set[int] = set()
+
+        def state() -> tuple[dict[str, int], dict[str, int]]:
+            opened: dict[str, int] = {}
+            open_bytes = {"device": 0, "host": 0}
+            for i in order:
+                self._place(i, opened, open_bytes)
+            return opened, open_bytes
+
+        def rec() -> bool:
+            nonlocal expansions
+            if len(order) == self.n:
+                return True
+            key = frozenset(placed)
+            if key in dead:
+                return False
+            expansions += 1
+            if expansions > _SEARCH_LIMIT:
+                raise BudgetError(
+                    f"no issue order found within the search limit ({_SEARCH_LIMIT} states); "
+                    "raise the budgets or make buffers' users more local"
+                )
+            opened, open_bytes = state()
+            for i in range(self.n):
+                if i in placed or any(d not in placed for d in self.deps[i]):
+                    continue
+                if not self._fits(i, opened, open_bytes):
+                    continue
+                order.append(i)
+                placed.add(i)
+                if rec():
+                    return True
+                order.pop()
+                placed.discard(i)
+            dead.add(key)
+            return False
+
+        if not rec():
+            raise BudgetError(self._explain())
+        return order
+
+    def _explain(self) -> str:
+        big = sorted(self.specs.values(), key=lambda s: -s.nbytes)[:3]
+        caps = ", ".join(f"{w}_budget_bytes={c}" for w, c in self.budgets.items() if c)
+        return (
+            f"no issue order keeps live staging within {caps}: buffers stay open across "
+            f"tasks that need others; largest buffers: "
+            + ", ".join(f"{s.name!r} ({s.nbytes} B {s.where})" for s in big)
+        )
+
+
+def _make_plan(
+    graph: TaskGraph, schedule: Schedule, order: tuple[str, ...], lanes: tuple[str, ...]
+) -> Plan:
+    pos = {n: i for i, n in enumerate(order)}
+    tasks = graph.tasks
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, n in enumerate(order):
+        for b in tasks[n].buffers:
+            first.setdefault(b, i)
+            last[b] = i
+    acquire: list[list[str]] = [[] for _ in order]
+    release: list[list[str]] = [[] for _ in order]
+    for b, i in first.items():
+        acquire[i].append(b)
+    for b, i in last.items():
+        release[i].append(b)
+
+    extra, peaks = _budget_waits(graph, schedule, lanes, acquire, release)
+    # Tasks that share a buffer use it one after another, in issue order: each
+    # waits for the previous user, so no two users of a buffer ever overlap.
+    prev_user: dict[str, int] = {}
+    for i, n in enumerate(order):
+        for b in tasks[n].buffers:
+            if b in prev_user:
+                extra[i].append(prev_user[b])
+            prev_user[b] = i
+    waits: list[tuple[int, ...]] = []
+    for i, n in enumerate(order):
+        latest: dict[str, int] = {}
+        for j in (*(pos[d] for d in tasks[n].deps), *extra[i]):
+            lane = lanes[j]
+            if lane != lanes[i] and j > latest.get(lane, -1):
+                latest[lane] = j
+        waits.append(tuple(sorted(latest.values())))
+    return Plan(
+        schedule=schedule,
+        order=order,
+        lanes=lanes,
+        waits=tuple(waits),
+        acquire=tuple(tuple(a) for a in acquire),
+        release=tuple(tuple(r) for r in release),
+        planned_peak_bytes=peaks,
+    )
+
+
+def _budget_waits(
+    graph: TaskGraph,
+    schedule: Schedule,
+    lanes: tuple[str, ...],
+    acquire: list[list[str]],
+    release: list[list[str]],
+) -> tuple[list[list[int]], dict[str, int]]:
+    """Extra waits that bound *live* staging when lanes run concurrently.
+
+    Along the issue order a buffer is open from its first user to its last;
+    the order keeps open bytes within budget. At run time a closed buffer stays
+    live until its last user *finishes*, possibly on another lane. So a task
+    that acquires bytes on lane L first waits for the oldest closed buffers
+    that L does not yet know to be released, until open + new + unknown fit.
+    Each lane remembers the prefix of closed buffers it has waited for (FIFO
+    makes that knowledge hold for its later tasks).
+    """
+    specs = graph.buffers
+    extra: list[list[int]] = [[] for _ in lanes]
+    peaks = {"device": 0, "host": 0}
+    open_bytes = {"device": 0, "host": 0}
+    closed: dict[str, list[tuple[int, int]]] = {"device": [], "host": []}  # (bytes, last user)
+    closed_cum: dict[str, list[int]] = {"device": [0], "host": [0]}
+    known: dict[tuple[str, str], int] = {}
+    for i, lane in enumerate(lanes):
+        need = {"device": 0, "host": 0}
+        for b in acquire[i]:
+            need[specs[b].where] += specs[b].nbytes
+        for w in ("device", "host"):
+            if not need[w]:
+                continue
+            cap = schedule.budget(w)
+            if cap is not None and not schedule.is_synchronous:
+                k = known.get((lane, w), 0)
+                pending = closed_cum[w][-1] - closed_cum[w][k]
+                while open_bytes[w] + need[w] + pending > cap:
+                    nbytes, user = closed[w][k]
+                    extra[i].append(user)
+                    pending -= nbytes
+                    k += 1
+                known[(lane, w)] = k
+            open_bytes[w] += need[w]
+            peaks[w] = max(peaks[w], open_bytes[w])
+        for b in release[i]:
+            w = specs[b].where
+            open_bytes[w] -= specs[b].nbytes
+            closed[w].append((specs[b].nbytes, i))
+            closed_cum[w].append(closed_cum[w][-1] + specs[b].nbytes)
+    return extra, peaks

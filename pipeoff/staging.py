@@ -1,0 +1,183 @@
+"""Staging pools: device and pinned host buffers, allocated once and reused.
+
+Each process keeps one :class:`StagingPool` per device for device staging and
+one for pinned host staging (:func:`pools_for`). A block released by one
+execution is handed to the next. On CUDA the release carries the event of the
+block's last user, and the new user's stream waits on it before touching the
+block, so reuse never races and the host never blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PoolStats", "StagingBlock", "StagingPool", "pools_for"]
+
+
+@dataclass(eq=False, slots=True)
+class StagingBlock:
+    """A pooled allocation. ``tensor`` is a flat ``uint8`` tensor of ``capacity`` bytes."""
+
+    tensor: torch.Tensor
+    capacity: int
+    ready: Any = None
+    """The CUDA event after which the block is free to reuse, or ``None``."""
+    in_use: int = 0
+    """Bytes handed out to the current user, 0 when free."""
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        return self.tensor[:nbytes]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolStats:
+    """A snapshot of a pool's accounting."""
+
+    live_bytes: int
+    """Bytes handed out and not yet released."""
+    peak_live_bytes: int
+    """High-water mark of ``live_bytes`` since the last :meth:`StagingPool.reset_peak`."""
+    reserved_bytes: int
+    """Bytes held by the pool, free or not."""
+    allocations: int
+    """How many blocks the pool has ever allocated (constant once warm)."""
+    pinned: bool
+    """Whether host blocks are page-locked."""
+
+
+_pin_warned = False
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+class StagingPool:
+    """Reusable staging blocks of one memory kind on one device.
+
+    Acquire picks the smallest free block that holds the request (and is at
+    most twice its size), else allocates a new one; blocks are never freed
+    except by :meth:`trim`. Accounting is of requested bytes.
+
+    Args:
+        device: where blocks live; the CPU for host pools.
+        pinned: page-lock host blocks. On a torch without an accelerator,
+            pinning is impossible; the pool falls back to ordinary memory and
+            says so once with a ``RuntimeWarning``.
+    """
+
+    def __init__(self, device: torch.device | str, *, pinned: bool = False) -> None:
+        global _pin_warned
+        self.device = torch.device(device)
+        if pinned and not _can_pin():
+            if not _pin_warned:
+                _pin_warned = True
+                warnings.warn(
+                    "pipeoff: pinned host memory needs an accelerator; this torch has none, "
+                    "so host staging uses ordinary (pageable) memory",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            pinned = False
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int, StagingBlock]] = []  # (capacity, id, block), sorted
+        self._live = 0
+        self._peak = 0
+        self._reserved = 0
+        self._allocations = 0
+
+    def acquire(self, nbytes: int) -> StagingBlock:
+        """Hand out a block of at least ``nbytes``. The caller must honour ``block.ready``."""
+        with self._lock:
+            i = bisect.bisect_left(self._free, (nbytes, -1))
+            if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
+                block = self._free.pop(i)[2]
+            else:
+                block = None
+            self._live += nbytes
+            self._peak = max(self._peak, self._live)
+        if block is None:
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
+                                 pin_memory=self.pinned)
+            block = StagingBlock(tensor=tensor, capacity=nbytes)
+            with self._lock:
+                self._reserved += nbytes
+                self._allocations += 1
+        block.in_use = nbytes
+        return block
+
+    def release(self, block: StagingBlock, ready: Any = None) -> None:
+        """Return ``block``; ``ready`` is the event of its last user (CUDA) or ``None``."""
+        with self._lock:
+            self._live -= block.in_use
+            block.in_use = 0
+            block.ready = ready
+            bisect.insort(self._free, (block.capacity, id(block), block))
+
+    def forget_events(self, events: set[Any]) -> None:
+        """Drop ``ready`` markers that are in ``events`` (they completed and are recycled)."""
+        with self._lock:
+            for _, _, block in self._free:
+                if block.ready is not None and block.ready in events:
+                    block.ready = None
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                live_bytes=self._live,
+                peak_live_bytes=self._peak,
+                reserved_bytes=self._reserved,
+                allocations=self._allocations,
+                pinned=self.pinned,
+            )
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._live
+
+    def trim(self) -> int:
+        """Free every idle block; returns the bytes freed."""
+        with self._lock:
+            freed = sum(c for c, _, _ in self._free)
+            self._free.clear()
+            self._reserved -= freed
+        return freed
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The device pool and the host pool that one device's executions share."""
+
+    device: StagingPool
+    host: StagingPool
+
+    def for_where(self, where: str) -> StagingPool:
+        return self.device if where == "device" else self.host
+
+
+_pools: dict[torch.device, Pools] = {}
+_pools_lock = threading.Lock()
+_host_pool: StagingPool | None = None
+
+
+def pools_for(device: torch.device | str) -> Pools:
+    """The process-wide pools for ``device`` (created on first use)."""
+    global _host_pool
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with _pools_lock:
+        pools = _pools.get(dev)
+        if pools is None:
+            if _host_pool is None:
+                _host_pool = StagingPool("cpu", pinned=True)
+            pools = Pools(device=StagingPool(dev), host=_host_pool)
+            _pools[dev] = pools
+        return pools

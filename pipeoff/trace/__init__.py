@@ -1,0 +1,7 @@
+"""Traces: what each task did, on which lane, when, and the staging it held."""
+
+from __future__ import annotations
+
+from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace, TraceSummary
+
+__all__ = ["BufferRecord", "TaskRecord", "Trace", "TraceSummary"]

@@ -1,0 +1,176 @@
+"""Chrome trace JSON (Perfetto, chrome://tracing, HTA) for pipeoff traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeoff._errors import TraceFormatError
+from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace
+
+FORMAT_VERSION = 1
+
+# Categories and name prefixes follow the profiler's conventions, so HTA and
+# Perfetto queries written for torch.profiler traces find pipeoff's tasks.
+_CATEGORY = {
+    "d2h": "gpu_memcpy",
+    "h2d": "gpu_memcpy",
+    "allreduce": "comm",
+    "optimizer_chunk": "kernel",
+    "host": "cpu_op",
+}
+_PREFIX = {
+    "d2h": "Memcpy DtoH ",
+    "h2d": "Memcpy HtoD ",
+    "allreduce": "AllReduce ",
+    "optimizer_chunk": "",
+    "host": "",
+}
+
+
+def _us(ns: int) -> float:
+    return ns / 1e3
+
+
+def to_chrome(trace: Trace) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    tids: dict[tuple[int, str], int] = {}
+    for t in trace.tasks:
+        if (t.rank, t.lane) not in tids:
+            tid = len(tids) + 1
+            tids[(t.rank, t.lane)] = tid
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": t.rank, "tid": tid,
+                 "args": {"name": f"pipeoff {t.lane}"}}
+            )
+            events.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": t.rank, "tid": tid,
+                 "args": {"sort_index": tid}}
+            )
+    for rank in sorted({r for r, _ in tids}):
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+    by_name: dict[tuple[int, str], TaskRecord] = {}
+    for t in trace.tasks:
+        by_name[(t.rank, t.name)] = t
+        events.append(
+            {
+                "ph": "X",
+                "name": _PREFIX.get(t.kind, "") + t.name,
+                "cat": _CATEGORY.get(t.kind, "cpu_op"),
+                "pid": t.rank,
+                "tid": tids[(t.rank, t.lane)],
+                "ts": _us(t.start_ns),
+                "dur": _us(t.end_ns - t.start_ns),
+                "args": {
+                    "pipeoff.task": t.name,
+                    "kind": t.kind,
+                    "lane": t.lane,
+                    "bytes": t.nbytes,
+                    "status": t.status,
+                    "deps": list(t.deps),
+                    "buffers": list(t.buffers),
+                    "t_ns": [t.enqueue_ns, t.start_ns, t.end_ns],
+                },
+            }
+        )
+    flow_id = 0
+    for t in trace.tasks:
+        for d in t.deps:
+            src = by_name.get((t.rank, d))
+            if src is None or src.lane == t.lane or "cancelled" in (src.status, t.status):
+                continue
+            flow_id += 1
+            common = {"name": "dependency", "cat": "pipeoff.dep", "id": flow_id, "pid": t.rank}
+            events.append({**common, "ph": "s", "tid": tids[(t.rank, src.lane)],
+                           "ts": _us(src.start_ns)})
+            events.append({**common, "ph": "f", "bp": "e", "tid": tids[(t.rank, t.lane)],
+                           "ts": _us(t.start_ns)})
+    ranks = sorted({b.rank for b in trace.buffers})
+    for rank in ranks:
+        sub = Trace(
+            tasks=tuple(t for t in trace.tasks if t.rank == rank),
+            buffers=tuple(b for b in trace.buffers if b.rank == rank),
+        )
+        for time_ns, dev, host in sub.staging_timeline():
+            events.append(
+                {"ph": "C", "name": "staging bytes", "pid": rank, "ts": _us(time_ns),
+                 "args": {"device": dev, "host": host}}
+            )
+    metadata = dict(trace.metadata)
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "distributedInfo": {"rank": int(metadata.get("rank", 0))},
+        "pipeoff": {
+            "version": FORMAT_VERSION,
+            "device_budget_bytes": trace.device_budget_bytes,
+            "host_budget_bytes": trace.host_budget_bytes,
+            "buffers": [
+                {"name": b.name, "nbytes": b.nbytes, "where": b.where, "rank": b.rank}
+                for b in trace.buffers
+            ],
+            "metadata": metadata,
+        },
+    }
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TraceFormatError(f"{str(path)!r} is not valid JSON: {err}") from None
+
+
+def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise TraceFormatError(
+            f"{source!r} is not a Chrome trace: expected an object with a 'traceEvents' list"
+        )
+    section = doc.get("pipeoff")
+    if not isinstance(section, dict):
+        raise TraceFormatError(
+            f"{source!r} is a Chrome trace but not one pipeoff wrote (no 'pipeoff' section); "
+            "write traces with Trace.save or pipeoff.trace.record"
+        )
+    try:
+        tasks = []
+        for ev in doc["traceEvents"]:
+            if ev.get("ph") != "X" or "pipeoff.task" not in ev.get("args", {}):
+                continue
+            a = ev["args"]
+            enq, start, end = (int(x) for x in a["t_ns"])
+            tasks.append(
+                TaskRecord(
+                    name=str(a["pipeoff.task"]),
+                    kind=str(a["kind"]),
+                    lane=str(a["lane"]),
+                    start_ns=start,
+                    end_ns=end,
+                    enqueue_ns=enq,
+                    nbytes=int(a["bytes"]),
+                    deps=tuple(a["deps"]),
+                    buffers=tuple(a["buffers"]),
+                    status=a["status"],
+                    rank=int(ev.get("pid", 0)),
+                )
+            )
+        buffers = tuple(
+            BufferRecord(name=b["name"], nbytes=int(b["nbytes"]), where=b["where"],
+                         rank=int(b.get("rank", 0)))
+            for b in section.get("buffers", [])
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise TraceFormatError(f"{source!r} has a malformed pipeoff event: {err!r}") from None
+    return Trace(
+        tasks=tuple(tasks),
+        buffers=buffers,
+        device_budget_bytes=section.get("device_budget_bytes"),
+        host_budget_bytes=section.get("host_budget_bytes"),
+        metadata=dict(section.get("metadata", {})),
+    )
