@@ -128,7 +128,7 @@ class Execution:
             raise err
 
     def _finalize(self) -> None:
-        if not self._finalized and self._run.remaining == 0:
+        if not self._finalized and self._run.complete:
             self._finalized = True
             self._backend.finalize(self._run)
 
@@ -136,7 +136,7 @@ class Execution:
         """Whether ``task`` (or every task) has finished, failed or been cancelled."""
         run = self._run
         if task is None:
-            return run.remaining == 0 and all(
+            return run.complete and all(
                 self._backend.query(run, i) for i in range(run.n)
             )
         return self._backend.query(run, self._index(task))
@@ -184,7 +184,7 @@ class Execution:
 
     def __repr__(self) -> str:
         run = self._run
-        state = "failed" if run.error else ("done" if run.remaining == 0 else "running")
+        state = "failed" if run.error else ("done" if run.complete else "running")
         return (f"Execution({run.n} tasks, backend={self._backend.name!r}, "
                 f"schedule={run.plan.schedule.kind!r}, {state})")
 

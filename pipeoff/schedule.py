@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeoff._errors import BudgetError, ConfigError
-from pipeoff.graph import TaskGraph, TaskKind
+from pipeoff.graph import TaskGraph, TaskKind, no_gc
 
 __all__ = ["DEFAULT_LANES", "Plan", "Schedule"]
 
@@ -148,7 +148,8 @@ class Plan:
     release: tuple[tuple[str, ...], ...]
     """Per task, the buffers it is the last user of."""
     planned_peak_bytes: Mapping[str, int]
-    """The highest sum of open buffer bytes along the order, per memory kind."""
+    """Per memory kind, the most staging bytes that can be live at once under
+    this plan (at most the budget, when there is one)."""
 
     @property
     def lane_names(self) -> tuple[str, ...]:
@@ -298,45 +299,65 @@ class _OrderProblem:
 def _make_plan(
     graph: TaskGraph, schedule: Schedule, order: tuple[str, ...], lanes: tuple[str, ...]
 ) -> Plan:
+    with no_gc():
+        return _make_plan_impl(graph, schedule, order, lanes)
+
+
+def _make_plan_impl(
+    graph: TaskGraph, schedule: Schedule, order: tuple[str, ...], lanes: tuple[str, ...]
+) -> Plan:
     pos = {n: i for i, n in enumerate(order)}
-    tasks = graph.tasks
+    tasks = [graph.tasks[n] for n in order]
+    n = len(order)
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    for i, n in enumerate(order):
-        for b in tasks[n].buffers:
+    for i, t in enumerate(tasks):
+        for b in t.buffers:
             first.setdefault(b, i)
             last[b] = i
-    acquire: list[list[str]] = [[] for _ in order]
-    release: list[list[str]] = [[] for _ in order]
+    empty: tuple[str, ...] = ()
+    acquire: list[tuple[str, ...]] = [empty] * n
+    release: list[tuple[str, ...]] = [empty] * n
     for b, i in first.items():
-        acquire[i].append(b)
+        acquire[i] += (b,)
     for b, i in last.items():
-        release[i].append(b)
+        release[i] += (b,)
 
     extra, peaks = _budget_waits(graph, schedule, lanes, acquire, release)
     # Tasks that share a buffer use it one after another, in issue order: each
     # waits for the previous user, so no two users of a buffer ever overlap.
     prev_user: dict[str, int] = {}
-    for i, n in enumerate(order):
-        for b in tasks[n].buffers:
+    for i, t in enumerate(tasks):
+        for b in t.buffers:
             if b in prev_user:
-                extra[i].append(prev_user[b])
+                extra.setdefault(i, []).append(prev_user[b])
             prev_user[b] = i
-    waits: list[tuple[int, ...]] = []
-    for i, n in enumerate(order):
+    no_waits: tuple[int, ...] = ()
+    waits: list[tuple[int, ...]] = [no_waits] * n
+    for i, t in enumerate(tasks):
+        more = extra.get(i)
+        if not t.deps and not more:
+            continue
+        mine = lanes[i]
+        if len(t.deps) == 1 and not more:
+            j = pos[t.deps[0]]
+            if lanes[j] != mine:
+                waits[i] = (j,)
+            continue
         latest: dict[str, int] = {}
-        for j in (*(pos[d] for d in tasks[n].deps), *extra[i]):
+        for j in (*(pos[d] for d in t.deps), *(more or ())):
             lane = lanes[j]
-            if lane != lanes[i] and j > latest.get(lane, -1):
+            if lane != mine and j > latest.get(lane, -1):
                 latest[lane] = j
-        waits.append(tuple(sorted(latest.values())))
+        if latest:
+            waits[i] = tuple(sorted(latest.values()))
     return Plan(
         schedule=schedule,
         order=order,
         lanes=lanes,
         waits=tuple(waits),
-        acquire=tuple(tuple(a) for a in acquire),
-        release=tuple(tuple(r) for r in release),
+        acquire=tuple(acquire),
+        release=tuple(release),
         planned_peak_bytes=peaks,
     )
 
@@ -345,9 +366,9 @@ def _budget_waits(
     graph: TaskGraph,
     schedule: Schedule,
     lanes: tuple[str, ...],
-    acquire: list[list[str]],
-    release: list[list[str]],
-) -> tuple[list[list[int]], dict[str, int]]:
+    acquire: list[tuple[str, ...]],
+    release: list[tuple[str, ...]],
+) -> tuple[dict[int, list[int]], dict[str, int]]:
     """Extra waits that bound *live* staging when lanes run concurrently.
 
     Along the issue order a buffer is open from its first user to its last;
@@ -359,13 +380,17 @@ def _budget_waits(
     makes that knowledge hold for its later tasks).
     """
     specs = graph.buffers
-    extra: list[list[int]] = [[] for _ in lanes]
+    extra: dict[int, list[int]] = {}
     peaks = {"device": 0, "host": 0}
     open_bytes = {"device": 0, "host": 0}
     closed: dict[str, list[tuple[int, int]]] = {"device": [], "host": []}  # (bytes, last user)
     closed_cum: dict[str, list[int]] = {"device": [0], "host": [0]}
     known: dict[tuple[str, str], int] = {}
+    if not specs:
+        return extra, peaks
     for i, lane in enumerate(lanes):
+        if not acquire[i] and not release[i]:
+            continue
         need = {"device": 0, "host": 0}
         for b in acquire[i]:
             need[specs[b].where] += specs[b].nbytes
@@ -373,17 +398,20 @@ def _budget_waits(
             if not need[w]:
                 continue
             cap = schedule.budget(w)
-            if cap is not None and not schedule.is_synchronous:
+            pending = 0
+            if not schedule.is_synchronous:
                 k = known.get((lane, w), 0)
                 pending = closed_cum[w][-1] - closed_cum[w][k]
-                while open_bytes[w] + need[w] + pending > cap:
+                while cap is not None and open_bytes[w] + need[w] + pending > cap:
                     nbytes, user = closed[w][k]
-                    extra[i].append(user)
+                    extra.setdefault(i, []).append(user)
                     pending -= nbytes
                     k += 1
                 known[(lane, w)] = k
             open_bytes[w] += need[w]
-            peaks[w] = max(peaks[w], open_bytes[w])
+            # What may be live when this task starts: open buffers, its own,
+            # and closed ones whose release this lane has not waited for.
+            peaks[w] = max(peaks[w], open_bytes[w] + pending)
         for b in release[i]:
             w = specs[b].where
             open_bytes[w] -= specs[b].nbytes

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PoolStats", "StagingBlock", "StagingPool", "pools_for"]
+__all__ = ["PoolStats", "Pools", "StagingBlock", "StagingPool", "host_pool", "pools_for"]
 
 
 @dataclass(eq=False, slots=True)
@@ -151,15 +151,24 @@ class StagingPool:
         return freed
 
 
-@dataclass(frozen=True, slots=True)
 class Pools:
-    """The device pool and the host pool that one device's executions share."""
+    """The device pool and the host pool that one device's executions share.
 
-    device: StagingPool
-    host: StagingPool
+    The host pool is process-wide and created on first use, so a run that
+    stages nothing on the host never tries to pin memory.
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: StagingPool) -> None:
+        self.device = device
+
+    @property
+    def host(self) -> StagingPool:
+        return host_pool()
 
     def for_where(self, where: str) -> StagingPool:
-        return self.device if where == "device" else self.host
+        return self.device if where == "device" else host_pool()
 
 
 _pools: dict[torch.device, Pools] = {}
@@ -167,17 +176,23 @@ _pools_lock = threading.Lock()
 _host_pool: StagingPool | None = None
 
 
+def host_pool() -> StagingPool:
+    """The process-wide pinned host pool (created on first use)."""
+    global _host_pool
+    if _host_pool is None:
+        with _pools_lock:
+            if _host_pool is None:
+                _host_pool = StagingPool("cpu", pinned=True)
+    return _host_pool
+
+
 def pools_for(device: torch.device | str) -> Pools:
     """The process-wide pools for ``device`` (created on first use)."""
-    global _host_pool
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with _pools_lock:
         pools = _pools.get(dev)
         if pools is None:
-            if _host_pool is None:
-                _host_pool = StagingPool("cpu", pinned=True)
-            pools = Pools(device=StagingPool(dev), host=_host_pool)
-            _pools[dev] = pools
+            pools = _pools[dev] = Pools(StagingPool(dev))
         return pools

@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _portal: BlockingPortal | None = None
-_portal_cm: AbstractContextManager[BlockingPortal] | None = None
+
+
+def _serve(ready: queue.Queue[BlockingPortal]) -> None:
+    async def main() -> None:
+        async with BlockingPortal() as portal:
+            ready.put(portal)
+            await portal.sleep_until_stopped()
+
+    anyio.run(main, backend="asyncio")
 
 
 def portal() -> BlockingPortal:
-    """The process-wide portal into pipeoff's host event loop (started once)."""
-    global _portal, _portal_cm
+    """The process-wide portal into pipeoff's host event loop (started once).
+
+    The loop runs on a daemon thread, so it never holds up interpreter exit
+    (anyio's ``start_blocking_portal`` uses a worker that exit would join).
+    """
+    global _portal
     with _lock:
         if _portal is None:
-            _portal_cm = start_blocking_portal(backend="asyncio")
-            _portal = _portal_cm.__enter__()
+            ready: queue.Queue[BlockingPortal] = queue.Queue()
+            threading.Thread(target=_serve, args=(ready,), name="pipeoff-hostloop",
+                             daemon=True).start()
+            _portal = ready.get()
         return _portal
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 import time
 from typing import Any
@@ -28,7 +29,6 @@ class Run:
         n = len(plan.order)
         self.n = n
         self.tasks: list[Task] = [graph.tasks[name] for name in plan.order]
-        self.index = {name: i for i, name in enumerate(plan.order)}
         self.status = [PENDING] * n
         self.enqueue_ns = [0] * n
         self.start_ns = [0] * n
@@ -36,70 +36,85 @@ class Run:
         self.results: dict[str, Any] = {}
         self.error: BaseException | None = None
         self.error_task: str | None = None
-        self.cond = threading.Condition(threading.Lock())
-        self.remaining = n
-        self._waiters = 0
+        self._lock = threading.Lock()
+        self._waiting: dict[int, list[threading.Event]] = {}
+        self._finished = itertools.count()
+        self.all_done = threading.Event()
+        if n == 0:
+            self.all_done.set()
         self.blocks: dict[str, StagingBlock] = {}
         self.origin_ns = time.perf_counter_ns()
         self.origin_unix_ns = time.time_ns()
         self.rank = _rank()
         self.backend_state: Any = None
         """Per-run data of the backend (the CUDA events)."""
-        self._async = [
-            t.kind is TaskKind.HOST and t.work is not None and inspect.iscoroutinefunction(t.work)
-            for t in self.tasks
-        ]
+        self._async = {
+            i for i, t in enumerate(self.tasks)
+            if t.kind is TaskKind.HOST and t.work is not None
+            and inspect.iscoroutinefunction(t.work)
+        }
+        self._index: dict[str, int] | None = None
+
+    @property
+    def index(self) -> dict[str, int]:
+        """Position of each task in the plan, by name (built on first use)."""
+        if self._index is None:
+            self._index = {name: i for i, name in enumerate(self.plan.order)}
+        return self._index
 
     # -- status -------------------------------------------------------------
     def terminal(self, i: int) -> bool:
         return self.status[i] != PENDING
 
     def wait_terminal(self, i: int, deadline: float | None = None) -> bool:
-        """Block until task ``i`` ran, failed or was cancelled; False on deadline."""
-        if self.status[i] != PENDING:
+        """Block until task ``i`` ran, failed or was cancelled; False on deadline.
+
+        The waiter parks on an event of its own thread, registered under ``i``;
+        :meth:`finish` sets exactly the events waiting on the task it finishes,
+        so lanes do not wake each other up (a shared condition would).
+        """
+        status = self.status
+        if status[i] != PENDING:
             return True
-        with self.cond:
-            self._waiters += 1
-            try:
-                while self.status[i] == PENDING:
-                    if deadline is None:
-                        self.cond.wait()
-                    else:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or not self.cond.wait(left):
-                            if self.status[i] == PENDING:
-                                return False
+        ev = _thread_event()
+        while True:
+            ev.clear()
+            self._waiting.setdefault(i, []).append(ev)
+            # Re-check after registering: finish() may have run in between.
+            if status[i] != PENDING:
                 return True
-            finally:
-                self._waiters -= 1
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return False
+            ev.wait(timeout)
+            if status[i] != PENDING:
+                return True
+            # A stale wake-up from an earlier wait of this thread: wait again.
 
     def wait_all(self, deadline: float | None = None) -> bool:
-        if self.remaining == 0:
+        """Block until every task is terminal; False on deadline."""
+        if self.all_done.is_set():
             return True
-        with self.cond:
-            self._waiters += 1
-            try:
-                while self.remaining:
-                    if deadline is None:
-                        self.cond.wait()
-                    else:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            return False
-                        self.cond.wait(left)
-                return True
-            finally:
-                self._waiters -= 1
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.all_done.wait(timeout)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every task is terminal."""
+        return self.all_done.is_set()
 
     def finish(self, i: int, status: int) -> None:
-        with self.cond:
-            self.status[i] = status
-            self.remaining -= 1
-            if self._waiters:
-                self.cond.notify_all()
+        self.status[i] = status
+        waiting = self._waiting.pop(i, None)
+        if waiting:
+            for ev in waiting:
+                ev.set()
+        # next() on a counter is atomic, so lanes need no lock to count.
+        if next(self._finished) == self.n - 1:
+            self.all_done.set()
 
     def fail(self, i: int, err: BaseException) -> None:
-        with self.cond:
+        with self._lock:
             if self.error is None:
                 self.error = err
                 self.error_task = self.tasks[i].name
@@ -143,42 +158,49 @@ class Run:
 
     def run_task(self, i: int, lane: str) -> None:
         """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish."""
+        status = self.status
         for j in self.plan.waits[i]:
-            if self.status[j] == PENDING:
+            if status[j] == PENDING:
                 self.wait_terminal(j)
         if self.error is not None:
             self.cancel(i)
             return
         task = self.tasks[i]
-        status = OK
-        try:
-            self.acquire(i)
-        except BaseException as err:  # e.g. an out-of-memory allocating staging
-            self.fail(i, err)
-            self.cancel(i)
-            return
+        if self.plan.acquire[i]:
+            try:
+                self.acquire(i)
+            except BaseException as err:  # e.g. an out-of-memory allocating staging
+                self.fail(i, err)
+                self.cancel(i)
+                return
+        result = None
+        outcome = OK
         start = time.perf_counter_ns()
-        try:
-            if testing.installed():
-                testing.run_hooks(task.name, lane)
-            if task.work is not None:
-                ctx = TaskContext(task=task, lane=lane, buffers=self.views(i), results=self.results)
-                if self._async[i]:
-                    from pipeoff.executor._hostloop import run_async
+        work = task.work
+        if work is not None or testing._hooks:
+            try:
+                if testing._hooks:
+                    testing.run_hooks(task.name, lane)
+                if work is not None:
+                    ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
+                                      results=self.results)
+                    if i in self._async:
+                        from pipeoff.executor._hostloop import run_async
 
-                    result = run_async(task.work, ctx)
-                else:
-                    result = task.work(ctx)
-                if result is not None:
-                    self.results[task.name] = result
-        except BaseException as err:
-            status = FAILED
-            self.fail(i, err)
+                        result = run_async(work, ctx)
+                    else:
+                        result = work(ctx)
+            except BaseException as err:
+                outcome = FAILED
+                self.fail(i, err)
+            if result is not None:
+                self.results[task.name] = result
         end = time.perf_counter_ns()
         self.start_ns[i] = start - self.origin_ns
         self.end_ns[i] = end - self.origin_ns
-        self.release(i)
-        self.finish(i, status)
+        if self.plan.release[i]:
+            self.release(i)
+        self.finish(i, outcome)
 
     # -- trace --------------------------------------------------------------
     def make_trace(self, metadata: dict[str, Any] | None = None) -> Trace:
@@ -218,6 +240,17 @@ class Run:
             host_budget_bytes=sched.host_budget_bytes,
             metadata=meta,
         )
+
+
+_local = threading.local()
+
+
+def _thread_event() -> threading.Event:
+    """An event owned by the calling thread, reused across its waits."""
+    ev: threading.Event | None = getattr(_local, "event", None)
+    if ev is None:
+        ev = _local.event = threading.Event()
+    return ev
 
 
 def _rank() -> int:

@@ -213,7 +213,7 @@ class CudaBackend:
 
     def finalize(self, run: Run) -> None:
         state: _CudaRunState | None = run.backend_state
-        if state is None or run.remaining:
+        if state is None or not run.complete:
             return
         self.resolve_times(run)
         # The events go back to the pool and will be recorded again by later

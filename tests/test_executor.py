@@ -1,0 +1,382 @@
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import pipeoff
+import pipeoff.testing
+from pipeoff import ConfigError, Schedule, StepTimeoutError, TaskGraph, TaskKind
+from pipeoff.staging import StagingPool, pools_for
+
+
+def _live() -> int:
+    return pools_for("cpu").device.stats().live_bytes
+
+
+def test_concurrency_without_timing() -> None:
+    """A task on lane A blocks until a task on lane B sets a flag."""
+    flag = threading.Event()
+    seen: dict[str, bool] = {}
+
+    def a(ctx: pipeoff.TaskContext) -> None:
+        # Under threads this returns as soon as B runs; sequentially B cannot
+        # run until A gives up, so A sees the flag unset.
+        seen["a"] = flag.wait(timeout=0.5 if ctx.lane == "main" else 30)
+
+    g = TaskGraph()
+    g.add_task("a", TaskKind.D2H, a)
+    g.add_task("b", TaskKind.H2D, lambda ctx: flag.set())
+    pipeoff.execute(g, Schedule.pipelined(), backend="threads").wait(timeout=60)
+    assert seen["a"] is True
+
+    flag.clear()
+    ex = pipeoff.execute(g, Schedule.synchronous())
+    ex.wait()
+    assert seen["a"] is False
+    recs = ex.trace.tasks
+    assert [r.name for r in recs] == ["a", "b"]
+    assert recs[1].start_ns >= recs[0].end_ns  # strictly sequential
+
+
+def test_synchronous_order_is_strictly_sequential_on_threads_too() -> None:
+    g = TaskGraph()
+    for k in range(6):
+        g.add_task(f"t{k}", list(TaskKind)[k % 5], lambda ctx: time.sleep(0.002))
+    ex = pipeoff.execute(g, Schedule.synchronous(), backend="threads")
+    ex.wait(timeout=30)
+    recs = ex.trace.tasks
+    assert {r.lane for r in recs} == {"main"}
+    assert all(b.start_ns >= a.end_ns for a, b in zip(recs, recs[1:]))
+
+
+def test_execute_returns_before_work_is_done() -> None:
+    gate = threading.Event()
+    g = TaskGraph()
+    g.add_task("blocked", TaskKind.OPTIMIZER_CHUNK, lambda ctx: gate.wait(30))
+    g.add_task("after", TaskKind.D2H, deps=["blocked"])
+    ex = pipeoff.execute(g)
+    assert not ex.done() and not ex.done("after")
+    with pytest.raises(StepTimeoutError) as info:
+        ex.wait(timeout=0.05)
+    assert isinstance(info.value, TimeoutError)
+    assert "'blocked'" in str(info.value) and "'after'" in str(info.value)
+    assert set(info.value.pending) == {"blocked", "after"}
+    gate.set()
+    ex.wait(timeout=30)
+    assert ex.done()
+
+
+def _raises_boom(ctx: pipeoff.TaskContext) -> None:
+    raise ValueError("boom in the collective")
+
+
+def test_first_exception_reraised_dependents_cancelled_staging_released() -> None:
+    ran: list[str] = []
+    g = TaskGraph()
+    g.add_buffer("stage", 4096)
+    g.add_task("copy", TaskKind.H2D, lambda ctx: ran.append("copy"), buffers=["stage"])
+    g.add_task("reduce", TaskKind.ALLREDUCE, _raises_boom, deps=["copy"], buffers=["stage"])
+    g.add_task("d2h", TaskKind.D2H, lambda ctx: ran.append("d2h"), deps=["reduce"],
+               buffers=["stage"])
+    g.add_task("writeback", TaskKind.H2D, lambda ctx: ran.append("writeback"), deps=["d2h"])
+    ex = pipeoff.execute(g, Schedule.pipelined(device_budget_bytes=4096))
+    with pytest.raises(ValueError, match="boom in the collective") as info:
+        ex.wait(timeout=30)
+    # The original traceback, down to the task's own frame.
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "_raises_boom" in frames
+    assert any("pipeoff task 'reduce'" in n for n in info.value.__notes__)
+    assert ran == ["copy"]
+    assert ex.exception is info.value and ex.failed_task == "reduce"
+    statuses = {r.name: r.status for r in ex.trace.tasks}
+    assert statuses == {"copy": "ok", "reduce": "failed", "d2h": "cancelled",
+                        "writeback": "cancelled"}
+    assert _live() == 0
+    # Every later wait re-raises too, and the executor stays usable.
+    with pytest.raises(ValueError):
+        ex.wait("copy")
+    g2 = TaskGraph()
+    g2.add_task("fine", TaskKind.ALLREDUCE, lambda ctx: 7)
+    assert pipeoff.execute(g2).result("fine") == 7
+
+
+def test_running_tasks_finish_after_a_failure() -> None:
+    finished = threading.Event()
+
+    def slow(ctx: pipeoff.TaskContext) -> None:
+        time.sleep(0.2)
+        finished.set()
+
+    g = TaskGraph()
+    g.add_task("slow", TaskKind.D2H, slow)
+    g.add_task("bad", TaskKind.ALLREDUCE, _raises_boom)
+    with pipeoff.testing.delay_task("bad", 0.05):
+        ex = pipeoff.execute(g)
+        with pytest.raises(ValueError):
+            ex.wait(timeout=30)
+    assert finished.is_set()
+    assert {r.name: r.status for r in ex.trace.tasks} == {"slow": "ok", "bad": "failed"}
+
+
+def test_failure_cancels_tasks_queued_on_other_lanes() -> None:
+    ran: list[str] = []
+    g = TaskGraph()
+    g.add_task("slow", TaskKind.D2H, lambda ctx: time.sleep(0.2))
+    g.add_task("bad", TaskKind.ALLREDUCE, _raises_boom)
+    # Independent of "bad", but queued behind "slow" on its lane, so it would
+    # start after the failure is known: it must not run.
+    g.add_task("independent_later", TaskKind.D2H, lambda ctx: ran.append("x"))
+    ex = pipeoff.execute(g)
+    with pytest.raises(ValueError):
+        ex.wait(timeout=30)
+    assert ran == []
+    assert {r.name: r.status for r in ex.trace.tasks}["independent_later"] == "cancelled"
+
+
+def test_delayed_lane_turns_a_missing_dependency_into_a_wrong_number() -> None:
+    """The harness that the feature tests rely on: a missing wait shows up."""
+    x = torch.zeros(4)
+
+    def produce(ctx: pipeoff.TaskContext) -> None:
+        x.fill_(3.0)
+
+    def consume(ctx: pipeoff.TaskContext) -> float:
+        return float(x.sum())
+
+    for with_dep, expected in ((True, 12.0), (False, 0.0)):
+        x.zero_()
+        g = TaskGraph()
+        g.add_task("produce", TaskKind.H2D, produce)
+        g.add_task("consume", TaskKind.OPTIMIZER_CHUNK, consume,
+                   deps=["produce"] if with_dep else [])
+        with pipeoff.testing.delay_lane("h2d", 0.1):
+            assert pipeoff.execute(g).result("consume") == expected
+
+
+def test_fail_task_hook() -> None:
+    g = TaskGraph()
+    g.add_task("allreduce:bucket3", TaskKind.ALLREDUCE)
+    with pipeoff.testing.fail_task(r"allreduce:bucket\d", OSError("injected")):
+        with pytest.raises(OSError, match="injected"):
+            pipeoff.execute(g).wait(timeout=30)
+    pipeoff.execute(g).wait(timeout=30)  # the hook is gone
+
+
+def test_results_and_context() -> None:
+    def write(ctx: pipeoff.TaskContext) -> None:
+        ctx.buffer("b", torch.float32).fill_(2.0)
+
+    g = TaskGraph()
+    g.add_buffer("b", 16)
+    g.add_task("w", TaskKind.H2D, write, buffers=["b"])
+    g.add_task("r", TaskKind.D2H, lambda ctx: float(ctx.buffer("b", torch.float32).sum()),
+               deps=["w"], buffers=["b"])
+    g.add_task("uses_result", TaskKind.HOST, lambda ctx: ctx.results["r"] * 2, deps=["r"])
+    ex = pipeoff.execute(g)
+    assert ex.result("r") == 8.0
+    assert ex.result("uses_result") == 16.0
+    with pytest.raises(ConfigError, match="unknown task 'nope'"):
+        ex.result("nope")
+
+
+def test_undeclared_buffer_access_is_named() -> None:
+    g = TaskGraph()
+    g.add_task("t", TaskKind.H2D, lambda ctx: ctx.buffer("missing"))
+    with pytest.raises(pipeoff.GraphError, match="task 't' asked for buffer 'missing'"):
+        pipeoff.execute(g).wait(timeout=30)
+
+
+def test_events_for_completion_handles() -> None:
+    gate = threading.Event()
+    g = TaskGraph()
+    g.add_task("slow", TaskKind.OPTIMIZER_CHUNK, lambda ctx: gate.wait(30))
+    g.add_task("fast", TaskKind.D2H)
+    ex = pipeoff.execute(g)
+    slow, fast = ex.events_for(["slow", "fast"])
+    fast.synchronize()
+    assert fast.query() and not slow.query()
+    assert slow.task == "slow"
+    gate.set()
+    slow.wait()  # no stream on CPU: blocks the host until done
+    assert slow.query()
+
+
+def test_async_host_task_runs_on_the_anyio_loop() -> None:
+    import anyio
+
+    async def rpc(ctx: pipeoff.TaskContext) -> str:
+        await anyio.sleep(0.01)
+        return "committed"
+
+    g = TaskGraph()
+    g.add_task("should_commit", TaskKind.HOST, rpc)
+    assert pipeoff.execute(g).result("should_commit") == "committed"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_wait_async(anyio_backend: str) -> None:
+    import anyio
+
+    gate = threading.Event()
+    g = TaskGraph()
+    g.add_task("slow", TaskKind.D2H, lambda ctx: gate.wait(30))
+    ex = pipeoff.execute(g)
+    ticks = 0
+    async with anyio.create_task_group() as tg:
+        async def ticker() -> None:
+            nonlocal ticks
+            for _ in range(3):
+                await anyio.sleep(0.01)
+                ticks += 1
+            gate.set()
+
+        tg.start_soon(ticker)
+        await ex.wait_async(timeout=30)  # the loop keeps running meanwhile
+    assert ticks == 3 and ex.done()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_wait_async_reraises(anyio_backend: str) -> None:
+    g = TaskGraph()
+    g.add_task("bad", TaskKind.ALLREDUCE, _raises_boom)
+    ex = pipeoff.execute(g)
+    with pytest.raises(ValueError, match="boom"):
+        await ex.wait_async()
+
+
+def test_lookahead_window_bounds_tasks_in_flight() -> None:
+    running = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def work(ctx: pipeoff.TaskContext) -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+
+    g = TaskGraph()
+    for k in range(12):
+        g.add_task(f"t{k}", list(TaskKind)[k % 4], work)  # 4 lanes, no deps
+    pipeoff.execute(g, Schedule.pipelined(lookahead=1)).wait(timeout=30)
+    assert peak == 1
+    peak = 0
+    pipeoff.execute(g, Schedule.pipelined()).wait(timeout=30)
+    assert peak > 1
+
+
+def test_staging_is_allocated_once_and_reused() -> None:
+    def build() -> TaskGraph:
+        g = TaskGraph()
+        for k in range(4):
+            g.add_buffer(f"s{k}", 1 << 16)
+            g.add_task(f"in{k}", TaskKind.H2D, buffers=[f"s{k}"])
+            g.add_task(f"out{k}", TaskKind.D2H, deps=[f"in{k}"], buffers=[f"s{k}"])
+        return g
+
+    pool = pools_for("cpu").device
+    pipeoff.execute(build(), Schedule.pipelined(device_budget_bytes=2 << 16)).wait(timeout=30)
+    before = pool.stats().allocations
+    for _ in range(3):
+        pipeoff.execute(build(), Schedule.pipelined(device_budget_bytes=2 << 16)).wait(timeout=30)
+    assert pool.stats().allocations == before
+    assert pool.stats().live_bytes == 0
+
+
+def test_pool_accounting_and_pinned_fallback_warns_once() -> None:
+    import pipeoff.staging as staging
+
+    staging._pin_warned = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p1 = StagingPool("cpu", pinned=True)
+        StagingPool("cpu", pinned=True)
+    if torch.cuda.is_available():
+        assert p1.pinned
+        return
+    assert not p1.pinned
+    assert [str(w.message) for w in caught].count(str(caught[0].message)) == 1
+    assert "pinned host memory" in str(caught[0].message)
+    a = p1.acquire(100)
+    b = p1.acquire(50)
+    assert p1.stats().live_bytes == 150 and p1.stats().peak_live_bytes == 150
+    p1.release(a)
+    assert p1.stats().live_bytes == 50 and p1.stats().peak_live_bytes == 150
+    c = p1.acquire(90)  # reuses a's 100-byte block
+    assert c is a and p1.stats().allocations == 2
+    p1.release(b)
+    p1.release(c)
+    assert p1.trim() == 150 and p1.stats().reserved_bytes == 0
+
+
+def test_backend_choice() -> None:
+    g = TaskGraph()
+    g.add_task("t", TaskKind.HOST)
+    assert pipeoff.execute(g, Schedule.synchronous()).backend == "inline"
+    assert pipeoff.execute(g).backend == "threads"
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        pipeoff.execute(g, backend="gpu")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="backend='cuda' needs a graph on a CUDA device"):
+            pipeoff.execute(g, backend="cuda")
+    with pytest.raises(ConfigError, match="schedule must be a pipeoff.Schedule"):
+        pipeoff.execute(g, "pipelined")  # type: ignore[arg-type]
+
+
+def test_inline_runs_on_the_callers_thread() -> None:
+    me = threading.get_ident()
+    g = TaskGraph()
+    g.add_task("t", TaskKind.HOST, lambda ctx: threading.get_ident())
+    assert pipeoff.execute(g, backend="inline").result("t") == me
+    assert pipeoff.execute(g, backend="threads").result("t") != me
+
+
+def test_lane_threads_are_created_once() -> None:
+    from pipeoff.executor.threads import lane_threads
+
+    g = TaskGraph()
+    for kind in TaskKind:
+        g.add_task(kind.value, kind)
+    pipeoff.execute(g).wait(timeout=30)
+    first = dict(lane_threads())
+    for _ in range(5):
+        pipeoff.execute(g).wait(timeout=30)
+    assert lane_threads() == first
+
+
+def test_concurrent_executions_do_not_deadlock() -> None:
+    def build(tag: str) -> TaskGraph:
+        g = TaskGraph()
+        prev: list[str] = []
+        for k in range(30):
+            name = f"{tag}{k}"
+            g.add_task(name, list(TaskKind)[k % 5], lambda ctx: time.sleep(0.0005), deps=prev)
+            prev = [name]
+        return g
+
+    results: list[BaseException | None] = []
+
+    def launch(tag: str, lookahead: int | None) -> None:
+        try:
+            pipeoff.execute(build(tag), Schedule.pipelined(lookahead=lookahead)).wait(timeout=60)
+            results.append(None)
+        except BaseException as err:  # noqa: BLE001
+            results.append(err)
+
+    threads = [threading.Thread(target=launch, args=(f"x{i}", 3 if i % 2 else None))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert results == [None] * 6

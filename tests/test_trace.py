@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeoff
+from pipeoff import Schedule, TaskGraph, TaskKind, Trace, TraceFormatError
+from pipeoff.trace import BufferRecord, TaskRecord
+
+
+def rec(name: str, lane: str, start: int, end: int, deps: tuple[str, ...] = (),
+        buffers: tuple[str, ...] = (), kind: str = "host") -> TaskRecord:
+    return TaskRecord(name=name, kind=kind, lane=lane, start_ns=start * 1000,
+                      end_ns=end * 1000, deps=deps, buffers=buffers)
+
+
+def test_single_chain_has_efficiency_one() -> None:
+    t = Trace(tasks=(rec("a", "x", 0, 10), rec("b", "x", 10, 30, ("a",)),
+                     rec("c", "x", 30, 35, ("b",))))
+    s = t.summary()
+    assert s.makespan_us == 35 and s.critical_path_us == 35 and s.efficiency == 1.0
+
+
+def test_critical_path_of_a_hand_built_dag() -> None:
+    # a(10) -> b(20) -> d(5); a -> c(40) -> d.  Longest chain: a, c, d = 55.
+    t = Trace(tasks=(
+        rec("a", "l1", 0, 10),
+        rec("b", "l1", 10, 30, ("a",)),
+        rec("c", "l2", 10, 50, ("a",)),
+        rec("d", "l1", 60, 65, ("b", "c")),  # started late: 10 us of slack
+    ))
+    s = t.summary()
+    assert s.critical_path_us == 55
+    assert s.makespan_us == 65
+    assert s.efficiency == pytest.approx(55 / 65)
+    assert dict(s.lane_busy_us) == {"l1": 35, "l2": 40}
+
+
+def test_busiest_lane_bounds_the_critical_path() -> None:
+    # Independent tasks serialized on one lane: no chain, but the lane is busy 30.
+    t = Trace(tasks=(rec("a", "x", 0, 10), rec("b", "x", 10, 20), rec("c", "x", 20, 30)))
+    assert t.summary().critical_path_us == 30
+
+
+def test_staging_timeline_and_peaks() -> None:
+    t = Trace(
+        tasks=(
+            rec("in0", "h2d", 0, 10, buffers=("b0",)),
+            rec("out0", "d2h", 10, 20, ("in0",), buffers=("b0",)),
+            rec("in1", "h2d", 10, 15, buffers=("b1",)),
+            rec("out1", "d2h", 20, 30, ("in1",), buffers=("b1",)),
+            rec("h", "host", 25, 40, buffers=("hb",)),
+        ),
+        buffers=(BufferRecord(name="b0", nbytes=100, where="device"),
+                 BufferRecord(name="b1", nbytes=50, where="device"),
+                 BufferRecord(name="hb", nbytes=7, where="host")),
+        device_budget_bytes=150,
+    )
+    s = t.summary()
+    assert s.peak_device_staging_bytes == 150
+    assert s.peak_host_staging_bytes == 7
+    timeline = t.staging_timeline()
+    assert timeline[-1][1:] == (0, 0)
+    # b0 is released at t=20 exactly when nothing else starts; never above 150.
+    assert max(d for _, d, _ in timeline) == 150
+
+
+def _run_graph() -> pipeoff.Execution:
+    x = torch.zeros(1024)
+    g = TaskGraph()
+    for k in range(3):
+        g.add_buffer(f"b{k}", 4096)
+        g.add_task(f"h2d{k}", TaskKind.H2D, lambda ctx, k=k: ctx.buffer(f"b{k}").fill_(k),
+                   buffers=[f"b{k}"], nbytes=4096)
+        g.add_task(f"opt{k}", TaskKind.OPTIMIZER_CHUNK,
+                   lambda ctx, k=k: x.add_(ctx.buffer(f"b{k}", torch.float32)),
+                   deps=[f"h2d{k}"], buffers=[f"b{k}"], nbytes=4096)
+        g.add_task(f"d2h{k}", TaskKind.D2H, deps=[f"opt{k}"], buffers=[f"b{k}"], nbytes=4096)
+        g.add_task(f"ar{k}", TaskKind.ALLREDUCE, deps=[f"d2h{k}"])
+    ex = pipeoff.execute(g, Schedule.pipelined(device_budget_bytes=8192))
+    ex.wait(timeout=30)
+    return ex
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    trace = _run_graph().trace
+    path = trace.save(tmp_path / "t.json")
+    loaded = Trace.load(path)
+    assert loaded == trace
+    assert loaded.summary() == trace.summary()
+
+
+def test_chrome_structure(tmp_path: Path) -> None:
+    trace = _run_graph().trace
+    doc = json.loads(trace.save(tmp_path / "t.json").read_text())
+    events = doc["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == 12
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"pipeoff h2d", "pipeoff compute", "pipeoff d2h", "pipeoff comm"}
+    # One tid per lane, and events on a track nest (no partial overlap).
+    by_tid: dict[int, list[dict]] = {}
+    for e in xs:
+        by_tid.setdefault(e["tid"], []).append(e)
+        assert e["dur"] >= 0
+    for evs in by_tid.values():
+        assert len({e["args"]["lane"] for e in evs}) == 1
+        evs.sort(key=lambda e: e["ts"])
+        for a, b in zip(evs, evs[1:]):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3
+    # Copies look like profiler memcpy events.
+    d2h = next(e for e in xs if e["args"]["pipeoff.task"] == "d2h0")
+    assert d2h["cat"] == "gpu_memcpy" and d2h["name"].startswith("Memcpy DtoH")
+    # Flows bind to existing slices: 's' inside its producer, 'f' at its consumer's start.
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert flows and len(flows) % 2 == 0
+    for e in flows:
+        on_track = by_tid[e["tid"]]
+        if e["ph"] == "s":
+            assert any(x["ts"] <= e["ts"] <= x["ts"] + x["dur"] for x in on_track)
+        else:
+            assert any(abs(x["ts"] - e["ts"]) < 1e-6 for x in on_track)
+    ids = [e["id"] for e in flows]
+    assert all(ids.count(i) == 2 for i in ids)
+    counters = [e for e in events if e["ph"] == "C"]
+    assert counters and counters[-1]["args"] == {"device": 0, "host": 0}
+    assert max(c["args"]["device"] for c in counters) <= 8192
+    assert doc["pipeoff"]["device_budget_bytes"] == 8192
+
+
+def test_load_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Trace.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TraceFormatError, match="not valid JSON"):
+        Trace.load(bad)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(TraceFormatError, match="not one pipeoff wrote"):
+        Trace.load(other)
+    notchrome = tmp_path / "list.json"
+    notchrome.write_text("[1, 2]")
+    with pytest.raises(TraceFormatError, match="not a Chrome trace"):
+        Trace.load(notchrome)
+
+
+def test_trace_of_failed_execution_records_statuses() -> None:
+    g = TaskGraph()
+    g.add_task("ok", TaskKind.H2D)
+    g.add_task("bad", TaskKind.OPTIMIZER_CHUNK, lambda ctx: 1 / 0, deps=["ok"])
+    g.add_task("never", TaskKind.D2H, deps=["bad"])
+    ex = pipeoff.execute(g)
+    with pytest.raises(ZeroDivisionError):
+        ex.wait(timeout=30)
+    s = ex.trace.summary()
+    assert (s.tasks, s.failed, s.cancelled) == (3, 1, 1)
