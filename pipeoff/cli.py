@@ -28,6 +28,53 @@ def _cmd_trace_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace_diff(args: argparse.Namespace) -> int:
+    from pipeoff.trace import Trace
+    from pipeoff.trace._trace import fmt_bytes
+
+    a = Trace.load(args.a).summary()
+    b = Trace.load(args.b).summary()
+    rows = [
+        ("makespan ms", a.makespan_us / 1e3, b.makespan_us / 1e3, "time"),
+        ("critical path ms", a.critical_path_us / 1e3, b.critical_path_us / 1e3, "time"),
+        ("efficiency", a.efficiency, b.efficiency, "num"),
+        ("comm overlap %", a.comm_overlap_pct, b.comm_overlap_pct, "num"),
+        ("copy overlap %", a.copy_overlap_pct, b.copy_overlap_pct, "num"),
+        ("peak device staging", a.peak_device_staging_bytes, b.peak_device_staging_bytes, "bytes"),
+        ("peak host staging", a.peak_host_staging_bytes, b.peak_host_staging_bytes, "bytes"),
+        ("hook wait total ms", a.hook_wait_total_us / 1e3, b.hook_wait_total_us / 1e3, "time"),
+        ("tasks", a.tasks, b.tasks, "num"),
+    ]
+    if args.json:
+        print(json.dumps({"a": a.to_dict(), "b": b.to_dict(), "ratio_b_over_a": {
+            name: (vb / va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va
+                   else None) for name, va, vb, _ in rows}}, indent=2))
+        return 0
+
+    def show(v: float | int | None, kind: str) -> str:
+        if v is None:
+            return "n/a"
+        if kind == "bytes":
+            return fmt_bytes(int(v))
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    print(f"{'metric':<22} {'A':>14} {'B':>14} {'B/A':>8}")
+    print(f"{'':<22} {Path(args.a).name[:14]:>14} {Path(args.b).name[:14]:>14}")
+    for name, va, vb, kind in rows:
+        ratio = f"{vb / va:.2f}x" if va and vb is not None and va is not None else "n/a"
+        print(f"{name:<22} {show(va, kind):>14} {show(vb, kind):>14} {ratio:>8}")
+    return 0
+
+
+def _cmd_trace_plot(args: argparse.Namespace) -> int:
+    from pipeoff.trace import Trace
+    from pipeoff.trace._plot import plot
+
+    out = plot(Trace.load(args.file), args.output, arrows=args.arrows, width=args.width)
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pipeoff._demo import run_demo
 
@@ -49,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     summ.add_argument("file", help="a trace JSON written by pipeoff")
     summ.add_argument("--json", action="store_true", help="print JSON instead of a table")
     summ.set_defaults(fn=_cmd_trace_summary)
+    diff = tsub.add_parser("diff", help="two traces side by side, with the ratio per metric")
+    diff.add_argument("a", help="the baseline trace")
+    diff.add_argument("b", help="the trace to compare")
+    diff.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    diff.set_defaults(fn=_cmd_trace_diff)
+    plot = tsub.add_parser("plot", help="a Gantt chart PNG: one row per lane, staging below")
+    plot.add_argument("file", help="a trace JSON written by pipeoff")
+    plot.add_argument("-o", "--output", default="trace.png", help="PNG path (%(default)s)")
+    plot.add_argument("--arrows", action="store_true", help="draw cross-lane dependencies")
+    plot.add_argument("--width", type=float, default=12.0, help="inches (%(default)s)")
+    plot.set_defaults(fn=_cmd_trace_plot)
     return p
 
 

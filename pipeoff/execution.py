@@ -171,6 +171,11 @@ class Execution:
         return self._backend.name
 
     @property
+    def origin_ns(self) -> int:
+        """``perf_counter_ns`` at launch; the trace's times are relative to it."""
+        return self._run.origin_ns
+
+    @property
     def trace(self) -> Trace:
         """The trace of this execution; waits for it to finish, failed or not."""
         run = self._run

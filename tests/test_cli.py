@@ -60,3 +60,28 @@ def test_module_entry_point() -> None:
     res = subprocess.run([sys.executable, "-m", "pipeoff.cli", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and "demo" in res.stdout
+
+
+def test_trace_diff(demo_trace: Path) -> None:
+    res = run("trace", "diff", str(demo_trace), str(demo_trace))
+    assert res.returncode == 0, res.stderr
+    assert "makespan ms" in res.stdout and "1.00x" in res.stdout
+    data = json.loads(run("trace", "diff", str(demo_trace), str(demo_trace), "--json").stdout)
+    assert data["ratio_b_over_a"]["makespan ms"] == 1.0
+
+
+def test_trace_plot(demo_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gantt.png"
+    res = run("trace", "plot", str(demo_trace), "-o", str(out), "--arrows", "--width", "10")
+    assert res.returncode == 0, res.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width = int.from_bytes(data[16:20], "big")
+    height = int.from_bytes(data[20:24], "big")
+    assert width == 1000 and 200 < height < 1000  # 10 inches at 100 dpi
+
+
+def test_trace_plot_bad_input(tmp_path: Path) -> None:
+    res = run("trace", "plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -158,3 +158,87 @@ def test_trace_of_failed_execution_records_statuses() -> None:
         ex.wait(timeout=30)
     s = ex.trace.summary()
     assert (s.tasks, s.failed, s.cancelled) == (3, 1, 1)
+
+
+def test_overlap_pct_of_two_lanes_with_known_overlap() -> None:
+    # comm runs 0-100; copies run 50-150 and compute 120-200.
+    t = Trace(tasks=(
+        rec("ar", "comm", 0, 100, kind="allreduce"),
+        rec("cp", "d2h", 50, 150, kind="d2h"),
+        rec("opt", "compute", 120, 200, kind="optimizer_chunk"),
+    ))
+    s = t.summary()
+    assert s.comm_overlap_pct == pytest.approx(50.0)  # 50 of 100 us under the copy
+    # copy 50-150: 50-100 under comm, 120-150 under compute -> 80 of 100.
+    assert s.copy_overlap_pct == pytest.approx(80.0)
+    assert Trace(tasks=(rec("a", "x", 0, 1),)).summary().comm_overlap_pct is None
+
+
+def test_longest_tasks_and_hook_waits() -> None:
+    tasks = tuple(rec(f"t{k}", "x", 10 * k, 10 * k + k) for k in range(12))
+    waits = (TaskRecord(name="layer0", kind="hook_wait", lane="forward hooks", start_ns=0,
+                        end_ns=3000),
+             TaskRecord(name="layer1", kind="hook_wait", lane="forward hooks", start_ns=5000,
+                        end_ns=6000))
+    s = Trace(tasks=tasks + waits).summary()
+    assert [n for n, _, _ in s.longest] == [f"t{k}" for k in range(11, 1, -1)]
+    assert (s.hook_waits, s.hook_wait_total_us, s.hook_wait_max_us) == (2, 4.0, 3.0)
+    assert s.tasks == 12  # hook waits are not tasks
+
+
+def test_record_region_captures_every_execution_and_hook_waits(tmp_path: Path) -> None:
+    import time
+
+    def graph(tag: str) -> TaskGraph:
+        g = TaskGraph()
+        g.add_task("a", TaskKind.H2D, lambda ctx: time.sleep(0.005))
+        g.add_task("b", TaskKind.ALLREDUCE, lambda ctx: time.sleep(0.005), deps=["a"])
+        return g
+
+    outside = pipeoff.execute(graph("before"))
+    outside.wait()
+    with pipeoff.trace.record(tmp_path / "run.json", replica_id=3) as rec:
+        pipeoff.execute(graph("one")).wait()
+        ex2 = pipeoff.execute(graph("two"))
+        t0 = time.perf_counter_ns()
+        ex2.wait()
+        pipeoff.trace.record_hook_wait("layers.0", t0, time.perf_counter_ns())
+    trace = Trace.load(tmp_path / "run.json")
+    assert trace == rec.trace
+    names = [t.name for t in trace.tasks]
+    assert names == ["x0/a", "x0/b", "x1/a", "x1/b", "layers.0"]
+    assert trace.metadata["replica_id"] == 3 and trace.metadata["executions"] == 2
+    # One timeline: the second execution starts after the first one ended.
+    by = {t.name: t for t in trace.tasks}
+    assert by["x1/a"].start_ns >= by["x0/b"].end_ns
+    assert trace.summary().hook_waits == 1
+    # Two sequential executions: the bound accounts for when each was issued.
+    assert trace.summary().efficiency > 0.7
+
+
+def test_recording_off_costs_nothing_and_catches_nothing() -> None:
+    from pipeoff.trace import _record
+
+    assert not _record.active()
+    g = TaskGraph()
+    g.add_task("a", TaskKind.HOST)
+    pipeoff.execute(g).wait()
+    assert _record._active == []
+
+
+def test_torch_profiler_trace_with_pipeoff_ranges_loads(tmp_path: Path) -> None:
+    from torch.profiler import profile
+
+    g = TaskGraph()
+    g.add_task("copy", TaskKind.H2D, lambda ctx: torch.ones(1000).sum())
+    g.add_task("reduce", TaskKind.ALLREDUCE, lambda ctx: torch.ones(1000).sum(), deps=["copy"])
+    with profile() as prof:
+        # The inline backend runs on this thread, where the profiler listens.
+        pipeoff.execute(g, Schedule.synchronous()).wait()
+    path = tmp_path / "prof.json"
+    prof.export_chrome_trace(str(path))
+    trace = Trace.load(path)
+    assert trace.metadata["source"] == "torch.profiler"
+    assert [(t.name.split("#")[0], t.kind) for t in trace.tasks] == [
+        ("copy", "h2d"), ("reduce", "allreduce")]
+    assert trace.summary().makespan_us > 0

@@ -10,6 +10,7 @@ from pipeoff.executor._run import Run
 from pipeoff.graph import TaskGraph
 from pipeoff.schedule import Schedule
 from pipeoff.staging import pools_for
+from pipeoff.trace import _record as recording
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution
@@ -82,5 +83,8 @@ def execute(
     plan = schedule.plan(graph)
     impl = _backend(name)
     run = Run(graph, plan, pools_for(graph.device), impl.name)
+    execution = Execution(run, impl)
+    if recording.active():
+        recording.on_execution(execution)
     impl.launch(run)
-    return Execution(run, impl)
+    return execution

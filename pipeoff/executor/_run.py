@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from pipeoff import testing
 from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Plan
@@ -184,12 +186,14 @@ class Run:
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results)
-                    if i in self._async:
-                        from pipeoff.executor._hostloop import run_async
-
-                        result = run_async(work, ctx)
+                    if _profiler_enabled():
+                        # The same task, visible inside a torch.profiler trace.
+                        with torch.profiler.record_function(
+                            f"pipeoff::{task.kind.value}::{task.name}"
+                        ):
+                            result = self._call(i, work, ctx)
                     else:
-                        result = work(ctx)
+                        result = self._call(i, work, ctx)
             except BaseException as err:
                 outcome = FAILED
                 self.fail(i, err)
@@ -201,6 +205,13 @@ class Run:
         if self.plan.release[i]:
             self.release(i)
         self.finish(i, outcome)
+
+    def _call(self, i: int, work: Any, ctx: TaskContext) -> Any:
+        if i in self._async:
+            from pipeoff.executor._hostloop import run_async
+
+            return run_async(work, ctx)
+        return work(ctx)
 
     # -- trace --------------------------------------------------------------
     def make_trace(self, metadata: dict[str, Any] | None = None) -> Trace:
@@ -242,6 +253,7 @@ class Run:
         )
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
 _local = threading.local()
 
 

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from pipeoff.trace._record import Recorder, record, record_hook_wait
 from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace, TraceSummary
 
-__all__ = ["BufferRecord", "TaskRecord", "Trace", "TraceSummary"]
+__all__ = [
+    "BufferRecord",
+    "Recorder",
+    "TaskRecord",
+    "Trace",
+    "TraceSummary",
+    "record",
+    "record_hook_wait",
+]

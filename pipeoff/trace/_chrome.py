@@ -134,9 +134,13 @@ def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
         )
     section = doc.get("pipeoff")
     if not isinstance(section, dict):
+        profiled = _from_profiler(doc)
+        if profiled is not None:
+            return profiled
         raise TraceFormatError(
-            f"{source!r} is a Chrome trace but not one pipeoff wrote (no 'pipeoff' section); "
-            "write traces with Trace.save or pipeoff.trace.record"
+            f"{source!r} is a Chrome trace but not one pipeoff wrote (no 'pipeoff' section, "
+            "and no 'pipeoff::' ranges from torch.profiler); write traces with Trace.save "
+            "or pipeoff.trace.record"
         )
     try:
         tasks = []
@@ -174,3 +178,33 @@ def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
         host_budget_bytes=section.get("host_budget_bytes"),
         metadata=dict(section.get("metadata", {})),
     )
+
+
+def _from_profiler(doc: dict[str, Any]) -> Trace | None:
+    """A trace from the ``pipeoff::<kind>::<name>`` ranges of a torch.profiler trace.
+
+    Only what the ranges carry survives: lane (the profiler thread), start,
+    duration and kind. Dependencies, bytes and staging are not in the ranges.
+    """
+    thread_names: dict[tuple[Any, Any], str] = {}
+    ranges = []
+    for ev in doc["traceEvents"]:
+        if not isinstance(ev, dict):
+            continue
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            thread_names[(ev.get("pid"), ev.get("tid"))] = str(ev.get("args", {}).get("name"))
+        elif ev.get("ph") == "X" and str(ev.get("name", "")).startswith("pipeoff::"):
+            ranges.append(ev)
+    if not ranges:
+        return None
+    rank = int((doc.get("distributedInfo") or {}).get("rank", 0))
+    origin = min(float(ev["ts"]) for ev in ranges)
+    tasks = []
+    for k, ev in enumerate(sorted(ranges, key=lambda e: float(e["ts"]))):
+        _, kind, name = str(ev["name"]).split("::", 2)
+        start = int(round((float(ev["ts"]) - origin) * 1e3))
+        lane = thread_names.get((ev.get("pid"), ev.get("tid")), f"tid {ev.get('tid')}")
+        tasks.append(TaskRecord(name=f"{name}#{k}", kind=kind, lane=lane, start_ns=start,
+                                end_ns=start + int(round(float(ev.get("dur", 0)) * 1e3)),
+                                enqueue_ns=start, rank=rank))
+    return Trace(tasks=tuple(tasks), metadata={"source": "torch.profiler", "rank": rank})

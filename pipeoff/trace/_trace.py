@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["BufferRecord", "TaskRecord", "Trace", "TraceSummary"]
+__all__ = ["HOOK_WAIT", "BufferRecord", "TaskRecord", "Trace", "TraceSummary", "fmt_bytes"]
 
 Status = Literal["ok", "failed", "cancelled"]
 
@@ -81,6 +81,19 @@ class TraceSummary:
     """Tasks that raised."""
     cancelled: int
     """Tasks that never ran because another one failed."""
+    comm_overlap_pct: float | None = None
+    """Share of the time collectives ran during which a copy or compute task ran
+    too (HTA's communication/computation overlap); ``None`` without collectives."""
+    copy_overlap_pct: float | None = None
+    """Share of the time copies ran during which compute or a collective ran too."""
+    hook_waits: int = 0
+    """How many times a forward hook blocked on the step in flight."""
+    hook_wait_total_us: float = 0.0
+    """Their total blocked time."""
+    hook_wait_max_us: float = 0.0
+    """The longest single blocked time."""
+    longest: tuple[tuple[str, str, float], ...] = ()
+    """The 10 longest tasks as ``(name, lane, duration_us)``."""
 
     @property
     def lane_busy_pct(self) -> tuple[tuple[str, float], ...]:
@@ -101,28 +114,63 @@ class TraceSummary:
             "tasks": self.tasks,
             "failed": self.failed,
             "cancelled": self.cancelled,
+            "comm_overlap_pct": self.comm_overlap_pct,
+            "copy_overlap_pct": self.copy_overlap_pct,
+            "hook_waits": self.hook_waits,
+            "hook_wait_total_us": self.hook_wait_total_us,
+            "hook_wait_max_us": self.hook_wait_max_us,
+            "longest": [list(x) for x in self.longest],
         }
 
     def format(self) -> str:
         """A plain-text table of the summary."""
 
-        def mib(n: int | None) -> str:
-            return "unbounded" if n is None else f"{n / 2**20:.2f} MiB"
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.1f} %"
 
         lines = [
             f"tasks             {self.tasks} ({self.failed} failed, {self.cancelled} cancelled)",
             f"makespan          {self.makespan_us / 1e3:.3f} ms",
             f"critical path     {self.critical_path_us / 1e3:.3f} ms (lower bound)",
             f"efficiency        {self.efficiency:.2f}",
-            f"device staging    peak {mib(self.peak_device_staging_bytes)}"
-            f" / budget {mib(self.device_budget_bytes)}",
-            f"host staging      peak {mib(self.peak_host_staging_bytes)}"
-            f" / budget {mib(self.host_budget_bytes)}",
+            f"comm overlap      {pct(self.comm_overlap_pct)} of collective time under copies"
+            " or compute",
+            f"copy overlap      {pct(self.copy_overlap_pct)} of copy time under compute or"
+            " collectives",
+            f"device staging    peak {fmt_bytes(self.peak_device_staging_bytes)}"
+            f" / budget {fmt_bytes(self.device_budget_bytes)}",
+            f"host staging      peak {fmt_bytes(self.peak_host_staging_bytes)}"
+            f" / budget {fmt_bytes(self.host_budget_bytes)}",
+            f"hook waits        {self.hook_waits}, total {self.hook_wait_total_us / 1e3:.3f} ms,"
+            f" worst {self.hook_wait_max_us / 1e3:.3f} ms",
             "lane busy",
         ]
-        for lane, pct in self.lane_busy_pct:
-            lines.append(f"  {lane:<15} {pct:6.1f} %")
+        for lane, busy_pct in self.lane_busy_pct:
+            lines.append(f"  {lane:<15} {busy_pct:6.1f} %")
+        if self.longest:
+            lines.append("longest tasks")
+            for name, lane, dur in self.longest:
+                lines.append(f"  {dur / 1e3:9.3f} ms  {lane:<10} {name}")
         return "\n".join(lines)
+
+
+def fmt_bytes(n: int | None) -> str:
+    """``1536`` -> ``"1.50 KiB"``; ``None`` -> ``"unbounded"``."""
+    if n is None:
+        return "unbounded"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+HOOK_WAIT = "hook_wait"
+"""The ``kind`` of records that time a forward hook blocked on a step in flight."""
+_COPIES = ("d2h", "h2d")
+_COMPUTE = ("optimizer_chunk",)
+_COMM = ("allreduce",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +188,18 @@ class Trace:
 
     # -- analysis -----------------------------------------------------------
     def _ran(self) -> list[TaskRecord]:
-        return [t for t in self.tasks if t.status != "cancelled"]
+        return [t for t in self.tasks if t.status != "cancelled" and t.kind != HOOK_WAIT]
+
+    def _union(self, kinds: tuple[str, ...]) -> list[tuple[int, int]]:
+        return _merge([(t.start_ns, t.end_ns) for t in self._ran() if t.kind in kinds])
+
+    def overlap_pct(self, kinds: tuple[str, ...], others: tuple[str, ...]) -> float | None:
+        """Share (%) of the time tasks of ``kinds`` ran during which ``others`` ran too."""
+        mine = self._union(kinds)
+        total = sum(e - s for s, e in mine)
+        if not total:
+            return None
+        return 100.0 * _intersection(mine, self._union(others)) / total
 
     def makespan_ns(self) -> int:
         ran = self._ran()
@@ -156,12 +215,24 @@ class Trace:
         return {lane: _union_length(iv) for lane, iv in by_lane.items()}
 
     def critical_path_ns(self) -> int:
-        """Longest dependency chain by duration, or the busiest lane, whichever is longer."""
+        """A lower bound on the makespan for these task durations.
+
+        The longer of: the longest dependency chain, where a task also cannot
+        start before the host issued it (its ``enqueue_ns``, which orders
+        executions launched one after another); and the busiest lane.
+        """
+        ran = self._ran()
+        if not ran:
+            return 0
+        origin = min(t.start_ns for t in ran)
         finish: dict[str, int] = {}
-        by_name = {t.name: t for t in self.tasks}
         for t in self.tasks:  # records are in issue order, a topological order
-            before = max((finish.get(d, 0) for d in t.deps if d in by_name), default=0)
-            finish[t.name] = before + (t.duration_ns if t.status != "cancelled" else 0)
+            if t.kind == HOOK_WAIT:
+                continue
+            release = max(t.enqueue_ns - origin, 0)
+            before = max((finish.get(d, 0) for d in t.deps), default=0)
+            finish[t.name] = max(release, before) + (
+                t.duration_ns if t.status != "cancelled" else 0)
         chain = max(finish.values(), default=0)
         return max(chain, max(self.lane_busy_ns().values(), default=0))
 
@@ -205,6 +276,8 @@ class Trace:
         crit = self.critical_path_ns()
         peak = self.peak_staging_bytes()
         busy = self.lane_busy_ns()
+        waits = [t.duration_ns for t in self.tasks if t.kind == HOOK_WAIT]
+        ran = sorted(self._ran(), key=lambda t: -t.duration_ns)[:10]
         return TraceSummary(
             makespan_us=makespan / 1e3,
             critical_path_us=crit / 1e3,
@@ -214,9 +287,15 @@ class Trace:
             peak_host_staging_bytes=peak["host"],
             device_budget_bytes=self.device_budget_bytes,
             host_budget_bytes=self.host_budget_bytes,
-            tasks=len(self.tasks),
+            tasks=sum(t.kind != HOOK_WAIT for t in self.tasks),
             failed=sum(t.status == "failed" for t in self.tasks),
             cancelled=sum(t.status == "cancelled" for t in self.tasks),
+            comm_overlap_pct=self.overlap_pct(_COMM, _COPIES + _COMPUTE),
+            copy_overlap_pct=self.overlap_pct(_COPIES, _COMPUTE + _COMM),
+            hook_waits=len(waits),
+            hook_wait_total_us=sum(waits) / 1e3,
+            hook_wait_max_us=max(waits, default=0) / 1e3,
+            longest=tuple((t.name, t.lane, t.duration_ns / 1e3) for t in ran),
         )
 
     # -- files --------------------------------------------------------------
@@ -260,16 +339,32 @@ class Trace:
         )
 
 
-def _union_length(intervals: list[tuple[int, int]]) -> int:
-    total = 0
-    cur_s = cur_e = None
+def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint intervals covering the same time."""
+    out: list[tuple[int, int]] = []
     for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None and cur_s is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
         else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None and cur_s is not None:
-        total += cur_e - cur_s
+            out.append((s, e))
+    return out
+
+
+def _union_length(intervals: list[tuple[int, int]]) -> int:
+    return sum(e - s for s, e in _merge(intervals))
+
+
+def _intersection(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Length of the intersection of two sorted disjoint interval lists."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo = max(a[i][0], b[j][0])
+        hi = min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total

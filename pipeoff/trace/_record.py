@@ -1,0 +1,138 @@
+"""Recording every execution in a region of code into one trace."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeoff.trace._trace import HOOK_WAIT, TaskRecord, Trace
+
+if TYPE_CHECKING:
+    from pipeoff.execution import Execution
+
+__all__ = ["Recorder", "active", "record", "record_hook_wait"]
+
+_lock = threading.Lock()
+_active: list[Recorder] = []
+
+
+def active() -> bool:
+    """Whether any recorder is on (a plain list check: free when off)."""
+    return bool(_active)
+
+
+class Recorder:
+    """Collects the executions launched while it is active, and hook waits.
+
+    Use it through :func:`record`. Each execution keeps its own timestamps;
+    the recorder shifts them onto its own origin when it builds :attr:`trace`.
+    """
+
+    def __init__(self, metadata: dict[str, Any] | None = None) -> None:
+        self.origin_ns = time.perf_counter_ns()
+        self.origin_unix_ns = time.time_ns()
+        self.metadata = dict(metadata or {})
+        self._executions: list[tuple[int, Execution]] = []
+        self._spans: list[TaskRecord] = []
+        self._trace: Trace | None = None
+        self._lock = threading.Lock()
+
+    def add_execution(self, execution: Execution) -> None:
+        with self._lock:
+            self._executions.append((len(self._executions), execution))
+
+    def add_hook_wait(self, name: str, start_ns: int, end_ns: int, rank: int = 0) -> None:
+        """Record that a forward hook blocked from ``start_ns`` to ``end_ns`` (perf_counter_ns)."""
+        with self._lock:
+            self._spans.append(
+                TaskRecord(name=name, kind=HOOK_WAIT, lane="forward hooks",
+                           start_ns=start_ns - self.origin_ns, end_ns=end_ns - self.origin_ns,
+                           enqueue_ns=start_ns - self.origin_ns, rank=rank)
+            )
+
+    @property
+    def trace(self) -> Trace:
+        """All recorded executions (waited for) and hook waits, on one timeline."""
+        if self._trace is None:
+            self._trace = self._build()
+        return self._trace
+
+    def _build(self) -> Trace:
+        tasks: list[TaskRecord] = []
+        buffers = []
+        budgets: dict[str, int | None] = {"device": None, "host": None}
+        rank = 0
+        for k, ex in self._executions:
+            tr = ex.trace  # waits; never raises a task's exception
+            shift = ex.origin_ns - self.origin_ns
+            prefix = f"x{k}/"
+            rank = tr.metadata.get("rank", rank)
+            for t in tr.tasks:
+                tasks.append(replace(
+                    t, name=prefix + t.name, deps=tuple(prefix + d for d in t.deps),
+                    buffers=tuple(prefix + b for b in t.buffers),
+                    start_ns=t.start_ns + shift, end_ns=t.end_ns + shift,
+                    enqueue_ns=t.enqueue_ns + shift,
+                ))
+            buffers.extend(replace(b, name=prefix + b.name) for b in tr.buffers)
+            for w in ("device", "host"):
+                cap = tr.device_budget_bytes if w == "device" else tr.host_budget_bytes
+                if cap is not None:
+                    budgets[w] = max(budgets[w] or 0, cap)
+        tasks.extend(self._spans)
+        meta = {"rank": rank, "origin_unix_ns": self.origin_unix_ns,
+                "executions": len(self._executions), **self.metadata}
+        return Trace(tasks=tuple(tasks), buffers=tuple(buffers),
+                     device_budget_bytes=budgets["device"], host_budget_bytes=budgets["host"],
+                     metadata=meta)
+
+
+@contextmanager
+def record(path: str | Path | None = None, **metadata: Any) -> Iterator[Recorder]:
+    """Capture every execution launched inside the ``with`` block into one trace.
+
+    Optimizer steps, LocalSGD syncs and forward-hook waits all land in it.
+    On exit the recorder waits for the executions it saw (failed ones too,
+    without raising) and, if ``path`` is given, saves the trace there.
+
+    Args:
+        path: where to write the Chrome trace JSON, or ``None`` to keep it in memory.
+        **metadata: extra facts stored in the trace (``replica_id=...``).
+
+    Example::
+
+        with pipeoff.trace.record("run.json") as rec:
+            train_steps()
+        print(rec.trace.summary().format())
+    """
+    rec = Recorder(metadata)
+    with _lock:
+        _active.append(rec)
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _active.remove(rec)
+    if path is not None:
+        rec.trace.save(path)
+
+
+def on_execution(execution: Execution) -> None:
+    """Called by :func:`pipeoff.execute` for every launch while recording is on."""
+    for rec in list(_active):
+        rec.add_execution(execution)
+
+
+def record_hook_wait(name: str, start_ns: int, end_ns: int) -> None:
+    """Tell the active recorders that a forward hook blocked (``perf_counter_ns`` times)."""
+    if not _active:
+        return
+    from pipeoff.executor._run import _rank
+
+    for rec in list(_active):
+        rec.add_hook_wait(name, start_ns, end_ns, rank=_rank())
