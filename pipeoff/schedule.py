@@ -141,7 +141,8 @@ class Plan:
     """The lane of each task."""
     waits: tuple[tuple[int, ...], ...]
     """Per task, the earlier tasks on *other* lanes it must wait for: its
-    dependencies, the previous user of each of its buffers, and budget waits, reduced to the latest one per lane (a lane is
+    dependencies, the previous user of each of its buffers, and budget waits,
+    reduced to the latest one per lane (a lane is
     FIFO, so waiting on its latest implies the earlier ones)."""
     acquire: tuple[tuple[str, ...], ...]
     """Per task, the buffers it is the first user of."""

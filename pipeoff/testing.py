@@ -107,5 +107,7 @@ def fail_task(
     ``error`` may be an exception or a factory of one; the default is a
     ``RuntimeError`` naming the task pattern.
     """
-    err = error if error is not None else RuntimeError(f"pipeoff.testing: injected failure in {pattern!r}")
+    err = error if error is not None else RuntimeError(
+        f"pipeoff.testing: injected failure in {pattern!r}"
+    )
     return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err))

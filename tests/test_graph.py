@@ -86,7 +86,10 @@ def test_bad_task_arguments(kwargs: dict[str, object], match: str) -> None:
 
 @pytest.mark.parametrize(
     ("nbytes", "where", "match"),
-    [(0, "device", "nbytes must be a positive int"), (8, "gpu", "where must be 'device' or 'host'")],
+    [
+        (0, "device", "nbytes must be a positive int"),
+        (8, "gpu", "where must be 'device' or 'host'"),
+    ],
 )
 def test_bad_buffer_arguments(nbytes: int, where: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -42,7 +42,8 @@ def test_buffer_larger_than_budget_is_named() -> None:
     g.add_buffer("small", 100)
     g.add_buffer("huge", 1000, where="host")
     g.add_task("a", TaskKind.D2H, buffers=["small", "huge"])
-    with pytest.raises(BudgetError, match="'huge' needs 1000 bytes of host memory.*host_budget_bytes=512"):
+    msg = "'huge' needs 1000 bytes of host memory.*host_budget_bytes=512"
+    with pytest.raises(BudgetError, match=msg):
         Schedule.pipelined(host_budget_bytes=512).plan(g)
 
 
@@ -105,8 +106,11 @@ def test_budget_waits_make_a_bucket_pipeline_double_buffered() -> None:
 
 # -- property tests over random DAGs and budgets -----------------------------------
 
+Spec = tuple[list[tuple[str, list[int], list[int]]], list[int], int]
+
+
 @st.composite
-def graphs(draw: st.DrawFn, max_tasks: int = 7) -> tuple[list[tuple[str, list[int], list[int]]], list[int], int]:
+def graphs(draw: st.DrawFn, max_tasks: int = 7) -> Spec:
     n = draw(st.integers(2, max_tasks))
     nbuf = draw(st.integers(0, 4))
     sizes = [draw(st.integers(1, 8)) * 8 for _ in range(nbuf)]
@@ -121,7 +125,7 @@ def graphs(draw: st.DrawFn, max_tasks: int = 7) -> tuple[list[tuple[str, list[in
     return tasks, sizes, budget
 
 
-def _build(spec: tuple[list[tuple[str, list[int], list[int]]], list[int], int], work=None) -> TaskGraph:
+def _build(spec: Spec, work=None) -> TaskGraph:
     tasks, sizes, _ = spec
     g = TaskGraph()
     used = sorted({b for _, _, bs in tasks for b in bs})

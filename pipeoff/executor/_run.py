@@ -121,7 +121,8 @@ class Run:
                 self.error = err
                 self.error_task = self.tasks[i].name
                 err.add_note(
-                    f"(raised in pipeoff task {self.tasks[i].name!r} on lane {self.plan.lanes[i]!r})"
+                    f"(raised in pipeoff task {self.tasks[i].name!r} "
+                    f"on lane {self.plan.lanes[i]!r})"
                 )
 
     def pending(self) -> tuple[str, ...]:
@@ -253,7 +254,7 @@ class Run:
         )
 
 
-_profiler_enabled = torch.autograd._profiler_enabled
+_profiler_enabled = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _local = threading.local()
 
 

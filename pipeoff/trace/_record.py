@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeoff.trace._trace import HOOK_WAIT, TaskRecord, Trace
+from pipeoff.trace._trace import HOOK_WAIT, BufferRecord, TaskRecord, Trace
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution
@@ -64,7 +64,7 @@ class Recorder:
 
     def _build(self) -> Trace:
         tasks: list[TaskRecord] = []
-        buffers = []
+        buffers: list[BufferRecord] = []
         budgets: dict[str, int | None] = {"device": None, "host": None}
         rank = 0
         for k, ex in self._executions:
