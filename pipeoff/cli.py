@@ -75,6 +75,43 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from pipeoff.sim import CostModel
+    from pipeoff.sim._compare import FEATURE_SCHEDULES, compare, parse_bytes
+    from pipeoff.sim._workloads import model_shape
+    from pipeoff.trace._trace import fmt_bytes
+
+    shape = model_shape(args.model, fsdp=args.fsdp)
+    schedules = tuple(s.strip() for s in (args.schedules or ",".join(
+        FEATURE_SCHEDULES.get(args.feature, ()))).split(",") if s.strip())
+    cost = CostModel.preset(args.preset, participants=args.replicas)
+    preds = compare(
+        shape, args.feature, schedules, cost,
+        chunk_bytes=parse_bytes(args.chunk_bytes), lookahead=args.lookahead,
+        bucket_bytes=parse_bytes(args.bucket_bytes),
+        device_budget_bytes=parse_bytes(args.device_budget) if args.device_budget else None,
+    )
+    if args.trace_dir:
+        for p in preds:
+            p.trace.save(Path(args.trace_dir) / f"{args.feature}-{p.schedule}.json")
+    if args.json:
+        print(json.dumps([{
+            "schedule": p.schedule, "time_ms": p.time_ms, "peak_device_bytes": p.peak_device_bytes,
+            "peak_host_bytes": p.peak_host_bytes, "efficiency": p.efficiency, "bound": p.bound,
+        } for p in preds], indent=2))
+        return 0
+    print(f"PREDICTED by the {cost.name} cost model (not measured): {args.feature}, "
+          f"{shape.name} ({shape.params / 1e9:.2f}B params) sharded over {shape.fsdp} ranks")
+    base = preds[0].time_ms
+    print(f"{'schedule':<13} {'time ms':>10} {'vs first':>9} {'peak device':>12} "
+          f"{'peak host':>11} {'efficiency':>10}  bound")
+    for p in preds:
+        print(f"{p.schedule:<13} {p.time_ms:>10.2f} {p.time_ms / base:>8.2f}x "
+              f"{fmt_bytes(p.peak_device_bytes):>12} {fmt_bytes(p.peak_host_bytes):>11} "
+              f"{p.efficiency:>10.2f}  {p.bound}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pipeoff._demo import run_demo
 
@@ -89,6 +126,22 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="pipeoff-demo", help="output folder (default: %(default)s)")
     demo.add_argument("--quick", action="store_true", help="a shorter run (used by the tests)")
     demo.set_defaults(fn=_cmd_demo)
+
+    sim = sub.add_parser("simulate", help="predict schedules at model scale with a cost model")
+    sim.add_argument("--model", default="8b",
+                     help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
+    sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
+    sim.add_argument("--feature", choices=["optimizer", "local-sgd"], default="optimizer")
+    sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
+    sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
+    sim.add_argument("--replicas", type=int, default=2, help="all-reduce participants")
+    sim.add_argument("--chunk-bytes", default="1GiB", help="optimizer chunk (%(default)s)")
+    sim.add_argument("--lookahead", type=int, default=2, help="optimizer chunks ahead")
+    sim.add_argument("--bucket-bytes", default="256MiB", help="LocalSGD bucket (%(default)s)")
+    sim.add_argument("--device-budget", help="device staging budget (default: from the above)")
+    sim.add_argument("--trace-dir", help="also save each predicted trace here")
+    sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sim.set_defaults(fn=_cmd_simulate)
 
     trace = sub.add_parser("trace", help="inspect traces")
     tsub = trace.add_subparsers(dest="trace_command", required=True)

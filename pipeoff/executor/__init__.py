@@ -14,14 +14,20 @@ from pipeoff.trace import _record as recording
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution
+    from pipeoff.sim._costmodel import CostModel
 
 __all__ = ["BACKENDS", "execute"]
 
-BackendName = Literal["auto", "inline", "threads", "cuda"]
-BACKENDS = ("auto", "inline", "threads", "cuda")
+BackendName = Literal["auto", "inline", "threads", "cuda", "sim"]
+BACKENDS = ("auto", "inline", "threads", "cuda", "sim")
 
 
-def _backend(name: str) -> Backend:
+def _backend(name: str, cost_model: CostModel | None = None) -> Backend:
+    if name == "sim":
+        from pipeoff.executor.sim import SimBackend
+        from pipeoff.sim._costmodel import CostModel as _CostModel
+
+        return SimBackend(cost_model if cost_model is not None else _CostModel.h200_pcie5())
     if name == "inline":
         from pipeoff.executor.inline import InlineBackend
 
@@ -39,6 +45,8 @@ def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
     """The concrete backend ``backend`` names for this graph and schedule."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "sim":
+        return "sim"
     if backend == "cuda" and graph.device.type != "cuda":
         raise ConfigError(
             f"backend='cuda' needs a graph on a CUDA device, but the graph's device is "
@@ -52,7 +60,11 @@ def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
 
 
 def execute(
-    graph: TaskGraph, schedule: Schedule | None = None, *, backend: BackendName = "auto"
+    graph: TaskGraph,
+    schedule: Schedule | None = None,
+    *,
+    backend: BackendName = "auto",
+    cost_model: CostModel | None = None,
 ) -> Execution:
     """Plan ``graph`` with ``schedule`` and launch it.
 
@@ -61,6 +73,11 @@ def execute(
         schedule: how to run them; the default is ``Schedule.pipelined()``.
         backend: ``"auto"`` picks ``"inline"`` for a synchronous schedule,
             ``"cuda"`` for a graph on a CUDA device, else ``"threads"``.
+            ``"sim"`` never runs the work: it times the plan against
+            ``cost_model`` and returns a finished execution whose trace
+            holds the predicted times.
+        cost_model: the :class:`pipeoff.sim.CostModel` for ``backend="sim"``
+            (default: ``CostModel.h200_pcie5()``); refused for other backends.
 
     Returns:
         The :class:`Execution`. On ``threads`` and ``cuda`` it returns before
@@ -80,8 +97,10 @@ def execute(
     from pipeoff.execution import Execution
 
     name = resolve_backend(graph, schedule, backend)
+    if cost_model is not None and name != "sim":
+        raise ConfigError(f"cost_model is only for backend='sim', not {name!r}")
     plan = schedule.plan(graph)
-    impl = _backend(name)
+    impl = _backend(name, cost_model)
     run = Run(graph, plan, pools_for(graph.device), impl.name)
     execution = Execution(run, impl)
     if recording.active():

@@ -1,0 +1,120 @@
+"""Side-by-side predictions of schedules for a feature at a model scale (``pipeoff simulate``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeoff._errors import ConfigError
+from pipeoff.schedule import Schedule
+from pipeoff.sim._costmodel import CostModel
+from pipeoff.sim._workloads import ModelShape, local_sgd_graph, optimizer_graph
+from pipeoff.trace import Trace
+
+__all__ = ["FEATURE_SCHEDULES", "Prediction", "compare", "critical_lane", "parse_bytes"]
+
+FEATURE_SCHEDULES = {
+    "optimizer": ("single_pass", "sync_chunks", "pipelined"),
+    "local-sgd": ("original", "rfc", "pipelined"),
+}
+_LANE_BOUND = {"h2d": "link", "d2h": "link", "compute": "compute", "comm": "comm",
+               "host": "host", "main": "serial"}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"256MiB"`` -> 268435456; also plain ints and ``1e9``.
+
+    Raises:
+        ConfigError: not a positive size.
+    """
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]?i?[bB]?)\s*", str(text))
+    if not m:
+        raise ConfigError(f"not a byte size: {text!r} (use e.g. 4096, 256MiB, 1GiB, 2e9)")
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except (KeyError, ValueError):
+        raise ConfigError(f"not a byte size: {text!r} (use e.g. 4096, 256MiB, 1GiB)") from None
+    if value < 1:
+        raise ConfigError(f"byte size must be at least 1, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    """One schedule's predicted figures."""
+
+    schedule: str
+    time_ms: float
+    peak_device_bytes: int
+    peak_host_bytes: int
+    efficiency: float
+    bound: str
+    """What limits it: ``link``, ``compute``, ``comm``, ``host`` or ``serial``."""
+    trace: Trace
+
+
+def critical_lane(trace: Trace) -> str:
+    """The bound that limits a trace: the kind of its busiest lane."""
+    busy = trace.lane_busy_ns()
+    if not busy:
+        return "none"
+    lane = max(busy, key=lambda k: busy[k])
+    return _LANE_BOUND.get(lane, lane)
+
+
+def compare(
+    shape: ModelShape,
+    feature: str,
+    schedules: tuple[str, ...],
+    cost: CostModel,
+    *,
+    chunk_bytes: int = 1 << 30,
+    lookahead: int = 2,
+    bucket_bytes: int = 256 << 20,
+    device_budget_bytes: int | None = None,
+) -> list[Prediction]:
+    """Predict each of ``schedules`` for ``feature`` on ``shape`` with ``cost``.
+
+    Raises:
+        ConfigError: an unknown feature or schedule.
+    """
+    import pipeoff
+
+    if feature not in FEATURE_SCHEDULES:
+        raise ConfigError(f"feature must be one of {sorted(FEATURE_SCHEDULES)}, got {feature!r}")
+    known = FEATURE_SCHEDULES[feature]
+    for s in schedules:
+        if s not in known:
+            raise ConfigError(f"unknown schedule {s!r} for {feature}; known: {', '.join(known)}")
+    out = []
+    for name in schedules:
+        if feature == "optimizer":
+            if name == "single_pass":
+                graph, sched = optimizer_graph(shape, chunk_bytes=None), Schedule.pipelined()
+            elif name == "sync_chunks":
+                graph = optimizer_graph(shape, chunk_bytes=chunk_bytes)
+                sched = Schedule.synchronous()
+            else:
+                graph = optimizer_graph(shape, chunk_bytes=chunk_bytes)
+                budget = device_budget_bytes or (lookahead + 1) * chunk_bytes
+                sched = Schedule.pipelined(device_budget_bytes=budget)
+        else:
+            if name == "original":
+                graph, sched = local_sgd_graph(shape, variant="original"), Schedule.pipelined()
+            elif name == "rfc":
+                graph, sched = local_sgd_graph(shape, variant="rfc"), Schedule.synchronous()
+            else:
+                graph = local_sgd_graph(shape, variant="pipelined", bucket_bytes=bucket_bytes)
+                sched = Schedule.pipelined(
+                    device_budget_bytes=device_budget_bytes or 2 * bucket_bytes)
+        trace = pipeoff.execute(graph, sched, backend="sim", cost_model=cost).trace
+        s = trace.summary()
+        out.append(Prediction(
+            schedule=name, time_ms=s.makespan_us / 1e3,
+            peak_device_bytes=s.peak_device_staging_bytes,
+            peak_host_bytes=s.peak_host_staging_bytes, efficiency=s.efficiency,
+            bound=critical_lane(trace), trace=trace,
+        ))
+    return out
