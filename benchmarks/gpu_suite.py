@@ -1,0 +1,218 @@
+"""One command for a lent GPU: bandwidths, CUDA tests, GPU benchmarks, sim vs measured.
+
+    python benchmarks/gpu_suite.py --out gpu-results [--quick]
+
+Finishes within about 8 minutes on an H200 and writes, under ``--out``:
+``bandwidth.md``, ``cuda_tests.txt``, ``optimizer.md`` (from
+``gpu_optimizer.py``), ``local_sgd_staging.md``, ``sim_vs_measured.md``,
+the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
+Without a GPU it says so and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_suite {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bandwidth(out: Path, nbytes: int) -> dict[str, float]:
+    """Pinned-copy GB/s: H2D alone, D2H alone, and both at once on two streams."""
+    dev = torch.device("cuda")
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            # Both streams must have finished before the end event.
+            torch.cuda.current_stream().wait_stream(s1)
+            torch.cuda.current_stream().wait_stream(s2)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return best
+
+    def h2d() -> None:
+        s1.wait_stream(torch.cuda.current_stream())  # hazard: start after the start event
+        with torch.cuda.stream(s1):
+            dev_a.copy_(host_a, non_blocking=True)  # pinned: truly asynchronous
+
+    def d2h() -> None:
+        s2.wait_stream(torch.cuda.current_stream())  # hazard: start after the start event
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_b, non_blocking=True)  # pinned: truly asynchronous
+
+    def both() -> None:
+        h2d()
+        d2h()
+
+    gb = nbytes / 1e9
+    t_h2d, t_d2h, t_both = timed(h2d), timed(d2h), timed(both)
+    res = {"h2d_gbps": gb / t_h2d, "d2h_gbps": gb / t_d2h, "bidir_total_gbps": 2 * gb / t_both}
+    rows = [["H2D alone", f"{res['h2d_gbps']:.1f}"], ["D2H alone", f"{res['d2h_gbps']:.1f}"],
+            ["H2D + D2H at once (sum)", f"{res['bidir_total_gbps']:.1f}"]]
+    (out / "bandwidth.md").write_text(
+        f"Pinned copies of {nbytes / 2**20:.0f} MiB, best of 5 (CUDA events)\n\n"
+        + table(["copy", "GB/s"], rows) + "\n")
+    return res
+
+
+def run_cuda_tests(out: Path, timeout: int) -> str:
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p",
+                          "no:cacheprovider", str(ROOT / "tests")],
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    (out / "cuda_tests.txt").write_text(res.stdout + res.stderr)
+    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "no output"
+
+
+def run_script(name: str, out: Path, extra: list[str], timeout: int) -> str:
+    script = ROOT / "benchmarks" / name
+    if not script.exists():
+        return f"{name}: not present"
+    res = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    (out / f"{script.stem}.txt").write_text(res.stdout + res.stderr)
+    return res.stdout if res.returncode == 0 else f"{name} failed:\n{res.stderr[-2000:]}"
+
+
+def local_sgd_staging(out: Path, numels: list[int], bucket_bytes: int,
+                      device: str = "cuda") -> list[list[object]]:
+    """Measured (CUDA backend) against predicted (h200_pcie5 and the measured bandwidths).
+
+    One process, world size 1: the all-reduce is a local NCCL/gloo-free no-op
+    replaced by an in-place scale, so what is measured is the staging path
+    (device copy, D2H into pinned memory, H2D write-back) of LocalSGD.
+    """
+    import pipeoff
+    from pipeoff import Schedule, TaskGraph, TaskKind
+    from pipeoff.sim import CostModel
+    from pipeoff.sim._workloads import ModelShape, local_sgd_graph
+
+    dev = torch.device(device)
+    params = [torch.randn(n, device=dev) for n in numels]
+    shape = ModelShape(name="bench", global_shapes=tuple((f"p{i}", (n,))
+                                                         for i, n in enumerate(numels)), fsdp=1)
+
+    def real_graph(variant: str) -> TaskGraph:
+        sym = local_sgd_graph(shape, variant=variant, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+        g = TaskGraph(device=dev)
+        for b in sym.buffers.values():
+            g.add_buffer(b.name, b.nbytes, where=b.where)
+        flat = torch.cat([p.view(-1) for p in params]) if variant != "original" else None
+        offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for t in sym.tasks.values():
+            if t.kind is TaskKind.ALLREDUCE:
+                n = t.nbytes // 4
+                offsets[t.name.split(":", 1)[1]] = (pos, n)
+                pos += n
+        for t in sym.tasks.values():
+            unit = t.name.split(":", 1)[-1]
+            work = None
+            if t.kind is TaskKind.ALLREDUCE and flat is not None:
+                lo, n = offsets[unit]
+
+                def work(ctx, lo=lo, n=n, unit=unit):  # type: ignore[no-untyped-def]
+                    buf = ctx.buffer(f"dev:{unit}", torch.float32)
+                    buf.copy_(flat[lo:lo + n])
+                    buf.mul_(0.5)  # stands in for the average of one participant
+            elif t.kind is TaskKind.D2H:
+                def work(ctx, unit=unit):  # type: ignore[no-untyped-def]
+                    ctx.buffer(f"host:{unit}").copy_(ctx.buffer(f"dev:{unit}"), non_blocking=True)
+            elif t.kind is TaskKind.H2D and flat is not None:
+                lo, n = offsets[unit]
+
+                def work(ctx, lo=lo, n=n, unit=unit):  # type: ignore[no-untyped-def]
+                    flat[lo:lo + n].copy_(ctx.buffer(f"host:{unit}", torch.float32),
+                                          non_blocking=True)
+            g.add_task(t.name, t.kind, work, deps=t.deps, nbytes=t.nbytes, buffers=t.buffers)
+        return g
+
+    schedules = {"rfc": Schedule.synchronous(),
+                 "pipelined": Schedule.pipelined(device_budget_bytes=2 * bucket_bytes)}
+    rows = []
+    h200 = CostModel.h200_pcie5(participants=1)
+    for variant, sched in schedules.items():
+        g = real_graph(variant)
+        pipeoff.execute(g, sched).wait()  # warm the pools
+        ex = pipeoff.execute(g, sched)
+        ex.wait()
+        trace = ex.trace
+        trace.save(out / "traces" / f"local_sgd_{variant}.json")
+        measured = trace.makespan_ns() / 1e6
+        sym = local_sgd_graph(shape, variant=variant, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+        pred = pipeoff.execute(sym, sched, backend="sim", cost_model=h200).trace.makespan_ns() / 1e6
+        rows.append([variant, f"{measured:.2f}", f"{pred:.2f}",
+                     f"{100 * (pred - measured) / measured:+.0f}%",
+                     trace.summary().peak_device_staging_bytes])
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu-results", help="output folder (%(default)s)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, about 3 minutes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    (out / "traces").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    sections = [f"# pipeoff GPU suite on {torch.cuda.get_device_name()}\n",
+                f"torch {torch.__version__}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"]
+
+    log("1/5 pinned-copy bandwidth")
+    bw = bandwidth(out, (256 if args.quick else 1024) << 20)
+    sections.append("## Pinned-copy bandwidth\n\n" + (out / "bandwidth.md").read_text())
+
+    log("2/5 CUDA-marked tests")
+    sections.append("## CUDA tests\n\n" + run_cuda_tests(out, timeout=150) + "\n")
+
+    log("3/5 GPU optimizer benchmark")
+    sections.append("## Optimizer\n\n" + run_script(
+        "gpu_optimizer.py", out, ["--quick"] if args.quick else [], timeout=300))
+
+    log("4/5 LocalSGD staging, measured against predicted")
+    numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters
+    rows = local_sgd_staging(out, numels, bucket_bytes=64 << 20)
+    sections.append(
+        "## LocalSGD staging path: measured vs h200_pcie5 prediction\n\n"
+        + table(["schedule", "measured ms", "predicted ms", "error", "peak device staging B"],
+                rows) + "\n")
+
+    log("5/5 summary")
+    sections.append(f"\nMeasured link: H2D {bw['h2d_gbps']:.1f} GB/s, D2H {bw['d2h_gbps']:.1f} "
+                    f"GB/s, both at once {bw['bidir_total_gbps']:.1f} GB/s in total "
+                    f"(h200_pcie5 assumes 55 / 55 / 87.2).\n")
+    sections.append(f"\nTotal time {time.time() - t0:.0f} s\n")
+    text = "\n".join(sections)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The benchmark scripts stay runnable (quick modes) and the GPU suite's graphs are right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scheduler_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_scheduler.py"),
+                          "--sizes", "200", "--repeats", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "threads" in res.stdout and "us/task" in res.stdout
+
+
+def test_gpu_suite_refuses_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        return
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--out",
+                          "/tmp/unused"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
+def test_gpu_suite_local_sgd_graphs_run_on_cpu(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "traces").mkdir()
+    rows = gpu_suite.local_sgd_staging(tmp_path, [1 << 12] * 6, bucket_bytes=1 << 14,
+                                       device="cpu")
+    assert [r[0] for r in rows] == ["rfc", "pipelined"]
+    assert rows[1][4] <= 2 * (1 << 14)
+    assert (tmp_path / "traces" / "local_sgd_pipelined.json").exists()
