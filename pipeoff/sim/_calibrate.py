@@ -13,7 +13,8 @@ from pipeoff.sim._costmodel import GB, CostModel
 _CHUNK = 8 << 20  # bytes per measured copy; well past the caches
 
 
-def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
+def _best(fn, repeats: int = 7) -> float:  # type: ignore[no-untyped-def]
+    """The fastest of ``repeats`` runs: on a shared machine the minimum is the stable figure."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -23,26 +24,16 @@ def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
     return best
 
 
-def _median(fn, repeats: int = 7) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def measure_copy_gbps(nbytes: int = _CHUNK) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return nbytes / _median(lambda: dst.copy_(src)) / GB
+    return nbytes / _best(lambda: dst.copy_(src)) / GB
 
 
 def measure_concurrent_copy_factor(nbytes: int = _CHUNK) -> float:
     """Each of two concurrent copies' rate, as a share of one copy alone."""
     pairs = [(torch.ones(nbytes // 4), torch.empty(nbytes // 4)) for _ in range(2)]
-    alone = _median(lambda: pairs[0][1].copy_(pairs[0][0]))
+    alone = _best(lambda: pairs[0][1].copy_(pairs[0][0]))
 
     def both() -> None:
         t = threading.Thread(target=lambda: pairs[1][1].copy_(pairs[1][0]))
@@ -50,7 +41,7 @@ def measure_concurrent_copy_factor(nbytes: int = _CHUNK) -> float:
         pairs[0][1].copy_(pairs[0][0])
         t.join()
 
-    together = _median(both)
+    together = _best(both)
     return max(0.05, min(1.0, alone / together))
 
 
@@ -58,7 +49,7 @@ def measure_update_elems_per_s(numel: int = _CHUNK // 4) -> float:
     """The element-wise update pipeoff's CPU workloads run: ``m.mul_(0.9).add_(g)``."""
     m = torch.zeros(numel)
     g = torch.randn(numel)
-    return numel / _median(lambda: m.mul_(0.9).add_(g))
+    return numel / _best(lambda: m.mul_(0.9).add_(g))
 
 
 def measure_launch_overhead_s(n: int = 2000) -> float:
