@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-PUBLIC_MODULES = ["pipeoff", "pipeoff.trace", "pipeoff.testing"]
+PUBLIC_MODULES = ["pipeoff", "pipeoff.trace", "pipeoff.testing", "pipeoff.sim", "pipeoff.ft",
+                  "pipeoff.optim"]
 
 
 def test_required_names_exist() -> None:

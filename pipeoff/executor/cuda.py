@@ -18,7 +18,7 @@ import torch
 
 from pipeoff import testing
 from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
-from pipeoff.graph import TaskContext
+from pipeoff.graph import TaskContext, TaskKind
 
 _streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -115,14 +115,26 @@ class CudaBackend:
                     # Hazard: reading tensors the caller's stream is still producing.
                     stream.wait_event(state.base)
                 run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
-                with _dispatch_lock:
-                    self._issue(run, state, stream, i)
+                if run.tasks[i].kind is TaskKind.HOST:
+                    # A host task (a CPU optimizer, an RPC such as should_commit)
+                    # runs on this thread, outside the lock, so a blocking call
+                    # never holds up other executions' dispatch.
+                    self._issue(run, state, stream, i, host=True)
+                else:
+                    with _dispatch_lock:
+                        self._issue(run, state, stream, i)
 
-    def _issue(self, run: Run, state: _CudaRunState, stream: torch.cuda.Stream, i: int) -> None:
+    def _issue(self, run: Run, state: _CudaRunState, stream: torch.cuda.Stream, i: int,
+               host: bool = False) -> None:
         for j in run.plan.waits[i]:
-            # Hazard: starting before a dependency (or the previous user of a
-            # buffer, or a budget release) on another lane has finished.
-            stream.wait_event(state.ends[j])
+            if host:
+                # Hazard: host work reading device results (or deciding on
+                # them) before the device tasks it depends on have finished.
+                state.ends[j].synchronize()
+            else:
+                # Hazard: starting before a dependency (or the previous user of a
+                # buffer, or a budget release) on another lane has finished.
+                stream.wait_event(state.ends[j])
         task = run.tasks[i]
         lane = run.plan.lanes[i]
         try:

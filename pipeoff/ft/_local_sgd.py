@@ -1,0 +1,395 @@
+"""LocalSGD whose parameter averaging is staged through host memory as a pipeoff task graph."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn, optim
+from torch.distributed.tensor import DTensor
+from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
+
+from pipeoff._errors import ConfigError
+from pipeoff.executor import execute
+from pipeoff.ft._buckets import Bucket, TensorInfo, plan_buckets
+from pipeoff.graph import TaskContext, TaskGraph, TaskKind
+from pipeoff.schedule import DEFAULT_LANES, Schedule
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+    from pipeoff.trace import Trace
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "LocalSGD"]
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+"""Bucket size of ``schedule="pipelined"`` when ``bucket_bytes`` is not given."""
+_SCHEDULES = ("pipelined", "sync")
+_PER_PARAMETER = "per_parameter"
+
+
+class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type hints
+    """torchft's LocalSGD with RFC 0003 CPU staging, sequential or pipelined.
+
+    A drop-in for :class:`torchft.local_sgd.LocalSGD`: the optimizer hooks,
+    ``_local_step``, :meth:`sync`, one ``start_quorum()`` and one
+    ``should_commit()`` per sync are torchft's. Only the averaging in
+    ``_perform_sync`` changes, and only when
+    ``offload_averaged_parameters_to_cpu=True``:
+
+    * ``schedule="sync"`` is RFC 0003 exactly, run as a pipeoff graph under
+      :meth:`pipeoff.Schedule.synchronous`: for each parameter in turn, copy
+      its local tensor to device staging, all-reduce and wait, copy it to host
+      staging and free the device copy. If quorum commits, each averaged
+      tensor is written back synchronously (a DTensor is rebuilt with its
+      mesh, placements, shape and stride); if not, nothing is written.
+    * ``schedule="pipelined"`` packs the local tensors densely into flat
+      buckets of at most ``bucket_bytes`` (one dtype each; a parameter that
+      does not fit the open bucket is split across buckets) and runs each
+      bucket through device staging -> all-reduce -> pinned host staging,
+      keeping at most ``device_budget_bytes`` of device staging live, so
+      that the all-reduce of bucket k+1 overlaps the device-to-host copy of bucket k. A commit
+      writes back with pipelined host-to-device copies; a reject writes
+      nothing.
+
+    Memory and traffic per sync (S = local parameter bytes, M = the largest
+    local parameter, B = ``bucket_bytes``, D = ``device_budget_bytes``):
+
+    ========================  =====================  ===========  ================
+    mode                      extra device memory    host memory  host link
+    ========================  =====================  ===========  ================
+    original (flag off)       S                      0            0
+    ``"sync"`` (RFC 0003)     M                      S            2S (S if reject)
+    ``"pipelined"``           D (>= B)               S            2S (S if reject)
+    ========================  =====================  ===========  ================
+
+    When not to use it: if the S bytes of extra device memory fit, the
+    original path moves nothing over the host link and is the fastest on a
+    fast interconnect. The pipelined schedule issues ``ceil(S / B)``
+    collectives instead of one per parameter; with many tiny buckets the
+    per-collective latency dominates.
+
+    An optimizer that steps asynchronously and offers ``wait_for_step()``
+    (``pipeoff.optim.OffloadOptimizer(mode="overlap")``) is waited on before
+    every sync, in every mode.
+
+    A failure while averaging (an all-reduce that errors, a task that
+    raises) goes to ``manager.report_error``, so this replica group's
+    ``should_commit()`` returns False and its model keeps its local values;
+    staging is released either way. A local failure that leaves later
+    buckets' collectives unissued makes peer replicas wait for them until
+    the manager's timeout, after which they report the error too (as with a
+    replica that dies mid-sync under torchft). An error raised by
+    ``should_commit()`` itself, or by a write-back after a commit,
+    propagates to the caller.
+
+    Args:
+        manager: the torchft manager.
+        model: the model whose parameters are averaged.
+        optimizer: the inner optimizer; its step hooks drive :meth:`sync`.
+        sync_every: local steps between syncs.
+        offload_averaged_parameters_to_cpu: stage averaged parameters in
+            host memory until commit (RFC 0003). ``False`` is torchft's
+            original path, byte for byte.
+        schedule: ``"pipelined"`` (the default) or ``"sync"``; only with the
+            offload flag on.
+        bucket_bytes: bucket size of the pipelined schedule (default
+            :data:`DEFAULT_BUCKET_BYTES`), or ``"per_parameter"`` for one
+            bucket per parameter (split only where a parameter exceeds
+            ``device_budget_bytes``). Checked but unused under ``"sync"``,
+            which stages one whole parameter at a time.
+        device_budget_bytes: most device staging bytes live at once
+            (default: two buckets, so one all-reduce overlaps one copy).
+            Checked but unused under ``"sync"`` (its staging is M).
+
+    Raises:
+        ConfigError: an argument is out of range, or ``schedule``,
+            ``bucket_bytes`` or ``device_budget_bytes`` is given without the
+            offload flag.
+    """
+
+    last_trace: Trace | None
+    """The trace of the last offloaded sync (``None`` on the original path)."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        model: nn.Module,
+        optimizer: optim.Optimizer,
+        sync_every: int,
+        offload_averaged_parameters_to_cpu: bool = False,
+        *,
+        schedule: Literal["pipelined", "sync"] | None = None,
+        bucket_bytes: int | Literal["per_parameter"] | None = None,
+        device_budget_bytes: int | None = None,
+    ) -> None:
+        super().__init__(manager, model, optimizer, sync_every)
+        self._offload = _check_flag(offload_averaged_parameters_to_cpu)
+        given = {"schedule": schedule, "bucket_bytes": bucket_bytes,
+                 "device_budget_bytes": device_budget_bytes}
+        if not self._offload:
+            extra = [k for k, v in given.items() if v is not None]
+            if extra:
+                raise ConfigError(
+                    f"{', '.join(extra)} only apply with offload_averaged_parameters_to_cpu=True; "
+                    f"got offload_averaged_parameters_to_cpu=False and {_show(given, extra)}"
+                )
+        sched = "pipelined" if schedule is None else schedule
+        if sched not in _SCHEDULES:
+            raise ConfigError(f"schedule must be 'pipelined' or 'sync', got {schedule!r}")
+        self._schedule_name = sched
+        self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "sync"
+        bucket: int | None
+        if bucket_bytes is None:
+            bucket = DEFAULT_BUCKET_BYTES
+        elif bucket_bytes == _PER_PARAMETER:
+            bucket = None
+        else:
+            bucket = _positive_int("bucket_bytes", bucket_bytes, also="or 'per_parameter'")
+        budget = None if device_budget_bytes is None else _positive_int(
+            "device_budget_bytes", device_budget_bytes)
+        if budget is None and bucket is not None:
+            budget = 2 * bucket
+        if budget is not None and bucket is not None and budget < bucket:
+            raise ConfigError(
+                f"device_budget_bytes={budget} is smaller than one bucket "
+                f"(bucket_bytes={bucket}); use device_budget_bytes >= bucket_bytes "
+                f"(2 * bucket_bytes overlaps one all-reduce with one copy)"
+            )
+        if sched == "sync":
+            # RFC 0003 stages one whole parameter at a time: the bucket options
+            # are checked above (so that switching schedules keeps them valid)
+            # but do not apply.
+            bucket = budget = None
+        self._bucket_bytes = bucket
+        self._device_budget_bytes = budget
+        self.last_trace = None
+        if self._offload:
+            self._plan()  # refuse sizes no bucket can hold now, not at the first sync
+
+    # -- configuration, read-only ------------------------------------------------
+    @property
+    def schedule(self) -> str:
+        """``"pipelined"`` or ``"sync"`` (meaningful with the offload flag on)."""
+        return self._schedule_name
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """The bucket limit, or ``None`` for one bucket per parameter."""
+        return self._bucket_bytes
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The cap on live device staging, or ``None`` (the RFC's M)."""
+        return self._device_budget_bytes
+
+    # -- the sync ------------------------------------------------------------------
+    def _perform_sync(self) -> None:
+        wait = getattr(self._local_optimizer, "wait_for_step", None)
+        if callable(wait):
+            # Hazard: averaging parameters that an asynchronous optimizer step
+            # (pipeoff.optim.OffloadOptimizer(mode="overlap")) is still writing;
+            # torchft's post-step hook runs as soon as step() returns.
+            wait()
+        if not self._offload:
+            super()._perform_sync()
+            return
+        with torch.profiler.record_function("pipeoff::ft::local_sgd::perform_sync"):
+            self._offloaded_sync()
+
+    def _plan(self) -> tuple[Bucket, ...]:
+        infos = []
+        for name, p in self._model.named_parameters():
+            local = _local(p)
+            infos.append(TensorInfo(name=name, numel=local.numel(), dtype=local.dtype,
+                                    contiguous=local.is_contiguous()))
+        limit = self._bucket_bytes if self._bucket_bytes is not None else self._device_budget_bytes
+        return plan_buckets(infos, limit=limit, per_parameter=self._per_parameter)
+
+    def _offloaded_sync(self) -> None:
+        params = list(self._model.parameters())
+        buckets = self._plan()
+        device = _local(params[0]).device if params else torch.device("cpu")
+        commit: dict[str, bool] = {}
+        self.last_trace = None
+        pipelined = self._schedule_name == "pipelined"
+        # The synchronous schedule runs inline on the caller's thread: no lanes.
+        with _lane_slot() if pipelined else contextlib.nullcontext(0) as slot:
+            graph = self._build_graph(params, buckets, device, commit, slot=slot)
+            schedule = (Schedule.pipelined(device_budget_bytes=self._device_budget_bytes)
+                        if pipelined else Schedule.synchronous())
+            ex = None
+            try:
+                ex = execute(graph, schedule)
+                ex.wait()
+            except Exception as err:
+                if "called" in commit:
+                    raise  # should_commit itself failed, or a write-back after a commit
+                # torchft's error path: after report_error this replica group's
+                # should_commit() is False, so nothing is written back. It is
+                # still called once, as in every sync: the replica group's other ranks wait on it.
+                self._manager.report_error(err)
+                self._manager.should_commit()
+            finally:
+                if ex is not None:
+                    self.last_trace = ex.trace
+
+    def _build_graph(
+        self,
+        params: list[nn.Parameter],
+        buckets: tuple[Bucket, ...],
+        device: torch.device,
+        commit: dict[str, bool],
+        *,
+        slot: int,
+    ) -> TaskGraph:
+        manager = self._manager
+        cuda = device.type == "cuda"
+        sync = self._schedule_name == "sync"
+        g = TaskGraph(device=device)
+
+        def lane(kind: TaskKind) -> str | None:
+            return None if slot == 0 else f"{DEFAULT_LANES[kind]}#{slot}"
+
+        copied = []
+        for k, b in enumerate(buckets):
+            dev = g.add_buffer(f"device:b{k}", b.nbytes, where="device")
+            host = g.add_buffer(f"host:b{k}", b.nbytes, where="host")
+
+            def allreduce(ctx: TaskContext, b: Bucket = b, dev: str = dev) -> None:
+                flat = ctx.buffer(dev, b.dtype)
+                for pc in b.pieces:
+                    src = _local(params[pc.param])
+                    src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
+                    flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
+                # AVG: torchft divides by the participant count inside wait(),
+                # so the bucket holds the mean only once wait() has returned.
+                # A failed collective is reported to the manager by wait() itself.
+                manager.allreduce(flat).wait()
+
+            def d2h(ctx: TaskContext, b: Bucket = b, dev: str = dev, host: str = host) -> None:
+                # non_blocking (pipelined only; the RFC path copies synchronously):
+                # the host buffer is pinned and read only by this bucket's
+                # write-back, which the executor orders after this copy with an
+                # event wait, and ex.wait() host-syncs before the sync returns.
+                ctx.buffer(host, b.dtype).copy_(ctx.buffer(dev, b.dtype),
+                                                non_blocking=cuda and not sync)
+
+            g.add_task(f"allreduce:b{k}", TaskKind.ALLREDUCE, allreduce, buffers=[dev],
+                       nbytes=b.nbytes, lane=lane(TaskKind.ALLREDUCE))
+            g.add_task(f"d2h:b{k}", TaskKind.D2H, d2h, deps=[f"allreduce:b{k}"],
+                       buffers=[dev, host], nbytes=b.nbytes, lane=lane(TaskKind.D2H))
+            copied.append(f"d2h:b{k}")
+
+        def decide(ctx: TaskContext) -> bool:
+            # Runs once every bucket is in host staging, so the vote covers
+            # every all-reduce's outcome (torchft reports failed waits itself).
+            commit["called"] = True
+            return bool(manager.should_commit())
+
+        g.add_task("should_commit", TaskKind.HOST, decide, deps=copied,
+                   lane=lane(TaskKind.HOST))
+
+        for k, b in enumerate(buckets):
+            host = f"host:b{k}"
+
+            def h2d(ctx: TaskContext, b: Bucket = b, host: str = host) -> None:
+                if not ctx.results["should_commit"]:
+                    return  # quorum rejected: the model keeps its local values
+                flat = ctx.buffer(host, b.dtype)
+                for pc in b.pieces:
+                    src = flat[pc.offset:pc.offset + pc.numel]
+                    if sync:
+                        _write_back_rfc(params[pc.param], src)
+                    else:
+                        _write_back_slice(params[pc.param], src, pc.start, pc.whole, cuda)
+
+            g.add_task(f"h2d:b{k}", TaskKind.H2D, h2d, deps=["should_commit"],
+                       buffers=[host], nbytes=b.nbytes, lane=lane(TaskKind.H2D))
+        return g
+
+
+# -- tensor helpers -------------------------------------------------------------------
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage."""
+    data = p.data
+    return data.to_local() if isinstance(data, DTensor) else data
+
+
+def _write_back_rfc(param: nn.Parameter, flat: torch.Tensor) -> None:
+    """RFC 0003's synchronous write-back of one whole averaged parameter."""
+    local = _local(param)
+    avg = flat.view(local.shape).to(local.device)  # synchronous copy: RFC non_blocking=False
+    if isinstance(param, DTensor):
+        param.data.copy_(DTensor.from_local(avg, param.device_mesh, param.placements,
+                                            shape=param.shape, stride=param.stride()))
+    else:
+        param.data.copy_(avg)
+
+
+def _write_back_slice(
+    param: nn.Parameter, src: torch.Tensor, start: int, whole: bool, cuda: bool
+) -> None:
+    """Copy ``src`` into elements ``start:`` of ``param``'s local tensor, in place.
+
+    Writing the local tensor keeps the DTensor itself (mesh, placements,
+    global shape and stride) as it is.
+    """
+    local = _local(param)
+    if whole:
+        dst = local
+        src = src.view(local.shape)
+    else:
+        dst = local.view(-1)[start:start + src.numel()]
+    # non_blocking: src is pinned host staging that stays allocated until this
+    # task's end event has fired (the pool waits on it before reuse).
+    dst.copy_(src, non_blocking=cuda)
+
+
+# -- lane slots -----------------------------------------------------------------------
+_slots_lock = threading.Lock()
+_busy_slots: set[int] = set()
+
+
+@contextlib.contextmanager
+def _lane_slot() -> Iterator[int]:
+    """Hold a set of lanes that no other sync in this process uses meanwhile.
+
+    An all-reduce task blocks its lane until every replica has joined the
+    collective. Two replicas in one process (threads, as in torchft's
+    integration tests) would otherwise queue on the same ``comm`` lane, each
+    waiting for the other's collective behind its own: a deadlock. Slot 0 uses
+    the default lane names; slot k suffixes them with ``#k``.
+    """
+    with _slots_lock:
+        slot = next(i for i in itertools.count() if i not in _busy_slots)
+        _busy_slots.add(slot)
+    try:
+        yield slot
+    finally:
+        with _slots_lock:
+            _busy_slots.discard(slot)
+
+
+# -- argument checks ------------------------------------------------------------------
+def _check_flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"offload_averaged_parameters_to_cpu must be True or False, got {value!r}"
+        )
+    return value
+
+
+def _positive_int(name: str, value: Any, *, also: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        more = f" {also}" if also else ""
+        raise ConfigError(f"{name} must be a positive int (bytes){more}, got {value!r}")
+    return value
+
+
+def _show(given: dict[str, Any], keys: list[str]) -> str:
+    return ", ".join(f"{k}={given[k]!r}" for k in keys)

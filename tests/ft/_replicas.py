@@ -1,0 +1,97 @@
+"""Test helper: real torchft replicas (threads) behind a real Lighthouse, on gloo."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn, optim
+from torchft.coordination import LighthouseServer
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+import pipeoff.ft
+
+
+@dataclass
+class ReplicaRun:
+    """What one replica saw: its parameters after every sync, and every sync's trace."""
+
+    params_before_sync: list[list[torch.Tensor]] = field(default_factory=list)
+    params_after_sync: list[list[torch.Tensor]] = field(default_factory=list)
+    errors_reported: list[Exception] = field(default_factory=list)
+    traces: list[Any] = field(default_factory=list)
+    steps: int = 0
+
+
+def make_model(seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: int,
+             make: Callable[[int], nn.Module], barrier: threading.Barrier | None) -> ReplicaRun:
+    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    model = make(replica_id)  # distinct starting points: the average differs from both
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + replica_id)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=2,
+        load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=f"replica_{replica_id}", store_addr="localhost", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+        init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
+    )
+    out = ReplicaRun()
+    report = manager.report_error
+
+    def spy(e: Exception) -> None:
+        out.errors_reported.append(e)
+        report(e)
+
+    manager.report_error = spy  # type: ignore[method-assign]
+    # Registered before LocalSGD's hook, so it runs first: the local values a sync starts from.
+    opt.register_step_post_hook(lambda *_: out.params_before_sync.append(
+        [p.detach().clone() for p in model.parameters()]))
+    try:
+        with pipeoff.ft.LocalSGD(manager, model, opt, 1, **kwargs) as local_sgd:
+            for _ in range(syncs):
+                opt.zero_grad()
+                model(torch.randn(4, 16, generator=data)).pow(2).mean().backward()
+                opt.step()  # sync_every=1: the post hook syncs
+                out.params_after_sync.append([p.detach().clone() for p in model.parameters()])
+                out.traces.append(local_sgd.last_trace)
+                if barrier is not None:
+                    barrier.wait(timeout=60)
+        out.steps = manager.current_step()
+        return out
+    finally:
+        manager.shutdown(wait=False)
+
+
+def run_replicas(kwargs: dict[str, Any], *, syncs: int = 2,
+                 make: Callable[[int], nn.Module] = make_model,
+                 barrier: threading.Barrier | None = None) -> list[ReplicaRun]:
+    """Two replicas (threads), each with its own Manager and ProcessGroupGloo.
+
+    ``barrier``, if given, is waited on by both replicas after every sync.
+    """
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(_replica, i, lighthouse.address(), kwargs, syncs, make, barrier)
+                    for i in range(2)]
+            return [f.result(timeout=120) for f in futs]
+    finally:
+        lighthouse.shutdown()
