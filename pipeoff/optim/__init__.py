@@ -1,0 +1,20 @@
+"""pipeoff.optim: an optimizer whose state lives in host memory, stepped in pipelined chunks."""
+
+from __future__ import annotations
+
+from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
+from pipeoff.optim._update import ELEMENTWISE
+from pipeoff.optim.offload import OffloadOptimizer
+
+__all__ = [
+    # the optimizer
+    "OffloadOptimizer",
+    "ELEMENTWISE",
+    # chunk plans
+    "Chunk",
+    "ChunkPlan",
+    "ParamMeta",
+    "Segment",
+    "plan_chunks",
+    "planned_numel",
+]

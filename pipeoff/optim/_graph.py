@@ -1,0 +1,284 @@
+"""The task graph of one offload-optimizer step: per chunk H2D -> update -> D2H; the single pass."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff._errors import ConfigError
+from pipeoff.execution import Execution
+from pipeoff.executor import execute
+from pipeoff.graph import TaskContext, TaskGraph, TaskKind
+from pipeoff.optim import _update
+from pipeoff.optim._plan import ChunkPlan
+from pipeoff.optim._tensors import describe as _describe
+from pipeoff.optim._tensors import host_alloc
+from pipeoff.optim._tensors import local as _local
+from pipeoff.optim._tensors import snapshot as _snapshot
+from pipeoff.optim._tensors import wrap_like as _wrap_like
+from pipeoff.schedule import Schedule
+
+if TYPE_CHECKING:
+    from pipeoff.optim.offload import OffloadOptimizer
+
+__all__ = ["Step", "launch", "single_pass"]
+
+CUDA_TASK_WINDOW = 24  # tasks enqueued ahead on CUDA, so the launch queue never fills
+
+
+@dataclass(eq=False, slots=True)
+class Step:
+    """One launched step and what it must keep alive until it has run."""
+
+    execution: Execution
+    opt_tasks: tuple[str, ...]
+    """Per chunk, the task that writes its parameters."""
+    grads: dict[int, torch.Tensor]
+    """The captured local gradients, by parameter index (dropped as chunks finish)."""
+    restore: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """(param, grad) of the parameters not yet updated, to give grads back on failure."""
+    scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per parameter, the scalar state its last chunk produced, until committed."""
+    waited: set[int] = field(default_factory=set)
+    """Chunks the forward hooks have already waited for."""
+    hook_waits: list[tuple[str, int, int]] = field(default_factory=list)
+    """(name, start, end) of each forward-hook wait, ``perf_counter_ns``."""
+
+
+def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
+    """Capture grads, hyperparameters and state of ``opt``, build the step's graph, launch it.
+
+    Per chunk: ``h2d{k}`` stages the existing state slices, ``opt{k}`` updates the
+    parameter slices (:func:`~pipeoff.optim._update.step_chunk`), ``d2h{k}`` copies
+    the state back and, at a parameter's last chunk, commits its new state.
+
+    Returns:
+        The launched :class:`Step` (its execution may still be running).
+
+    Raises:
+        ConfigError: a sparse gradient, or a gradient on another device.
+    """
+    inner, params = opt.inner, opt._params
+    keys = opt._keys()
+    # Capture everything the chunks read, so that zero_grad(), a scheduler's
+    # step() or the next backward cannot change this step's math.
+    hyper = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
+             for g in inner.param_groups]
+    grads: dict[int, torch.Tensor] = {}
+    restore = {}
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse or getattr(g, "layout", torch.strided) != torch.strided:
+            raise ConfigError(f"{_describe(i, p)} has a sparse gradient; OffloadOptimizer "
+                              "supports dense gradients only")
+        lg = _local(g)
+        if lg.device != opt.device:
+            raise ConfigError(f"the gradient of {_describe(i, p)} is on {lg.device}, "
+                              f"not on the parameters' device {opt.device}")
+        grads[i] = lg.contiguous().view(-1)
+        restore[i] = (p, g)
+    present: dict[int, tuple[str, ...]] = {}
+    scalars: dict[int, dict[str, Any]] = {}
+    hosts: dict[int, dict[str, torch.Tensor]] = {}
+    missing: list[tuple[int, str]] = []
+    for i in grads:
+        p = params[i]
+        st = inner.state.get(p, {})
+        present[i] = tuple(k for k in keys[i] if st.get(k) is not None)
+        scalars[i] = {k: v for k, v in st.items() if k not in keys[i]}
+        hosts[i] = {k: _local(st[k]).view(-1) for k in present[i]}
+        missing += [(i, k) for k in keys[i] if k not in present[i]]
+    fresh = host_alloc([(_local(params[i]).shape, _local(params[i]).dtype)
+                        for i, _ in missing], opt.pin_memory)
+    new_state: dict[int, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    for (i, key), h in zip(missing, fresh):
+        hosts[i][key] = h.view(-1)
+        new_state[i][key] = _wrap_like(params[i], h)
+
+    graph = TaskGraph(device=opt.device)
+    opt_tasks = []
+    cuda = opt.device.type == "cuda"
+    st_obj = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
+                  restore=restore)
+    for chunk in plan.chunks:
+        k = chunk.index
+        segs = []
+        for s in chunk.segments:
+            if s.param not in grads:
+                continue
+            n_loc = _local(params[s.param]).numel()
+            lo, hi = min(s.lo, n_loc), min(s.hi, n_loc)
+            segs.append((s, lo, hi))
+        buf = graph.add_buffer(f"state{k}", chunk.nbytes) if chunk.nbytes and segs else None
+        deps: list[str] = []
+        if buf is not None:
+            graph.add_task(f"h2d{k}", TaskKind.H2D,
+                           _h2d_work(buf, segs, keys, present, hosts, params),
+                           buffers=[buf], nbytes=_moved(segs, present, params))
+            deps = [f"h2d{k}"]
+        upd = graph.add_task(
+            f"opt{k}", TaskKind.OPTIMIZER_CHUNK,
+            _opt_work(opt, k, buf, segs, keys, present, scalars, hyper, st_obj, cuda)
+            if segs else None,
+            deps=deps, buffers=[buf] if buf else [],
+            nbytes=sum((hi - lo) * _local(params[s.param]).element_size()
+                       for s, lo, hi in segs),
+        )
+        opt_tasks.append(upd)
+        if buf is not None:
+            graph.add_task(f"d2h{k}", TaskKind.D2H,
+                           _d2h_work(opt, k, buf, segs, keys, hosts, new_state, params,
+                                     st_obj),
+                           deps=[upd], buffers=[buf],
+                           nbytes=sum(len(keys[s.param]) * (hi - lo)
+                                      * _local(params[s.param]).element_size()
+                                      for s, lo, hi in segs))
+    budget = None
+    if plan.chunk_bytes is not None and plan.max_chunk_bytes:
+        budget = (opt.lookahead + 1) * plan.max_chunk_bytes
+    sched = Schedule.pipelined(device_budget_bytes=budget,
+                               lookahead=CUDA_TASK_WINDOW if cuda else None)
+    st_obj.execution = execute(graph, sched)
+    st_obj.opt_tasks = tuple(opt_tasks)
+    return st_obj
+
+
+def single_pass(opt: OffloadOptimizer, closure: Callable[[], float] | None) -> float | None:
+    """The legacy step: all state to the device, the wrapped ``step(closure)``, all state back.
+
+    Runs on the synchronous schedule (inline, on the caller's thread, so a
+    closure may run forward and backward). Returns the closure's loss.
+    """
+    inner, params, dev = opt.inner, opt._params, opt.device
+    moved: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor]] = []
+
+    def h2d(ctx: TaskContext) -> None:
+        for p in params:
+            st = inner.state.get(p)
+            if not st:
+                continue
+            for k, v in list(st.items()):
+                loc = _local(v) if isinstance(v, torch.Tensor) else None
+                if loc is None or k == "step" or loc.shape != _local(p).shape:
+                    continue
+                d = torch.empty_like(loc, device=dev)
+                # Hazard: none; the host copy is pinned and kept alive in `moved`.
+                d.copy_(loc, non_blocking=True)
+                moved.append((p, k, loc, d))
+                st[k] = _wrap_like(p, d)
+
+    def update(ctx: TaskContext) -> Any:
+        with torch.enable_grad() if closure is not None else contextlib.nullcontext():
+            return inner.step(closure)
+
+    def d2h(ctx: TaskContext) -> None:
+        for p, k, host, _ in moved:
+            host.copy_(_local(inner.state[p][k]))
+            inner.state[p][k] = _wrap_like(p, host)
+        opt._offload_state()  # state a first step created on the device
+
+    graph = TaskGraph(device=dev)
+    graph.add_task("h2d", TaskKind.H2D, h2d)
+    graph.add_task("opt", TaskKind.OPTIMIZER_CHUNK, update, deps=["h2d"])
+    graph.add_task("d2h", TaskKind.D2H, d2h, deps=["opt"])
+    ex = execute(graph, Schedule.synchronous())
+    opt._last = ex
+    opt._last_waits = []
+    ex.wait()
+    return ex.result("opt")  # type: ignore[no-any-return]
+
+
+def _moved(segs: Sequence[Any], present: dict[int, tuple[str, ...]],
+           params: Sequence[torch.Tensor]) -> int:
+    return sum(len(present[s.param]) * (hi - lo) * _local(params[s.param]).element_size()
+               for s, lo, hi in segs)
+
+
+def _slot(ctx: TaskContext, buf: str, s: Any, j: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    off = s.offset + j * s.slot_bytes
+    return ctx.buffer(buf)[off:off + n * dtype.itemsize].view(dtype)
+
+
+def _h2d_work(buf: str, segs: Sequence[Any], keys: Sequence[tuple[str, ...]],
+              present: dict[int, tuple[str, ...]], hosts: dict[int, dict[str, torch.Tensor]],
+              params: Sequence[torch.Tensor]) -> Callable[[TaskContext], None]:
+    def work(ctx: TaskContext) -> None:
+        for s, lo, hi in segs:
+            dtype = _local(params[s.param]).dtype
+            for j, k in enumerate(keys[s.param]):
+                if k in present[s.param]:
+                    # Hazard: none; the source is pinned host state that only this
+                    # step's own D2H (ordered after it) writes.
+                    _slot(ctx, buf, s, j, hi - lo, dtype).copy_(hosts[s.param][k][lo:hi],
+                                                                non_blocking=True)
+    return work
+
+
+def _opt_work(opt: OffloadOptimizer, k: int, buf: str | None, segs: Sequence[Any],
+              keys: Sequence[tuple[str, ...]], present: dict[int, tuple[str, ...]],
+              scalars: dict[int, dict[str, Any]], hyper: Sequence[dict[str, Any]],
+              step: Step, cuda: bool) -> Callable[[TaskContext], None]:
+    def work(ctx: TaskContext) -> None:
+        params = opt._params
+        groups: dict[int, _update.ChunkGroup] = {}
+        mine: list[tuple[int, dict[str, Any]]] = []
+        for s, lo, hi in segs:
+            i = s.param
+            p = _local(params[i]).detach()
+            gi = opt._group_of[i]
+            cg = groups.get(gi)
+            if cg is None:
+                cg = groups[gi] = _update.ChunkGroup(hyper=hyper[gi], params=[], grads=[],
+                                                     staged=[], present=[], scalars=[])
+            dtype = p.dtype
+            staged = {key: _slot(ctx, buf, s, j, hi - lo, dtype)
+                      for j, key in enumerate(keys[i])} if buf is not None else {}
+            sc = {key: (v.clone() if isinstance(v, torch.Tensor) else v)
+                  for key, v in scalars[i].items()}
+            cg.params.append(p.view(-1)[lo:hi])  # type: ignore[attr-defined]
+            cg.grads.append(step.grads[i][lo:hi])  # type: ignore[attr-defined]
+            cg.staged.append(staged)  # type: ignore[attr-defined]
+            cg.present.append(present[i])  # type: ignore[attr-defined]
+            cg.scalars.append(sc)  # type: ignore[attr-defined]
+            if opt._last_chunk[i] == k:
+                mine.append((i, sc))
+        _update.step_chunk(opt._shadows[k], [groups[g] for g in sorted(groups)])
+        for i, sc in mine:
+            step.scalars[i] = sc
+            if buf is None:  # nothing to copy out: commit now
+                opt.inner.state[params[i]].update(step.scalars.pop(i))
+            step.restore.pop(i, None)
+            g = step.grads.pop(i, None)
+            if g is not None and cuda:
+                # Hazard: the caching allocator handing this grad's memory to new
+                # work once the user drops it, while this lane still reads it.
+                g.record_stream(ctx.stream)
+    return work
+
+
+def _d2h_work(opt: OffloadOptimizer, k: int, buf: str, segs: Sequence[Any],
+              keys: Sequence[tuple[str, ...]], hosts: dict[int, dict[str, torch.Tensor]],
+              new_state: dict[int, dict[str, torch.Tensor]],
+              params: Sequence[torch.Tensor], step: Step) -> Callable[[TaskContext], None]:
+    def work(ctx: TaskContext) -> None:
+        for s, lo, hi in segs:
+            dtype = _local(params[s.param]).dtype
+            for j, key in enumerate(keys[s.param]):
+                # Hazard: host readers (state_dict, the next step) see this copy
+                # only after waiting for the execution.
+                hosts[s.param][key][lo:hi].copy_(_slot(ctx, buf, s, j, hi - lo, dtype),
+                                                 non_blocking=True)
+            if opt._last_chunk[s.param] == k:
+                # Commit the parameter's state in one go once all of it is written,
+                # so a failed step never leaves a half-initialized entry.
+                st = opt.inner.state[params[s.param]]
+                st.update(step.scalars.pop(s.param, {}))
+                st.update(new_state.get(s.param, {}))
+    return work

@@ -1,0 +1,155 @@
+"""The chunk update: a pure function stepping parameter slices with the wrapped optimizer's math.
+
+Each chunk owns a private *shadow* optimizer of the wrapped optimizer's class.
+Its param groups hold flat slice views of the parameters, with slice views of
+the gradients and of the staged state, and the group hyperparameters captured
+at ``step()`` time. Stepping it runs the wrapped optimizer's own kernels, so
+for element-wise optimizers the result is bitwise what a full step gives. The
+wrapped optimizer's param groups are never touched, so the main thread (an LR
+scheduler, ``zero_grad``) can use them while chunks run.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeoff._errors import UnsupportedOptimizerError
+
+__all__ = ["ELEMENTWISE", "ChunkGroup", "make_shadow", "state_keys", "step_chunk"]
+
+
+def _adam_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+
+
+def _sgd_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("momentum_buffer",) if group.get("momentum", 0) != 0 else ()
+
+
+def _rmsprop_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
+    return (
+        ("square_avg",)
+        + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
+        + (("grad_avg",) if group.get("centered") else ())
+    )
+
+
+_Keys = Callable[[Mapping[str, Any]], tuple[str, ...]]
+
+ELEMENTWISE: Mapping[type[torch.optim.Optimizer], _Keys] = {
+    torch.optim.Adam: _adam_keys,
+    torch.optim.AdamW: _adam_keys,
+    torch.optim.SGD: _sgd_keys,
+    torch.optim.Adagrad: lambda g: ("sum",),
+    torch.optim.RMSprop: _rmsprop_keys,
+}
+"""Optimizers whose update of each element reads only that element's parameter,
+gradient and state, by exact class, with the per-element state keys a param
+group gives them. Everything else in their state (``step``) is a scalar."""
+
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def check_elementwise(opt: torch.optim.Optimizer, mode: str) -> None:
+    """Raise :class:`UnsupportedOptimizerError` unless ``opt`` can be stepped in chunks."""
+    if type(opt) not in ELEMENTWISE:
+        names = ", ".join(f"torch.optim.{t.__name__}" for t in ELEMENTWISE)
+        raise UnsupportedOptimizerError(
+            f"mode={mode!r} steps the optimizer in chunks of flat parameter slices, which is "
+            f"only exact for element-wise optimizers ({names}); {type(opt).__qualname__} is "
+            "not one of them. Use mode='single_pass' for it."
+        )
+
+
+def state_keys(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-element state keys ``opt`` keeps for parameters of ``group``."""
+    return ELEMENTWISE[type(opt)](group)
+
+
+def make_shadow(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A parameter-less optimizer of ``opt``'s class and defaults, for one chunk.
+
+    It is built without ``__init__`` (which insists on parameters) and has no
+    hooks: a chunk step must not fire the user's step hooks once per chunk.
+    """
+    shadow = type(opt).__new__(type(opt))
+    shadow.__dict__["defaults"] = opt.defaults
+    shadow.__dict__["state"] = collections.defaultdict(dict)
+    shadow.__dict__["param_groups"] = []
+    for name in _HOOK_DICTS:
+        shadow.__dict__[name] = collections.OrderedDict()
+    return shadow
+
+
+@dataclass(slots=True)
+class ChunkGroup:
+    """The slices of one param group inside a chunk, ready to step."""
+
+    hyper: Mapping[str, Any]
+    """The group's hyperparameters, captured at ``step()`` time."""
+    params: Sequence[torch.Tensor]
+    """Flat slice views of the parameters (local shards), updated in place."""
+    grads: Sequence[torch.Tensor]
+    """The matching gradient slices."""
+    staged: Sequence[dict[str, torch.Tensor]]
+    """Per slice, its per-element state as views of the staging buffer."""
+    present: Sequence[tuple[str, ...]]
+    """Per slice, the per-element keys that exist already (the others are created)."""
+    scalars: Sequence[dict[str, Any]]
+    """Per slice, the other state entries (``step``), private copies."""
+
+
+def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> None:
+    """Apply one optimizer step to the slices in ``groups``; pure math, no bookkeeping.
+
+    Per-element state that the optimizer creates on a first step is copied into
+    the staging views, so ``staged`` always holds the result. ``scalars`` are
+    updated in place with the entries the step leaves (an incremented ``step``).
+    """
+    shadow.param_groups = [
+        {**g.hyper, "params": list(g.params)} for g in groups if g.params
+    ]
+    state: collections.defaultdict[torch.Tensor, dict[str, Any]] = collections.defaultdict(dict)
+    for g in groups:
+        for v, grad, staged, present, scalars in zip(
+            g.params, g.grads, g.staged, g.present, g.scalars
+        ):
+            v.grad = grad
+            st = dict(scalars)
+            st.update({k: staged[k] for k in present})
+            state[v] = st
+    shadow.state = state
+    step = type(shadow).step
+    # The class's step is wrapped by torch.optim's hook machinery; call the body.
+    body = step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+    try:
+        body(shadow)
+        for g in groups:
+            for v, staged, scalars in zip(g.params, g.staged, g.scalars):
+                after = state[v]
+                for k, t in staged.items():
+                    new = after.get(k)
+                    if new is not None and new is not t:
+                        t.copy_(new)  # first step: the optimizer allocated it
+                for k, val in after.items():
+                    if k not in staged:
+                        scalars[k] = val
+    finally:
+        for g in groups:
+            for v in g.params:
+                v.grad = None
+        shadow.state = collections.defaultdict(dict)
+        shadow.param_groups = []
+

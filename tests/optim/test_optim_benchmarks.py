@@ -1,0 +1,29 @@
+"""The optimizer benchmarks stay runnable: CPU in a tiny size; the GPU one refuses cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_cpu_benchmark_tiny() -> None:
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "bench_optimizer.py"), "--layers", "2", "--width", "64",
+         "--batch", "4", "--chunk-mb", "0.01", "--iters", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for variant in ("plain AdamW", "single_pass", "chunked", "overlap"):
+        assert variant in res.stdout
+
+
+def test_gpu_benchmark_refuses_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        return
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_optimizer.py"), "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr

@@ -1,0 +1,100 @@
+"""Bad input gets a specific pipeoff error naming the culprit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_offload import make_net  # type: ignore[import-not-found]
+from torch import nn
+
+import pipeoff
+from pipeoff.optim import OffloadOptimizer
+
+
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_closure_refused_in_chunked_modes(mode: str) -> None:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode=mode)
+    with pytest.raises(pipeoff.ConfigError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_sparse_grads_refused() -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = OffloadOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), mode="chunked")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(pipeoff.ConfigError, match=r"parameter 0 \(shape \(10, 4\).*sparse"):
+        opt.step()
+
+
+def test_mixed_devices_refused() -> None:
+    a = nn.Parameter(torch.zeros(3))
+    b = nn.Parameter(torch.zeros(5, device="meta"))
+    with pytest.raises(pipeoff.ConfigError, match=r"parameter 1 \(shape \(5,\).*meta"):
+        OffloadOptimizer(torch.optim.AdamW([a, b]), mode="chunked")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1MB"])
+def test_bad_chunk_bytes(bad: object) -> None:
+    with pytest.raises(pipeoff.ConfigError, match="chunk_bytes"):
+        OffloadOptimizer(torch.optim.AdamW(make_net().parameters()), chunk_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_bad_mode() -> None:
+    with pytest.raises(pipeoff.ConfigError, match="mode"):
+        OffloadOptimizer(torch.optim.AdamW(make_net().parameters()), mode="async")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_non_elementwise_optimizer_refused_outside_single_pass(mode: str) -> None:
+    with pytest.raises(pipeoff.UnsupportedOptimizerError, match="LBFGS.*single_pass"):
+        OffloadOptimizer(torch.optim.LBFGS(make_net().parameters()), mode=mode)
+
+
+def test_non_elementwise_optimizer_runs_in_single_pass_with_closure() -> None:
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.LBFGS(nets[0].parameters(), lr=0.5, history_size=3, max_iter=4),
+            OffloadOptimizer(torch.optim.LBFGS(nets[1].parameters(), lr=0.5, history_size=3,
+                                               max_iter=4), mode="single_pass")]
+    losses = []
+    for net, opt in zip(nets, opts):
+        def closure(net: nn.Module = net, opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+            opt.zero_grad()
+            loss = net(x, 1).pow(2).mean()
+            loss.backward()
+            return loss
+        losses.append([float(opt.step(closure).detach()) for _ in range(3)])
+    assert losses[0] == losses[1]
+    for p, q in zip(*(n.parameters() for n in nets)):
+        assert torch.equal(p, q)
+
+
+def test_attach_refuses_a_model_that_does_not_own_the_params() -> None:
+    net, other = make_net(), make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap")
+    msg = r"parameter 0 \(shape \(40, 8\).*not a parameter of the Net"
+    with pytest.raises(pipeoff.ConfigError, match=msg):
+        opt.attach(other)
+
+
+def test_wrapping_twice_refused() -> None:
+    opt = OffloadOptimizer(torch.optim.AdamW(make_net().parameters()))
+    with pytest.raises(pipeoff.ConfigError, match="optimizer"):
+        OffloadOptimizer(opt)  # type: ignore[arg-type]
+
+
+def test_is_an_optimizer_for_schedulers_and_hooks() -> None:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1.0), mode="overlap")
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is opt.inner.param_groups
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    net(torch.randn(2, 8), 1).sum().backward()
+    opt.step()
+    sched.step()
+    assert calls == [opt]
+    assert opt.inner.param_groups[0]["lr"] == 0.5
+    opt.wait_for_step()

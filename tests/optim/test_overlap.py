@@ -1,0 +1,200 @@
+"""Overlap mode under provoked races: forward waits, captured grads and hyperparameters."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from test_offload import batches, make_net  # type: ignore[import-not-found]
+
+import pipeoff
+import pipeoff.testing
+from pipeoff.optim import OffloadOptimizer
+
+DELAY = 0.02  # per chunk on the compute lane: every chunk finishes well after step() returns
+
+
+def reference(steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    net = make_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    outs = []
+    for x in batches(steps):
+        y = net(x, 1)
+        outs.append(y.detach().clone())
+        y.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return outs, [p.detach().clone() for p in net.parameters()]
+
+
+def overlapped(steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor], OffloadOptimizer]:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+                           mode="overlap", chunk_bytes=256)
+    opt.attach(net)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    outs = []
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        for x in batches(steps):
+            y = net(x, 1)
+            outs.append(y.detach().clone())
+            y.pow(2).mean().backward()
+            opt.step()
+            assert not opt.last_execution.done()  # type: ignore[union-attr]
+            # While the chunks are pending: none of this may change the step's math.
+            opt.zero_grad()
+            sched.step()
+        opt.wait_for_step()
+    return outs, [p.detach().clone() for p in net.parameters()], opt
+
+
+def test_overlap_forward_waits_make_it_exact() -> None:
+    ref_out, ref_params = reference(4)
+    out, params, _ = overlapped(4)
+    for a, b in zip(ref_out, out):
+        assert torch.equal(a, b)
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
+
+
+def test_without_forward_waits_the_forward_reads_stale_params() -> None:
+    """The control: the same race without attach() gives different numbers."""
+    ref_out, _ = reference(2)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+                           mode="overlap", chunk_bytes=256)
+    x0, x1 = batches(2)
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        net(x0, 1).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            stale = net(x1, 1)
+        opt.wait_for_step()
+    assert not torch.equal(stale, ref_out[1])
+    with torch.no_grad():
+        assert torch.equal(net(x1, 1), ref_out[1])  # after the wait it is right
+
+
+def test_a_module_waits_only_for_its_own_chunks() -> None:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap", chunk_bytes=256)
+    opt.attach(net)
+    x = batches(1)[0]
+    net(x, 1).sum().backward()
+    ex = None
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        opt.step()
+        ex = opt.last_execution
+        assert ex is not None
+        with torch.no_grad():
+            net.a(x)  # waits for net.a's chunks, which come first
+        assert not ex.done()  # net.b's and net.side's chunks are still pending
+        opt.wait_for_step()
+    assert ex.done()
+
+
+def test_state_dict_and_next_step_wait_for_the_step_in_flight() -> None:
+    net = make_net()
+    ref = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap", chunk_bytes=256)
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    x = batches(1)[0]
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        for m, o in ((net, opt), (ref, ref_opt)):
+            m(x, 1).sum().backward()
+            o.step()
+        sd = opt.state_dict()
+    ref_sd = ref_opt.state_dict()
+    for k, st in ref_sd["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, sd["state"][k][key])
+
+
+def test_chunk_failure_surfaces_in_forward_hook_and_nothing_hangs() -> None:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap", chunk_bytes=256)
+    opt.attach(net)
+    x = batches(1)[0]
+    net(x, 1).sum().backward()
+    with pipeoff.testing.fail_task("opt3", RuntimeError("boom in chunk")):
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="boom in chunk") as info:
+            net(x, 1)
+    assert "opt3" in "".join(traceback.format_exception(info.value))
+    # The grads of parameters whose chunks did not run are given back.
+    assert net.b.weight.grad is not None
+    assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0
+    opt.wait_for_step()  # the failure was reported once; nothing is left in flight
+    opt.zero_grad()
+    net(x, 1).sum().backward()
+    opt.step()
+    opt.wait_for_step()
+
+
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_chunk_failure_surfaces_at_wait_or_step(mode: str) -> None:
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode=mode, chunk_bytes=256)
+    x = batches(1)[0]
+    net(x, 1).sum().backward()
+    with pipeoff.testing.fail_task("d2h2", ValueError("lost the link")):
+        if mode == "chunked":
+            with pytest.raises(ValueError, match="lost the link"):
+                opt.step()
+        else:
+            opt.step()
+            with pytest.raises(ValueError, match="lost the link"):
+                opt.step()  # the next step reports the previous one's failure
+    assert all(p.grad is not None for p in net.parameters())
+    assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0
+    opt.step()
+    opt.wait_for_step()
+
+
+def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads() -> None:
+    ref_out, ref_params = reference(1)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+                           mode="overlap", chunk_bytes=256)
+    x = batches(1)[0]
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        net(x, 1).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # zeroes in place: must wait first
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in net.parameters())
+    for a, b in zip(ref_params, net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_parameters_read_without_calling_their_module_are_waited_for() -> None:
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
+
+    def run(overlap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        inner = torch.optim.AdamW(attn.parameters(), lr=1e-2)
+        opt = OffloadOptimizer(inner, mode="overlap", chunk_bytes=64) if overlap else inner
+        if overlap:
+            opt.attach(attn)  # type: ignore[union-attr]
+        outs = []
+        gen = torch.Generator().manual_seed(1)
+        with pipeoff.testing.delay_lane("compute", DELAY if overlap else 0.0):
+            for _ in range(3):
+                x = torch.randn(2, 5, 16, generator=gen)
+                y, _ = attn(x, x, x)
+                outs.append(y.detach().clone())
+                y.pow(2).mean().backward()  # autograd also checks nothing changed underneath
+                opt.step()
+                opt.zero_grad()
+            if overlap:
+                opt.wait_for_step()  # type: ignore[union-attr]
+        return outs, [p.detach().clone() for p in attn.parameters()]
+
+    ref_out, ref_params = run(False)
+    out, params = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
