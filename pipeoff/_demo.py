@@ -1,68 +1,241 @@
-"""``pipeoff demo``: the same offload graph run synchronously and pipelined, side by side."""
+"""``pipeoff demo``: two torchft replicas train with the overlap optimizer and pipelined LocalSGD.
+
+A small transformer language model trains for a few steps in two replica
+processes that find each other through a torchft Lighthouse started here.
+Each replica wraps AdamW in ``OffloadOptimizer(mode="overlap")`` and syncs
+with ``pipeoff.ft.LocalSGD(..., offload_averaged_parameters_to_cpu=True)``.
+The run happens twice, once with ``schedule="sync"`` (RFC 0003's sequential
+path) and once with ``schedule="pipelined"``, so the two can be compared.
+Replica 0 records each run with ``pipeoff.trace.record``.
+"""
 
 from __future__ import annotations
 
+import math
+import multiprocessing as mp
+import queue
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-import torch
+_FT_MISSING = (
+    "pipeoff demo needs torchft (the LocalSGD half of the demo runs on it).\n"
+    "Install it with:  pip install 'pipeoff[ft]'   (or: pip install 'torchft>=0.2')"
+)
 
-import pipeoff
-from pipeoff import Schedule, TaskGraph, TaskKind
+
+def _model(vocab: int, dim: int, layers: int) -> Any:
+    import torch
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0,
+                                           batch_first=True)
+                for _ in range(layers)
+            )
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+            for block in self.blocks:
+                x = block(x, src_mask=mask, is_causal=True)
+            return self.head(x)
+
+    return TinyLM()
 
 
-def build_offload_graph(
-    host_state: list[torch.Tensor], grads: list[torch.Tensor], chunk_budget: int
-) -> TaskGraph:
-    """An offloaded momentum-SGD step: per chunk, H2D the state, update it, D2H it back."""
-    g = TaskGraph()
-    for k, (state, grad) in enumerate(zip(host_state, grads)):
-        nbytes = state.numel() * state.element_size()
-        buf = g.add_buffer(f"state{k}", nbytes, where="device")
+def _replica(replica_id: int, lighthouse: str, schedule: str, cfg: dict[str, Any],
+             out: str, events: Any) -> None:
+    """One replica process: train ``cfg['steps']`` steps, report progress on ``events``."""
+    try:
+        import logging
+        import warnings
 
-        def h2d(ctx: pipeoff.TaskContext, state: torch.Tensor = state, buf: str = buf) -> None:
-            ctx.buffer(buf, state.dtype).copy_(state)
+        # The demo prints its own progress; keep torchft's and pipeoff's
+        # per-replica chatter out of it (the parent says what matters once).
+        logging.getLogger("torchft").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="pipeoff: pinned host memory")
 
-        def update(ctx: pipeoff.TaskContext, grad: torch.Tensor = grad, buf: str = buf) -> None:
-            m = ctx.buffer(buf, grad.dtype)
-            m.mul_(0.9).add_(grad)
-            torch.tanh(m)  # stand-in for more optimizer math
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
 
-        def d2h(ctx: pipeoff.TaskContext, state: torch.Tensor = state, buf: str = buf) -> None:
-            state.copy_(ctx.buffer(buf, state.dtype))
+        import pipeoff
+        from pipeoff.ft import LocalSGD
+        from pipeoff.optim import OffloadOptimizer
 
-        g.add_task(f"h2d:{k}", TaskKind.H2D, h2d, buffers=[buf], nbytes=nbytes)
-        g.add_task(f"update:{k}", TaskKind.OPTIMIZER_CHUNK, update, deps=[f"h2d:{k}"],
-                   buffers=[buf], nbytes=nbytes)
-        g.add_task(f"d2h:{k}", TaskKind.D2H, d2h, deps=[f"update:{k}"], buffers=[buf],
-                   nbytes=nbytes)
-    return g
+        torch.set_num_threads(1)  # two replicas share the demo machine's cores
+        torch.manual_seed(0)  # same initial weights on both replicas
+        model = _model(cfg["vocab"], cfg["dim"], cfg["layers"])
+        gen = torch.Generator().manual_seed(1000 + replica_id)  # different data per replica
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=2,
+            load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+            state_dict=lambda: {"model": model.state_dict()},
+            replica_id=f"demo_{schedule}_{replica_id}", store_addr="localhost",
+            store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            use_async_quorum=False, init_sync=False, timeout=timedelta(seconds=30),
+            quorum_timeout=timedelta(seconds=60),
+        )
+        opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), mode="overlap",
+                               chunk_bytes=cfg["chunk_bytes"])
+        opt.attach(model)
+        sync_ms: list[float] = []
+        sync_peak = 0
+        trace_path = Path(out) / f"trace-{schedule}.json" if replica_id == 0 else None
+        with pipeoff.trace.record(trace_path, replica_id=replica_id, schedule=schedule), \
+                LocalSGD(manager, model, opt, cfg["sync_every"], True, schedule=schedule,
+                         bucket_bytes=cfg["bucket_bytes"],
+                         device_budget_bytes=cfg["device_budget_bytes"]
+                         if schedule == "pipelined" else None) as local_sgd:
+            for step in range(cfg["steps"]):
+                tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1),
+                                       generator=gen)
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]),
+                                       tokens[:, 1:].reshape(-1))
+                loss.backward()
+                loss_value = loss.item()
+                t0 = time.perf_counter()
+                opt.step()  # returns at once; LocalSGD's hook may sync right after
+                took = (time.perf_counter() - t0) * 1e3
+                opt.zero_grad()
+                synced = (step + 1) % cfg["sync_every"] == 0
+                if synced and local_sgd.last_trace is not None:
+                    sync_ms.append(local_sgd.last_trace.makespan_ns() / 1e6)
+                    sync_peak = max(sync_peak, local_sgd.last_trace.summary()
+                                    .peak_device_staging_bytes)
+                events.put(("step", replica_id, schedule, step, loss_value, took, synced))
+            opt.wait_for_step()
+        events.put(("done", replica_id, schedule, (sync_ms, sync_peak)))
+        manager.shutdown(wait=False)
+    except BaseException as err:  # noqa: BLE001 - the parent reports it and exits non-zero
+        import traceback
+
+        events.put(("error", replica_id, schedule, "".join(traceback.format_exception(err))))
+
+
+def _run_phase(schedule: str, cfg: dict[str, Any], out: Path) -> tuple[list[float], int]:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    procs = [ctx.Process(target=_replica, args=(r, lighthouse.address(), schedule, cfg,
+                                                str(out), events), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    done: dict[int, tuple[list[float], int]] = {}
+    deadline = time.monotonic() + cfg["timeout_s"]
+    try:
+        while len(done) < 2:
+            try:
+                ev = events.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"the {schedule} run timed out after {cfg['timeout_s']} s")
+            kind, rid = ev[0], ev[1]
+            if kind == "step":
+                _, _, _, step, loss, took, synced = ev
+                if rid == 0:
+                    mark = "  <- LocalSGD sync" if synced else ""
+                    print(f"  [{schedule:>9}] step {step + 1}/{cfg['steps']}  loss {loss:.3f}"
+                          f"  step() returned in {took:.1f} ms{mark}", flush=True)
+            elif kind == "done":
+                done[rid] = ev[3]
+            else:
+                raise RuntimeError(f"replica {rid} failed in the {schedule} run:\n{ev[3]}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    return done[0]
 
 
 def run_demo(out: Path, quick: bool = False) -> int:
-    torch.manual_seed(0)
-    chunks, numel = (6, 1 << 18) if quick else (16, 1 << 21)
-    host_state = [torch.zeros(numel) for _ in range(chunks)]
-    grads = [torch.randn(numel) for _ in range(chunks)]
-    chunk_bytes = numel * 4
-    budget = 3 * chunk_bytes
-    print(f"pipeoff demo: {chunks} chunks of {chunk_bytes / 2**20:.1f} MiB optimizer state, "
-          f"device staging budget {budget / 2**20:.1f} MiB")
-    results = {}
-    for label, sched in (
-        ("synchronous", Schedule.synchronous()),
-        ("pipelined", Schedule.pipelined(device_budget_bytes=budget)),
-    ):
-        g = build_offload_graph(host_state, grads, budget)
-        t0 = time.perf_counter()
-        ex = pipeoff.execute(g, sched)
-        ex.wait()
-        results[label] = (time.perf_counter() - t0, ex.trace)
-        print(f"  {label:<12} {results[label][0] * 1e3:8.1f} ms")
+    import os
+
+    # torchft's Rust lighthouse and manager log every quorum at INFO; the demo
+    # prints its own progress. Set before torchft loads its extension.
+    os.environ.setdefault("RUST_LOG", "error")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        print(_FT_MISSING, file=sys.stderr)
+        return 2
+    import pipeoff
+    from pipeoff.trace import Trace
+    from pipeoff.trace._plot import plot
+
+    cfg: dict[str, Any] = dict(
+        vocab=512, dim=128, layers=2 if quick else 4, batch=8, seq=32,
+        steps=4 if quick else 12, sync_every=2, chunk_bytes=256 << 10,
+        bucket_bytes=256 << 10, device_budget_bytes=512 << 10, timeout_s=300,
+    )
+    model = _model(cfg["vocab"], cfg["dim"], cfg["layers"])
+    nparams = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
-    path = results["pipelined"][1].save(out / "trace.json")
-    ratio = results["pipelined"][0] / results["synchronous"][0]
-    print(f"pipelined / synchronous wall time: {ratio:.2f}x")
-    print(f"\ntrace written to {path}; summary:\n")
-    print(pipeoff.Trace.load(path).summary().format())
+    print(f"pipeoff demo: a {nparams / 1e6:.1f}M-parameter transformer, 2 torchft replicas "
+          f"(processes, gloo), {cfg['steps']} steps, LocalSGD every {cfg['sync_every']}")
+    print("  optimizer: OffloadOptimizer(AdamW, mode='overlap', chunk_bytes="
+          f"{cfg['chunk_bytes'] >> 10} KiB); state kept on the host")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("  (CPU-only torch: no pinned memory, so host staging is ordinary memory,\n"
+              "   and 'device' staging is host memory too; the graphs are the same)")
+    print("  LocalSGD:  offload_averaged_parameters_to_cpu=True, "
+          f"{cfg['bucket_bytes'] >> 10} KiB buckets, device budget "
+          f"{cfg['device_budget_bytes'] >> 10} KiB\n")
+    sync_ms = {}
+    for schedule in ("sync", "pipelined"):
+        label = "RFC 0003 sequential" if schedule == "sync" else "pipeoff pipelined"
+        print(f"run {1 if schedule == 'sync' else 2}/2: LocalSGD schedule='{schedule}' ({label})")
+        sync_ms[schedule] = _run_phase(schedule, cfg, out)
+    trace_path = out / "trace.json"
+    trace = Trace.load(out / "trace-pipelined.json")
+    trace.save(trace_path)
+    png = plot(trace, out / "trace.png")
+    sync_trace = Trace.load(out / "trace-sync.json")
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else math.nan
+
+    a, b = sync_trace.summary(), trace.summary()
+    (sync_times, sync_peak), (pipe_times, pipe_peak) = sync_ms["sync"], sync_ms["pipelined"]
+    print("\n=== LocalSGD schedule='sync' vs 'pipelined' (replica 0, measured in this run) ===")
+    print(f"{'':<40} {'sync':>10} {'pipelined':>10} {'ratio':>7}")
+    rows = [
+        ("mean LocalSGD sync time (ms)", mean(sync_times), mean(pipe_times)),
+        ("LocalSGD peak device staging (KiB)", sync_peak / 1024, pipe_peak / 1024),
+        ("whole run: peak device staging (KiB)", a.peak_device_staging_bytes / 1024,
+         b.peak_device_staging_bytes / 1024),
+        ("whole run: peak host staging (KiB)", a.peak_host_staging_bytes / 1024,
+         b.peak_host_staging_bytes / 1024),
+        ("whole run: forward-hook waits (ms)", a.hook_wait_total_us / 1e3,
+         b.hook_wait_total_us / 1e3),
+    ]
+    for name, x, y in rows:
+        ratio = f"{y / x:.2f}x" if x else "n/a"
+        print(f"{name:<40} {x:>10.2f} {y:>10.2f} {ratio:>7}")
+    print(f"(LocalSGD device budget {cfg['device_budget_bytes'] >> 10} KiB; the whole run also "
+          f"holds the optimizer's (lookahead+1) x {cfg['chunk_bytes'] >> 10} KiB chunks)")
+    print(f"\ntrace: {trace_path}   plot: {png}")
+    print("  (open the JSON in https://ui.perfetto.dev, or run `pipeoff trace summary`,\n"
+          "   `pipeoff trace diff`, `pipeoff trace plot` on it)\n")
+    print("=== summary of the pipelined run (pipeoff trace summary) ===")
+    print(b.format())
+    _ = pipeoff
     return 0
