@@ -26,7 +26,7 @@ _FT_MISSING = (
 )
 
 
-def _model(vocab: int, dim: int, layers: int) -> Any:
+def _model(vocab: int, dim: int, layers: int) -> Any:  # an nn.Module; torch loads lazily
     import torch
     from torch import nn
 
@@ -46,7 +46,8 @@ def _model(vocab: int, dim: int, layers: int) -> Any:
             mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
             for block in self.blocks:
                 x = block(x, src_mask=mask, is_causal=True)
-            return self.head(x)
+            out: torch.Tensor = self.head(x)
+            return out
 
     return TinyLM()
 
@@ -77,7 +78,8 @@ def _replica(replica_id: int, lighthouse: str, schedule: str, cfg: dict[str, Any
         torch.manual_seed(0)  # same initial weights on both replicas
         model = _model(cfg["vocab"], cfg["dim"], cfg["layers"])
         gen = torch.Generator().manual_seed(1000 + replica_id)  # different data per replica
-        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "localhost", 0, is_master=True, wait_for_workers=False)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=2,
             load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
@@ -94,7 +96,8 @@ def _replica(replica_id: int, lighthouse: str, schedule: str, cfg: dict[str, Any
         sync_peak = 0
         trace_path = Path(out) / f"trace-{schedule}.json" if replica_id == 0 else None
         with pipeoff.trace.record(trace_path, replica_id=replica_id, schedule=schedule), \
-                LocalSGD(manager, model, opt, cfg["sync_every"], True, schedule=schedule,
+                LocalSGD(manager, model, opt, cfg["sync_every"], True,
+                         schedule=schedule,  # type: ignore[arg-type]
                          bucket_bytes=cfg["bucket_bytes"],
                          device_budget_bytes=cfg["device_budget_bytes"]
                          if schedule == "pipelined" else None) as local_sgd:
@@ -143,7 +146,8 @@ def _run_phase(schedule: str, cfg: dict[str, Any], out: Path) -> tuple[list[floa
             try:
                 ev = events.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(f"the {schedule} run timed out after {cfg['timeout_s']} s")
+                raise RuntimeError(
+                    f"the {schedule} run timed out after {cfg['timeout_s']} s") from None
             kind, rid = ev[0], ev[1]
             if kind == "step":
                 _, _, _, step, loss, took, synced = ev

@@ -5,7 +5,9 @@ real backends, and the host issues tasks in plan order paying a launch
 overhead each (with ``lookahead``, task *i* is issued only after task
 *i - lookahead* finished). Copies are simulated as fluids: a copy's rate
 changes when a copy in the other direction starts or ends, which is how
-bidirectional contention slows both. Task ``work`` is never called.
+bidirectional contention slows both; optimizer chunks and copies can be set
+to slow each other too (they share memory bandwidth on a CPU). Task ``work``
+is never called.
 """
 
 from __future__ import annotations
@@ -30,18 +32,33 @@ class SimBackend(HostBackend):
     def __init__(self, cost_model: CostModel) -> None:
         self.cost = cost_model
 
-    def fixed_seconds(self, run: Run, i: int) -> float:
-        """Duration of a task that is not a host-link copy."""
+    def full_speed_seconds(self, run: Run, i: int) -> float:
+        """How long task ``i`` takes with nothing contending with it."""
         t = run.tasks[i]
         c = self.cost
+        if t.kind in _COPY:
+            return t.nbytes / c.copy_rate(_COPY[t.kind], False) if t.nbytes else 0.0
         if t.kind is TaskKind.ALLREDUCE:
             # The bucket's device staging copy is an HBM read and write.
             return c.allreduce_s(t.nbytes) + 2 * t.nbytes / (c.hbm_gbps * 1e9)
         if t.kind is TaskKind.OPTIMIZER_CHUNK:
             return c.optimizer_s(t.nbytes)
-        if t.kind is TaskKind.HOST:
-            return c.optimizer_s(t.nbytes, on_host=True) if t.nbytes else 0.0
-        return 0.0  # a copy of no bytes
+        return c.optimizer_s(t.nbytes, on_host=True) if t.nbytes else 0.0
+
+    def speed(self, run: Run, i: int, active_kinds: set[TaskKind]) -> float:
+        """Share of full speed task ``i`` runs at while ``active_kinds`` run."""
+        kind = run.tasks[i].kind
+        c = self.cost
+        f = 1.0
+        if kind in _COPY:
+            other = TaskKind.D2H if kind is TaskKind.H2D else TaskKind.H2D
+            if other in active_kinds:
+                f *= c.h2d_bidir_factor if kind is TaskKind.H2D else c.d2h_bidir_factor
+            if TaskKind.OPTIMIZER_CHUNK in active_kinds:
+                f *= c.copy_compute_factor
+        elif kind is TaskKind.OPTIMIZER_CHUNK and active_kinds & _COPY.keys():
+            f *= c.copy_compute_factor
+        return f
 
     def launch(self, run: Run) -> None:
         plan = run.plan
@@ -56,14 +73,12 @@ class SimBackend(HostBackend):
         start = [math.nan] * n
         end = [math.nan] * n
         issue = [math.nan] * n
-        extra_delay = [0.0] * n
-        if testing.installed():
-            for i in range(n):
-                extra_delay[i] = testing.delay_for(run.tasks[i].name, plan.lanes[i])
-        copy_left: dict[int, float] = {}  # active copies: bytes left
-        fixed_end: dict[int, float] = {}  # active other tasks: end time
+        # Active tasks: a delay (from pipeoff.testing, at full speed, contending
+        # with nothing) and then their work, in seconds at full speed.
+        delay_left: dict[int, float] = {}
+        work_left: dict[int, float] = {}
         now = 0.0
-        next_issue = 0  # the next task the host issues
+        next_issue = 0
         host_free = 0.0
         finished = 0
 
@@ -91,67 +106,53 @@ class SimBackend(HostBackend):
                 return None
             return i
 
-        def copy_rates() -> dict[int, float]:
-            active = {_COPY[run.tasks[i].kind] for i in copy_left}
-            return {
-                i: cost.copy_rate(_COPY[run.tasks[i].kind],
-                                  ("d2h" if _COPY[run.tasks[i].kind] == "h2d" else "h2d")
-                                  in active)
-                for i in copy_left
-            }
-
         try_issue()
         while finished < n:
-            # Start whatever can start now.
             progressed = True
-            while progressed:
+            while progressed:  # start whatever can start now
                 progressed = False
                 for lane in lanes:
-                    i = startable(lane)
-                    if i is None:
+                    ready = startable(lane)
+                    if ready is None:
                         continue
+                    i = ready
                     busy[lane] = i
                     head[lane] += 1
                     start[i] = now
-                    t = run.tasks[i]
-                    if t.kind in _COPY and t.nbytes:
-                        copy_left[i] = float(t.nbytes)
-                        if extra_delay[i]:
-                            fixed_end[i] = now + extra_delay[i]  # delay first, copy after
-                            copy_left.pop(i)
-                            extra_delay[i] = -1.0  # marks "copy still to do"
-                    else:
-                        fixed_end[i] = now + extra_delay[i] + self.fixed_seconds(run, i)
+                    delay = (testing.delay_for(run.tasks[i].name, lane)
+                             if testing.installed() else 0.0)
+                    if delay:
+                        delay_left[i] = delay
+                    work_left[i] = self.full_speed_seconds(run, i)
                     progressed = True
-            # The next event: a fixed task ends, a copy ends, or an issue time comes.
-            rates = copy_rates()
-            candidates = list(fixed_end.values())
-            candidates += [now + left / rates[i] for i, left in copy_left.items()]
-            candidates += [issue[lanes[ln][head[ln]]] for ln in lanes
-                           if busy[ln] is None and head[ln] < len(lanes[ln])
-                           and not math.isnan(issue[lanes[ln][head[ln]]])
-                           and issue[lanes[ln][head[ln]]] > now + _EPS]
+            working = [i for i in work_left if i not in delay_left]
+            kinds = {run.tasks[i].kind for i in working}
+            speeds = {i: self.speed(run, i, kinds) for i in working}
+            # The next event: a delay or a task ends, or the host issues a lane's head.
+            candidates = [now + d for d in delay_left.values()]
+            candidates += [now + work_left[i] / speeds[i] for i in working]
+            for ln in lanes:
+                if busy[ln] is None and head[ln] < len(lanes[ln]):
+                    t_issue = issue[lanes[ln][head[ln]]]
+                    if not math.isnan(t_issue) and t_issue > now + _EPS:
+                        candidates.append(t_issue)
             if not candidates:
                 raise AssertionError("simulation stalled: a plan wait points forward")
             t_next = min(candidates)
             dt = t_next - now
-            for i in list(copy_left):
-                copy_left[i] -= rates[i] * dt
+            for i in working:
+                work_left[i] -= speeds[i] * dt
+            for i in list(delay_left):
+                delay_left[i] -= dt
+                if delay_left[i] <= _EPS:
+                    del delay_left[i]
             now = t_next
-            done = [i for i, e in fixed_end.items() if e <= now + _EPS]
-            # A copy is done when what is left would take no representable time
-            # (float rounding leaves crumbs of bytes behind).
-            done += [i for i, left in copy_left.items() if left / rates[i] <= _EPS
-                     or now + left / rates[i] <= now]
+            # Done when what is left takes no representable time (float
+            # rounding leaves crumbs behind).
+            done = [i for i in working
+                    if work_left[i] / speeds[i] <= _EPS or now + work_left[i] / speeds[i] <= now]
             for i in done:
-                if i in fixed_end and extra_delay[i] == -1.0:
-                    # A delayed copy: the delay is over, the bytes start moving.
-                    del fixed_end[i]
-                    extra_delay[i] = 0.0
-                    copy_left[i] = float(run.tasks[i].nbytes)
-                    continue
-                fixed_end.pop(i, None)
-                copy_left.pop(i, None)
+                del work_left[i]
                 end[i] = now
                 busy[run.plan.lanes[i]] = None
                 finished += 1

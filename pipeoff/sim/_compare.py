@@ -85,9 +85,10 @@ def compare(
     if feature not in FEATURE_SCHEDULES:
         raise ConfigError(f"feature must be one of {sorted(FEATURE_SCHEDULES)}, got {feature!r}")
     known = FEATURE_SCHEDULES[feature]
-    for s in schedules:
-        if s not in known:
-            raise ConfigError(f"unknown schedule {s!r} for {feature}; known: {', '.join(known)}")
+    for requested in schedules:
+        if requested not in known:
+            raise ConfigError(
+                f"unknown schedule {requested!r} for {feature}; known: {', '.join(known)}")
     out = []
     for name in schedules:
         if feature == "optimizer":

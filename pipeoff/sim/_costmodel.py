@@ -32,6 +32,10 @@ class CostModel:
     """Share of ``h2d_gbps`` left while a D2H copy runs at the same time."""
     d2h_bidir_factor: float = 1.0
     """Share of ``d2h_gbps`` left while an H2D copy runs at the same time."""
+    copy_compute_factor: float = 1.0
+    """Share of full speed that copies and optimizer chunks keep while both run
+    (1.0 on a GPU, where copy engines and SMs are separate; less on a CPU,
+    where both stream through the same memory)."""
     hbm_gbps: float
     """Device memory bandwidth, GB/s (device-to-device copies read and write)."""
     interconnect_gbps: float
@@ -61,9 +65,10 @@ class CostModel:
                 raise ConfigError(
                     f"CostModel.{f.name} must be {'> 0' if positive else '>= 0'}, got {v!r}"
                 )
-        for f in ("h2d_bidir_factor", "d2h_bidir_factor"):
-            if getattr(self, f) > 1:
-                raise ConfigError(f"CostModel.{f} must be in (0, 1], got {getattr(self, f)!r}")
+        for factor in ("h2d_bidir_factor", "d2h_bidir_factor", "copy_compute_factor"):
+            if getattr(self, factor) > 1:
+                raise ConfigError(
+                    f"CostModel.{factor} must be in (0, 1], got {getattr(self, factor)!r}")
         if self.participants < 1 or not isinstance(self.participants, int):
             raise ConfigError(f"CostModel.participants must be an int >= 1, "
                               f"got {self.participants!r}")

@@ -53,7 +53,7 @@ def _offload_graph(chunks: int, numel: int, *, compute: bool = True) -> Callable
     return build
 
 
-def validation_cases(numel: int = 1 << 21, chunks: int = 8) -> list[ValidationCase]:
+def validation_cases(numel: int = 1 << 23, chunks: int = 6) -> list[ValidationCase]:
     """A sequential chain, a copy-only pipeline, and a double-buffered offload step."""
     chunk_bytes = numel * 4
     return [

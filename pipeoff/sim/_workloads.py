@@ -179,7 +179,7 @@ def local_sgd_graph(shape: ModelShape, *, variant: Variant, bucket_bytes: int = 
             g.add_task(f"allreduce:{name}", TaskKind.ALLREDUCE, buffers=[b],
                        nbytes=n * bytes_per_elem)
         g.add_task("commit", TaskKind.HOST, deps=[f"allreduce:{n}" for n, _ in numels])
-        for name, n in numels:
+        for name, _ in numels:
             g.add_task(f"writeback:{name}", TaskKind.OPTIMIZER_CHUNK, deps=["commit"],
                        buffers=[f"avg:{name}"], nbytes=0)
         return g
