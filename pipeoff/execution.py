@@ -175,6 +175,15 @@ class Execution:
         """``perf_counter_ns`` at launch; the trace's times are relative to it."""
         return self._run.origin_ns
 
+    def _shifted_trace(self, prefix: str, shift_ns: int) -> Trace:
+        """The trace with task and buffer names prefixed and times shifted (for recorders)."""
+        run = self._run
+        run.wait_all()
+        self._backend.synchronize_all(run, None)
+        self._finalize()
+        self._backend.resolve_times(run)
+        return run.make_trace(prefix=prefix, shift_ns=shift_ns)
+
     @property
     def trace(self) -> Trace:
         """The trace of this execution; waits for it to finish, failed or not."""

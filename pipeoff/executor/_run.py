@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pipeoff import testing
-from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind
+from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind, no_gc
 from pipeoff.schedule import Plan
 from pipeoff.staging import Pools, StagingBlock
 from pipeoff.trace import BufferRecord, TaskRecord, Trace
@@ -215,26 +215,33 @@ class Run:
         return work(ctx)
 
     # -- trace --------------------------------------------------------------
-    def make_trace(self, metadata: dict[str, Any] | None = None) -> Trace:
+    def make_trace(self, metadata: dict[str, Any] | None = None, *, prefix: str = "",
+                   shift_ns: int = 0) -> Trace:
+        """The trace of this run; ``prefix`` and ``shift_ns`` rename and re-time it
+        (a recorder merging several runs onto one timeline)."""
         sched = self.plan.schedule
-        records = tuple(
-            TaskRecord(
-                name=t.name,
-                kind=t.kind.value,
-                lane=self.plan.lanes[i],
-                start_ns=self.start_ns[i],
-                end_ns=self.end_ns[i],
-                enqueue_ns=self.enqueue_ns[i],
-                nbytes=t.nbytes,
-                deps=t.deps,
-                buffers=t.buffers,
-                status=_STATUS.get(self.status[i], "cancelled"),  # type: ignore[arg-type]
-                rank=self.rank,
+        lanes = self.plan.lanes
+        status = self.status
+        rank = self.rank
+        with no_gc():
+            records = tuple(
+                TaskRecord(
+                    name=prefix + t.name,
+                    kind=t.kind.value,
+                    lane=lanes[i],
+                    start_ns=self.start_ns[i] + shift_ns,
+                    end_ns=self.end_ns[i] + shift_ns,
+                    enqueue_ns=self.enqueue_ns[i] + shift_ns,
+                    nbytes=t.nbytes,
+                    deps=tuple(prefix + d for d in t.deps) if prefix else t.deps,
+                    buffers=tuple(prefix + b for b in t.buffers) if prefix else t.buffers,
+                    status=_STATUS.get(status[i], "cancelled"),  # type: ignore[arg-type]
+                    rank=rank,
+                )
+                for i, t in enumerate(self.tasks)
             )
-            for i, t in enumerate(self.tasks)
-        )
         buffers = tuple(
-            BufferRecord(name=b.name, nbytes=b.nbytes, where=b.where, rank=self.rank)
+            BufferRecord(name=prefix + b.name, nbytes=b.nbytes, where=b.where, rank=rank)
             for b in self.graph.buffers.values()
         )
         meta = {

@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,18 +67,11 @@ class Recorder:
         budgets: dict[str, int | None] = {"device": None, "host": None}
         rank = 0
         for k, ex in self._executions:
-            tr = ex.trace  # waits; never raises a task's exception
-            shift = ex.origin_ns - self.origin_ns
-            prefix = f"x{k}/"
+            # Waits for the execution; never raises a task's exception.
+            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns)
             rank = tr.metadata.get("rank", rank)
-            for t in tr.tasks:
-                tasks.append(replace(
-                    t, name=prefix + t.name, deps=tuple(prefix + d for d in t.deps),
-                    buffers=tuple(prefix + b for b in t.buffers),
-                    start_ns=t.start_ns + shift, end_ns=t.end_ns + shift,
-                    enqueue_ns=t.enqueue_ns + shift,
-                ))
-            buffers.extend(replace(b, name=prefix + b.name) for b in tr.buffers)
+            tasks.extend(tr.tasks)
+            buffers.extend(tr.buffers)
             for w in ("device", "host"):
                 cap = tr.device_budget_bytes if w == "device" else tr.host_budget_bytes
                 if cap is not None:
