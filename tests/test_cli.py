@@ -85,3 +85,16 @@ def test_trace_plot_bad_input(tmp_path: Path) -> None:
     res = run("trace", "plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png"))
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_demo_without_torchft_says_how_to_install_it(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torchft'] = None\n"  # makes `import torchft` fail
+        "from pipeoff.cli import main\n"
+        f"sys.exit(main(['demo', '--quick', '--out', {str(tmp_path)!r}]))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2
+    assert "pip install 'pipeoff[ft]'" in res.stderr
+    assert "Traceback" not in res.stderr
