@@ -1,4 +1,4 @@
-"""The ``pipeoff`` command: ``pipeoff demo`` and ``pipeoff trace summary``."""
+"""The ``pipeoff`` command: run the demo, simulate schedules at scale, inspect traces."""
 
 from __future__ import annotations
 
@@ -119,7 +119,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeoff", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="pipeoff",
+        description="pipeoff: pipelined CPU offload for PyTorch training. "
+                    "Run the demo, simulate schedules at scale, inspect traces.")
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the CPU demo, write a trace and print its summary")
