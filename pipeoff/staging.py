@@ -118,7 +118,10 @@ class StagingPool:
         with self._lock:
             self._live -= block.in_use
             block.in_use = 0
-            block.ready = ready
+            if ready is not None:
+                # Without a new marker (a cancelled user that never ran), the
+                # block keeps its previous owner's, which is still unmet.
+                block.ready = ready
             bisect.insort(self._free, (block.capacity, id(block), block))
 
     def forget_events(self, events: set[Any]) -> None:
@@ -145,6 +148,10 @@ class StagingPool:
     def trim(self) -> int:
         """Free every idle block; returns the bytes freed."""
         with self._lock:
+            for _, _, block in self._free:
+                if block.ready is not None:
+                    # Hazard: freeing memory a stream may still read or write.
+                    block.ready.synchronize()
             freed = sum(c for c, _, _ in self._free)
             self._free.clear()
             self._reserved -= freed

@@ -15,26 +15,37 @@ pytestmark = pytest.mark.cuda
 
 def test_copy_and_compute_lanes_overlap() -> None:
     dev = torch.device("cuda")
-    host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)  # 64 MiB
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)  # 1 GiB: ~20 ms of PCIe
     dst = torch.empty_like(host, device=dev)
     a = torch.randn(4096, 4096, device=dev)
-    g = TaskGraph(device=dev)
-    g.add_task("copy", TaskKind.H2D, lambda ctx: dst.copy_(host, non_blocking=True),
-               nbytes=host.numel())
-    g.add_task("matmul", TaskKind.OPTIMIZER_CHUNK, lambda ctx: [a @ a for _ in range(8)] and None)
+
+    def copy(ctx: pipeoff.TaskContext) -> None:
+        dst.copy_(host, non_blocking=True)  # pinned: a true async copy on the lane's stream
+
+    def matmuls(ctx: pipeoff.TaskContext) -> None:
+        for _ in range(8):  # ~15-20 ms of fp32 GEMMs on an H100/H200
+            a @ a
+
+    def graph(*names: str) -> TaskGraph:
+        g = TaskGraph(device=dev)
+        if "copy" in names:
+            g.add_task("copy", TaskKind.H2D, copy, nbytes=host.numel())
+        if "matmul" in names:
+            g.add_task("matmul", TaskKind.OPTIMIZER_CHUNK, matmuls)
+        return g
+
+    for _ in range(2):  # warm up cuBLAS, the allocator and the lane streams
+        pipeoff.execute(graph("copy", "matmul")).wait()
     # Parts measured alone, then together; all times from CUDA events.
     parts = []
     for only in ("copy", "matmul"):
-        solo = TaskGraph(device=dev)
-        t = g.tasks[only]
-        solo.add_task(t.name, t.kind, t.work)
-        ex = pipeoff.execute(solo)
+        ex = pipeoff.execute(graph(only))
         ex.wait()
         parts.append(ex.trace.tasks[0].duration_ns)
-    ex = pipeoff.execute(g)
+    ex = pipeoff.execute(graph("copy", "matmul"))
     ex.wait()
     makespan = ex.trace.makespan_ns()
-    assert makespan < 0.9 * sum(parts), (makespan, parts)
+    assert makespan < 0.8 * sum(parts), (makespan, parts)
 
 
 def test_streams_are_created_once_per_lane() -> None:

@@ -6,6 +6,7 @@ import inspect
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,19 +145,25 @@ class Run:
         specs = self.graph.buffers
         return {b: self.blocks[b].view(specs[b].nbytes) for b in self.tasks[i].buffers}
 
-    def release(self, i: int, ready: Any = None) -> None:
-        """Return the blocks task ``i`` is the last user of (also when it was cancelled)."""
+    def release(self, i: int, ready: Any = None,
+                ready_of: Callable[[str], Any] | None = None) -> None:
+        """Return the blocks task ``i`` is the last user of (also when it was cancelled).
+
+        ``ready`` (or ``ready_of(buffer)``) is the event after which a block
+        may be reused; ``None`` on host backends.
+        """
         specs = self.graph.buffers
         for b in self.plan.release[i]:
             block = self.blocks.pop(b, None)
             if block is not None:
-                self.pools.for_where(specs[b].where).release(block, ready)
+                when = ready_of(b) if ready_of is not None else ready
+                self.pools.for_where(specs[b].where).release(block, when)
 
     # -- running ------------------------------------------------------------
-    def cancel(self, i: int) -> None:
+    def cancel(self, i: int, ready_of: Callable[[str], Any] | None = None) -> None:
         now = time.perf_counter_ns() - self.origin_ns
         self.start_ns[i] = self.end_ns[i] = now
-        self.release(i)
+        self.release(i, ready_of=ready_of)
         self.finish(i, CANCELLED)
 
     def run_task(self, i: int, lane: str) -> None:

@@ -5,7 +5,9 @@ execution (creating streams per step leaks caching-allocator pools). Each task
 is enqueued on its lane's stream between two timing events; its end event is
 its completion. A cross-lane dependency is ``wait_event`` on the consumer's
 stream. Tasks are issued in plan order, so an event is always recorded before
-any stream waits on it.
+any stream waits on it; that is also why executions issued concurrently from
+several threads need no lock: a stream only ever waits on work enqueued before
+the wait, so interleaved issue cannot deadlock.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ _streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 _events: dict[torch.device, list[torch.cuda.Event]] = {}
 _events_lock = threading.Lock()
-_dispatch_lock = threading.Lock()
-_SLEEP_CYCLES_PER_S = 1.4e9  # torch.cuda._sleep spins in clock cycles; ~H200 boost clock
+_SLEEP_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep spins in clock cycles; ~H200 boost clock
 
 
 def lane_stream(device: torch.device, lane: str) -> torch.cuda.Stream:
@@ -98,53 +99,85 @@ class CudaBackend:
     ) -> None:
         lanes = run.plan.lanes
         started: set[str] = set()
+        last_on_lane: dict[str, int] = {}
         with torch.cuda.device(device):
             for i in range(run.n):
-                if lookahead is not None and i >= lookahead:
-                    # Flow control on the dispatch thread (never the caller):
-                    # keep the launch queue from filling up.
-                    state.ends[i - lookahead].synchronize()
-                if run.error is not None:
-                    for j in range(i, run.n):
-                        run.cancel(j)
+                try:
+                    if lookahead is not None and i >= lookahead:
+                        # Flow control on the dispatch thread (never the caller):
+                        # keep the launch queue from filling up.
+                        state.ends[i - lookahead].synchronize()
+                    if run.error is not None:
+                        self._cancel_from(run, state, i)
+                        return
+                    lane = lanes[i]
+                    stream = lane_stream(device, lane)
+                    if lane not in started:
+                        started.add(lane)
+                        # Hazard: reading tensors the caller's stream is still producing.
+                        stream.wait_event(state.base)
+                    run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
+                    self._issue(run, state, stream, i, last_on_lane.get(lane))
+                    last_on_lane[lane] = i
+                except BaseException as err:  # a sticky CUDA error, an allocator failure
+                    run.fail(i, err)
+                    self._cancel_from(run, state, i)
                     return
-                lane = lanes[i]
-                stream = lane_stream(device, lane)
-                if lane not in started:
-                    started.add(lane)
-                    # Hazard: reading tensors the caller's stream is still producing.
-                    stream.wait_event(state.base)
-                run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
-                if run.tasks[i].kind is TaskKind.HOST:
-                    # A host task (a CPU optimizer, an RPC such as should_commit)
-                    # runs on this thread, outside the lock, so a blocking call
-                    # never holds up other executions' dispatch.
-                    self._issue(run, state, stream, i, host=True)
-                else:
-                    with _dispatch_lock:
-                        self._issue(run, state, stream, i)
+
+    def _cancel_from(self, run: Run, state: _CudaRunState, first: int) -> None:
+        """Cancel tasks ``first..`` that have not run, releasing their staging safely."""
+        for j in range(first, run.n):
+            if not run.terminal(j):
+                run.cancel(j, ready_of=lambda b: self._last_ready(run, state, b, j))
+
+    @staticmethod
+    def _last_ready(run: Run, state: _CudaRunState, buffer: str, before: int) -> Any:
+        """End event of the last issued user of ``buffer`` before task ``before``.
+
+        Users of a buffer are chained, so that event covers all of them: the
+        block must not be reused before it (hazard: an issued user still
+        reading or writing the block on its stream).
+        """
+        for k in range(before - 1, -1, -1):
+            if state.dispatched[k] and buffer in run.tasks[k].buffers:
+                return state.ends[k]
+        return None
 
     def _issue(self, run: Run, state: _CudaRunState, stream: torch.cuda.Stream, i: int,
-               host: bool = False) -> None:
-        for j in run.plan.waits[i]:
-            if host:
-                # Hazard: host work reading device results (or deciding on
-                # them) before the device tasks it depends on have finished.
-                state.ends[j].synchronize()
-            else:
+               prev_on_lane: int | None) -> None:
+        task = run.tasks[i]
+        lane = run.plan.lanes[i]
+        host = task.kind is TaskKind.HOST
+        if host:
+            # A host task (a CPU optimizer, a should_commit RPC) runs on this
+            # thread. Hazard: host work reading device results, or deciding on
+            # them, before the device work it follows has finished. On its own
+            # lane FIFO order is the edge, so the lane's previous task counts.
+            for j in (*run.plan.waits[i], *(() if prev_on_lane is None else (prev_on_lane,))):
+                if state.dispatched[j]:
+                    state.ends[j].synchronize()
+        else:
+            for j in run.plan.waits[i]:
                 # Hazard: starting before a dependency (or the previous user of a
                 # buffer, or a budget release) on another lane has finished.
                 stream.wait_event(state.ends[j])
-        task = run.tasks[i]
-        lane = run.plan.lanes[i]
         try:
-            blocks = run.acquire(i)
+            # Allocate on the lane's stream: a fresh block then cannot be memory
+            # that another stream freed with its kernels still pending.
+            with torch.cuda.stream(stream):
+                blocks = run.acquire(i)
         except BaseException as err:  # an out-of-memory allocating staging
             run.fail(i, err)
-            run.cancel(i)
+            run.cancel(i, ready_of=lambda b: self._last_ready(run, state, b, i))
             return
         for block in blocks:
-            if block.ready is not None:
+            if block.ready is None:
+                continue
+            if host:
+                # Hazard: the CPU touching a pooled block that the previous
+                # execution's last user may still be copying.
+                block.ready.synchronize()
+            else:
                 # Hazard: reusing a pooled block while its previous last user
                 # (another execution's stream work) may still read or write it.
                 stream.wait_event(block.ready)
@@ -164,7 +197,7 @@ class CudaBackend:
                         with torch.profiler.record_function(name):
                             ctx = TaskContext(task=task, lane=lane, buffers=run.views(i),
                                               stream=stream, results=run.results)
-                            result = task.work(ctx)
+                            result = run._call(i, task.work, ctx)
                     finally:
                         torch.cuda.nvtx.range_pop()
                     if result is not None:
@@ -178,17 +211,20 @@ class CudaBackend:
         run.finish(i, status)
 
     # -- completion -----------------------------------------------------------
+    # After finalize() the run's events are back in the pool (backend_state is
+    # None): every task is complete on the device, so these calls have nothing
+    # left to wait for.
     def query(self, run: Run, i: int) -> bool:
         if not run.terminal(i):
             return False
-        state: _CudaRunState = run.backend_state
-        return not state.dispatched[i] or state.ends[i].query()
+        state: _CudaRunState | None = run.backend_state
+        return state is None or not state.dispatched[i] or state.ends[i].query()
 
     def synchronize(self, run: Run, i: int, deadline: float | None) -> bool:
         if not run.wait_terminal(i, deadline):
             return False
-        state: _CudaRunState = run.backend_state
-        if not state.dispatched[i]:
+        state: _CudaRunState | None = run.backend_state
+        if state is None or not state.dispatched[i]:
             return True
         if deadline is None:
             state.ends[i].synchronize()
@@ -206,8 +242,8 @@ class CudaBackend:
         # The event must be recorded before a stream can wait on it; with a
         # lookahead window the task may not be issued yet, so wait for that.
         run.wait_terminal(i)
-        state: _CudaRunState = run.backend_state
-        if not state.dispatched[i]:
+        state: _CudaRunState | None = run.backend_state
+        if state is None or not state.dispatched[i]:
             return
         target = stream if stream is not None else torch.cuda.current_stream(run.graph.device)
         # Hazard: the reader's stream running ahead of the task that writes its inputs.
@@ -227,6 +263,10 @@ class CudaBackend:
         state: _CudaRunState | None = run.backend_state
         if state is None or not run.complete:
             return
+        # Every task has been issued; wait until the device has run them too.
+        # Hazard: reading timings of, or recycling, events still pending, and
+        # clearing "ready" markers of blocks whose last user is still running.
+        self.synchronize_all(run, None)
         self.resolve_times(run)
         # The events go back to the pool and will be recorded again by later
         # runs; a pooled block must not keep one as its "ready" marker.
