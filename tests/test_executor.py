@@ -380,3 +380,28 @@ def test_concurrent_executions_do_not_deadlock() -> None:
     for t in threads:
         t.join(90)
     assert results == [None] * 6
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event at the pool's unit edge (CPU torch has none)."""
+
+    def __init__(self) -> None:
+        self.synchronized = False
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+def test_pool_keeps_an_unmet_reuse_marker_and_trim_waits_for_it() -> None:
+    pool = StagingPool("cpu")
+    first = _FakeEvent()
+    block = pool.acquire(64)
+    pool.release(block, first)  # its last user's end event
+    again = pool.acquire(64)
+    assert again is block and again.ready is first
+    pool.release(again, None)  # a cancelled user that never ran sets no new marker
+    assert block.ready is first  # so the next user still waits for the old one
+    pool.forget_events({first})
+    assert block.ready is None
+    pool.release(pool.acquire(64), first)
+    assert pool.trim() == 64 and first.synchronized
