@@ -17,11 +17,9 @@ from typing import Any
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
 
-_STOP = object()
-
 
 class _LaneWorker:
-    """A daemon thread draining a FIFO of ``(run, index)`` items or callables."""
+    """A daemon thread draining a FIFO of ``(run, index)`` items or callables, for ever."""
 
     def __init__(self, lane: str) -> None:
         self.lane = lane
@@ -45,8 +43,6 @@ class _LaneWorker:
                 batch = list(q)
                 q.clear()
             for item in batch:
-                if item is _STOP:
-                    return
                 if callable(item):
                     item()
                 else:
