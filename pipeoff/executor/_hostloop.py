@@ -10,10 +10,13 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from pipeoff.executor import _exit
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _portal: BlockingPortal | None = None
+_thread: threading.Thread | None = None
 
 
 def _serve(ready: queue.Queue[BlockingPortal]) -> None:
@@ -28,17 +31,34 @@ def _serve(ready: queue.Queue[BlockingPortal]) -> None:
 def portal() -> BlockingPortal:
     """The process-wide portal into pipeoff's host event loop (started once).
 
-    The loop runs on a daemon thread, so it never holds up interpreter exit
-    (anyio's ``start_blocking_portal`` uses a worker that exit would join).
+    The loop runs on a daemon thread that pipeoff stops at exit (see
+    :mod:`pipeoff.executor._exit`), after the lanes that call into it.
     """
-    global _portal
+    global _portal, _thread
     with _lock:
         if _portal is None:
             ready: queue.Queue[BlockingPortal] = queue.Queue()
-            threading.Thread(target=_serve, args=(ready,), name="pipeoff-hostloop",
-                             daemon=True).start()
+            _thread = threading.Thread(target=_serve, args=(ready,), name="pipeoff-hostloop",
+                                       daemon=True)
+            _exit.ensure_registered()
+            _thread.start()
             _portal = ready.get()
         return _portal
+
+
+def stop(deadline: float) -> list[str]:
+    """Stop the loop once its calls finish (at exit); its thread's name if it is still running."""
+    global _portal, _thread
+    with _lock:
+        p, t = _portal, _thread
+        _portal = _thread = None
+    if p is None or t is None:
+        return []
+    try:
+        p.call(p.stop)  # lets calls in flight finish: cancel_remaining=False
+    except RuntimeError:  # the loop has already gone
+        pass
+    return [] if _exit.join_until(t, deadline) else [t.name]
 
 
 def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:

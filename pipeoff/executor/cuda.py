@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipeoff import testing
+from pipeoff.executor import _exit
 from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
 from pipeoff.graph import TaskContext, TaskKind
 
@@ -68,6 +69,18 @@ class _CudaRunState:
         self.dispatched = [False] * n
 
 
+# Windowed dispatch threads still running; exit joins them (pipeoff.executor._exit).
+_dispatchers: set[threading.Thread] = set()
+_dispatchers_lock = threading.Lock()
+
+
+def join_dispatchers(deadline: float) -> list[str]:
+    """Wait for the dispatch threads in flight (at exit); the names of those still running."""
+    with _dispatchers_lock:
+        threads = list(_dispatchers)
+    return [t.name for t in threads if not _exit.join_until(t, deadline)]
+
+
 class CudaBackend:
     """Enqueues each lane's tasks on its stream; :func:`pipeoff.execute` returns at once."""
 
@@ -92,9 +105,22 @@ class CudaBackend:
                 target=self._dispatch, args=(run, state, device, lookahead),
                 name="pipeoff-cuda-dispatch", daemon=True,
             )
+            _exit.ensure_registered()
+            with _dispatchers_lock:
+                _dispatchers.add(t)
             t.start()
 
     def _dispatch(
+        self, run: Run, state: _CudaRunState, device: torch.device, lookahead: int | None
+    ) -> None:
+        try:
+            self._dispatch_all(run, state, device, lookahead)
+        finally:
+            if lookahead is not None:
+                with _dispatchers_lock:
+                    _dispatchers.discard(threading.current_thread())
+
+    def _dispatch_all(
         self, run: Run, state: _CudaRunState, device: torch.device, lookahead: int | None
     ) -> None:
         lanes = run.plan.lanes

@@ -14,18 +14,23 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from pipeoff.executor import _exit
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
 
+# Queued behind everything else on a lane: the worker returns when it gets here.
+_STOP = object()
+
 
 class _LaneWorker:
-    """A daemon thread draining a FIFO of ``(run, index)`` items or callables, for ever."""
+    """A daemon thread draining a FIFO of ``(run, index)`` items or callables until stopped."""
 
     def __init__(self, lane: str) -> None:
         self.lane = lane
         self._q: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._loop, name=f"pipeoff-{lane}", daemon=True)
+        _exit.ensure_registered()
         self._thread.start()
 
     def submit(self, items: list[Any]) -> None:
@@ -43,6 +48,8 @@ class _LaneWorker:
                 batch = list(q)
                 q.clear()
             for item in batch:
+                if item is _STOP:
+                    return
                 if callable(item):
                     item()
                 else:
@@ -67,6 +74,31 @@ def _worker(lane: str) -> _LaneWorker:
             if w is None:
                 w = _workers[lane] = _LaneWorker(lane)
     return w
+
+
+def stop_lanes(deadline: float) -> list[str]:
+    """Stop every lane worker once its queue drains (at exit); the names of those still running.
+
+    A worker asked for afterwards starts afresh.
+    """
+    stuck = []
+    # The dispatch lane first: until its windowed dispatches finish, they are
+    # still feeding the other lanes, and a stopped lane would strand their tasks.
+    with _workers_lock:
+        dispatch = _workers.pop(_DISPATCH_LANE, None)
+    if dispatch is not None:
+        dispatch.submit([_STOP])
+        if not _exit.join_until(dispatch._thread, deadline):
+            stuck.append(dispatch._thread.name)
+    with _workers_lock:
+        workers = list(_workers.values())
+        _workers.clear()
+    for w in workers:
+        w.submit([_STOP])
+    for w in workers:
+        if not _exit.join_until(w._thread, deadline):
+            stuck.append(w._thread.name)
+    return stuck
 
 
 def lane_threads() -> dict[str, threading.Thread]:
