@@ -400,7 +400,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ev = torch.cuda.Event()
         # Hazard: FSDP's all-gather streams waiting on compute enqueued after the
         # step (a false dependency); the forward hooks carry the real ones.
-        ev.record()
+        # Recorded on the parameters' device, whichever device is current.
+        ev.record(torch.cuda.current_stream(self.device))
         root.set_post_optim_event(ev)
 
     def _single_pass(self, closure: Callable[[], float] | None) -> float | None:
