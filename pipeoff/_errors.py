@@ -52,6 +52,15 @@ class UnsupportedOptimizerError(PipeoffError, TypeError):
     """Raised when an optimizer cannot be stepped in chunks (it is not element-wise)."""
 
 
+class StepFailedError(PipeoffError, RuntimeError):
+    """Raised by an optimizer whose previous step failed after writing some parameters.
+
+    The parameters and optimizer state are partly stepped; stepping again would
+    compound that silently. Load a checkpoint (the model's and the optimizer's
+    ``load_state_dict``) to go on.
+    """
+
+
 class PlanMismatchError(PipeoffError, RuntimeError):
     """Raised on every rank when ranks disagree on a plan that must be identical."""
 

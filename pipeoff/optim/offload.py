@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeoff._errors import ConfigError
+from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
@@ -114,6 +114,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._inflight: Step | None = None
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
+        self._torn: str | None = None  # why the parameters are partly stepped, if they are
         self._plan: ChunkPlan | None = None
         self._plan_layout: tuple[Any, ...] = ()
         self._verified = False
@@ -167,16 +168,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (host tensors), after any step in flight."""
+        """The wrapped optimizer's state dict (host tensors), after any step in flight.
+
+        Raises:
+            StepFailedError: the last step failed after writing some parameters.
+        """
         self.wait_for_step()
+        self._check_not_torn("state_dict()")
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapped optimizer, then move the state to host memory."""
+        """Load into the wrapped optimizer, then move the state to host memory.
+
+        This is also how to go on after a step that failed partway (load the
+        model's state too).
+        """
         self.wait_for_step()
         self.inner.load_state_dict(state_dict)
         self._offload_state()
         self._plan = None
+        self._torn = None
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has finished.
@@ -185,7 +196,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         a weight broadcast, evaluation without the attached hooks.
 
         Raises:
-            BaseException: the exception a chunk raised, with its traceback.
+            BaseException: the exception a chunk raised, with its traceback. If
+                chunks had already written their parameters, a note says which,
+                and later steps raise :class:`~pipeoff.StepFailedError` until a
+                checkpoint is loaded.
         """
         st = self._inflight
         if st is None:
@@ -193,14 +207,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._inflight = None
         try:
             st.execution.wait()
-        except BaseException:
+        except BaseException as err:
             for p, g in st.restore.values():
                 if p.grad is None:
                     p.grad = g
+            written = _written_chunks(st)
+            if written:
+                # The updates cannot be undone (that would need a copy of every
+                # parameter): refuse to compound them rather than train on silently.
+                self._torn = (
+                    f"a step failed in {st.execution.failed_task!r} after chunk(s) "
+                    f"{_ranges(written)} of {len(st.opt_tasks)} had updated their parameters"
+                )
+                err.add_note(
+                    f"pipeoff: {self._torn}; the parameters and optimizer state are partly "
+                    "stepped. Load a checkpoint (model and optimizer load_state_dict) "
+                    "before stepping again."
+                )
+            else:
+                err.add_note("pipeoff: no parameter was written; the step can be retried.")
             raise
         finally:
             st.grads.clear()
             st.restore.clear()
+
+    def _check_not_torn(self, what: str) -> None:
+        if self._torn is not None:
+            raise StepFailedError(
+                f"{what} refused: {self._torn}, so the parameters and optimizer state are "
+                "partly stepped. Load a checkpoint (the model's and this optimizer's "
+                "load_state_dict) to go on."
+            )
 
     def _wait_params(self, params: tuple[int, ...], streams: Sequence[Any] = (),
                      name: str = "") -> None:
@@ -298,6 +335,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "once per chunk; call it before step(), or use mode='single_pass'"
             )
         self.wait_for_step()
+        self._check_not_torn("step()")
         with torch.profiler.record_function("pipeoff::optim::step"):
             if self.mode == "single_pass":
                 return self._single_pass(closure)
@@ -406,3 +444,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _single_pass(self, closure: Callable[[], float] | None) -> float | None:
         return _graph.single_pass(self, closure)
+
+
+def _written_chunks(st: Step) -> list[int]:
+    """The chunks of a finished step whose update ran (wholly or until it raised)."""
+    index = {name: k for k, name in enumerate(st.opt_tasks)}
+    return sorted(index[t.name] for t in st.execution.trace.tasks
+                  if t.name in index and t.status != "cancelled")
+
+
+def _ranges(ks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for k in ks:
+        if out and k == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)

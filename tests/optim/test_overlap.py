@@ -124,15 +124,16 @@ def test_chunk_failure_surfaces_in_forward_hook_and_nothing_hangs() -> None:
         opt.zero_grad()
         with pytest.raises(RuntimeError, match="boom in chunk") as info:
             net(x, 1)
-    assert "opt3" in "".join(traceback.format_exception(info.value))
+    text = "".join(traceback.format_exception(info.value))
+    assert "opt3" in text
+    assert "chunk(s) 0-3 of" in text  # the chunks that ran, up to the failed one, are named
     # The grads of parameters whose chunks did not run are given back.
     assert net.b.weight.grad is not None
     assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0
     opt.wait_for_step()  # the failure was reported once; nothing is left in flight
-    opt.zero_grad()
-    net(x, 1).sum().backward()
-    opt.step()
-    opt.wait_for_step()
+    net(x, 1)  # the hooks no longer wait or raise
+    with pytest.raises(pipeoff.StepFailedError, match="opt3.*chunk"):
+        opt.step()
 
 
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])
@@ -151,8 +152,72 @@ def test_chunk_failure_surfaces_at_wait_or_step(mode: str) -> None:
                 opt.step()  # the next step reports the previous one's failure
     assert all(p.grad is not None for p in net.parameters())
     assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0
-    opt.step()
+    # Chunks 0-2 updated their parameters before d2h2 failed: refuse to compound it.
+    with pytest.raises(pipeoff.StepFailedError):
+        opt.step()
+    with pytest.raises(pipeoff.StepFailedError):
+        opt.state_dict()
+
+
+def _train(net: torch.nn.Module, opt: torch.optim.Optimizer, xs: list[torch.Tensor]) -> None:
+    for x in xs:
+        net(x, 1).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_a_failure_before_any_update_can_be_retried_bitwise(mode: str) -> None:
+    xs = batches(3)
+    ref = make_net()
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), xs)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), mode=mode,
+                           chunk_bytes=256)
+    opt.attach(net)
+    _train(net, opt, xs[:1])
+    net(xs[1], 1).pow(2).mean().backward()
+    # h2d0 stages chunk 0's state: the failure comes before any chunk's update.
+    with pipeoff.testing.fail_task("h2d0", OSError("flaky copy")):
+        with pytest.raises(OSError, match="flaky copy") as info:
+            opt.step()
+            opt.wait_for_step()
+    assert "no parameter was written" in "".join(traceback.format_exception(info.value))
+    opt.step()  # the same grads, the same step
+    opt.zero_grad()
+    _train(net, opt, xs[2:])
     opt.wait_for_step()
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_after_a_partial_step_loading_a_checkpoint_resumes_bitwise() -> None:
+    import copy
+
+    xs = batches(3)
+    ref = make_net()
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), xs)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    opt.attach(net)
+    _train(net, opt, xs[:1])
+    ckpt = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    net(xs[1], 1).pow(2).mean().backward()
+    with pipeoff.testing.fail_task("opt2", RuntimeError("boom")):
+        opt.step()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.wait_for_step()
+    assert not all(torch.equal(a, b) for a, b in zip(ckpt[0].values(), net.state_dict().values()))
+    with pytest.raises(pipeoff.StepFailedError):
+        opt.step()
+    net.load_state_dict(ckpt[0])
+    opt.load_state_dict(ckpt[1])
+    opt.zero_grad()
+    _train(net, opt, xs[1:])
+    opt.wait_for_step()
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads() -> None:
