@@ -187,15 +187,20 @@ class TaskGraph:
 
         Raises:
             GraphError: a task with this name exists.
-            ConfigError: ``kind`` is not a :class:`TaskKind`, ``work`` is not
-                callable, or ``nbytes`` is negative.
+            ConfigError: ``kind`` is not a :class:`TaskKind`, ``lane`` is not a
+                non-empty string, ``work`` is not callable, or ``nbytes`` is negative.
         """
-        if name in self._tasks:
-            raise GraphError(f"duplicate task name {name!r}")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"task name must be a non-empty string, got {name!r}")
+        if name in self._tasks:
+            raise GraphError(f"duplicate task name {name!r}")
         if not isinstance(kind, TaskKind):
             raise ConfigError(f"task {name!r}: kind must be a pipeoff.TaskKind, got {kind!r}")
+        if lane is not None and (not isinstance(lane, str) or not lane):
+            raise ConfigError(
+                f"task {name!r}: lane must be a non-empty string or None (the default "
+                f"lane of its kind), got {lane!r}"
+            )
         if work is not None and not callable(work):
             raise ConfigError(f"task {name!r}: work must be callable or None, got {work!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:

@@ -405,3 +405,46 @@ def test_pool_keeps_an_unmet_reuse_marker_and_trim_waits_for_it() -> None:
     assert block.ready is None
     pool.release(pool.acquire(64), first)
     assert pool.trim() == 64 and first.synchronized
+
+
+def test_a_failure_under_a_window_keeps_the_staging_of_running_tasks() -> None:
+    """The dispatcher must not cancel (and so release) a block a running task writes."""
+    inside, release = threading.Event(), threading.Event()
+
+    def bad(ctx: pipeoff.TaskContext) -> None:
+        assert inside.wait(10)
+        raise ValueError("boom")
+
+    g = TaskGraph()
+    g.add_buffer("b", 4096)
+    g.add_task("t0", TaskKind.ALLREDUCE, bad)
+    g.add_task("t1", TaskKind.H2D, lambda ctx: (inside.set(), release.wait(10)), buffers=["b"])
+    g.add_task("t2", TaskKind.D2H, lambda ctx: None, buffers=["b"])
+    pool = pools_for("cpu").device
+    before = pool.stats().live_bytes
+    ex = pipeoff.execute(g, Schedule.pipelined(lookahead=2))
+    assert inside.wait(10)
+    while ex.exception is None:
+        time.sleep(0.001)
+    # t1 is still writing b: for as long as it runs, b stays out of the pool.
+    for _ in range(50):
+        assert pool.stats().live_bytes == before + 4096
+        time.sleep(0.005)
+    release.set()
+    with pytest.raises(ValueError, match="boom"):
+        ex.wait(timeout=30)
+    assert [r.status for r in ex.trace.tasks] == ["failed", "ok", "cancelled"]
+    assert pool.stats().live_bytes == before
+
+
+def test_a_lane_may_be_named_like_pipeoffs_own_threads() -> None:
+    g = TaskGraph()
+    for k in range(3):
+        g.add_task(f"t{k}", TaskKind.HOST, lane="dispatch", deps=[f"t{k - 1}"] if k else [])
+    pipeoff.execute(g, Schedule.pipelined(lookahead=1), backend="threads").wait(timeout=30)
+
+
+@pytest.mark.parametrize("lane", ["", 5])
+def test_a_bad_lane_is_refused(lane: object) -> None:
+    with pytest.raises(ConfigError, match="lane must be a non-empty string"):
+        TaskGraph().add_task("t", TaskKind.HOST, lane=lane)  # type: ignore[arg-type]

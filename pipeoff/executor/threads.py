@@ -25,11 +25,12 @@ _STOP = object()
 class _LaneWorker:
     """A daemon thread draining a FIFO of ``(run, index)`` items or callables until stopped."""
 
-    def __init__(self, lane: str) -> None:
+    def __init__(self, lane: str, thread_name: str | None = None) -> None:
         self.lane = lane
         self._q: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._thread = threading.Thread(target=self._loop, name=f"pipeoff-{lane}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=thread_name or f"pipeoff-{lane}",
+                                        daemon=True)
         _exit.ensure_registered()
         self._thread.start()
 
@@ -63,7 +64,9 @@ _workers_lock = threading.Lock()
 # launched concurrently never interleave on lanes in different orders (which
 # could make each wait on the other: a deadlock).
 _dispatch_lock = threading.Lock()
-_DISPATCH_LANE = "dispatch"
+# The windowed dispatcher's own worker, kept apart from the lane workers so
+# that no user lane name can collide with it.
+_dispatcher: _LaneWorker | None = None
 
 
 def _worker(lane: str) -> _LaneWorker:
@@ -76,6 +79,14 @@ def _worker(lane: str) -> _LaneWorker:
     return w
 
 
+def _dispatch_worker() -> _LaneWorker:
+    global _dispatcher
+    with _workers_lock:
+        if _dispatcher is None:
+            _dispatcher = _LaneWorker("", thread_name="pipeoff-dispatcher")
+        return _dispatcher
+
+
 def stop_lanes(deadline: float) -> list[str]:
     """Stop every lane worker once its queue drains (at exit); the names of those still running.
 
@@ -84,8 +95,9 @@ def stop_lanes(deadline: float) -> list[str]:
     stuck = []
     # The dispatch lane first: until its windowed dispatches finish, they are
     # still feeding the other lanes, and a stopped lane would strand their tasks.
+    global _dispatcher
     with _workers_lock:
-        dispatch = _workers.pop(_DISPATCH_LANE, None)
+        dispatch, _dispatcher = _dispatcher, None
     if dispatch is not None:
         dispatch.submit([_STOP])
         if not _exit.join_until(dispatch._thread, deadline):
@@ -116,7 +128,7 @@ class ThreadsBackend(HostBackend):
         if lookahead is None or lookahead >= run.n:
             self._launch_all(run)
         else:
-            _worker(_DISPATCH_LANE).submit([self._windowed(run, lookahead)])
+            _dispatch_worker().submit([self._windowed(run, lookahead)])
 
     def _launch_all(self, run: Run) -> None:
         lanes = run.plan.lanes
@@ -139,8 +151,16 @@ class ThreadsBackend(HostBackend):
                     # tasks issued ahead of the oldest unfinished one.
                     run.wait_terminal(i - lookahead)
                 if run.error is not None:
+                    # Hand the rest to their lanes without the window: each one
+                    # waits for its dependencies there, then sees the error and
+                    # cancels. Cancelling here instead would release staging
+                    # that a task still running on another lane is writing.
+                    rest: dict[str, list[Any]] = {}
                     for j in range(i, run.n):
-                        run.cancel(j)
+                        rest.setdefault(lanes[j], []).append((run, j))
+                    with _dispatch_lock:
+                        for lane, items in rest.items():
+                            _worker(lane).submit(items)
                     return
                 run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
                 w = _worker(lanes[i])
