@@ -73,7 +73,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def plan_buckets(
-    tensors: Sequence[TensorInfo], *, limit: int | None, per_parameter: bool
+    tensors: Sequence[TensorInfo], *, limit: int | None, per_parameter: bool,
+    limit_name: str = "bucket_bytes",
 ) -> tuple[Bucket, ...]:
     """Pack tensors, in order and densely, into buckets of one dtype and at most ``limit`` bytes.
 
@@ -83,6 +84,7 @@ def plan_buckets(
         per_parameter: give each tensor its own bucket(s) instead of packing
             several into one (a tensor over ``limit`` is still split, into
             ``limit``-sized slices and a remainder).
+        limit_name: the user's name for ``limit``, for error messages.
 
     Returns:
         The buckets, in the order their all-reduces are issued. Empty tensors
@@ -111,7 +113,7 @@ def plan_buckets(
         cap = None if limit is None else limit // size
         if cap is not None and cap < 1:
             raise ConfigError(
-                f"bucket_bytes={limit} is smaller than one element of parameter {t.name!r} "
+                f"{limit_name}={limit} is smaller than one element of parameter {t.name!r} "
                 f"({t.dtype}, {size} bytes); use at least {size}"
             )
         if per_parameter or open_dtype != t.dtype:
@@ -121,8 +123,8 @@ def plan_buckets(
         if cap is not None and t.numel > cap and not t.contiguous:
             raise ConfigError(
                 f"parameter {t.name!r} ({t.numel * size} bytes) must be split to fit "
-                f"bucket_bytes={limit}, but its local tensor is not contiguous; raise "
-                f"bucket_bytes (or device_budget_bytes) to at least {t.numel * size}"
+                f"{limit_name}={limit}, but its local tensor is not contiguous; raise "
+                f"{limit_name} to at least {t.numel * size}"
             )
         start = 0
         while start < t.numel:

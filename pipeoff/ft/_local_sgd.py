@@ -84,8 +84,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     buckets' collectives unissued makes peer replicas wait for them until
     the manager's timeout, after which they report the error too (as with a
     replica that dies mid-sync under torchft). An error raised by
-    ``should_commit()`` itself, or by a write-back after a commit,
-    propagates to the caller.
+    ``should_commit()`` itself propagates to the caller. A write-back that
+    fails after a commit (a device gone bad) leaves the parameters partly
+    averaged: it is reported to the manager and propagates, with a note
+    saying so.
 
     Args:
         manager: the torchft manager.
@@ -100,10 +102,13 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         bucket_bytes: bucket size of the pipelined schedule (default
             :data:`DEFAULT_BUCKET_BYTES`), or ``"per_parameter"`` for one
             bucket per parameter (split only where a parameter exceeds
-            ``device_budget_bytes``). Checked but unused under ``"sync"``,
-            which stages one whole parameter at a time.
+            ``device_budget_bytes``). With only ``device_budget_bytes`` given,
+            the default is half of it (at most :data:`DEFAULT_BUCKET_BYTES`).
+            Checked but unused under ``"sync"``, which stages one whole
+            parameter at a time.
         device_budget_bytes: most device staging bytes live at once
-            (default: two buckets, so one all-reduce overlaps one copy).
+            (default: two buckets, so one all-reduce overlaps one copy; with
+            ``"per_parameter"``, the largest parameter, M, as in the RFC).
             Checked but unused under ``"sync"`` (its staging is M).
 
     Raises:
@@ -143,15 +148,21 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             raise ConfigError(f"schedule must be 'pipelined' or 'sync', got {schedule!r}")
         self._schedule_name = sched
         self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "sync"
+        budget = None if device_budget_bytes is None else _positive_int(
+            "device_budget_bytes", device_budget_bytes)
         bucket: int | None
         if bucket_bytes is None:
-            bucket = DEFAULT_BUCKET_BYTES
+            # With only a budget given, buckets of half of it: two fit, so one
+            # all-reduce overlaps one copy (a budget under two elements fails
+            # the plan below, which names the parameter).
+            bucket = DEFAULT_BUCKET_BYTES if budget is None else min(
+                DEFAULT_BUCKET_BYTES, max(budget // 2, 1))
         elif bucket_bytes == _PER_PARAMETER:
             bucket = None
         else:
             bucket = _positive_int("bucket_bytes", bucket_bytes, also="or 'per_parameter'")
-        budget = None if device_budget_bytes is None else _positive_int(
-            "device_budget_bytes", device_budget_bytes)
+        self._bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
+            "bucket_bytes (device_budget_bytes // 2)")
         if budget is None and bucket is not None:
             budget = 2 * bucket
         if budget is not None and bucket is not None and budget < bucket:
@@ -207,8 +218,12 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             local = _local(p)
             infos.append(TensorInfo(name=name, numel=local.numel(), dtype=local.dtype,
                                     contiguous=local.is_contiguous()))
-        limit = self._bucket_bytes if self._bucket_bytes is not None else self._device_budget_bytes
-        return plan_buckets(infos, limit=limit, per_parameter=self._per_parameter)
+        limit: int | None = self._bucket_bytes
+        limit_name = self._bucket_name
+        if limit is None:
+            limit, limit_name = self._device_budget_bytes, "device_budget_bytes"
+        return plan_buckets(infos, limit=limit, per_parameter=self._per_parameter,
+                            limit_name=limit_name)
 
     def _offloaded_sync(self) -> None:
         params = list(self._model.parameters())
@@ -220,15 +235,33 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         # The synchronous schedule runs inline on the caller's thread: no lanes.
         with _lane_slot() if pipelined else contextlib.nullcontext(0) as slot:
             graph = self._build_graph(params, buckets, device, commit, slot=slot)
-            schedule = (Schedule.pipelined(device_budget_bytes=self._device_budget_bytes)
+            budget = self._device_budget_bytes
+            if budget is None and buckets:
+                # One bucket per parameter and no budget: the RFC's bound, M
+                # (the largest one), not all of S at once.
+                budget = max(b.nbytes for b in buckets)
+            schedule = (Schedule.pipelined(device_budget_bytes=budget)
                         if pipelined else Schedule.synchronous())
             ex = None
             try:
                 ex = execute(graph, schedule)
                 ex.wait()
             except Exception as err:
+                if commit.get("decided"):
+                    # A write-back failed after the commit (in practice a device
+                    # that has gone bad): buckets written so far hold the
+                    # average, the rest the local values. Nothing can undo
+                    # that; tell torchft, so that this replica group's next
+                    # should_commit() is False, and raise.
+                    self._manager.report_error(err)
+                    err.add_note(
+                        "pipeoff: a write-back failed after the quorum committed; this "
+                        "replica's parameters are partly averaged. Restart it so that "
+                        "torchft heals it from a peer."
+                    )
+                    raise
                 if "called" in commit:
-                    raise  # should_commit itself failed, or a write-back after a commit
+                    raise  # should_commit itself failed
                 # torchft's error path: after report_error this replica group's
                 # should_commit() is False, so nothing is written back. It is
                 # still called once, as in every sync: the replica group's other ranks wait on it.
@@ -289,7 +322,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # Runs once every bucket is in host staging, so the vote covers
             # every all-reduce's outcome (torchft reports failed waits itself).
             commit["called"] = True
-            return bool(manager.should_commit())
+            decided = bool(manager.should_commit())
+            commit["decided"] = decided
+            return decided
 
         g.add_task("should_commit", TaskKind.HOST, decide, deps=copied,
                    lane=lane(TaskKind.HOST))

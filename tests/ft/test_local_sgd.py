@@ -202,6 +202,44 @@ def test_task_failure_reports_error_and_writes_nothing(mode: str, where: str) ->
     _assert_pools_idle()
 
 
+@pytest.mark.parametrize("mode", ["small_split", "packed"])
+def test_a_write_back_failure_after_commit_is_reported_and_raised(mode: str) -> None:
+    manager = _mock_manager(commit=True)
+    model = make_model(0)
+    local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
+                                    **MODES[mode])
+    err = RuntimeError("device gone")
+    with pipeoff.testing.fail_task("h2d:b1", err), pytest.raises(RuntimeError) as info:
+        local_sgd.sync()
+    assert info.value is err
+    assert any("partly averaged" in n for n in err.__notes__)
+    manager.report_error.assert_called_once_with(err)  # the next should_commit() is False
+    _assert_pools_idle()
+
+
+def test_per_parameter_without_a_budget_stages_one_parameter_at_a_time() -> None:
+    """The RFC's bound, M, not S: with the copy lane slow, S would pile up."""
+    manager = _mock_manager(commit=True)
+    model = make_model(0)
+    local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
+                                    **OFF, bucket_bytes="per_parameter")
+    with pipeoff.testing.delay_lane("d2h", 0.01):
+        local_sgd.sync()
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert local_sgd.last_trace.summary().peak_device_staging_bytes == largest
+
+
+def test_a_budget_alone_sets_buckets_of_half_of_it() -> None:
+    manager = _mock_manager(commit=True)
+    model = make_model(0)
+    local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
+                                    **OFF, device_budget_bytes=1024)
+    assert (local_sgd.bucket_bytes, local_sgd.device_budget_bytes) == (512, 1024)
+    local_sgd.sync()
+    assert max(c.args[0].numel() * 4 for c in manager.allreduce.call_args_list) == 512
+    _assert_trace_budget(local_sgd)
+
+
 def test_should_commit_error_propagates() -> None:
     manager = _mock_manager(commit=True)
     manager.should_commit.side_effect = RuntimeError("too many commit failures")
@@ -251,7 +289,9 @@ def test_never_mixes_dtypes() -> None:
         ({**OFF, "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
         ({**OFF, "bucket_bytes": -5}, "bucket_bytes must be a positive int"),
         ({**OFF, "bucket_bytes": 1.5}, "bucket_bytes must be a positive int"),
-        ({**OFF, "bucket_bytes": 2}, "smaller than one element"),
+        ({**OFF, "bucket_bytes": 2}, "bucket_bytes=2 is smaller than one element"),
+        ({**OFF, "bucket_bytes": "per_parameter", "device_budget_bytes": 2},
+         "device_budget_bytes=2 is smaller than one element"),
         ({**OFF, "bucket_bytes": 4096, "device_budget_bytes": 1024},
          "device_budget_bytes=1024 is smaller than one bucket"),
         ({**OFF, "device_budget_bytes": 0}, "device_budget_bytes must be a positive int"),
