@@ -17,6 +17,20 @@ class _UsageError(Exception):
     pass
 
 
+_PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _width(text: str) -> float:
+    """argparse type of ``--width``: inches, a finite number in [1, 200]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= v <= 200:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be between 1 and 200 inches, got {text!r}")
+    return v
+
+
 def _cmd_trace_summary(args: argparse.Namespace) -> int:
     from pipeoff.trace import Trace
 
@@ -70,7 +84,12 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
     from pipeoff.trace import Trace
     from pipeoff.trace._plot import plot
 
-    out = plot(Trace.load(args.file), args.output, arrows=args.arrows, width=args.width)
+    out = Path(args.output)
+    if not out.suffix:
+        out = out.with_suffix(".png")
+    if out.suffix.lower() not in _PLOT_SUFFIXES:
+        raise _UsageError(f"--output must end in {', '.join(_PLOT_SUFFIXES)}; got {str(out)!r}")
+    out = plot(Trace.load(args.file), out, arrows=args.arrows, width=args.width)
     print(f"wrote {out}")
     return 0
 
@@ -84,7 +103,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, fsdp=args.fsdp)
     schedules = tuple(s.strip() for s in (args.schedules or ",".join(
         FEATURE_SCHEDULES.get(args.feature, ()))).split(",") if s.strip())
-    cost = CostModel.preset(args.preset, participants=args.replicas)
+    if args.replicas is not None and args.preset == "cpu_here":
+        raise _UsageError("--replicas applies to modelled presets; cpu_here is measured on "
+                          "this machine, with one participant")
+    if args.replicas is not None and args.replicas < 1:
+        raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
+    replicas = 2 if args.replicas is None else args.replicas
+    cost = CostModel.preset(args.preset, participants=replicas)
     preds = compare(
         shape, args.feature, schedules, cost,
         chunk_bytes=parse_bytes(args.chunk_bytes), lookahead=args.lookahead,
@@ -137,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--feature", choices=["optimizer", "local-sgd"], default="optimizer")
     sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
-    sim.add_argument("--replicas", type=int, default=2, help="all-reduce participants")
+    sim.add_argument("--replicas", type=int,
+                     help="all-reduce participants (default: 2; not with cpu_here)")
     sim.add_argument("--chunk-bytes", default="1GiB", help="optimizer chunk (%(default)s)")
     sim.add_argument("--lookahead", type=int, default=2, help="optimizer chunks ahead")
     sim.add_argument("--bucket-bytes", default="256MiB", help="LocalSGD bucket (%(default)s)")
@@ -159,9 +185,10 @@ def _parser() -> argparse.ArgumentParser:
     diff.set_defaults(fn=_cmd_trace_diff)
     plot = tsub.add_parser("plot", help="a Gantt chart PNG: one row per lane, staging below")
     plot.add_argument("file", help="a trace JSON written by pipeoff")
-    plot.add_argument("-o", "--output", default="trace.png", help="PNG path (%(default)s)")
+    plot.add_argument("-o", "--output", default="trace.png",
+                      help="image path: .png, .svg or .pdf (%(default)s)")
     plot.add_argument("--arrows", action="store_true", help="draw cross-lane dependencies")
-    plot.add_argument("--width", type=float, default=12.0, help="inches (%(default)s)")
+    plot.add_argument("--width", type=_width, default=12.0, help="inches (%(default)s)")
     plot.set_defaults(fn=_cmd_trace_plot)
     return p
 
@@ -171,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except (PipeoffError, FileNotFoundError, _UsageError) as err:
+    except (PipeoffError, OSError, _UsageError) as err:  # OSError: a path that is not usable
         print(f"pipeoff: error: {err}", file=sys.stderr)
         return 2
 

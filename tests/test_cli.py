@@ -98,3 +98,74 @@ def test_demo_without_torchft_says_how_to_install_it(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "pip install 'pipeoff[ft]'" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+_TASK = {"ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0, "name": "t",
+         "args": {"pipeoff.task": "t", "kind": "h2d", "lane": "h2d", "t_ns": [0, 0, 1000],
+                  "bytes": 8, "deps": [], "buffers": [], "status": "ok"}}
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"traceEvents": [1], "pipeoff": {}}, "not a well-formed pipeoff trace"),
+        ({"traceEvents": [_TASK], "pipeoff": {"metadata": [1, 2]}}, "not a well-formed"),
+        ({"traceEvents": [_TASK], "pipeoff": {"buffers": [
+            {"name": "b", "nbytes": 8, "where": "moon"}]}}, "expected 'device' or 'host'"),
+        ({"traceEvents": [_TASK], "pipeoff": {"device_budget_bytes": "lots"}},
+         "device_budget_bytes must be a byte count"),
+        ({"traceEvents": [{"ph": "X", "name": "pipeoff::h2d", "ts": 1, "dur": 1}]},
+         "not a well-formed"),
+        ({"traceEvents": [{"ph": "X", "name": "pipeoff::h2d::x", "ts": "abc", "dur": 1}]},
+         "not a well-formed"),
+    ],
+    ids=["event_not_object", "metadata_list", "buffer_where", "budget_text",
+         "profiler_name", "profiler_ts"],
+)
+def test_malformed_traces_exit_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: object, message: str
+) -> None:
+    from pipeoff.cli import main
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    for cmd in (["trace", "summary", str(path)], ["trace", "diff", str(path), str(path)],
+                ["trace", "plot", str(path), "-o", str(tmp_path / "p.png")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert message in err and "t.json" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "summary", "."], "is a directory"),
+        (["simulate", "--schedules", ","], "no schedule given"),
+        (["simulate", "--chunk-bytes", "1e400"], "byte size too large"),
+        (["simulate", "--lookahead", "0"], "lookahead must be an int >= 1"),
+        (["simulate", "--feature", "local-sgd", "--bucket-bytes", "1"],
+         "bucket_bytes=1 cuts 8b into"),
+        (["simulate", "--preset", "cpu_here", "--replicas", "8"], "--replicas applies"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from pipeoff.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_output_path(tmp_path: Path, demo_trace: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoff.cli import main
+
+    assert main(["trace", "plot", str(demo_trace), "-o", str(tmp_path / "gantt")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'gantt.png'}"
+    assert (tmp_path / "gantt.png").stat().st_size > 0
+    assert main(["trace", "plot", str(demo_trace), "-o", str(tmp_path / "g.txt")]) == 2
+    assert "--output must end in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["trace", "plot", str(demo_trace), "--width", "nan"])
+    assert info.value.code == 2

@@ -36,9 +36,24 @@ def parse_bytes(text: str) -> int:
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     except (KeyError, ValueError):
         raise ConfigError(f"not a byte size: {text!r} (use e.g. 4096, 256MiB, 1GiB)") from None
+    if not value < 2**62:  # also inf and nan
+        raise ConfigError(f"byte size too large: {text!r}")
     if value < 1:
         raise ConfigError(f"byte size must be at least 1, got {text!r}")
     return int(value)
+
+
+MAX_SIM_TASKS = 200_000  # beyond this a graph takes minutes to build and simulate
+
+
+def _check_pieces(name: str, size: int, shape: ModelShape) -> None:
+    """Refuse a chunk or bucket size that would cut the model into too many tasks."""
+    pieces = shape.params * 4 // size  # at least fp32 parameters' worth of bytes
+    if pieces * 3 > MAX_SIM_TASKS:
+        least = shape.params * 4 * 3 // MAX_SIM_TASKS + 1
+        raise ConfigError(
+            f"{name}={size} cuts {shape.name} into about {pieces} pieces, more than the "
+            f"simulator takes; use at least {least} bytes")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,13 +93,22 @@ def compare(
     """Predict each of ``schedules`` for ``feature`` on ``shape`` with ``cost``.
 
     Raises:
-        ConfigError: an unknown feature or schedule.
+        ConfigError: an unknown feature or schedule, no schedule, a lookahead
+            below 1, or a chunk or bucket size that makes too many tasks.
     """
     import pipeoff
 
     if feature not in FEATURE_SCHEDULES:
         raise ConfigError(f"feature must be one of {sorted(FEATURE_SCHEDULES)}, got {feature!r}")
     known = FEATURE_SCHEDULES[feature]
+    if not schedules:
+        raise ConfigError(f"no schedule given; known for {feature}: {', '.join(known)}")
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+        raise ConfigError(f"lookahead must be an int >= 1, got {lookahead!r}")
+    if feature == "optimizer" and set(schedules) - {"single_pass"}:
+        _check_pieces("chunk_bytes", chunk_bytes, shape)
+    if feature == "local-sgd" and "pipelined" in schedules:
+        _check_pieces("bucket_bytes", bucket_bytes, shape)
     for requested in schedules:
         if requested not in known:
             raise ConfigError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from pipeoff._errors import ConfigError
@@ -58,8 +59,8 @@ class CostModel:
             v = getattr(self, f.name)
             if f.name == "name":
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigError(f"CostModel.{f.name} must be a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"CostModel.{f.name} must be a finite number, got {v!r}")
             positive = f.name not in ("interconnect_latency_s", "launch_overhead_s")
             if (positive and v <= 0) or v < 0:
                 raise ConfigError(

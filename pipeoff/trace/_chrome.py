@@ -121,6 +121,8 @@ def read_json(path: str | Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    if path.is_dir():
+        raise TraceFormatError(f"{str(path)!r} is a directory, not a trace file")
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -128,6 +130,26 @@ def read_json(path: str | Path) -> Any:
 
 
 def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
+    """The :class:`Trace` in a parsed Chrome trace document, checked as the tools read it.
+
+    Raises:
+        TraceFormatError: ``doc`` is not a trace pipeoff wrote (or a torch.profiler
+            trace with pipeoff ranges), or one of its fields is malformed.
+    """
+    try:
+        trace = _from_chrome(doc, source)
+        trace.summary()  # reads every field the trace tools use
+    except TraceFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError,
+            ArithmeticError) as err:
+        raise TraceFormatError(
+            f"{source!r} is not a well-formed pipeoff trace: {type(err).__name__}: {err}"
+        ) from None
+    return trace
+
+
+def _from_chrome(doc: Any, source: str) -> Trace:
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceFormatError(
             f"{source!r} is not a Chrome trace: expected an object with a 'traceEvents' list"
@@ -171,6 +193,14 @@ def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceFormatError(f"{source!r} has a malformed pipeoff event: {err!r}") from None
+    for b in buffers:
+        if b.where not in ("device", "host"):
+            raise TraceFormatError(
+                f"{source!r}: buffer {b.name!r} is in {b.where!r}; expected 'device' or 'host'")
+    for key in ("device_budget_bytes", "host_budget_bytes"):
+        v = section.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise TraceFormatError(f"{source!r}: {key} must be a byte count or null, got {v!r}")
     return Trace(
         tasks=tuple(tasks),
         buffers=buffers,
