@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -184,7 +185,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
         model's state too).
         """
         self.wait_for_step()
-        self.inner.load_state_dict(state_dict)
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
+                              f"'state' and 'param_groups'), got {type(state_dict).__name__}")
+        # The wrapped optimizer's load_state_dict would move every state tensor
+        # to its parameter's device, all at once: on a GPU, the whole optimizer
+        # state this class exists to keep off it. Load the groups through it
+        # (its checks, hooks and hyperparameters) and the state straight to host.
+        saved = state_dict["state"]
+        self.inner.load_state_dict({**state_dict, "state": {}})
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.inner.param_groups)
+        by_id = dict(zip(ids, params))
+        for pid, entry in saved.items():
+            p = by_id.get(pid)
+            if p is None:
+                self.inner.state[pid] = entry  # as torch does with ids it does not know
+                continue
+            group = next(g for g in self.inner.param_groups if any(q is p for q in g["params"]))
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            self.inner.state[p] = {k: _host_value(p, k, v, on_device) for k, v in entry.items()}
         self._offload_state()
         self._plan = None
         self._torn = None
@@ -444,6 +464,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _single_pass(self, closure: Callable[[], float] | None) -> float | None:
         return _graph.single_pass(self, closure)
+
+
+def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool) -> Any:
+    """A loaded state value in host memory, with torch's dtype policy.
+
+    ``step`` follows torch: kept as it is, or a float32 tensor on the
+    parameter's device for fused and capturable optimizers.
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        return value.to(dtype=torch.float32, device=p.device) if step_on_device else value
+    local = _local(value).detach()
+    dtype = _local(p).dtype if p.is_floating_point() else local.dtype
+    local = local.to(device="cpu", dtype=dtype, copy=True)
+    return _wrap_like(p, local) if hasattr(value, "placements") else local
 
 
 def _written_chunks(st: Step) -> list[int]:

@@ -251,3 +251,34 @@ def test_add_param_group_extends_plan_and_forward_waits() -> None:
     opt.wait_for_step()
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), net.parameters()))
     assert len(opt._hooks) == 3  # a, b and side own parameters
+
+
+def test_load_state_dict_never_moves_state_to_the_parameters_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's load_state_dict casts every state tensor onto the parameter's device
+    (on a GPU: all of the state at once). OffloadOptimizer loads state to host."""
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), amsgrad=True), mode="chunked",
+                           chunk_bytes=256)
+    net(batches(1)[0], 1).sum().backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    cast: list[object] = []
+    real = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        cast.append(kwargs.get("key", args[4] if len(args) > 4 else None))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy",
+                        staticmethod(spy))
+    opt2 = OffloadOptimizer(torch.optim.AdamW(make_net().parameters(), amsgrad=True),
+                            mode="chunked", chunk_bytes=256)
+    opt2.load_state_dict(sd)
+    assert cast == []
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) and a[k] is not b[k] for k in a)
+    with pytest.raises(pipeoff.ConfigError, match="expects an optimizer state dict"):
+        opt2.load_state_dict({"state": {}})
