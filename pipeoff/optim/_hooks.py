@@ -5,7 +5,8 @@ before FSDP's own, which issues the all-gathers). It waits for the chunks of
 the module's own parameters and of the modules it prefetches, whose
 all-gathers FSDP issues inside this module's pre-forward. On a plain module
 tree each module that owns parameters gets a hook for the parameters of its
-subtree (a forward may read a child's parameters without calling the child).
+subtree (a forward may read a child's parameters without calling the child);
+so do the parameters of an FSDP2 model that no FSDP module manages.
 torch.distributed is imported only when the model is an FSDP2 model.
 """
 
@@ -55,23 +56,30 @@ def install(opt: OffloadOptimizer, model: torch.nn.Module) -> list[Any]:
                 "parameters the optimizer updates"
             )
     fsdp = _fsdp_module_type()
+    handles = []
+    plain = index
     if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
         opt._fsdp_root = model if isinstance(model, fsdp) else None
-        return [
+        fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp)]
+        handles = [
             m.register_forward_pre_hook(_fsdp_hook(opt, index, n or "root"), prepend=True,
                                         with_kwargs=True)
-            for n, m in model.named_modules() if isinstance(m, fsdp)
+            for n, m in fsdp_modules
         ]
-    handles = []
+        # Parameters no FSDP module manages (a plain head outside every
+        # fully_shard unit, under a root that is not sharded) get plain hooks.
+        managed = {i for _, m in fsdp_modules
+                   for i in _owned(m._get_fsdp_state(), index)}  # type: ignore[operator]
+        plain = {k: i for k, i in index.items() if i not in managed}
     names = {m: n or type(m).__name__ for n, m in model.named_modules()}
     for m in model.modules():
-        if not any(id(p) in index for p in m.parameters(recurse=False)):
+        if not any(id(p) in plain for p in m.parameters(recurse=False)):
             continue
         # Wait for the whole subtree, not only the module's own parameters: a
         # forward may read a child's parameters without calling the child
         # (nn.MultiheadAttention reads out_proj.weight), and that child's own
         # hook would then never run.
-        mine = tuple(sorted({index[id(p)] for p in m.parameters() if id(p) in index}))
+        mine = tuple(sorted({plain[id(p)] for p in m.parameters() if id(p) in plain}))
         handles.append(m.register_forward_pre_hook(_plain_hook(opt, mine, names[m]),
                                                    prepend=True))
     return handles

@@ -19,9 +19,15 @@ def make_model() -> nn.Sequential:
     return m
 
 
-def shard(m: nn.Sequential, mesh: Any, prefetch: bool) -> nn.Sequential:
+def shard(m: nn.Sequential, mesh: Any, prefetch: bool | str) -> nn.Sequential:
     from torch.distributed.fsdp import fully_shard
 
+    if prefetch == "plain_root":
+        # Only the first two Linears are sharded; the root and Linear(3, 5) stay
+        # plain modules: parameters no FSDP module manages.
+        for i in (0, 2):
+            fully_shard(m[i], mesh=mesh)
+        return m
     # Without prefetch, Linear(3, 5) is left to the root: the root owns parameters too.
     for i in (0, 2, 3) if prefetch else (0, 2):
         fully_shard(m[i], mesh=mesh)
@@ -53,7 +59,7 @@ def own_chunks_only(opt: Any, model: nn.Module) -> None:
             m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
 
 
-def run_case(rank: int, world: int, mesh: Any, prefetch: bool, attach: bool | str
+def run_case(rank: int, world: int, mesh: Any, prefetch: bool | str, attach: bool | str
              ) -> dict[str, Any]:
     import pipeoff.testing
     from pipeoff.optim import OffloadOptimizer
@@ -109,7 +115,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out = {
             (prefetch, attach): run_case(rank, world, mesh, prefetch, attach)
             for prefetch, attach in ((False, True), (True, True), (True, False),
-                                     (True, "own_only"))
+                                     (True, "own_only"), ("plain_root", True))
         }
         queue.put((rank, out))
     finally:

@@ -37,6 +37,14 @@ def test_overlap_bitwise_equal_to_plain_fsdp2(results: dict[int, dict], prefetch
         assert r["state_equal"], rank
 
 
+def test_parameters_outside_every_fsdp_unit_are_waited_for(results: dict[int, dict]) -> None:
+    """A root that is not sharded, and a plain Linear under it: plain forward waits."""
+    for rank in (0, 1):
+        r = results[rank][("plain_root", True)]
+        assert r["losses_equal"], rank
+        assert r["params_equal"], rank
+
+
 def test_uneven_shards_give_identical_plans(results: dict[int, dict]) -> None:
     a, b = results[0][(True, True)], results[1][(True, True)]
     assert a["local_numels"] != b["local_numels"]  # the shards really are uneven
