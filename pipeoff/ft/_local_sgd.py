@@ -75,7 +75,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
     An optimizer that steps asynchronously and offers ``wait_for_step()``
     (``pipeoff.optim.OffloadOptimizer(mode="overlap")``) is waited on before
-    every sync, in every mode.
+    every sync starts its quorum, in every mode: a recovering peer fetches
+    this replica's checkpoint during that quorum.
 
     A failure while averaging (an all-reduce that errors, a task that
     raises) goes to ``manager.report_error``, so this replica group's
@@ -199,13 +200,24 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         return self._device_budget_bytes
 
     # -- the sync ------------------------------------------------------------------
-    def _perform_sync(self) -> None:
+    def _wait_for_optimizer(self) -> None:
         wait = getattr(self._local_optimizer, "wait_for_step", None)
         if callable(wait):
-            # Hazard: averaging parameters that an asynchronous optimizer step
-            # (pipeoff.optim.OffloadOptimizer(mode="overlap")) is still writing;
-            # torchft's post-step hook runs as soon as step() returns.
             wait()
+
+    def sync(self) -> None:
+        # Hazard: a recovering peer reading parameters that an asynchronous
+        # optimizer step (pipeoff.optim.OffloadOptimizer(mode="overlap")) is
+        # still writing. torchft's post-step hook allows state-dict reads as
+        # soon as step() returns, and the quorum started here is when a peer
+        # fetches this replica's checkpoint; so wait before it starts.
+        self._wait_for_optimizer()
+        super().sync()
+
+    def _perform_sync(self) -> None:
+        # Hazard: averaging parameters that an asynchronous optimizer step is
+        # still writing (for callers of _perform_sync that bypass sync()).
+        self._wait_for_optimizer()
         if not self._offload:
             super()._perform_sync()
             return
