@@ -242,49 +242,56 @@ class _OrderProblem:
         return order
 
     def search(self) -> list[int]:
-        """Depth-first search over the downsets of the graph, memoizing dead ends."""
+        """Depth-first search over the downsets of the graph, memoizing dead ends.
+
+        Iterative (an explicit stack), so a long graph cannot exhaust Python's
+        recursion limit.
+        """
         dead: set[frozenset[int]] = set()
         expansions = 0
         order: list[int] = []
         placed: set[int] = set()
-
-        def state() -> tuple[dict[str, int], dict[str, int]]:
-            opened: dict[str, int] = {}
-            open_bytes = {"device": 0, "host": 0}
-            for i in order:
-                self._place(i, opened, open_bytes)
-            return opened, open_bytes
-
-        def rec() -> bool:
-            nonlocal expansions
-            if len(order) == self.n:
-                return True
-            key = frozenset(placed)
-            if key in dead:
-                return False
-            expansions += 1
-            if expansions > _SEARCH_LIMIT:
-                raise BudgetError(
-                    f"no issue order found within the search limit ({_SEARCH_LIMIT} states); "
-                    "raise the budgets or make buffers' users more local"
-                )
-            opened, open_bytes = state()
-            for i in range(self.n):
-                if i in placed or any(d not in placed for d in self.deps[i]):
-                    continue
-                if not self._fits(i, opened, open_bytes):
-                    continue
-                order.append(i)
-                placed.add(i)
-                if rec():
-                    return True
-                order.pop()
-                placed.discard(i)
-            dead.add(key)
-            return False
-
-        if not rec():
-            raise BudgetError(self._explain())
+        # Per depth d (= len(order)): the next candidate to try, and the open
+        # buffers once order[:d] is issued (None until the state is entered).
+        cursor: list[int] = [0]
+        state: list[tuple[dict[str, int], dict[str, int]] | None] = [None]
+        while len(order) < self.n:
+            d = len(order)
+            if state[d] is None and frozenset(placed) not in dead:
+                # A state entered for the first time (a dead one is skipped below).
+                expansions += 1
+                if expansions > _SEARCH_LIMIT:
+                    raise BudgetError(
+                        f"no issue order found within the search limit ({_SEARCH_LIMIT} "
+                        "states); raise the budgets or make buffers' users more local"
+                    )
+                opened: dict[str, int] = {}
+                open_bytes = {"device": 0, "host": 0}
+                for i in order:
+                    self._place(i, opened, open_bytes)
+                state[d] = (opened, open_bytes)
+            st = state[d]
+            chosen = -1
+            if st is not None:
+                for i in range(cursor[d], self.n):
+                    if (i not in placed and all(dep in placed for dep in self.deps[i])
+                            and self._fits(i, *st)):
+                        chosen = i
+                        break
+            if chosen >= 0:
+                cursor[d] = chosen + 1
+                order.append(chosen)
+                placed.add(chosen)
+                cursor.append(0)
+                state.append(None)
+                continue
+            # Nothing more to try from here: a dead end; back up one task.
+            dead.add(frozenset(placed))
+            if d == 0:
+                raise BudgetError(self._explain())
+            cursor.pop()
+            state.pop()
+            placed.discard(order.pop())
         return order
 
     def _explain(self) -> str:

@@ -212,3 +212,21 @@ def test_threads_respect_budget_deps_and_run_each_task_once(spec, delays) -> Non
     summary = ex.trace.summary()
     assert summary.peak_device_staging_bytes <= budget
     assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0
+
+
+def test_the_search_handles_graphs_deeper_than_the_recursion_limit() -> None:
+    """The greedy order gets stuck (a1 holds A, b1 cannot open B); the search must
+    find b1, a1, a2 even with thousands of tasks after them."""
+    import sys
+
+    g = TaskGraph()
+    g.add_buffer("A", 60)
+    g.add_buffer("B", 60)
+    g.add_task("a1", TaskKind.H2D, buffers=["A"])
+    g.add_task("b1", TaskKind.D2H, buffers=["B"])
+    g.add_task("a2", TaskKind.H2D, deps=["b1"], buffers=["A"])
+    prev = "a2"
+    for i in range(sys.getrecursionlimit() + 500):
+        prev = g.add_task(f"p{i}", TaskKind.HOST, deps=[prev])
+    plan = Schedule.pipelined(device_budget_bytes=100).plan(g)
+    assert plan.order[:3] == ("b1", "a1", "a2")
