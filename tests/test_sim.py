@@ -66,6 +66,23 @@ def test_bidirectional_contention_slows_both_copies() -> None:
     assert t2["in"].end_ns == pytest.approx(0.1e9) and t2["out"].end_ns == pytest.approx(0.05e9)
 
 
+def test_a_synchronous_chain_pays_each_launch_after_the_last_task() -> None:
+    """Sum of its costs including launch overheads: the host waits on every task."""
+    cost = CostModel(**{**_fields(COST), "launch_overhead_s": 0.001})
+    one = TaskGraph()
+    one.add_task("t", TaskKind.OPTIMIZER_CHUNK, nbytes=4 * 10**7)
+    work = sim(one).makespan_ns() / 1e9  # no launch overhead in COST
+    g = TaskGraph()
+    for k in range(4):
+        g.add_task(f"t{k}", TaskKind.OPTIMIZER_CHUNK, deps=[f"t{k - 1}"] if k else [],
+                   nbytes=4 * 10**7)
+    # The makespan runs from the first task's start: 3 launches fall inside it.
+    sync = sim(g, Schedule.synchronous(), cost=cost)
+    assert sync.makespan_ns() == pytest.approx((4 * work + 3 * 0.001) * 1e9, rel=1e-9)
+    # Pipelined, the launches overlap the chain.
+    assert sim(g, cost=cost).makespan_ns() == pytest.approx(4 * work * 1e9, rel=1e-9)
+
+
 def _fields(c: CostModel) -> dict[str, object]:
     return {f: getattr(c, f) for f in c.__slots__}  # type: ignore[attr-defined]
 

@@ -64,7 +64,9 @@ class SimBackend(HostBackend):
         plan = run.plan
         n = run.n
         cost = self.cost
-        lookahead = plan.schedule.lookahead
+        # The synchronous schedule waits for each task before issuing the next:
+        # a window of one, so every task pays its launch overhead after the last.
+        lookahead = 1 if plan.schedule.kind == "synchronous" else plan.schedule.lookahead
         lanes: dict[str, list[int]] = {}
         for i, lane in enumerate(plan.lanes):
             lanes.setdefault(lane, []).append(i)
