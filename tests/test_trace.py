@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def test_critical_path_of_a_hand_built_dag() -> None:
     assert s.makespan_us == 65
     assert s.efficiency == pytest.approx(55 / 65)
     assert dict(s.lane_busy_us) == {"l1": 35, "l2": 40}
+
+
+def test_a_merged_trace_of_two_ranks_keeps_their_lanes_and_chains_apart() -> None:
+    # Each rank: a(10) -> b(10) on lane x, the same names; rank 1 runs 5 us later.
+    ranks = [Trace(tasks=tuple(
+        dataclasses.replace(r, rank=k, start_ns=r.start_ns + 5000 * k, end_ns=r.end_ns + 5000 * k)
+        for r in (rec("a", "x", 0, 10), rec("b", "x", 10, 20, ("a",)))))
+        for k in (0, 1)]
+    s = Trace.merge(ranks).summary()
+    assert dict(s.lane_busy_us) == {"r0:x": 20, "r1:x": 20}
+    assert s.makespan_us == 25
+    assert s.critical_path_us == 20  # a chain of 20 per rank, not 40 through both
 
 
 def test_busiest_lane_bounds_the_critical_path() -> None:
@@ -208,6 +221,8 @@ def test_record_region_captures_every_execution_and_hook_waits(tmp_path: Path) -
     names = [t.name for t in trace.tasks]
     assert names == ["x0/a", "x0/b", "x1/a", "x1/b", "layers.0"]
     assert trace.metadata["replica_id"] == 3 and trace.metadata["executions"] == 2
+    info = json.loads((tmp_path / "run.json").read_text())["distributedInfo"]
+    assert info["replica_id"] == 3 and info["rank"] == trace.metadata.get("rank", 0)
     # One timeline: the second execution starts after the first one ended.
     by = {t.name: t for t in trace.tasks}
     assert by["x1/a"].start_ns >= by["x0/b"].end_ns

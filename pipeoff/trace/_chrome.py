@@ -103,7 +103,12 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "distributedInfo": {"rank": int(metadata.get("rank", 0))},
+        # HTA reads rank (and world_size) here; torchft replicas are each rank 0
+        # of their own group, so the replica id goes alongside when recorded.
+        "distributedInfo": {
+            "rank": int(metadata.get("rank", 0)),
+            **{k: metadata[k] for k in ("world_size", "replica_id") if k in metadata},
+        },
         "pipeoff": {
             "version": FORMAT_VERSION,
             "device_budget_bytes": trace.device_budget_bytes,

@@ -208,10 +208,17 @@ class Trace:
         return max(t.end_ns for t in ran) - min(t.start_ns for t in ran)
 
     def lane_busy_ns(self) -> dict[str, int]:
-        """Per lane, the union of its tasks' intervals."""
+        """Per lane, the union of its tasks' intervals.
+
+        A trace of several ranks (:meth:`merge`) has a lane per rank, named
+        ``"r<rank>:<lane>"``.
+        """
+        ran = self._ran()
+        many = len({t.rank for t in ran}) > 1
         by_lane: dict[str, list[tuple[int, int]]] = {}
-        for t in self._ran():
-            by_lane.setdefault(t.lane, []).append((t.start_ns, t.end_ns))
+        for t in ran:
+            lane = f"r{t.rank}:{t.lane}" if many else t.lane
+            by_lane.setdefault(lane, []).append((t.start_ns, t.end_ns))
         return {lane: _union_length(iv) for lane, iv in by_lane.items()}
 
     def critical_path_ns(self) -> int:
@@ -225,13 +232,14 @@ class Trace:
         if not ran:
             return 0
         origin = min(t.start_ns for t in ran)
-        finish: dict[str, int] = {}
+        # Keyed by rank too: the ranks of a merged trace run the same task names.
+        finish: dict[tuple[int, str], int] = {}
         for t in self.tasks:  # records are in issue order, a topological order
             if t.kind == HOOK_WAIT:
                 continue
             release = max(t.enqueue_ns - origin, 0)
-            before = max((finish.get(d, 0) for d in t.deps), default=0)
-            finish[t.name] = max(release, before) + (
+            before = max((finish.get((t.rank, d), 0) for d in t.deps), default=0)
+            finish[(t.rank, t.name)] = max(release, before) + (
                 t.duration_ns if t.status != "cancelled" else 0)
         chain = max(finish.values(), default=0)
         return max(chain, max(self.lane_busy_ns().values(), default=0))
