@@ -79,11 +79,25 @@ def bandwidth(out: Path, nbytes: int) -> dict[str, float]:
     return res
 
 
+def _run(cmd: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess[str] | str:
+    """Run ``cmd``, logging its output; on a timeout, what it printed so far and a note."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        # One slow part must not cost the tables of the others (summary.md).
+        partial = "".join(x.decode() if isinstance(x, bytes) else (x or "")
+                          for x in (err.stdout, err.stderr))
+        log.write_text(partial + f"\nTIMED OUT after {timeout}s\n")
+        return f"timed out after {timeout}s (partial output in {log.name})"
+    log.write_text(res.stdout + res.stderr)
+    return res
+
+
 def run_cuda_tests(out: Path, timeout: int) -> str:
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p",
-                          "no:cacheprovider", str(ROOT / "tests")],
-                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    (out / "cuda_tests.txt").write_text(res.stdout + res.stderr)
+    res = _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                str(ROOT / "tests")], out / "cuda_tests.txt", timeout)
+    if isinstance(res, str):
+        return res
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "no output"
 
 
@@ -91,9 +105,9 @@ def run_script(name: str, out: Path, extra: list[str], timeout: int) -> str:
     script = ROOT / "benchmarks" / name
     if not script.exists():
         return f"{name}: not present"
-    res = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
-    (out / f"{script.stem}.txt").write_text(res.stdout + res.stderr)
+    res = _run([sys.executable, str(script), *extra], out / f"{script.stem}.txt", timeout)
+    if isinstance(res, str):
+        return f"{name}: {res}"
     return res.stdout if res.returncode == 0 else f"{name} failed:\n{res.stderr[-2000:]}"
 
 

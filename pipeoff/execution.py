@@ -88,7 +88,9 @@ class Execution:
             StepTimeoutError: the timeout expired; it names the pending tasks.
             BaseException: the first exception any task raised, as raised.
         """
-        if timeout is not None and (isinstance(timeout, bool) or timeout < 0):
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):  # also refuses nan
             raise ConfigError(f"timeout must be a number >= 0 or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         run = self._run

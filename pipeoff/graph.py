@@ -152,7 +152,13 @@ class TaskGraph:
     def __init__(self, device: torch.device | str | None = None) -> None:
         import torch
 
-        self.device: torch.device = torch.device("cpu" if device is None else device)
+        try:
+            self.device: torch.device = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as err:
+            raise ConfigError(
+                f"device must be a torch.device or a device string such as 'cpu' or "
+                f"'cuda:0', got {device!r} ({err})"
+            ) from None
         self._tasks: dict[str, Task] = {}
         self._buffers: dict[str, BufferSpec] = {}
         self._validated = False

@@ -448,3 +448,26 @@ def test_a_lane_may_be_named_like_pipeoffs_own_threads() -> None:
 def test_a_bad_lane_is_refused(lane: object) -> None:
     with pytest.raises(ConfigError, match="lane must be a non-empty string"):
         TaskGraph().add_task("t", TaskKind.HOST, lane=lane)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), "1", -1])
+def test_a_bad_wait_timeout_is_refused(timeout: object) -> None:
+    g = TaskGraph()
+    g.add_task("t", TaskKind.HOST)
+    ex = pipeoff.execute(g)
+    with pytest.raises(ConfigError, match="timeout must be a number >= 0"):
+        ex.wait(timeout=timeout)  # type: ignore[arg-type]
+    ex.wait()
+
+
+def test_a_bad_graph_device_is_refused() -> None:
+    with pytest.raises(ConfigError, match="device must be a torch.device"):
+        TaskGraph(device="bogus")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_a_cuda_graph_without_cuda_is_refused_clearly() -> None:
+    g = TaskGraph(device="cuda")
+    g.add_task("t", TaskKind.HOST)
+    with pytest.raises(ConfigError, match="no usable CUDA device"):
+        pipeoff.execute(g)

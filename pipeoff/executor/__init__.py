@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from pipeoff._errors import ConfigError
 from pipeoff.executor._backend import Backend
 from pipeoff.executor._run import Run
@@ -47,6 +49,11 @@ def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "sim":
         return "sim"
+    if graph.device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"the graph is on {graph.device}, but this torch has no usable CUDA device; "
+            "build it on 'cpu' (also what backend='sim' takes)"
+        )
     if backend == "cuda" and graph.device.type != "cuda":
         raise ConfigError(
             f"backend='cuda' needs a graph on a CUDA device, but the graph's device is "

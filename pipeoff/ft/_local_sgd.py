@@ -228,6 +228,13 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         infos = []
         for name, p in self._model.named_parameters():
             local = _local(p)
+            if not local.is_floating_point():
+                # torchft's Manager.allreduce averages floating-point tensors
+                # only; caught here, not as a fault at every sync.
+                raise ConfigError(
+                    f"parameter {name!r} is {local.dtype}; LocalSGD averages floating-point "
+                    "parameters only (torchft's allreduce refuses others)"
+                )
             infos.append(TensorInfo(name=name, numel=local.numel(), dtype=local.dtype,
                                     contiguous=local.is_contiguous()))
         limit: int | None = self._bucket_bytes

@@ -310,6 +310,15 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
                             optim.SGD(model.parameters(), lr=0.1), 1, **kwargs)
 
 
+def test_a_non_floating_parameter_is_refused_at_construction() -> None:
+    model = make_model(0)
+    model.register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.int64),
+                                                   requires_grad=False))
+    with pytest.raises(pipeoff.ConfigError, match="'count' is torch.int64"):
+        pipeoff.ft.LocalSGD(_mock_manager(commit=True), model,
+                            optim.SGD(model.parameters(), lr=0.1), 1, **OFF)
+
+
 def test_flag_is_fifth_positional_argument() -> None:
     model = make_model(0)
     local_sgd = pipeoff.ft.LocalSGD(_mock_manager(commit=True), model,
