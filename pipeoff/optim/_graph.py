@@ -174,9 +174,14 @@ def single_pass(opt: OffloadOptimizer, closure: Callable[[], float] | None) -> f
                 moved.append((p, k, loc, d))
                 st[k] = _wrap_like(p, d)
 
+    # The wrapped optimizer's step without torch's hook wrapper: the step hooks
+    # (global ones, and those on this OffloadOptimizer) already ran around
+    # OffloadOptimizer.step, once, as in the other modes.
+    raw_step = getattr(type(inner).step, "__wrapped__", None)
+
     def update(ctx: TaskContext) -> Any:
         with torch.enable_grad() if closure is not None else contextlib.nullcontext():
-            return inner.step(closure)
+            return raw_step(inner, closure) if raw_step is not None else inner.step(closure)
 
     def d2h(ctx: TaskContext) -> None:
         for p, k, host, _ in moved:

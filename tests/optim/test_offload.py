@@ -282,3 +282,25 @@ def test_load_state_dict_never_moves_state_to_the_parameters_device(
         assert all(torch.equal(a[k], b[k]) and a[k] is not b[k] for k in a)
     with pytest.raises(pipeoff.ConfigError, match="expects an optimizer state dict"):
         opt2.load_state_dict({"state": {}})
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
+def test_global_step_hooks_fire_once_per_step_in_every_mode(mode: str) -> None:
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    calls: list[str] = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append("post"))]
+    try:
+        net = make_net()
+        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode=mode, chunk_bytes=256)
+        net(batches(1)[0], 1).sum().backward()
+        opt.step()
+        opt.wait_for_step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["pre", "post"]
