@@ -95,3 +95,23 @@ def run_replicas(kwargs: dict[str, Any], *, syncs: int = 2,
             return [f.result(timeout=120) for f in futs]
     finally:
         lighthouse.shutdown()
+
+
+def process_main(replica_id: int, lighthouses: dict[str, str],
+                 modes: dict[str, dict[str, Any]], syncs: int, queue: Any) -> None:
+    """One replica process: every mode in turn, each against its own Lighthouse.
+
+    Puts ``(replica_id, {mode: (params after each sync, peak device staging or
+    None per sync, errors reported)})`` on ``queue``.
+    """
+    out = {}
+    for mode, kwargs in modes.items():
+        run = _replica(replica_id, lighthouses[mode], kwargs, syncs, make_model, None)
+        peaks = [None if t is None else t.summary().peak_device_staging_bytes
+                 for t in run.traces]
+        budgets = [None if t is None else t.device_budget_bytes for t in run.traces]
+        # numpy, not tensors: torch's queue pickling shares storage through this
+        # process, which will have exited when the parent reads.
+        params = [[p.numpy() for p in sync] for sync in run.params_after_sync]
+        out[mode] = (params, peaks, budgets, len(run.errors_reported))
+    queue.put((replica_id, out))
