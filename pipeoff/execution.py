@@ -94,6 +94,7 @@ class Execution:
             raise ConfigError(f"timeout must be a number >= 0 or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         run = self._run
+        self._refuse_waiting_on_own_lane(task)
         if task is None:
             ok = run.wait_all(deadline) and self._backend.synchronize_all(run, deadline)
         else:
@@ -114,6 +115,26 @@ class Execution:
         self._check()
         if task is None:
             self._finalize()
+
+    def _refuse_waiting_on_own_lane(self, task: str | None) -> None:
+        """Refuse a wait that a lane's own thread can never see end (a deadlock)."""
+        if self._backend.name != "threads":
+            return
+        from pipeoff.executor.threads import current_lane
+
+        lane = current_lane()
+        if lane is None:
+            return
+        run = self._run
+        mine = [i for i in ((self._index(task),) if task is not None else range(run.n))
+                if run.plan.lanes[i] == lane and not run.terminal(i)]
+        if mine:
+            raise ConfigError(
+                f"wait() called from a task on lane {lane!r} for {run.tasks[mine[0]].name!r}, "
+                f"which is queued on that same lane behind the caller: it could never run. "
+                "Give the inner graph's tasks other lanes, or run it with "
+                "Schedule.synchronous() (inline, on the calling thread)"
+            )
 
     async def wait_async(self, task: str | None = None, *, timeout: float | None = None) -> None:
         """:meth:`wait` for asyncio and trio callers (through anyio); does not block the loop."""

@@ -471,3 +471,24 @@ def test_a_cuda_graph_without_cuda_is_refused_clearly() -> None:
     g.add_task("t", TaskKind.HOST)
     with pytest.raises(ConfigError, match="no usable CUDA device"):
         pipeoff.execute(g)
+
+
+def test_waiting_from_a_task_on_its_own_lane_is_refused_not_a_deadlock() -> None:
+    def outer(ctx: pipeoff.TaskContext) -> int:
+        inner = TaskGraph()
+        inner.add_task("inner", TaskKind.HOST, lambda c: 1)  # the same lane: "host"
+        return pipeoff.execute(inner).result("inner")  # type: ignore[no-any-return]
+
+    g = TaskGraph()
+    g.add_task("outer", TaskKind.HOST, outer)
+    with pytest.raises(ConfigError, match="queued on that same lane behind the caller"):
+        pipeoff.execute(g).wait(timeout=30)
+
+    def outer_ok(ctx: pipeoff.TaskContext) -> int:
+        inner = TaskGraph()
+        inner.add_task("inner", TaskKind.HOST, lambda c: 1, lane="elsewhere")
+        return pipeoff.execute(inner).result("inner")  # type: ignore[no-any-return]
+
+    g2 = TaskGraph()
+    g2.add_task("outer", TaskKind.HOST, outer_ok)
+    assert pipeoff.execute(g2).result("outer") == 1

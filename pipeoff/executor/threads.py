@@ -20,6 +20,13 @@ from pipeoff.executor._run import Run
 
 # Queued behind everything else on a lane: the worker returns when it gets here.
 _STOP = object()
+# The lane whose worker is the current thread, if it is one.
+_current = threading.local()
+
+
+def current_lane() -> str | None:
+    """The lane the calling thread works for, or ``None`` if it is not a lane worker."""
+    return getattr(_current, "lane", None)
 
 
 class _LaneWorker:
@@ -41,6 +48,7 @@ class _LaneWorker:
 
     def _loop(self) -> None:
         lane = self.lane
+        _current.lane = lane or None  # the dispatcher ("") is not a lane
         q = self._q
         while True:
             with self._cond:
