@@ -114,8 +114,8 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
                                        summary.peak_host_staging_bytes)
                 budget = modes[mode].get("device_budget_bytes", m_bytes)
             q.put((replica_id, million, mode, statistics.mean(steady),
-                   statistics.median(steady), dev_peak, host_peak, budget, s_bytes, m_bytes,
-                   len(params), checksum))
+                   statistics.median(steady), min(steady), max(steady), dev_peak, host_peak,
+                   budget, s_bytes, m_bytes, len(params), checksum))
         manager.shutdown(wait=False)
     q.put((replica_id, None))
 
@@ -167,14 +167,16 @@ def main() -> None:
         orig = rows[million, "original"][0]
         rfc = rows[million, "RFC sync"][0]
         for mode in ("original", "RFC sync", "pipelined"):
-            mean, median, dev, host, budget, s, m, n = rows[million, mode]
+            mean, median, lo, hi, dev, host, budget, s, m, n = rows[million, mode]
             out.append([
                 f"{s / 1e6 / 4:.1f}M ({n} params)", mode, mean * 1e3, median * 1e3,
+                f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
                 f"{mean / orig:.2f}x", f"{mean / rfc:.2f}x",
                 f"{dev / MiB:.1f} MiB" + ("" if budget is None else f" / {budget / MiB:.1f}"),
                 f"{host / MiB:.1f} MiB",
             ])
-    print(table(["model", "mode", "mean sync ms", "median ms", "vs original", "vs RFC sync",
+    print(table(["model", "mode", "mean sync ms", "median ms", "min-max ms", "vs original",
+                 "vs RFC sync",
                  "extra device staging / budget", "host staging"], out))
     print(f"\n2 replicas x 1 rank, gloo on CPU ({os.cpu_count()} cores), "
           f"bucket {args.bucket_mib} MiB, device budget {args.budget_mib} MiB, "
