@@ -100,10 +100,10 @@ def stop_lanes(deadline: float) -> list[str]:
 
     A worker asked for afterwards starts afresh.
     """
-    stuck = []
-    # The dispatch lane first: until its windowed dispatches finish, they are
-    # still feeding the other lanes, and a stopped lane would strand their tasks.
     global _dispatcher
+    stuck = []
+    # The dispatcher first: until its windowed dispatches finish, they are
+    # still feeding the lanes, and a stopped lane would strand their tasks.
     with _workers_lock:
         dispatch, _dispatcher = _dispatcher, None
     if dispatch is not None:
