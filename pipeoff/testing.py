@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["delay_lane", "delay_task", "fail_task", "installed"]
+__all__ = ["delay_lane", "delay_task", "disable", "disabled", "fail_task", "installed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +111,41 @@ def fail_task(
         f"pipeoff.testing: injected failure in {pattern!r}"
     )
     return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err))
+
+
+# -- mutation switches -----------------------------------------------------------------
+_disabled: set[str] = set()
+MUTATIONS = frozenset({"read_guard"})
+"""The safety mechanisms a test can switch off, to show that a test fails without them:
+
+* ``"read_guard"``: the overlap optimizer's read guard (waits before eager reads
+  of parameters that a step in flight is still writing).
+"""
+
+
+def disabled(name: str) -> bool:
+    """Whether the mechanism ``name`` is switched off by :func:`disable` (test-only)."""
+    return name in _disabled
+
+
+@contextlib.contextmanager
+def disable(*names: str) -> Iterator[None]:
+    """Switch off safety mechanisms (see :data:`MUTATIONS`) inside the block.
+
+    For tests only: a test that passes with a mechanism switched off proves
+    nothing about that mechanism.
+
+    Raises:
+        ConfigError: an unknown mechanism name.
+    """
+    unknown = sorted(set(names) - MUTATIONS)
+    if unknown:
+        raise ConfigError(f"unknown mechanism(s) {unknown}; known: {sorted(MUTATIONS)}")
+    with _lock:
+        added = set(names) - _disabled
+        _disabled.update(added)
+    try:
+        yield
+    finally:
+        with _lock:
+            _disabled.difference_update(added)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeoff.optim._check import OverlapReport, check_overlap
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
 from pipeoff.optim.offload import OffloadOptimizer
@@ -10,6 +11,9 @@ __all__ = [
     # the optimizer
     "OffloadOptimizer",
     "ELEMENTWISE",
+    # checking a model for overlap mode
+    "OverlapReport",
+    "check_overlap",
     # chunk plans
     "Chunk",
     "ChunkPlan",

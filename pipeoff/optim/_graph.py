@@ -1,12 +1,18 @@
-"""The task graph of one offload-optimizer step: per chunk H2D -> update -> D2H; the single pass."""
+"""The task graph of one offload-optimizer step: per chunk H2D -> update -> D2H; the single pass.
+
+Graph builders read a :class:`~pipeoff.optim._layout.Layout` and the wrapped
+optimizer's public surface (its ``state`` and ``param_groups``), never the
+``OffloadOptimizer`` itself.
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,16 +21,13 @@ from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim import _update
-from pipeoff.optim._plan import ChunkPlan
+from pipeoff.optim._layout import Layout
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc
+from pipeoff.optim._tensors import flat, flat_like, host_alloc
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import snapshot as _snapshot
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.schedule import Schedule
-
-if TYPE_CHECKING:
-    from pipeoff.optim.offload import OffloadOptimizer
 
 __all__ = ["Step", "launch", "single_pass"]
 
@@ -39,39 +42,30 @@ class Step:
     opt_tasks: tuple[str, ...]
     """Per chunk, the task that writes its parameters."""
     grads: dict[int, torch.Tensor]
-    """The captured local gradients, by parameter index (dropped as chunks finish)."""
+    """The captured local gradients (flat, in memory order), by parameter index
+    (dropped as chunks finish)."""
     restore: dict[int, tuple[torch.Tensor, torch.Tensor]]
     """(param, grad) of the parameters not yet updated, to give grads back on failure."""
     scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per parameter, the scalar state its last chunk produced, until committed."""
+    written: set[int] = field(default_factory=set)
+    """Chunks that have started writing parameters or state (a failure after that is torn)."""
     waited: set[int] = field(default_factory=set)
-    """Chunks the forward hooks have already waited for."""
+    """Chunks the forward waits have already waited for."""
     hook_waits: list[tuple[str, int, int]] = field(default_factory=list)
-    """(name, start, end) of each forward-hook wait, ``perf_counter_ns``."""
+    """(name, start, end) of each forward wait, ``perf_counter_ns``."""
 
 
-def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
-    """Capture grads, hyperparameters and state of ``opt``, build the step's graph, launch it.
-
-    Per chunk: ``h2d{k}`` stages the existing state slices, ``opt{k}`` updates the
-    parameter slices (:func:`~pipeoff.optim._update.step_chunk`), ``d2h{k}`` copies
-    the state back and, at a parameter's last chunk, commits its new state.
-
-    Returns:
-        The launched :class:`Step` (its execution may still be running).
+def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
+                                           dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The local gradients of the parameters that have one, flat in their memory order.
 
     Raises:
         ConfigError: a sparse gradient, or a gradient on another device.
     """
-    inner, params = opt.inner, opt._params
-    keys = opt._keys()
-    # Capture everything the chunks read, so that zero_grad(), a scheduler's
-    # step() or the next backward cannot change this step's math.
-    hyper = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
-             for g in inner.param_groups]
     grads: dict[int, torch.Tensor] = {}
     restore = {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(layout.params):
         g = p.grad
         if g is None:
             continue
@@ -79,11 +73,40 @@ def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
             raise ConfigError(f"{_describe(i, p)} has a sparse gradient; OffloadOptimizer "
                               "supports dense gradients only")
         lg = _local(g)
-        if lg.device != opt.device:
+        if lg.device != layout.device:
             raise ConfigError(f"the gradient of {_describe(i, p)} is on {lg.device}, "
-                              f"not on the parameters' device {opt.device}")
-        grads[i] = lg.contiguous().view(-1)
+                              f"not on the parameters' device {layout.device}")
+        if lg.shape != _local(p).shape:
+            raise ConfigError(f"the gradient of {_describe(i, p)} has local shape "
+                              f"{tuple(lg.shape)}, not the parameter's {tuple(_local(p).shape)}")
+        grads[i] = flat_like(lg, layout.orders[i])
         restore[i] = (p, g)
+    return grads, restore
+
+
+def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
+           prefetch: int) -> Step:
+    """Capture grads, hyperparameters and state of ``inner``, build the step's graph, launch it.
+
+    Per chunk: ``h2d{k}`` stages the existing state slices, ``opt{k}`` updates the
+    parameter slices (:func:`~pipeoff.optim._update.step_chunk`), ``d2h{k}`` copies
+    the state back and, at a parameter's last chunk, commits its new state.
+    Device staging is bounded by ``(prefetch + 1)`` chunks.
+
+    Returns:
+        The launched :class:`Step` (its execution may still be running).
+
+    Raises:
+        ConfigError: a sparse gradient, or a gradient on another device.
+    """
+    plan = layout.plan
+    assert plan is not None, "launch() needs a chunked layout"
+    params, keys = layout.params, layout.keys
+    # Capture everything the chunks read, so that zero_grad(), a scheduler's
+    # step() or the next backward cannot change this step's math.
+    grads, restore = capture_grads(layout)
+    hyper = [{k: _snapshot(v) for k, v in g.items() if k != "params"}
+             for g in inner.param_groups]
     present: dict[int, tuple[str, ...]] = {}
     scalars: dict[int, dict[str, Any]] = {}
     hosts: dict[int, dict[str, torch.Tensor]] = {}
@@ -93,20 +116,32 @@ def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
         st = inner.state.get(p, {})
         present[i] = tuple(k for k in keys[i] if st.get(k) is not None)
         scalars[i] = {k: v for k, v in st.items() if k not in keys[i]}
-        hosts[i] = {k: _local(st[k]).view(-1) for k in present[i]}
+        hosts[i] = {k: flat(_local(st[k]), layout.orders[i]) for k in present[i]}
         missing += [(i, k) for k in keys[i] if k not in present[i]]
-    fresh = host_alloc([(_local(params[i]).shape, _local(params[i]).dtype)
-                        for i, _ in missing], opt.pin_memory)
+    fresh = host_alloc([(_local(params[i]).shape, _local(params[i]).dtype, layout.orders[i])
+                        for i, _ in missing], pin_memory)
     new_state: dict[int, dict[str, torch.Tensor]] = collections.defaultdict(dict)
     for (i, key), h in zip(missing, fresh):
-        hosts[i][key] = h.view(-1)
+        hosts[i][key] = flat(h, layout.orders[i])
         new_state[i][key] = _wrap_like(params[i], h)
 
-    graph = TaskGraph(device=opt.device)
+    graph = TaskGraph(device=layout.device)
     opt_tasks = []
-    cuda = opt.device.type == "cuda"
-    st_obj = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
-                  restore=restore)
+    cuda = layout.device.type == "cuda"
+    step = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
+                restore=restore)
+
+    def commit(i: int) -> None:
+        # A parameter's state is committed in one go once all of it is written,
+        # so a failed step never leaves a half-initialized entry.
+        st = inner.state[params[i]]
+        st.update(step.scalars.pop(i, {}))
+        st.update(new_state.get(i, {}))
+
+    def commit_all(ends: list[int]) -> None:
+        for i in ends:
+            commit(i)
+
     for chunk in plan.chunks:
         k = chunk.index
         segs = []
@@ -123,9 +158,11 @@ def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
                            _h2d_work(buf, segs, keys, present, hosts, params),
                            buffers=[buf], nbytes=_moved(segs, present, params))
             deps = [f"h2d{k}"]
+        ends_here = [s.param for s, _, _ in segs if layout.last_chunk[s.param] == k]
         upd = graph.add_task(
             f"opt{k}", TaskKind.OPTIMIZER_CHUNK,
-            _opt_work(opt, k, buf, segs, keys, present, scalars, hyper, st_obj, cuda)
+            _opt_work(layout, inner, k, buf, segs, present, scalars, hyper, step, cuda,
+                      None if buf is not None else functools.partial(commit_all, ends_here))
             if segs else None,
             deps=deps, buffers=[buf] if buf else [],
             nbytes=sum((hi - lo) * _local(params[s.param]).element_size()
@@ -134,33 +171,37 @@ def launch(opt: OffloadOptimizer, plan: ChunkPlan) -> Step:
         opt_tasks.append(upd)
         if buf is not None:
             graph.add_task(f"d2h{k}", TaskKind.D2H,
-                           _d2h_work(opt, k, buf, segs, keys, hosts, new_state, params,
-                                     st_obj),
+                           _d2h_work(buf, segs, keys, hosts, params,
+                                     functools.partial(commit_all, ends_here)),
                            deps=[upd], buffers=[buf],
                            nbytes=sum(len(keys[s.param]) * (hi - lo)
                                       * _local(params[s.param]).element_size()
                                       for s, lo, hi in segs))
     budget = None
     if plan.chunk_bytes is not None and plan.max_chunk_bytes:
-        budget = (opt.lookahead + 1) * plan.max_chunk_bytes
+        budget = (prefetch + 1) * plan.max_chunk_bytes
     sched = Schedule.pipelined(device_budget_bytes=budget,
                                lookahead=CUDA_TASK_WINDOW if cuda else None)
-    st_obj.execution = execute(graph, sched)
-    st_obj.opt_tasks = tuple(opt_tasks)
-    return st_obj
+    step.execution = execute(graph, sched)
+    step.opt_tasks = tuple(opt_tasks)
+    return step
 
 
-def single_pass(opt: OffloadOptimizer, closure: Callable[[], float] | None) -> float | None:
+def single_pass(layout: Layout, inner: torch.optim.Optimizer,
+                closure: Callable[[], float] | None,
+                offload: Callable[[], None]) -> tuple[Execution, Any]:
     """The legacy step: all state to the device, the wrapped ``step(closure)``, all state back.
 
     Runs on the synchronous schedule (inline, on the caller's thread, so a
-    closure may run forward and backward). Returns the closure's loss.
+    closure may run forward and backward). ``offload`` moves state that a
+    first step created on the device to host memory. Returns the execution
+    and the closure's loss.
     """
-    inner, params, dev = opt.inner, opt._params, opt.device
+    params, dev = layout.params, layout.device
     moved: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor]] = []
 
     def h2d(ctx: TaskContext) -> None:
-        for p in params:
+        for p in params:  # each parameter once, even if a group lists it twice
             st = inner.state.get(p)
             if not st:
                 continue
@@ -175,7 +216,7 @@ def single_pass(opt: OffloadOptimizer, closure: Callable[[], float] | None) -> f
                 st[k] = _wrap_like(p, d)
 
     # The wrapped optimizer's step without torch's hook wrapper: the step hooks
-    # (global ones, and those on this OffloadOptimizer) already ran around
+    # (global ones, and those on the OffloadOptimizer) already ran around
     # OffloadOptimizer.step, once, as in the other modes.
     raw_step = getattr(type(inner).step, "__wrapped__", None)
 
@@ -187,17 +228,15 @@ def single_pass(opt: OffloadOptimizer, closure: Callable[[], float] | None) -> f
         for p, k, host, _ in moved:
             host.copy_(_local(inner.state[p][k]))
             inner.state[p][k] = _wrap_like(p, host)
-        opt._offload_state()  # state a first step created on the device
+        offload()  # state a first step created on the device
 
     graph = TaskGraph(device=dev)
     graph.add_task("h2d", TaskKind.H2D, h2d)
     graph.add_task("opt", TaskKind.OPTIMIZER_CHUNK, update, deps=["h2d"])
     graph.add_task("d2h", TaskKind.D2H, d2h, deps=["opt"])
     ex = execute(graph, Schedule.synchronous())
-    opt._last = ex
-    opt._last_waits = []
     ex.wait()
-    return ex.result("opt")  # type: ignore[no-any-return]
+    return ex, ex.result("opt")
 
 
 def _moved(segs: Sequence[Any], present: dict[int, tuple[str, ...]],
@@ -226,52 +265,56 @@ def _h2d_work(buf: str, segs: Sequence[Any], keys: Sequence[tuple[str, ...]],
     return work
 
 
-def _opt_work(opt: OffloadOptimizer, k: int, buf: str | None, segs: Sequence[Any],
-              keys: Sequence[tuple[str, ...]], present: dict[int, tuple[str, ...]],
-              scalars: dict[int, dict[str, Any]], hyper: Sequence[dict[str, Any]],
-              step: Step, cuda: bool) -> Callable[[TaskContext], None]:
+def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | None,
+              segs: Sequence[Any],
+              present: dict[int, tuple[str, ...]], scalars: dict[int, dict[str, Any]],
+              hyper: Sequence[dict[str, Any]], step: Step, cuda: bool,
+              commit: Callable[[], Any] | None) -> Callable[[TaskContext], None]:
     def work(ctx: TaskContext) -> None:
-        params = opt._params
+        params, keys = layout.params, layout.keys
         groups: dict[int, _update.ChunkGroup] = {}
         mine: list[tuple[int, dict[str, Any]]] = []
         for s, lo, hi in segs:
             i = s.param
-            p = _local(params[i]).detach()
-            gi = opt._group_of[i]
+            p = flat(_local(params[i]).detach(), layout.orders[i])
+            gi = layout.group_of[i]
             cg = groups.get(gi)
             if cg is None:
                 cg = groups[gi] = _update.ChunkGroup(hyper=hyper[gi], params=[], grads=[],
                                                      staged=[], present=[], scalars=[])
             dtype = p.dtype
-            staged = {key: _slot(ctx, buf, s, j, hi - lo, dtype)
-                      for j, key in enumerate(keys[i])} if buf is not None else {}
+            if buf is not None:
+                staged = {key: _slot(ctx, buf, s, j, hi - lo, dtype)
+                          for j, key in enumerate(keys[i])}
+            else:  # a zero-byte chunk: only zero-element (or state-less) slices
+                staged = {key: p.new_empty(0) for key in keys[i]}
             sc = {key: (v.clone() if isinstance(v, torch.Tensor) else v)
                   for key, v in scalars[i].items()}
-            cg.params.append(p.view(-1)[lo:hi])  # type: ignore[attr-defined]
+            cg.params.append(p[lo:hi])  # type: ignore[attr-defined]
             cg.grads.append(step.grads[i][lo:hi])  # type: ignore[attr-defined]
             cg.staged.append(staged)  # type: ignore[attr-defined]
             cg.present.append(present[i])  # type: ignore[attr-defined]
             cg.scalars.append(sc)  # type: ignore[attr-defined]
-            if opt._last_chunk[i] == k:
+            if layout.last_chunk[i] == k:
                 mine.append((i, sc))
-        _update.step_chunk(opt._shadows[k], [groups[g] for g in sorted(groups)])
+        _update.step_chunk(_update.make_shadow(inner), [groups[g] for g in sorted(groups)],
+                           before_write=lambda: step.written.add(k))
         for i, sc in mine:
             step.scalars[i] = sc
-            if buf is None:  # nothing to copy out: commit now
-                opt.inner.state[params[i]].update(step.scalars.pop(i))
             step.restore.pop(i, None)
             g = step.grads.pop(i, None)
             if g is not None and cuda:
                 # Hazard: the caching allocator handing this grad's memory to new
                 # work once the user drops it, while this lane still reads it.
                 g.record_stream(ctx.stream)
+        if commit is not None:  # nothing to copy out: commit now
+            commit()
     return work
 
 
-def _d2h_work(opt: OffloadOptimizer, k: int, buf: str, segs: Sequence[Any],
-              keys: Sequence[tuple[str, ...]], hosts: dict[int, dict[str, torch.Tensor]],
-              new_state: dict[int, dict[str, torch.Tensor]],
-              params: Sequence[torch.Tensor], step: Step) -> Callable[[TaskContext], None]:
+def _d2h_work(buf: str, segs: Sequence[Any], keys: Sequence[tuple[str, ...]],
+              hosts: dict[int, dict[str, torch.Tensor]], params: Sequence[torch.Tensor],
+              commit: Callable[[], Any]) -> Callable[[TaskContext], None]:
     def work(ctx: TaskContext) -> None:
         for s, lo, hi in segs:
             dtype = _local(params[s.param]).dtype
@@ -280,10 +323,5 @@ def _d2h_work(opt: OffloadOptimizer, k: int, buf: str, segs: Sequence[Any],
                 # only after waiting for the execution.
                 hosts[s.param][key][lo:hi].copy_(_slot(ctx, buf, s, j, hi - lo, dtype),
                                                  non_blocking=True)
-            if opt._last_chunk[s.param] == k:
-                # Commit the parameter's state in one go once all of it is written,
-                # so a failed step never leaves a half-initialized entry.
-                st = opt.inner.state[params[s.param]]
-                st.update(step.scalars.pop(s.param, {}))
-                st.update(new_state.get(s.param, {}))
+        commit()
     return work

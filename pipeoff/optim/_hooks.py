@@ -1,29 +1,31 @@
-"""Forward waits: pre-forward hooks that wait only for the chunks a module's forward reads.
+"""Forward hooks: before a module's forward, wait only for the chunks its forward reads.
 
 On FSDP2 each FSDP module gets a ``prepend=True`` pre-forward hook (so it runs
 before FSDP's own, which issues the all-gathers). It waits for the chunks of
 the module's own parameters and of the modules it prefetches, whose
 all-gathers FSDP issues inside this module's pre-forward. On a plain module
-tree each module that owns parameters gets a hook for the parameters of its
-subtree (a forward may read a child's parameters without calling the child);
-so do the parameters of an FSDP2 model that no FSDP module manages.
-torch.distributed is imported only when the model is an FSDP2 model.
+tree each module that owns parameters gets a hook for its own parameters, and
+so does the attached root. Every hook also waits for the parameters that its
+module's forward was seen to read without calling their module
+(:class:`~pipeoff.optim._waits.ForwardWaits` learns them).
+
+Hooks are opaque to Dynamo (``torch.compiler.disable``): under ``torch.compile``
+they run, eagerly, at every call, exactly where an eager forward would run
+them. torch.distributed is imported only when the model is an FSDP2 model.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from pipeoff._errors import ConfigError
+from pipeoff import _compat
+from pipeoff.optim._waits import ForwardWaits
 
-if TYPE_CHECKING:
-    from pipeoff.optim.offload import OffloadOptimizer
-
-__all__ = ["install"]
+__all__ = ["install", "unwrap"]
 
 
 def _fsdp_module_type() -> type[torch.nn.Module] | None:
@@ -36,93 +38,85 @@ def _fsdp_module_type() -> type[torch.nn.Module] | None:
     return FSDPModule  # type: ignore[return-value]  # a mixin of nn.Module subclasses
 
 
-def install(opt: OffloadOptimizer, model: torch.nn.Module) -> list[Any]:
-    """Install the forward waits of ``opt`` on ``model``; returns the hook handles.
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, else ``model``."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod  # type: ignore[assignment]
+    return model
 
-    Raises:
-        ConfigError: an optimizer parameter is not a parameter of ``model``.
+
+def install(waits: ForwardWaits, model: torch.nn.Module,
+            params: Sequence[torch.Tensor]) -> list[Any]:
+    """Install the forward waits of ``params`` on ``model``; returns the hook handles.
+
+    Every handle is registered or none is (a failure removes those already in).
     """
-    from pipeoff.optim._tensors import describe
-
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"attach() needs a torch.nn.Module, got {model!r}")
-    index = {id(p): i for i, p in enumerate(opt._params)}
-    owned = {id(p) for p in model.parameters()}
-    for i, p in enumerate(opt._params):
-        if id(p) not in owned:
-            raise ConfigError(
-                f"{describe(i, p)} of the optimizer is not a parameter of the "
-                f"{type(model).__name__} given to attach(); attach the model whose "
-                "parameters the optimizer updates"
-            )
+    root = unwrap(model)
     fsdp = _fsdp_module_type()
-    handles = []
-    plain = index
-    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
-        opt._fsdp_root = model if isinstance(model, fsdp) else None
-        fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, fsdp)]
-        handles = [
-            m.register_forward_pre_hook(_fsdp_hook(opt, index, n or "root"), prepend=True,
-                                        with_kwargs=True)
-            for n, m in fsdp_modules
-        ]
+    names = {m: _clean(n) or type(root).__name__ for n, m in root.named_modules()}
+    plan: list[tuple[torch.nn.Module, Any, bool]] = []  # (module, hook, with_kwargs)
+    plain = {id(p) for p in params}
+    if fsdp is not None and any(isinstance(m, fsdp) for m in root.modules()):
+        fsdp_modules = [m for m in root.modules() if isinstance(m, fsdp)]
+        plan += [(m, _fsdp_hook(waits, names[m]), True) for m in fsdp_modules]
         # Parameters no FSDP module manages (a plain head outside every
         # fully_shard unit, under a root that is not sharded) get plain hooks.
-        managed = {i for _, m in fsdp_modules
-                   for i in _owned(m._get_fsdp_state(), index)}  # type: ignore[operator]
-        plain = {k: i for k, i in index.items() if i not in managed}
-    names = {m: n or type(m).__name__ for n, m in model.named_modules()}
-    for m in model.modules():
-        if not any(id(p) in plain for p in m.parameters(recurse=False)):
+        managed = {id(p) for m in fsdp_modules
+                   for p in _sharded_params(m._get_fsdp_state())}  # type: ignore[operator]
+        plain -= managed
+    hooked = {m for m, _, _ in plan}
+    for m in root.modules():
+        if m in hooked:
             continue
-        # Wait for the whole subtree, not only the module's own parameters: a
-        # forward may read a child's parameters without calling the child
-        # (nn.MultiheadAttention reads out_proj.weight), and that child's own
-        # hook would then never run.
-        mine = tuple(sorted({plain[id(p)] for p in m.parameters() if id(p) in plain}))
-        handles.append(m.register_forward_pre_hook(_plain_hook(opt, mine, names[m]),
-                                                   prepend=True))
+        if m is root or any(id(p) in plain for p in m.parameters(recurse=False)):
+            plan.append((m, _plain_hook(waits, names[m]), False))
+    handles: list[Any] = []
+    try:
+        for m, hook, kw in plan:
+            handles.append(m.register_forward_pre_hook(hook, prepend=True, with_kwargs=kw))
+        # Hazard: code torch.compile traced before these hooks existed (a warm-up
+        # forward) keeps running without them, reading parameters that a step is
+        # still writing.
+        _compat.recompile_with_hooks(root.modules())
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+    waits.set_modules(root, [m for m, _, _ in plan])
     return handles
 
 
-def _plain_hook(opt: OffloadOptimizer, params: tuple[int, ...], name: str) -> Any:
-    cuda = opt.device.type == "cuda"
-
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if opt._inflight is None:
-            return
-        streams: Sequence[Any] = (torch.cuda.current_stream(opt.device),) if cuda else ()
-        opt._wait_params(params, streams, name)
-
-    return hook
+def _clean(name: str) -> str:
+    return name.replace("_orig_mod.", "").replace("._orig_mod", "")
 
 
-def _owned(state: Any, index: dict[int, int]) -> list[int]:
-    return [index[id(fp.sharded_param)] for g in state._fsdp_param_groups
-            for fp in g.fsdp_params if id(fp.sharded_param) in index]
+def _plain_hook(waits: ForwardWaits, name: str) -> Any:
+    def pipeoff_forward_wait(module: torch.nn.Module, args: Any) -> None:
+        waits.on_module(module, module.parameters(recurse=False), name)
+
+    return _compat.dynamo_disable(pipeoff_forward_wait)
 
 
-def _fsdp_hook(opt: OffloadOptimizer, index: dict[int, int], name: str) -> Any:
-    cuda = opt.device.type == "cuda"
+def _sharded_params(state: Any) -> list[torch.Tensor]:
+    return [fp.sharded_param for g in state._fsdp_param_groups for fp in g.fsdp_params]
 
-    def hook(module: Any, args: Any, kwargs: Any) -> None:
-        if opt._inflight is None:
-            return
+
+def _fsdp_hook(waits: ForwardWaits, name: str) -> Any:
+    def pipeoff_fsdp_forward_wait(module: Any, args: Any, kwargs: Any) -> None:
         state = module._get_fsdp_state()
         # Read the prefetch list now: set_modules_to_forward_prefetch may change it.
-        mine = set(_owned(state, index))
+        mine = _sharded_params(state)
         for other in state._states_to_forward_prefetch:
-            mine.update(_owned(other, index))
-        streams: list[Any] = []
-        if cuda:
-            streams.append(torch.cuda.current_stream(opt.device))
+            mine += _sharded_params(other)
+        streams: tuple[Any, ...] | None = None
+        if waits.cuda:
             ctx = state._comm_ctx
             # The all-gathers read the shards on these streams, which do not
             # sync with the compute stream again after the root's pre-forward.
-            for attr in ("all_gather_copy_in_stream", "all_gather_stream"):
-                s = getattr(ctx, attr, None)
-                if s is not None:
-                    streams.append(s)
-        opt._wait_params(tuple(sorted(mine)), streams, name)
+            streams = (torch.cuda.current_stream(waits.device), *(
+                s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
+                                                            "all_gather_stream"))
+                if s is not None))
+        waits.on_module(module, mine, name, streams)
 
-    return hook
+    return _compat.dynamo_disable(pipeoff_fsdp_forward_wait)

@@ -1,4 +1,4 @@
-"""Small tensor helpers of the offload optimizer: local shards, DTensor wrapping, host arenas."""
+"""Tensor helpers of the offload optimizer: local shards, memory order, DTensor wrapping, arenas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe", "host_alloc", "local", "snapshot", "wrap_like"]
+__all__ = ["describe", "flat", "host_alloc", "local", "memory_order", "snapshot", "wrap_like"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -24,6 +24,43 @@ def wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
                               stride=p.stride(), run_check=False)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order in which ``t``'s elements lie in memory, or ``None``.
+
+    ``t.permute(order)`` is contiguous. A contiguous tensor gives the identity; a
+    channels-last convolution weight gives ``(0, 2, 3, 1)``. ``None`` means the
+    tensor is not dense (it overlaps itself or has gaps), so it has no flat view.
+    """
+    n = t.dim()
+    if t.is_contiguous():
+        return tuple(range(n))
+    strides, sizes = t.stride(), t.shape
+    order = tuple(sorted(range(n), key=lambda d: (-strides[d], -sizes[d], d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def flat(t: torch.Tensor, order: Sequence[int] | None = None) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order (``order`` if given).
+
+    For element-wise math the order of elements does not matter, as long as a
+    parameter, its gradient and its state are all flattened in the same order.
+    """
+    if order is None:
+        order = memory_order(t)
+        if order is None:
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} "
+                             "is not dense in memory")
+    if list(order) == list(range(t.dim())):
+        return t.view(-1)
+    return t.permute(tuple(order)).view(-1)
+
+
+def flat_like(t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``t``'s elements as a 1-D tensor in ``order`` (a view if its layout allows, else a copy)."""
+    p = t.permute(tuple(order)) if list(order) != list(range(t.dim())) else t
+    return p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
 
 
 def snapshot(value: Any) -> Any:
@@ -48,17 +85,33 @@ def numel(shape: Iterable[int]) -> int:
     return n
 
 
-def host_alloc(specs: Sequence[tuple[torch.Size, torch.dtype]], pin: bool) -> list[torch.Tensor]:
-    """Host tensors of the given shapes, carved from one (pinned) arena per dtype."""
+def host_alloc(specs: Sequence[tuple[torch.Size, torch.dtype] | tuple[torch.Size, torch.dtype,
+                                                                      Sequence[int]]],
+               pin: bool) -> list[torch.Tensor]:
+    """Host tensors of the given shapes, carved from one (pinned) arena per dtype.
+
+    A spec may carry a memory order (see :func:`memory_order`): the tensor then
+    has the strides of a tensor laid out in that order (a channels-last weight's
+    state is channels-last too, as torch's own ``zeros_like`` state would be).
+    """
     total: dict[torch.dtype, int] = collections.defaultdict(int)
-    for shape, dtype in specs:
-        total[dtype] += max(1, numel(shape))
+    for spec in specs:
+        total[spec[1]] += max(1, numel(spec[0]))
     arenas = {d: torch.empty(n, dtype=d, pin_memory=pin) for d, n in total.items()}
     offs: dict[torch.dtype, int] = collections.defaultdict(int)
     out = []
-    for shape, dtype in specs:
+    for spec in specs:
+        shape, dtype = spec[0], spec[1]
+        order = tuple(spec[2]) if len(spec) > 2 else tuple(range(len(shape)))  # type: ignore[misc]
         n = numel(shape)
         o = offs[dtype]
-        out.append(arenas[dtype][o:o + n].view(shape))
+        piece = arenas[dtype][o:o + n]
+        if order == tuple(range(len(shape))):
+            out.append(piece.view(shape))
+        else:
+            inverse = [0] * len(order)
+            for k, d in enumerate(order):
+                inverse[d] = k
+            out.append(piece.view([shape[d] for d in order]).permute(inverse))
         offs[dtype] = o + max(1, n)
     return out

@@ -5,8 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -15,19 +14,20 @@ from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
-from pipeoff.optim._plan import ChunkPlan, ParamMeta, plan_chunks, planned_numel, verify_plan
+from pipeoff.optim._layout import Layout, build_layout, fingerprint
+from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc
+from pipeoff.optim._tensors import host_alloc, memory_order
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
-from pipeoff.trace import TaskRecord, Trace, record_hook_wait
+from pipeoff.optim._waits import ForwardWaits
+from pipeoff.trace import TaskRecord, Trace
 from pipeoff.trace._trace import HOOK_WAIT
 
 __all__ = ["OffloadOptimizer"]
 
 Mode = Literal["single_pass", "chunked", "overlap"]
 _MODES = ("single_pass", "chunked", "overlap")
-_FUSED_ALIGN = 128  # fused kernels vectorize from a tensor's start: split at multiples
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -52,8 +52,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         wrapped optimizer steps normally (any optimizer, closures allowed), and
         the state moves back. ``"chunked"``: bounded chunks, one host wait per
         step. ``"overlap"``: ``step()`` captures grads and hyperparameters,
-        launches the chunks and returns; :meth:`attach` makes each module's
-        forward wait only for the chunks holding its parameters.
+        launches the chunks and returns; every read of a parameter waits for the
+        chunks that write it (see ``docs/optimizer.md``, "What overlap mode needs
+        from your model"), and :meth:`attach` makes each module's forward wait,
+        on CUDA streams, only for the chunks holding its parameters.
+
+    The live ``param_groups`` are the truth: parameters added, removed or
+    re-pointed in place, and a parameter whose layout changed (channels-last),
+    are picked up at the next step, which re-plans before writing anything.
 
     Results are bitwise equal to stepping the wrapped optimizer directly.
 
@@ -64,12 +70,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory: page-lock the host state (ignored without an accelerator).
         lookahead: chunks staged ahead of the one being updated.
         process_group: the group whose ranks must agree on the chunk plan
-            (default: the world, when torch.distributed is initialized).
+            (default: the world, when torch.distributed is initialized). The
+            plan is checked collectively here, at construction, where every
+            rank is known to be, and by :meth:`verify_plan`; never inside
+            ``step()``, ``load_state_dict()`` or ``add_param_group()``, which a
+            rank may call alone.
 
     Raises:
-        ConfigError: an argument is out of range, or parameters are on mixed devices.
+        ConfigError: an argument is out of range; parameters on mixed devices,
+            not dense in memory, or (outside ``single_pass``) listed twice.
         UnsupportedOptimizerError: a chunked mode was asked of an optimizer that
             is not element-wise.
+        PlanMismatchError: ranks of ``process_group`` disagree on the plan.
     """
 
     def __init__(
@@ -116,15 +128,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
         self._torn: str | None = None  # why the parameters are partly stepped, if they are
-        self._plan: ChunkPlan | None = None
-        self._plan_layout: tuple[Any, ...] = ()
-        self._verified = False
-        self._shadows: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._fsdp_root: Any = None  # set by attach() on an FSDP2 root
         self._model: torch.nn.Module | None = None
-        self._params, self.device = self._index_params()
-        self._offload_state()
+        self._waits = ForwardWaits(self.wait_for_step)
+        self._layout = build_layout(optimizer, chunked=self._chunked,
+                                    chunk_bytes=chunk_bytes)
+        self._offload_state(self._layout)
+        if self._chunked:
+            self.verify_plan()
+
+    @property
+    def _chunked(self) -> bool:
+        return self.mode != "single_pass"
 
     # -- the Optimizer surface ------------------------------------------------
     @property  # type: ignore[override]
@@ -145,6 +161,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.inner.state = value
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (their local shards)."""
+        return self._layout.device
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled; save state_dict() instead")
 
@@ -153,13 +174,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"{self.inner!r})")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; the chunk plan is rebuilt on the next step."""
+        """Add a group to the wrapped optimizer; the next step plans it in.
+
+        Either the group is added, or (on any error) the optimizer, its hooks
+        and the model are left as they were.
+
+        Raises:
+            ConfigError: a parameter of the group is on another device, not
+                dense, listed twice (outside ``single_pass``), or not in the
+                model given to :meth:`attach`.
+        """
         self.wait_for_step()
+        groups = list(self.inner.param_groups)
         self.inner.add_param_group(param_group)
-        self._params, self.device = self._index_params()
-        self._plan = None
-        if self._model is not None:
-            self.attach(self._model)  # the new parameters need forward waits too
+        try:
+            layout = self._checked_layout()
+        except BaseException:
+            self.inner.param_groups[:] = groups  # atomic: nothing was added
+            raise
+        self._offload_state(layout)
+        self._layout = layout
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear grads. Setting them to ``None`` never waits; zeroing in place waits
@@ -182,7 +216,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Load into the wrapped optimizer, then move the state to host memory.
 
         This is also how to go on after a step that failed partway (load the
-        model's state too).
+        model's state too). It is rank-local: no collective runs. Either all of
+        ``state_dict`` is loaded or (on any error) nothing is.
+
+        Raises:
+            ConfigError: ``state_dict`` is not an optimizer state dict, or a
+                per-element state tensor does not have its parameter's shape.
+            ValueError: torch's own checks (a group of another size).
         """
         self.wait_for_step()
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
@@ -193,27 +233,39 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # state this class exists to keep off it. Load the groups through it
         # (its checks, hooks and hyperparameters) and the state straight to host.
         saved = state_dict["state"]
-        self.inner.load_state_dict({**state_dict, "state": {}})
-        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.inner.param_groups)
-        by_id = dict(zip(ids, params))
-        for pid, entry in saved.items():
-            p = by_id.get(pid)
-            if p is None:
-                self.inner.state[pid] = entry  # as torch does with ids it does not know
-                continue
-            group = next(g for g in self.inner.param_groups if any(q is p for q in g["params"]))
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            self.inner.state[p] = {k: _host_value(p, k, v, on_device) for k, v in entry.items()}
-        self._offload_state()
-        self._plan = None
+        before = (self.inner.param_groups, self.inner.state)
+        try:
+            self.inner.load_state_dict({**state_dict, "state": {}})
+            ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+            params = itertools.chain.from_iterable(g["params"] for g in self.inner.param_groups)
+            by_id = dict(zip(ids, params))
+            state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
+            group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
+            for pid, entry in saved.items():
+                p = by_id.get(pid)
+                if p is None:
+                    state[pid] = entry  # as torch does with ids it does not know
+                    continue
+                group = group_of[id(p)]
+                on_device = bool(group.get("fused") or group.get("capturable"))
+                keys = _update.state_keys(self.inner, group) if self._chunked else ()
+                state[p] = {k: _host_value(p, k, v, on_device, k in keys)
+                            for k, v in entry.items()}
+            self.inner.state = state
+            layout = self._checked_layout()
+            self._offload_state(layout)
+        except BaseException:
+            self.inner.param_groups, self.inner.state = before  # nothing was loaded
+            raise
+        self._layout = layout
         self._torn = None
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has finished.
 
-        Call it before anything but a forward reads the parameters: a checkpoint,
-        a weight broadcast, evaluation without the attached hooks.
+        In overlap mode every read of a parameter already waits for the chunks
+        that write it (on the thread that called ``step()``); call this before
+        reading parameters on another thread, or to collect a failure.
 
         Raises:
             BaseException: the exception a chunk raised, with its traceback. If
@@ -231,13 +283,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p, g in st.restore.values():
                 if p.grad is None:
                     p.grad = g
-            written = _written_chunks(st)
+            written = sorted(st.written)
+            failed = st.execution.failed_task
             if written:
                 # The updates cannot be undone (that would need a copy of every
                 # parameter): refuse to compound them rather than train on silently.
                 self._torn = (
-                    f"a step failed in {st.execution.failed_task!r} after chunk(s) "
-                    f"{_ranges(written)} of {len(st.opt_tasks)} had updated their parameters"
+                    f"a step failed in {failed!r} after chunk(s) "
+                    f"{_ranges(written)} of {len(st.opt_tasks)} had written their parameters"
                 )
                 err.add_note(
                     f"pipeoff: {self._torn}; the parameters and optimizer state are partly "
@@ -245,11 +298,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "before stepping again."
                 )
             else:
-                err.add_note("pipeoff: no parameter was written; the step can be retried.")
+                err.add_note(f"pipeoff: the step failed in {failed!r} before any chunk wrote "
+                             "a parameter; no parameter was written and the step can be "
+                             "retried.")
             raise
         finally:
             st.grads.clear()
             st.restore.clear()
+            self._waits.end()
 
     def _check_not_torn(self, what: str) -> None:
         if self._torn is not None:
@@ -258,34 +314,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "partly stepped. Load a checkpoint (the model's and this optimizer's "
                 "load_state_dict) to go on."
             )
-
-    def _wait_params(self, params: tuple[int, ...], streams: Sequence[Any] = (),
-                     name: str = "") -> None:
-        """Wait for the chunks of the step in flight that update ``params`` (indices).
-
-        With ``streams`` (CUDA), those streams wait; otherwise the host blocks.
-        """
-        st = self._inflight
-        if st is None:
-            return
-        todo = sorted({c for i in params for c in self._chunks_of[i]} - st.waited)
-        if todo:
-            t0 = time.perf_counter_ns()
-            for comp in st.execution.events_for([st.opt_tasks[c] for c in todo]):
-                if streams:
-                    for s in streams:
-                        # Hazard: this stream (compute, or FSDP's all-gather copy-in)
-                        # reading parameter shards the chunk is still writing.
-                        comp.wait(s)
-                else:
-                    comp.wait()  # host lanes: block until the chunk has written them
-            t1 = time.perf_counter_ns()
-            st.waited.update(todo)
-            label = f"hook_wait:{name}" if name else "hook_wait"
-            st.hook_waits.append((label, t0, t1))
-            record_hook_wait(label, t0, t1)
-        if st.execution.exception is not None:
-            self.wait_for_step()  # raises the chunk's failure here
 
     @property
     def last_execution(self) -> Execution | None:
@@ -310,27 +338,60 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def plan(self) -> ChunkPlan:
-        """The chunk plan (built on first use)."""
-        return self._ensure_plan()
+        """The chunk plan of the live param groups.
+
+        Raises:
+            ConfigError: in ``single_pass`` (it has none), or the live groups are invalid.
+        """
+        if not self._chunked:
+            raise ConfigError("mode='single_pass' has no chunk plan")
+        layout = self._current_layout()
+        assert layout.plan is not None
+        return layout.plan
+
+    def verify_plan(self) -> None:
+        """Check collectively that every rank of ``process_group`` has the same chunk plan.
+
+        A collective: call it on every rank, after changing param groups on all
+        of them. Runs at construction too. Does nothing unless torch.distributed
+        is initialized.
+
+        Raises:
+            PlanMismatchError: on every rank, when ranks disagree.
+        """
+        if self._chunked:
+            verify_plan(self.plan, self.process_group)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Make ``model``'s forward wait for the chunks that update its parameters.
+        """Make ``model``'s forward wait, per module, for the chunks it reads.
 
         On FSDP2 modules a ``prepend=True`` pre-forward hook on each FSDP module
         waits for the chunks of its own parameters and of the modules it
-        prefetches; on a plain module tree each module that owns parameters
-        gets one. A second call replaces the hooks.
+        prefetches; on a plain module tree each module that owns parameters,
+        and the root, gets one. Hooks run under ``torch.compile`` too (they are
+        opaque to Dynamo). The first forward after attaching runs compiled code
+        eagerly, so the hooks learn the parameters a forward reads without
+        calling their module. A second call replaces the hooks. Either the hooks
+        are all installed, or (on any error) the old ones stay.
 
         Raises:
-            ConfigError: some of the optimizer's parameters are not in ``model``.
+            ConfigError: ``model`` is not a module, or some of the optimizer's
+                parameters are not in it.
         """
-        from pipeoff.optim._hooks import install
+        from pipeoff.optim._hooks import install, unwrap
 
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"attach() needs a torch.nn.Module, got {model!r}")
+        layout = self._current_layout()
+        self._check_in_model(layout, model)
+        self.wait_for_step()
+        handles = install(self._waits, model, layout.params)
         for h in self._hooks:
             h.remove()
-        self._hooks = []
-        self._hooks = install(self, model)
+        self._hooks = handles
         self._model = model
+        root = unwrap(model)
+        self._fsdp_root = root if hasattr(root, "set_post_optim_event") else None
 
     def detach(self) -> None:
         """Remove the forward hooks that :meth:`attach` installed."""
@@ -338,15 +399,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         self._model = None
+        self._fsdp_root = None
+        self._waits.set_modules(torch.nn.Module(), [])
+        self._waits.attached = False
 
     # -- stepping -------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step the wrapped optimizer: at once (``overlap``) or before returning.
 
+        Nothing is written unless every check passes.
+
         Raises:
-            ConfigError: a closure outside ``single_pass``, a sparse grad, or a
-                grad on another device.
+            ConfigError: a closure outside ``single_pass``, a sparse grad, a
+                grad on another device, or live param groups that are invalid
+                (a parameter on another device, not dense, listed twice, or
+                outside the attached model).
+            StepFailedError: an earlier step failed after writing parameters.
             BaseException: the failure of the previous step in flight.
         """
         if closure is not None and self.mode != "single_pass":
@@ -357,79 +426,61 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.wait_for_step()
         self._check_not_torn("step()")
         with torch.profiler.record_function("pipeoff::optim::step"):
+            layout = self._current_layout()
             if self.mode == "single_pass":
-                return self._single_pass(closure)
-            plan = self._ensure_plan()
-            if not self._verified:
-                verify_plan(plan, self.process_group)
-                self._verified = True
-            st = self._launch(plan)
+                ex, loss = _graph.single_pass(layout, self.inner, closure,
+                                              lambda: self._offload_state(layout))
+                self._last, self._last_waits = ex, []
+                return loss  # type: ignore[no-any-return]
+            st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
+                               prefetch=self.lookahead)
             self._inflight = st
             self._last = st.execution
             self._last_waits = st.hook_waits
             if self.mode == "chunked":
                 self.wait_for_step()  # the one host wait of a chunked step
-            elif self.device.type == "cuda":
-                self._set_post_optim_event()
+            else:
+                self._waits.begin(st, layout, st.grads.keys())
+                if layout.device.type == "cuda":
+                    self._set_post_optim_event()
         return None
 
-    def _index_params(self) -> tuple[list[torch.Tensor], torch.device]:
-        params = [p for g in self.inner.param_groups for p in g["params"]]
-        if not params:
-            raise ConfigError("the wrapped optimizer has no parameters")
-        dev = _local(params[0]).device
-        for i, p in enumerate(params):
-            if _local(p).device != dev:
+    # -- layout ---------------------------------------------------------------
+    def _current_layout(self) -> Layout:
+        """The layout of the live param groups, rebuilt (and checked) if they changed."""
+        sig = fingerprint(self.inner, self._chunked)
+        if sig == self._layout.signature:
+            return self._layout
+        layout = self._checked_layout(sig)
+        self._offload_state(layout)
+        self._layout = layout
+        self._waits.forget()  # learn the reads of the new parameters too
+        return layout
+
+    def _checked_layout(self, sig: tuple[Any, ...] | None = None) -> Layout:
+        layout = build_layout(self.inner, chunked=self._chunked, chunk_bytes=self.chunk_bytes,
+                              signature=sig)
+        if self._model is not None:
+            self._check_in_model(layout, self._model)
+        return layout
+
+    @staticmethod
+    def _check_in_model(layout: Layout, model: torch.nn.Module) -> None:
+        owned = {id(p) for p in model.parameters()}
+        for i, p in enumerate(layout.params):
+            if id(p) not in owned:
                 raise ConfigError(
-                    f"{_describe(i, p)} is on another device than {_describe(0, params[0])}; "
-                    "an OffloadOptimizer needs all its parameters on one device"
+                    f"{_describe(i, p)} of the optimizer is not a parameter of the "
+                    f"{type(model).__name__} given to attach(), so its forward could not wait "
+                    "for it; attach the model whose parameters the optimizer updates, or "
+                    "detach() first"
                 )
-            if not _local(p).is_contiguous():
-                raise ConfigError(f"{_describe(i, p)} is not contiguous; chunks are flat slices")
-        return params, dev
 
-    def _keys(self) -> list[tuple[str, ...]]:
-        return [_update.state_keys(self.inner, g) for g in self.inner.param_groups
-                for _ in g["params"]]
-
-    def _layout(self) -> tuple[Any, ...]:
-        """What the plan depends on besides shapes: state keys per param, fused kernels."""
-        return (tuple(len(k) for k in self._keys()),
-                any(g.get("fused") for g in self.inner.param_groups))
-
-    def _ensure_plan(self) -> ChunkPlan:
-        if self._plan is not None and self._plan_layout == self._layout():
-            return self._plan
-        if self.mode == "single_pass":
-            raise ConfigError("mode='single_pass' has no chunk plan")
-        self._plan_layout = self._layout()
-        metas = []
-        keys = self._keys()
-        gi = [j for j, g in enumerate(self.inner.param_groups) for _ in g["params"]]
-        for i, p in enumerate(self._params):
-            metas.append(ParamMeta(numel=planned_numel(p), itemsize=_local(p).element_size(),
-                                   nkeys=len(keys[i]), group=gi[i]))
-        fused = any(g.get("fused") for g in self.inner.param_groups)
-        self._plan = plan_chunks(metas, self.chunk_bytes, align=_FUSED_ALIGN if fused else 1)
-        self._shadows = [_update.make_shadow(self.inner) for _ in self._plan.chunks]
-        self._group_of = gi
-        self._last_chunk = {s.param: c.index for c in self._plan.chunks for s in c.segments}
-        chunks_of: dict[int, list[int]] = collections.defaultdict(list)
-        for c in self._plan.chunks:
-            for s in c.segments:
-                chunks_of[s.param].append(c.index)
-        self._chunks_of = {i: tuple(v) for i, v in chunks_of.items()}
-        self._verified = False
-        return self._plan
-
-    def _offload_state(self) -> None:
-        """Move per-element state that is not in host memory there (pooled, pinned)."""
-        if self.mode == "single_pass":
-            keys: list[tuple[str, ...]] | None = None
-        else:
-            keys = self._keys()
+    def _offload_state(self, layout: Layout) -> None:
+        """Move per-element state that is not in host memory there (pinned, in the
+        parameter's memory order, so that chunks are flat slices of both)."""
         todo: list[tuple[int, str, torch.Tensor]] = []
-        for i, p in enumerate(self._params):
+        for i, p in enumerate(layout.params):
             st = self.inner.state.get(p)
             if not st:
                 continue
@@ -437,19 +488,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not isinstance(v, torch.Tensor):
                     continue
                 loc = _local(v)
-                element = k in keys[i] if keys is not None else (
+                element = (k in layout.keys[i]) if self._chunked else (
                     k != "step" and loc.shape == _local(p).shape)
-                if element and (loc.device.type != "cpu" or not loc.is_contiguous()
+                if element and (loc.device.type != "cpu"
+                                or memory_order(loc) != layout.orders[i]
                                 or (self.pin_memory and not loc.is_pinned())):
                     todo.append((i, k, loc))
-        hosts = host_alloc([(t.shape, t.dtype) for _, _, t in todo], self.pin_memory)
+        hosts = host_alloc([(t.shape, t.dtype, layout.orders[i]) for i, _, t in todo],
+                           self.pin_memory)
         for (i, k, t), h in zip(todo, hosts):
             h.copy_(t)
-            p = self._params[i]
+            p = layout.params[i]
             self.inner.state[p][k] = _wrap_like(p, h)
-
-    def _launch(self, plan: ChunkPlan) -> Step:
-        return _graph.launch(self, plan)
 
     def _set_post_optim_event(self) -> None:
         root = self._fsdp_root
@@ -462,31 +512,31 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ev.record(torch.cuda.current_stream(self.device))
         root.set_post_optim_event(ev)
 
-    def _single_pass(self, closure: Callable[[], float] | None) -> float | None:
-        return _graph.single_pass(self, closure)
 
-
-def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool) -> Any:
+def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool,
+                element: bool) -> Any:
     """A loaded state value in host memory, with torch's dtype policy.
 
     ``step`` follows torch: kept as it is, or a float32 tensor on the
     parameter's device for fused and capturable optimizers.
+
+    Raises:
+        ConfigError: a per-element entry (``element``) whose shape is not the parameter's.
     """
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step":
         return value.to(dtype=torch.float32, device=p.device) if step_on_device else value
     local = _local(value).detach()
+    if element and local.shape != _local(p).shape:
+        raise ConfigError(
+            f"state {key!r} of a parameter of shape {tuple(p.shape)} has (local) shape "
+            f"{tuple(local.shape)}, not the parameter's {tuple(_local(p).shape)}: the "
+            "checkpoint does not belong to these parameters"
+        )
     dtype = _local(p).dtype if p.is_floating_point() else local.dtype
     local = local.to(device="cpu", dtype=dtype, copy=True)
     return _wrap_like(p, local) if hasattr(value, "placements") else local
-
-
-def _written_chunks(st: Step) -> list[int]:
-    """The chunks of a finished step whose update ran (wholly or until it raised)."""
-    index = {name: k for k, name in enumerate(st.opt_tasks)}
-    return sorted(index[t.name] for t in st.execution.trace.tasks
-                  if t.name in index and t.status != "cancelled")
 
 
 def _ranges(ks: list[int]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -46,15 +47,13 @@ def own_chunks_only(opt: Any, model: nn.Module) -> None:
     """A deliberately wrong attach(): each FSDP module waits only for its own chunks."""
     from torch.distributed.fsdp import FSDPModule
 
-    index = {id(p): i for i, p in enumerate(opt._params)}
     for m in model.modules():
         if isinstance(m, FSDPModule):
             st = m._get_fsdp_state()
-            own = tuple(index[id(fp.sharded_param)] for g in st._fsdp_param_groups
-                        for fp in g.fsdp_params)
+            own = [fp.sharded_param for g in st._fsdp_param_groups for fp in g.fsdp_params]
 
-            def hook(mod: Any, args: Any, kwargs: Any, own: tuple[int, ...] = own) -> None:
-                opt._wait_params(own)
+            def hook(mod: Any, args: Any, kwargs: Any, own: list[Any] = own) -> None:
+                opt._waits.on_module(mod, own, "own_only")
 
             m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
 
@@ -76,7 +75,11 @@ def run_case(rank: int, world: int, mesh: Any, prefetch: bool | str, attach: boo
     g = torch.Generator().manual_seed(1)
     ref_losses, losses = [], []
     # Slow chunks: a forward that does not wait reads stale shards.
-    with pipeoff.testing.delay_lane("compute", 0.01):
+    # The controls (no attach, own chunks only) run without the read guard: they
+    # show what the hooks alone must do.
+    control = attach is False or attach == "own_only"
+    with pipeoff.testing.delay_lane("compute", 0.01), \
+            pipeoff.testing.disable("read_guard") if control else contextlib.nullcontext():
         for _ in range(3):
             x = torch.randn(8, 16, generator=g).chunk(world)[rank]
             loss = ref(x).pow(2).mean()

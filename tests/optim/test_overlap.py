@@ -61,13 +61,14 @@ def test_overlap_forward_waits_make_it_exact() -> None:
 
 
 def test_without_forward_waits_the_forward_reads_stale_params() -> None:
-    """The control: the same race without attach() gives different numbers."""
+    """The control: the same race without attach() and without the read guard
+    gives different numbers."""
     ref_out, _ = reference(2)
     net = make_net()
     opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
                            mode="overlap", chunk_bytes=256)
     x0, x1 = batches(2)
-    with pipeoff.testing.delay_lane("compute", DELAY):
+    with pipeoff.testing.delay_lane("compute", DELAY), pipeoff.testing.disable("read_guard"):
         net(x0, 1).pow(2).mean().backward()
         opt.step()
         with torch.no_grad():
@@ -126,7 +127,8 @@ def test_chunk_failure_surfaces_in_forward_hook_and_nothing_hangs() -> None:
             net(x, 1)
     text = "".join(traceback.format_exception(info.value))
     assert "opt3" in text
-    assert "chunk(s) 0-3 of" in text  # the chunks that ran, up to the failed one, are named
+    # The chunks that wrote their parameters are named; opt3 failed before writing.
+    assert "chunk(s) 0-2 of" in text
     # The grads of parameters whose chunks did not run are given back.
     assert net.b.weight.grad is not None
     assert pipeoff.pools_for("cpu").device.stats().live_bytes == 0

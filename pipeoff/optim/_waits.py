@@ -1,0 +1,395 @@
+"""Forward waits of an overlap step: nothing reads a parameter before the chunk that writes it.
+
+An overlap ``step()`` returns while its chunks still write the parameters. Two
+mechanisms make every reader wait, each only for the chunks it reads:
+
+* **Module hooks** (installed by ``attach()``; :mod:`pipeoff.optim._hooks`) run
+  before the forward of each module that owns parameters, and of the root.
+  They are opaque to Dynamo (``torch.compiler.disable``), so they run at every
+  call even inside a compiled model: they are the waits that compiled code
+  gets. A hook waits for:
+
+  - its module's own parameters;
+  - the parameters of modules that do not run: a hooked module whose hook has
+    never fired since ``attach()`` has its parameters read, if at all, by an
+    ancestor's forward (``F.embedding(idx, self.emb.weight)``,
+    ``nn.MultiheadAttention`` reading ``out_proj.weight``), so the nearest
+    hooked ancestor that runs waits for them. Before any forward has run, that
+    is the root, for every parameter;
+  - the parameters the read guard caught being read after this hook ran
+    (*learned* reads).
+
+  On CUDA they make streams wait, never the host.
+* **The read guard**, a ``TorchFunctionMode`` pushed by ``step()`` on the thread
+  that called it and removed once nothing is pending. In eager code it sees
+  every torch function that takes a parameter still being written, or a tensor
+  sharing its storage (a functional read, a loss reading a head's weight, a
+  view cached before the step, ``p.data``, evaluation, a model never attached)
+  and waits for that parameter's chunks first; a hook then learns the read.
+  Under Dynamo the guard is a pass-through (a compiled graph cannot wait):
+  compiled code of an attached model relies on the hooks, and compiled code of
+  an unattached model waits for the whole step, with a warning.
+
+What neither sees: a read on another thread, and in compiled code a functional
+read of a parameter whose own module runs later in the same forward.
+``pipeoff.optim.check_overlap`` finds those.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pipeoff import _compat, testing
+from pipeoff.trace import record_hook_wait
+
+if TYPE_CHECKING:
+    from pipeoff.optim._graph import Step
+    from pipeoff.optim._layout import Layout
+
+__all__ = ["ForwardWaits"]
+
+# Reading these says nothing about a tensor's elements: no wait for them.
+_META_ATTRS = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim",
+    "layout", "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+    "is_mkldnn", "is_nested", "itemsize", "nbytes", "_backward_hooks",
+    "_post_accumulate_grad_hooks",
+    "__class__", "__dict__", "name", "retains_grad", "_version", "output_nr", "_base",
+})
+_META_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
+    "is_floating_point", "is_complex", "get_device", "storage_offset", "__len__",
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad",
+    "_is_view", "is_shared", "is_pinned", "is_inference", "__sizeof__",
+})
+
+
+class _ReadGuard(TorchFunctionMode):
+    """Waits before any eager torch function that takes a parameter still being written."""
+
+    def __init__(self, waits: ForwardWaits) -> None:
+        super().__init__()
+        self.waits = waits
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        waits = self.waits
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing: a graph cannot wait on a chunk, so compiled code
+            # relies on the module hooks, which need attach().
+            if waits.pending and not waits.attached:
+                _compat.dynamo_disable(_compiled_read)(waits)
+        elif waits.pending:
+            waits.on_read(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    @property
+    def inert(self) -> bool:
+        """Nothing left to guard: it may come off the stack."""
+        return not self.waits.pending
+
+
+def _compiled_read(waits: ForwardWaits) -> None:
+    """Compiled code of a model the optimizer is not attached to is about to run.
+
+    It cannot say which parameters it reads, so it waits for the whole step:
+    correct, but with no overlap. Warns once per optimizer.
+    """
+    waits.settle_if_done()
+    if not waits.pending:
+        return
+    if not waits.warned_compiled:
+        waits.warned_compiled = True
+        warnings.warn(
+            "pipeoff: torch.compile'd code ran while an OffloadOptimizer(mode='overlap') step "
+            "was still writing parameters, and the optimizer is not attached to the model: "
+            "compiled code cannot wait per parameter, so it waited for the whole step (no "
+            "overlap). Call opt.attach(model): its forward hooks run before every module, "
+            "compiled or not.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    waits.wait_for(list(waits.pending), "compiled code")
+
+
+def _pop_inert_guards() -> None:
+    """Pop read guards with nothing left to guard from the top of this thread's mode stack.
+
+    A guard comes off only from the top (other modes above it are the user's,
+    entered later, and will exit first); one buried under them is popped once
+    they have.
+    """
+    while True:
+        n = torch._C._len_torch_function_stack()
+        if not n:
+            return
+        top = torch._C._get_function_stack_at(n - 1)
+        if not isinstance(top, _ReadGuard):
+            return
+        top.waits.settle_if_done()
+        if not top.inert:
+            return
+        torch._C._pop_torch_function_stack()
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, or 0 (no storage: a wrapper subclass, meta, empty)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+def _tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterator[Any]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+    if kwargs:
+        yield from _tensors_in(kwargs.values(), {})
+
+
+class ForwardWaits:
+    """The pending parameters of the overlap step in flight, and every wait for them.
+
+    Args:
+        on_failure: called (with no argument) when a waited chunk has failed;
+            it raises the chunk's exception (the optimizer's ``wait_for_step``).
+    """
+
+    def __init__(self, on_failure: Callable[[], None]) -> None:
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self.step: Step | None = None
+        self.cuda = False
+        self.device: torch.device | None = None
+        self.pending: dict[int, tuple[int, ...]] = {}
+        """``id()`` of each parameter (and its local tensor) not yet waited for, to its chunks."""
+        self.storages: dict[int, int] = {}
+        """Storage address of each pending parameter, to its ``id()``: a read through
+        an alias (a view cached before the step, ``.data`` kept aside) waits too."""
+        self._chunk_params: list[list[int]] = []
+        self._guard = _ReadGuard(self)
+        self._last_hook: weakref.ref[torch.nn.Module] | None = None
+        self._learned: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = (
+            weakref.WeakKeyDictionary())
+        self.attached = False
+        self.warned_compiled = False
+        self.called: set[int] = set()
+        """``id()`` of the hooked modules whose hook has fired since ``attach()``."""
+        self.anchor: dict[int, int] = {}
+        """Per hooked module (``id()``), its nearest hooked ancestor's, for every module
+        but the root."""
+        self.modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+        """The hooked modules by ``id()``."""
+        self.root: int | None = None
+        self._dependents: dict[int, list[int]] = {}
+
+    # -- a step's life ----------------------------------------------------------------
+    def begin(self, step: Step, layout: Layout, written: Iterable[int]) -> None:
+        """Start waiting for ``step``: parameters ``written`` (indices) are pending.
+
+        Pushes the read guard on the calling thread.
+        """
+        chunk_params: list[list[int]] = [[] for _ in range(len(step.opt_tasks))]
+        pending: dict[int, tuple[int, ...]] = {}
+        storages: dict[int, int] = {}
+        for i in written:
+            p = layout.params[i]
+            chunks = layout.chunks_of[i]
+            loc = getattr(p, "_local_tensor", p)
+            for pid in {id(p), id(loc)}:
+                pending[pid] = chunks
+                for c in chunks:
+                    chunk_params[c].append(pid)
+            ptr = _storage_ptr(loc)
+            if ptr:
+                storages[ptr] = id(p)
+        with self._lock:
+            self.step = step
+            self.cuda = layout.device.type == "cuda"
+            self.device = layout.device
+            self.pending = pending
+            self.storages = storages
+            self._chunk_params = chunk_params
+            self._last_hook = None
+        if pending and not testing.disabled("read_guard"):
+            self._push_guard()
+
+    def end(self) -> None:
+        """The step is over (waited for, or failed): nothing is pending any more."""
+        with self._lock:
+            self.step = None
+            self.pending = {}
+            self.storages = {}
+            self._chunk_params = []
+        self._settle()
+
+    def _settle(self) -> None:
+        """Take inert guards off this thread's stack."""
+        _pop_inert_guards()
+
+    def _push_guard(self) -> None:
+        _pop_inert_guards()
+        n = torch._C._len_torch_function_stack()
+        if any(torch._C._get_function_stack_at(k) is self._guard for k in range(n)):
+            return  # still on this thread's stack from an earlier step
+        torch._C._push_on_torch_function_stack(self._guard)
+
+    # -- waiting ----------------------------------------------------------------------
+    def set_modules(self, root: torch.nn.Module, hooked: Iterable[torch.nn.Module]) -> None:
+        """The hooked modules of a new ``attach()``: nothing is known to run yet."""
+        hooked = list(hooked)
+        ids = {id(m) for m in hooked}
+        parent: dict[int, int] = {}
+        for m in root.modules():
+            for c in m.children():
+                parent.setdefault(id(c), id(m))
+        anchor: dict[int, int] = {}
+        for m in hooked:
+            a = parent.get(id(m))
+            while a is not None and a not in ids:
+                a = parent.get(a)
+            if a is not None and m is not root:
+                anchor[id(m)] = a
+        dependents: dict[int, list[int]] = {}
+        for mid, a in anchor.items():
+            dependents.setdefault(a, []).append(mid)
+        with self._lock:
+            self.modules = {id(m): weakref.ref(m) for m in hooked}
+            self.root = id(root)
+            self.anchor = anchor
+            self._dependents = dependents
+            self.called = set()
+            self._learned = weakref.WeakKeyDictionary()
+            self.attached = True
+
+    def forget(self) -> None:
+        """Drop what the hooks learned (the parameters changed)."""
+        self._learned = weakref.WeakKeyDictionary()
+
+    def _silent(self, module: int) -> list[Any]:
+        """Parameters of the hooked modules under ``module`` that have not run (anchored on it)."""
+        out: list[Any] = []
+        todo = list(self._dependents.get(module, ()))
+        while todo:
+            d = todo.pop()
+            if d in self.called:
+                continue  # it waits for its own parameters when it runs
+            ref = self.modules.get(d)
+            m = ref() if ref is not None else None
+            if m is not None:
+                out.extend(m.parameters(recurse=False))
+            todo.extend(self._dependents.get(d, ()))
+        return out
+
+    def learned(self, module: torch.nn.Module) -> frozenset[int]:
+        """The parameter ids ``module``'s hook waits for besides its own."""
+        return frozenset(self._learned.get(module, ()))
+
+    def on_module(self, module: torch.nn.Module, params: Iterable[Any], name: str,
+                  streams: tuple[Any, ...] | None = None) -> None:
+        """A module's forward is about to run: wait for ``params``, for the parameters of the
+        modules under it that do not run, and for what it learned to read."""
+        self._last_hook = weakref.ref(module)
+        key = id(module)
+        if key not in self.called:
+            with self._lock:
+                self.called.add(key)
+        if self.pending:
+            ids = {id(p) for p in params}
+            ids.update(self._learned.get(module, ()))
+            ids.update(id(p) for p in self._silent(key))
+            self.wait_for(ids, name, streams)
+        self._settle()
+
+    def on_read(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """The read guard saw ``func`` called eagerly: wait for the pending parameters it takes."""
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
+            if getattr(getattr(func, "__self__", None), "__name__", "") in _META_ATTRS:
+                return
+        elif name in _META_METHODS:
+            return
+        pending, storages = self.pending, self.storages
+        hits = None
+        for t in _tensors_in(args, kwargs):
+            key = id(t)
+            if key not in pending:
+                key = storages.get(_storage_ptr(t), 0)
+                if key not in pending:
+                    continue
+            if hits is None:
+                hits = {key}
+            else:
+                hits.add(key)
+        if hits is None:
+            return
+        hook = self._last_hook() if self._last_hook is not None else None
+        if hook is not None:
+            # Learn it: from the next step on, that hook waits for these parameters
+            # before the forward reaches this read (it ran before it this time).
+            self._learned.setdefault(hook, set()).update(hits)
+        self.wait_for(hits, f"read:{name}")
+
+    def settle_if_done(self) -> None:
+        """If the step in flight has finished, nothing is pending any more (for its guard).
+
+        Its failure, if any, is still raised by the optimizer's ``wait_for_step``.
+        """
+        st = self.step
+        if st is not None and self.pending and st.execution.done():
+            with self._lock:
+                self.pending = {}
+                self.storages = {}
+
+    def wait_for(self, ids: Iterable[int], name: str,
+                 streams: tuple[Any, ...] | None = None) -> None:
+        """Wait for the chunks of the step in flight that write the parameters ``ids``.
+
+        On CUDA the current stream (and ``streams``) wait, not the host; on host
+        lanes the caller blocks until the chunks have written the parameters.
+        """
+        with self._lock:
+            st = self.step
+            if st is None:
+                return
+            todo = sorted({c for i in ids for c in self.pending.get(i, ())} - st.waited)
+        if todo:
+            if self.cuda and streams is None:
+                streams = (torch.cuda.current_stream(self.device),)
+            t0 = time.perf_counter_ns()
+            for comp in st.execution.events_for([st.opt_tasks[c] for c in todo]):
+                if streams:
+                    for s in streams:
+                        # Hazard: this stream (compute, or FSDP's all-gather copy-in)
+                        # reading parameters the chunk is still writing.
+                        comp.wait(s)
+                else:
+                    comp.wait()  # host lanes: block until the chunk has written them
+            t1 = time.perf_counter_ns()
+            with self._lock:
+                st.waited.update(todo)
+                for c in todo:
+                    for pid in self._chunk_params[c] if c < len(self._chunk_params) else ():
+                        chunks = self.pending.get(pid)
+                        if chunks is not None and st.waited.issuperset(chunks):
+                            del self.pending[pid]
+            label = f"hook_wait:{name}" if name else "hook_wait"
+            st.hook_waits.append((label, t0, t1))
+            record_hook_wait(label, t0, t1)
+        if st.execution.exception is not None:
+            self._on_failure()  # raises the chunk's failure here
