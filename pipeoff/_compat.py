@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["dynamo_disable", "eager_math", "force_eager", "is_compiling",
-           "recompile_with_hooks", "restore_stance"]
+__all__ = ["allreduce_discarded", "dynamo_disable", "eager_math", "force_eager",
+           "is_compiling", "recompile_with_hooks", "restore_stance"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,3 +121,28 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
                 torch.compiler._compile_session_context = session
                 _session_patched = True
     return _eager_math_lock
+
+
+def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool:
+    """Join an all-reduce of ``tensor`` on torchft ``manager``'s process group, bypassing
+    the manager (whose ``allreduce`` is a no-op once an error was reported), and wait.
+
+    For a replica that has failed a sync but must not leave its peers waiting
+    for collectives it would skip: it contributes ``tensor`` (summed, as
+    torchft's averaging does before dividing) and the result is discarded.
+    Uses ``Manager._pg`` (torchft 0.2). Returns whether the collective
+    completed; failures are swallowed (the sync has failed already).
+    """
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    pg = getattr(manager, "_pg", None)
+    if pg is None:
+        raise RuntimeError("pipeoff: torchft's Manager no longer keeps its process group in "
+                           "`_pg`; pipeoff.ft needs an update for this torchft version")
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+    try:
+        pg.allreduce([tensor], opts).wait()
+    except Exception:  # noqa: BLE001 - this replica's sync has already failed
+        return False
+    return True

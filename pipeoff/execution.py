@@ -120,12 +120,12 @@ class Execution:
         """Refuse a wait that a lane's own thread can never see end (a deadlock)."""
         if self._backend.name != "threads":
             return
-        from pipeoff.executor.threads import current_lane
+        from pipeoff.executor.threads import current_holder, current_lane
 
         lane = current_lane()
-        if lane is None:
-            return
         run = self._run
+        if lane is None or current_holder() is not run:
+            return  # another execution's lane instance: it can run meanwhile
         mine = [i for i in ((self._index(task),) if task is not None else range(run.n))
                 if run.plan.lanes[i] == lane and not run.terminal(i)]
         if mine:

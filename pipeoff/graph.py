@@ -106,6 +106,11 @@ class Task:
     """Names of the staging buffers this task uses."""
     lane: str | None = None
     """Overrides the lane the schedule would pick from ``kind``."""
+    must_run: bool = False
+    """Run even after another task of the execution failed (its work sees
+    :attr:`TaskContext.failed`). For a collective that peers are waiting for:
+    skipping it would leave them waiting until a timeout. Its dependents that
+    are not ``must_run`` are cancelled as usual."""
 
 
 @dataclass(slots=True)
@@ -122,6 +127,11 @@ class TaskContext:
     """The CUDA stream of the lane (already current), or ``None`` on host lanes."""
     results: Mapping[str, Any] = field(default_factory=dict)
     """The return values of the tasks finished so far, by task name."""
+    retire: Callable[[str], None] | None = None
+    """See :meth:`retire_buffer`."""
+    failed: BaseException | None = None
+    """The execution's first failure when this task started (``must_run`` tasks run
+    after one), else ``None``."""
 
     def buffer(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return staging buffer ``name``, viewed as ``dtype`` if given."""
@@ -133,6 +143,17 @@ class TaskContext:
                 f"{sorted(self.buffers)}"
             ) from None
         return buf if dtype is None else buf.view(dtype)
+
+    def retire_buffer(self, name: str) -> None:
+        """Never hand staging buffer ``name`` out again: drop it when it is released.
+
+        For a buffer that work this task cannot wait for may still write, such
+        as a collective whose ``wait()`` failed (it may still be running).
+        Memory is freed once that work drops its own reference.
+        """
+        self.buffer(name)  # checks the name
+        if self.retire is not None:
+            self.retire(name)
 
 
 class TaskGraph:
@@ -188,8 +209,12 @@ class TaskGraph:
         nbytes: int = 0,
         buffers: Iterable[str] = (),
         lane: str | None = None,
+        must_run: bool = False,
     ) -> str:
         """Add a task and return its name.
+
+        ``must_run`` marks a task that runs even after another task failed
+        (see :attr:`Task.must_run`).
 
         Raises:
             GraphError: a task with this name exists.
@@ -213,8 +238,11 @@ class TaskGraph:
             raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
         deps_t = (deps,) if isinstance(deps, str) else tuple(deps)
         bufs_t = (buffers,) if isinstance(buffers, str) else tuple(buffers)
+        if not isinstance(must_run, bool):
+            raise ConfigError(f"task {name!r}: must_run must be True or False, got {must_run!r}")
         self._tasks[name] = Task(
-            name=name, kind=kind, work=work, deps=deps_t, nbytes=nbytes, buffers=bufs_t, lane=lane
+            name=name, kind=kind, work=work, deps=deps_t, nbytes=nbytes, buffers=bufs_t,
+            lane=lane, must_run=must_run,
         )
         self._validated = False
         return name

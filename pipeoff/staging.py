@@ -124,6 +124,13 @@ class StagingPool:
                 block.ready = ready
             bisect.insort(self._free, (block.capacity, id(block), block))
 
+    def discard(self, block: StagingBlock) -> None:
+        """Drop ``block`` instead of returning it: it will not be handed out again."""
+        with self._lock:
+            self._live -= block.in_use
+            block.in_use = 0
+            self._reserved -= block.capacity
+
     def forget_events(self, events: set[Any]) -> None:
         """Drop ``ready`` markers that are in ``events`` (they completed and are recycled)."""
         with self._lock:

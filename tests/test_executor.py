@@ -474,21 +474,73 @@ def test_a_cuda_graph_without_cuda_is_refused_clearly() -> None:
 
 
 def test_waiting_from_a_task_on_its_own_lane_is_refused_not_a_deadlock() -> None:
-    def outer(ctx: pipeoff.TaskContext) -> int:
-        inner = TaskGraph()
-        inner.add_task("inner", TaskKind.HOST, lambda c: 1)  # the same lane: "host"
-        return pipeoff.execute(inner).result("inner")  # type: ignore[no-any-return]
+    """A task waiting for a task of its own execution queued behind it on its lane could
+    never see it run: refused. Another execution, on the same lane names, gets lane
+    instances of its own and runs: nested executions work."""
+    handle: list[pipeoff.Execution] = []
+    ready = threading.Event()
+
+    def first(ctx: pipeoff.TaskContext) -> None:
+        ready.wait(30)
+        handle[0].wait("second")
 
     g = TaskGraph()
-    g.add_task("outer", TaskKind.HOST, outer)
+    g.add_task("first", TaskKind.HOST, first)
+    g.add_task("second", TaskKind.HOST, lambda c: None)  # queued behind, same lane
+    handle.append(pipeoff.execute(g))
+    ready.set()
     with pytest.raises(ConfigError, match="queued on that same lane behind the caller"):
-        pipeoff.execute(g).wait(timeout=30)
+        handle[0].wait(timeout=30)
 
-    def outer_ok(ctx: pipeoff.TaskContext) -> int:
+    def outer(ctx: pipeoff.TaskContext) -> int:
         inner = TaskGraph()
-        inner.add_task("inner", TaskKind.HOST, lambda c: 1, lane="elsewhere")
+        inner.add_task("inner", TaskKind.HOST, lambda c: 1)  # the same lane name: "host"
         return pipeoff.execute(inner).result("inner")  # type: ignore[no-any-return]
 
     g2 = TaskGraph()
-    g2.add_task("outer", TaskKind.HOST, outer_ok)
+    g2.add_task("outer", TaskKind.HOST, outer)
     assert pipeoff.execute(g2).result("outer") == 1
+
+
+def test_an_execution_waiting_on_its_lanes_never_blocks_another() -> None:
+    """Issue 10, input 4, at the executor: execution A's h2d task waits for a gate (a
+    commit that needs a peer); execution B's h2d task, launched after it, runs anyway.
+    A task blocked inside its work (a collective waiting for its peer) likewise holds
+    only its own execution's lane: two such executions meet instead of deadlocking."""
+    gate = threading.Event()
+    a = TaskGraph()
+    a.add_task("decide", TaskKind.HOST, lambda c: gate.wait(30))
+    a.add_task("write_back", TaskKind.H2D, lambda c: None, deps=["decide"])
+    b = TaskGraph()
+    b.add_task("copy", TaskKind.H2D, lambda c: 7)
+    ex_a = pipeoff.execute(a)
+    ex_b = pipeoff.execute(b)
+    assert ex_b.result("copy") == 7  # not queued behind A's write-back
+    assert not ex_a.done()
+    gate.set()
+    ex_a.wait(timeout=30)
+
+    # Two "collectives" that each wait for the other, on the same lane name.
+    met = threading.Barrier(2, timeout=30)
+    pair = []
+    for name in ("x", "y"):
+        g = TaskGraph()
+        g.add_task(f"allreduce:{name}", TaskKind.ALLREDUCE, lambda c: met.wait())
+        pair.append(pipeoff.execute(g))
+    for ex in pair:
+        ex.wait(timeout=30)
+
+
+def test_lane_instances_are_reused_once_free() -> None:
+    from pipeoff.executor.threads import lane_instances
+
+    def run_once() -> None:
+        g = TaskGraph()
+        g.add_task("t", TaskKind.D2H, lambda c: None)
+        pipeoff.execute(g).wait()
+
+    run_once()
+    before = lane_instances()
+    for _ in range(20):
+        run_once()
+    assert lane_instances() == before  # sequential executions share the first instance

@@ -57,6 +57,13 @@ class Run:
             and inspect.iscoroutinefunction(t.work)
         }
         self._index: dict[str, int] | None = None
+        self._on_complete: list[Callable[[], None]] = []
+        self.retired: set[str] = set()
+        """Buffers a task declared unsafe to reuse (a failed collective may still write
+        them): dropped from their pool at release instead of returned."""
+        lookahead = plan.schedule.lookahead
+        self.window = lookahead if lookahead is not None and lookahead < n else None
+        """Flow control: task ``i`` starts only after task ``i - window`` is terminal."""
 
     @property
     def index(self) -> dict[str, int]:
@@ -115,6 +122,18 @@ class Run:
         # next() on a counter is atomic, so lanes need no lock to count.
         if next(self._finished) == self.n - 1:
             self.all_done.set()
+            with self._lock:
+                callbacks, self._on_complete = self._on_complete, []
+            for fn in callbacks:
+                fn()
+
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every task is terminal (at once if that is already so)."""
+        with self._lock:
+            if not self.all_done.is_set():
+                self._on_complete.append(fn)
+                return
+        fn()
 
     def fail(self, i: int, err: BaseException) -> None:
         with self._lock:
@@ -155,9 +174,13 @@ class Run:
         specs = self.graph.buffers
         for b in self.plan.release[i]:
             block = self.blocks.pop(b, None)
-            if block is not None:
-                when = ready_of(b) if ready_of is not None else ready
-                self.pools.for_where(specs[b].where).release(block, when)
+            if block is None:
+                continue
+            pool = self.pools.for_where(specs[b].where)
+            if b in self.retired:
+                pool.discard(block)
+            else:
+                pool.release(block, ready_of(b) if ready_of is not None else ready)
 
     # -- running ------------------------------------------------------------
     def cancel(self, i: int, ready_of: Callable[[str], Any] | None = None) -> None:
@@ -172,10 +195,14 @@ class Run:
         for j in self.plan.waits[i]:
             if status[j] == PENDING:
                 self.wait_terminal(j)
-        if self.error is not None:
+        if self.window is not None and i >= self.window and status[i - self.window] == PENDING:
+            # Flow control, not a dependency: at most `window` tasks run ahead of
+            # the oldest unfinished one (Schedule.lookahead).
+            self.wait_terminal(i - self.window)
+        task = self.tasks[i]
+        if self.error is not None and not task.must_run:
             self.cancel(i)
             return
-        task = self.tasks[i]
         if self.plan.acquire[i]:
             try:
                 self.acquire(i)
@@ -193,7 +220,8 @@ class Run:
                     testing.run_hooks(task.name, lane)
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
-                                      results=self.results)
+                                      results=self.results, retire=self.retired.add,
+                                      failed=self.error)
                     if _profiler_enabled():
                         # The same task, visible inside a torch.profiler trace.
                         with torch.profiler.record_function(

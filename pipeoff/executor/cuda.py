@@ -5,13 +5,19 @@ execution (creating streams per step leaks caching-allocator pools). Each task
 is enqueued on its lane's stream between two timing events; its end event is
 its completion. A cross-lane dependency is ``wait_event`` on the consumer's
 stream. Tasks are issued in plan order, so an event is always recorded before
-any stream waits on it; that is also why executions issued concurrently from
-several threads need no lock: a stream only ever waits on work enqueued before
-the wait, so interleaved issue cannot deadlock.
+any stream waits on it.
+
+As on the threads backend, an execution in flight holds its lanes' streams: a
+``wait_event`` that an execution enqueued (a write-back waiting for a commit)
+sits at the head of its stream, and another execution's copies behind it would
+wait too. A launch that finds a lane's stream held by another execution whose
+device work is not done takes (or creates) another stream for that lane.
+Executions run one after the other reuse the first.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -23,7 +29,16 @@ from pipeoff.executor import _exit
 from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
 from pipeoff.graph import TaskContext, TaskKind
 
-_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+class _StreamSlot:
+    __slots__ = ("holder", "stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.holder: Run | None = None
+
+
+_streams: dict[tuple[torch.device, str], list[_StreamSlot]] = {}
 _streams_lock = threading.Lock()
 _events: dict[torch.device, list[torch.cuda.Event]] = {}
 _events_lock = threading.Lock()
@@ -31,15 +46,45 @@ _SLEEP_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep spins in clock cycles; ~H200 b
 
 
 def lane_stream(device: torch.device, lane: str) -> torch.cuda.Stream:
-    """The stream of ``lane`` on ``device``, created on first use and kept."""
-    key = (device, lane)
-    s = _streams.get(key)
-    if s is None:
-        with _streams_lock:
-            s = _streams.get(key)
-            if s is None:
-                s = _streams[key] = torch.cuda.Stream(device=device)
-    return s
+    """The first stream of ``lane`` on ``device``, created on first use and kept."""
+    with _streams_lock:
+        slots = _streams.setdefault((device, lane), [])
+        if not slots:
+            slots.append(_StreamSlot(torch.cuda.Stream(device=device)))
+        return slots[0].stream
+
+
+def _holder_done(run: Run) -> bool:
+    """Whether an execution holding streams has finished on the host and the device."""
+    if not run.complete:
+        return False
+    state: _CudaRunState | None = run.backend_state
+    return state is None or all(not d or e.query() for d, e in zip(state.dispatched, state.ends))
+
+
+def _acquire_streams(device: torch.device, lanes: list[str], run: Run
+                     ) -> dict[str, torch.cuda.Stream]:
+    """A stream per lane that no other execution with device work pending holds."""
+    out: dict[str, torch.cuda.Stream] = {}
+    with _streams_lock:
+        for lane in lanes:
+            slots = _streams.setdefault((device, lane), [])
+            slot = next((s for s in slots if s.holder is None
+                         or (s.holder is not run and _holder_done(s.holder))), None)
+            if slot is None:
+                slot = _StreamSlot(torch.cuda.Stream(device=device))
+                slots.append(slot)
+            slot.holder = run
+            out[lane] = slot.stream
+    return out
+
+
+def _release_streams(run: Run) -> None:
+    with _streams_lock:
+        for slots in _streams.values():
+            for s in slots:
+                if s.holder is run:
+                    s.holder = None
 
 
 def _take_events(device: torch.device, n: int) -> list[torch.cuda.Event]:
@@ -58,7 +103,7 @@ def _give_events(device: torch.device, events: list[torch.cuda.Event]) -> None:
 
 
 class _CudaRunState:
-    __slots__ = ("base", "device", "dispatched", "ends", "starts")
+    __slots__ = ("base", "device", "dispatched", "ends", "starts", "streams")
 
     def __init__(self, n: int, device: torch.device) -> None:
         self.device = device
@@ -67,6 +112,7 @@ class _CudaRunState:
         self.starts = evs[1 : n + 1]
         self.ends = evs[n + 1 :]
         self.dispatched = [False] * n
+        self.streams: dict[str, torch.cuda.Stream] = {}
 
 
 # Windowed dispatch threads still running; exit joins them (pipeoff.executor._exit).
@@ -92,6 +138,7 @@ class CudaBackend:
             device = torch.device("cuda", torch.cuda.current_device())
         state = _CudaRunState(run.n, device)
         run.backend_state = state
+        state.streams = _acquire_streams(device, list(dict.fromkeys(run.plan.lanes)), run)
         caller = torch.cuda.current_stream(device)
         # Every lane starts after the work the caller has already enqueued
         # (the backward that produced the grads, the forward that wrote the
@@ -133,11 +180,12 @@ class CudaBackend:
                         # Flow control on the dispatch thread (never the caller):
                         # keep the launch queue from filling up.
                         state.ends[i - lookahead].synchronize()
-                    if run.error is not None:
-                        self._cancel_from(run, state, i)
-                        return
+                    if run.error is not None and not run.tasks[i].must_run:
+                        run.cancel(i, ready_of=functools.partial(self._last_ready, run, state,
+                                                                 before=i))
+                        continue
                     lane = lanes[i]
-                    stream = lane_stream(device, lane)
+                    stream = state.streams[lane]
                     if lane not in started:
                         started.add(lane)
                         # Hazard: reading tensors the caller's stream is still producing.
@@ -147,14 +195,9 @@ class CudaBackend:
                     last_on_lane[lane] = i
                 except BaseException as err:  # a sticky CUDA error, an allocator failure
                     run.fail(i, err)
-                    self._cancel_from(run, state, i)
-                    return
-
-    def _cancel_from(self, run: Run, state: _CudaRunState, first: int) -> None:
-        """Cancel tasks ``first..`` that have not run, releasing their staging safely."""
-        for j in range(first, run.n):
-            if not run.terminal(j):
-                run.cancel(j, ready_of=lambda b: self._last_ready(run, state, b, j))
+                    if not run.terminal(i):
+                        run.cancel(i, ready_of=functools.partial(self._last_ready, run, state,
+                                                                 before=i))
 
     @staticmethod
     def _last_ready(run: Run, state: _CudaRunState, buffer: str, before: int) -> Any:
@@ -184,9 +227,10 @@ class CudaBackend:
                     state.ends[j].synchronize()
         else:
             for j in run.plan.waits[i]:
-                # Hazard: starting before a dependency (or the previous user of a
-                # buffer, or a budget release) on another lane has finished.
-                stream.wait_event(state.ends[j])
+                if state.dispatched[j]:  # a cancelled task records no event
+                    # Hazard: starting before a dependency (or the previous user of a
+                    # buffer, or a budget release) on another lane has finished.
+                    stream.wait_event(state.ends[j])
         try:
             # Allocate on the lane's stream: a fresh block then cannot be memory
             # that another stream freed with its kernels still pending.
@@ -222,7 +266,8 @@ class CudaBackend:
                     try:
                         with torch.profiler.record_function(name):
                             ctx = TaskContext(task=task, lane=lane, buffers=run.views(i),
-                                              stream=stream, results=run.results)
+                                              stream=stream, results=run.results,
+                                              retire=run.retired.add, failed=run.error)
                             result = run._call(i, task.work, ctx)
                     finally:
                         torch.cuda.nvtx.range_pop()
@@ -301,3 +346,4 @@ class CudaBackend:
             pool.forget_events(ends)
         _give_events(state.device, [state.base, *state.starts, *state.ends])
         run.backend_state = None
+        _release_streams(run)

@@ -4,6 +4,16 @@ It is pipeoff's CPU stand-in for CUDA streams: ``execute`` returns at once,
 each lane runs its tasks in issue order, and a task waits for its cross-lane
 dependencies the way a stream waits on an event. Torch ops release the GIL, so
 copies and compute on different lanes really run at the same time.
+
+**Lanes are shared per process, never between executions in flight.** Each
+launch holds one *instance* of every lane it uses (a worker thread) until its
+last task has finished. A launch that finds an instance of a lane held by
+another unfinished execution takes (or creates) another instance. Two
+executions therefore never queue behind each other: a task waiting for its
+dependencies (a write-back waiting for a quorum's commit) or blocked inside
+its work (a collective waiting for a peer replica) holds only its own
+execution's lane. Executions run one after the other, the common case, reuse
+the first instance of each lane.
 """
 
 from __future__ import annotations
@@ -11,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from pipeoff.executor import _exit
@@ -20,24 +29,34 @@ from pipeoff.executor._run import Run
 
 # Queued behind everything else on a lane: the worker returns when it gets here.
 _STOP = object()
-# The lane whose worker is the current thread, if it is one.
+# The lane worker that the current thread is, if it is one.
 _current = threading.local()
 
 
 def current_lane() -> str | None:
     """The lane the calling thread works for, or ``None`` if it is not a lane worker."""
-    return getattr(_current, "lane", None)
+    w: _LaneWorker | None = getattr(_current, "worker", None)
+    return None if w is None else w.lane
+
+
+def current_holder() -> Run | None:
+    """The execution holding the lane instance that the calling thread works for."""
+    w: _LaneWorker | None = getattr(_current, "worker", None)
+    return None if w is None else w.holder
 
 
 class _LaneWorker:
-    """A daemon thread draining a FIFO of ``(run, index)`` items or callables until stopped."""
+    """A daemon thread draining a FIFO of ``(run, index)`` items until stopped."""
 
-    def __init__(self, lane: str, thread_name: str | None = None) -> None:
+    def __init__(self, lane: str, instance: int) -> None:
         self.lane = lane
+        self.instance = instance
+        self.holder: Run | None = None
+        """The execution whose tasks this instance runs, until its last one has finished."""
         self._q: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._thread = threading.Thread(target=self._loop, name=thread_name or f"pipeoff-{lane}",
-                                        daemon=True)
+        name = f"pipeoff-{lane}" if instance == 0 else f"pipeoff-{lane}#{instance}"
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         _exit.ensure_registered()
         self._thread.start()
 
@@ -47,8 +66,7 @@ class _LaneWorker:
             self._cond.notify()
 
     def _loop(self) -> None:
-        lane = self.lane
-        _current.lane = lane or None  # the dispatcher ("") is not a lane
+        _current.worker = self
         q = self._q
         while True:
             with self._cond:
@@ -59,40 +77,34 @@ class _LaneWorker:
             for item in batch:
                 if item is _STOP:
                     return
-                if callable(item):
-                    item()
-                else:
-                    run, i = item
-                    run.run_task(i, lane)
+                run, i = item
+                run.run_task(i, self.lane)
 
 
-_workers: dict[str, _LaneWorker] = {}
-_workers_lock = threading.Lock()
-# Held while one execution enqueues onto several lanes, so that executions
-# launched concurrently never interleave on lanes in different orders (which
-# could make each wait on the other: a deadlock).
-_dispatch_lock = threading.Lock()
-# The windowed dispatcher's own worker, kept apart from the lane workers so
-# that no user lane name can collide with it.
-_dispatcher: _LaneWorker | None = None
+_lanes: dict[str, list[_LaneWorker]] = {}
+_lanes_lock = threading.Lock()
 
 
-def _worker(lane: str) -> _LaneWorker:
-    w = _workers.get(lane)
-    if w is None:
-        with _workers_lock:
-            w = _workers.get(lane)
+def _acquire(lanes: list[str], run: Run) -> dict[str, _LaneWorker]:
+    """An instance of each of ``lanes`` that no other execution in flight holds."""
+    out: dict[str, _LaneWorker] = {}
+    with _lanes_lock:
+        for lane in lanes:
+            instances = _lanes.setdefault(lane, [])
+            w = next((w for w in instances if w.holder is None), None)
             if w is None:
-                w = _workers[lane] = _LaneWorker(lane)
-    return w
+                w = _LaneWorker(lane, len(instances))
+                instances.append(w)
+            w.holder = run
+            out[lane] = w
+    return out
 
 
-def _dispatch_worker() -> _LaneWorker:
-    global _dispatcher
-    with _workers_lock:
-        if _dispatcher is None:
-            _dispatcher = _LaneWorker("", thread_name="pipeoff-dispatcher")
-        return _dispatcher
+def _release(workers: list[_LaneWorker], run: Run) -> None:
+    with _lanes_lock:
+        for w in workers:
+            if w.holder is run:
+                w.holder = None
 
 
 def stop_lanes(deadline: float) -> list[str]:
@@ -100,30 +112,24 @@ def stop_lanes(deadline: float) -> list[str]:
 
     A worker asked for afterwards starts afresh.
     """
-    global _dispatcher
-    stuck = []
-    # The dispatcher first: until its windowed dispatches finish, they are
-    # still feeding the lanes, and a stopped lane would strand their tasks.
-    with _workers_lock:
-        dispatch, _dispatcher = _dispatcher, None
-    if dispatch is not None:
-        dispatch.submit([_STOP])
-        if not _exit.join_until(dispatch._thread, deadline):
-            stuck.append(dispatch._thread.name)
-    with _workers_lock:
-        workers = list(_workers.values())
-        _workers.clear()
+    with _lanes_lock:
+        workers = [w for ws in _lanes.values() for w in ws]
+        _lanes.clear()
     for w in workers:
         w.submit([_STOP])
-    for w in workers:
-        if not _exit.join_until(w._thread, deadline):
-            stuck.append(w._thread.name)
-    return stuck
+    return [w._thread.name for w in workers if not _exit.join_until(w._thread, deadline)]
 
 
 def lane_threads() -> dict[str, threading.Thread]:
-    """The lane threads started so far, by lane (they are created once per process)."""
-    return {lane: w._thread for lane, w in _workers.items()}
+    """The first instance's thread of each lane started so far (created once per process)."""
+    with _lanes_lock:
+        return {lane: ws[0]._thread for lane, ws in _lanes.items() if ws}
+
+
+def lane_instances() -> dict[str, int]:
+    """How many instances of each lane exist (more than one only under concurrency)."""
+    with _lanes_lock:
+        return {lane: len(ws) for lane, ws in _lanes.items()}
 
 
 class ThreadsBackend(HostBackend):
@@ -132,47 +138,14 @@ class ThreadsBackend(HostBackend):
     name = "threads"
 
     def launch(self, run: Run) -> None:
-        lookahead = run.plan.schedule.lookahead
-        if lookahead is None or lookahead >= run.n:
-            self._launch_all(run)
-        else:
-            _dispatch_worker().submit([self._windowed(run, lookahead)])
-
-    def _launch_all(self, run: Run) -> None:
         lanes = run.plan.lanes
         groups: dict[str, list[Any]] = {}
         for i, lane in enumerate(lanes):
             groups.setdefault(lane, []).append((run, i))
-        workers = {lane: _worker(lane) for lane in groups}
+        workers = _acquire(list(groups), run)
+        held = list(workers.values())
         now = time.perf_counter_ns() - run.origin_ns
         run.enqueue_ns = [now] * run.n
-        with _dispatch_lock:
-            for lane, items in groups.items():
-                workers[lane].submit(items)
-
-    def _windowed(self, run: Run, lookahead: int) -> Callable[[], None]:
-        def dispatch() -> None:
-            lanes = run.plan.lanes
-            for i in range(run.n):
-                if i >= lookahead:
-                    # Flow control, not a dependency: keep at most `lookahead`
-                    # tasks issued ahead of the oldest unfinished one.
-                    run.wait_terminal(i - lookahead)
-                if run.error is not None:
-                    # Hand the rest to their lanes without the window: each one
-                    # waits for its dependencies there, then sees the error and
-                    # cancels. Cancelling here instead would release staging
-                    # that a task still running on another lane is writing.
-                    rest: dict[str, list[Any]] = {}
-                    for j in range(i, run.n):
-                        rest.setdefault(lanes[j], []).append((run, j))
-                    with _dispatch_lock:
-                        for lane, items in rest.items():
-                            _worker(lane).submit(items)
-                    return
-                run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
-                w = _worker(lanes[i])
-                with _dispatch_lock:
-                    w.submit([(run, i)])
-
-        return dispatch
+        run.on_complete(lambda: _release(held, run))
+        for lane, items in groups.items():
+            workers[lane].submit(items)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -13,11 +9,12 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
+from pipeoff import _compat
 from pipeoff._errors import ConfigError
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import Bucket, TensorInfo, plan_buckets
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
-from pipeoff.schedule import DEFAULT_LANES, Schedule
+from pipeoff.schedule import Schedule
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -81,10 +78,13 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     A failure while averaging (an all-reduce that errors, a task that
     raises) goes to ``manager.report_error``, so this replica group's
     ``should_commit()`` returns False and its model keeps its local values;
-    staging is released either way. A local failure that leaves later
-    buckets' collectives unissued makes peer replicas wait for them until
-    the manager's timeout, after which they report the error too (as with a
-    replica that dies mid-sync under torchft). An error raised by
+    staging is released either way. **Peers never wait on a local failure:**
+    after one (a collective whose ``wait()`` fails, a copy that raises), this
+    replica still joins every remaining all-reduce of the sync, with its local
+    values, and discards the results, as torchft's own path does (it issues
+    every all-reduce before waiting). Its peers complete the sync and commit;
+    only this replica rejects. (A replica that dies mid-sync still costs its
+    peers the process group's timeout, as under torchft.) An error raised by
     ``should_commit()`` itself propagates to the caller. A write-back that
     fails after a commit (a device gone bad) leaves the parameters partly
     averaged: it is reported to the manager and propagates, with a note
@@ -251,44 +251,42 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         commit: dict[str, bool] = {}
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
-        # The synchronous schedule runs inline on the caller's thread: no lanes.
-        with _lane_slot() if pipelined else contextlib.nullcontext(0) as slot:
-            graph = self._build_graph(params, buckets, device, commit, slot=slot)
-            budget = self._device_budget_bytes
-            if budget is None and buckets:
-                # One bucket per parameter and no budget: the RFC's bound, M
-                # (the largest one), not all of S at once.
-                budget = max(b.nbytes for b in buckets)
-            schedule = (Schedule.pipelined(device_budget_bytes=budget)
-                        if pipelined else Schedule.synchronous())
-            ex = None
-            try:
-                ex = execute(graph, schedule)
-                ex.wait()
-            except Exception as err:
-                if commit.get("decided"):
-                    # A write-back failed after the commit (in practice a device
-                    # that has gone bad): buckets written so far hold the
-                    # average, the rest the local values. Nothing can undo
-                    # that; tell torchft, so that this replica group's next
-                    # should_commit() is False, and raise.
-                    self._manager.report_error(err)
-                    err.add_note(
-                        "pipeoff: a write-back failed after the quorum committed; this "
-                        "replica's parameters are partly averaged. Restart it so that "
-                        "torchft heals it from a peer."
-                    )
-                    raise
-                if "called" in commit:
-                    raise  # should_commit itself failed
-                # torchft's error path: after report_error this replica group's
-                # should_commit() is False, so nothing is written back. It is
-                # still called once, as in every sync: the replica group's other ranks wait on it.
+        graph = self._build_graph(params, buckets, device, commit)
+        budget = self._device_budget_bytes
+        if budget is None and buckets:
+            # One bucket per parameter and no budget: the RFC's bound, M
+            # (the largest one), not all of S at once.
+            budget = max(b.nbytes for b in buckets)
+        schedule = (Schedule.pipelined(device_budget_bytes=budget)
+                    if pipelined else Schedule.synchronous())
+        ex = None
+        try:
+            ex = execute(graph, schedule)
+            ex.wait()
+        except Exception as err:
+            if commit.get("decided"):
+                # A write-back failed after the commit (in practice a device
+                # that has gone bad): buckets written so far hold the
+                # average, the rest the local values. Nothing can undo
+                # that; tell torchft, so that this replica group's next
+                # should_commit() is False, and raise.
                 self._manager.report_error(err)
-                self._manager.should_commit()
-            finally:
-                if ex is not None:
-                    self.last_trace = ex.trace
+                err.add_note(
+                    "pipeoff: a write-back failed after the quorum committed; this "
+                    "replica's parameters are partly averaged. Restart it so that "
+                    "torchft heals it from a peer."
+                )
+                raise
+            if "called" in commit:
+                raise  # should_commit itself failed
+            # torchft's error path: after report_error this replica group's
+            # should_commit() is False, so nothing is written back. It is
+            # still called once, as in every sync: the replica group's other ranks wait on it.
+            self._manager.report_error(err)
+            self._manager.should_commit()
+        finally:
+            if ex is not None:
+                self.last_trace = ex.trace
 
     def _build_graph(
         self,
@@ -296,17 +294,11 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         buckets: tuple[Bucket, ...],
         device: torch.device,
         commit: dict[str, bool],
-        *,
-        slot: int,
     ) -> TaskGraph:
         manager = self._manager
         cuda = device.type == "cuda"
         sync = self._schedule_name == "sync"
         g = TaskGraph(device=device)
-
-        def lane(kind: TaskKind) -> str | None:
-            return None if slot == 0 else f"{DEFAULT_LANES[kind]}#{slot}"
-
         copied = []
         for k, b in enumerate(buckets):
             dev = g.add_buffer(f"device:b{k}", b.nbytes, where="device")
@@ -314,14 +306,37 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
             def allreduce(ctx: TaskContext, b: Bucket = b, dev: str = dev) -> None:
                 flat = ctx.buffer(dev, b.dtype)
-                for pc in b.pieces:
-                    src = _local(params[pc.param])
-                    src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
-                    flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
+                local_failure: BaseException | None = None
+                try:
+                    for pc in b.pieces:
+                        src = _local(params[pc.param])
+                        src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
+                        flat[pc.offset:pc.offset + pc.numel].copy_(
+                            src[pc.start:pc.start + pc.numel])
+                except Exception as err:  # noqa: BLE001 - raised once the collective is joined
+                    local_failure = err
+                if (local_failure is not None or ctx.failed is not None
+                        or manager.errored() is not None):
+                    # This replica has failed this sync (it will not commit), and
+                    # torchft's allreduce is a no-op after an error. Hazard: peer
+                    # replicas waiting out the process group's timeout for the
+                    # collectives this replica would skip. Join them with the
+                    # local values, as torchft's own path (which issues every
+                    # all-reduce before waiting) does; the result is discarded.
+                    # (The task is must_run: it runs after a failed task too.)
+                    if not _compat.allreduce_discarded(manager, flat):
+                        ctx.retire_buffer(dev)
+                    if local_failure is not None:
+                        raise local_failure
+                    return
                 # AVG: torchft divides by the participant count inside wait(),
                 # so the bucket holds the mean only once wait() has returned.
-                # A failed collective is reported to the manager by wait() itself.
-                manager.allreduce(flat).wait()
+                if not manager.allreduce(flat).wait():
+                    # wait() reported the failure to the manager (so this replica
+                    # will not commit) and returned False. Hazard: the staging
+                    # block going back to the pool while the failed collective
+                    # may still write it.
+                    ctx.retire_buffer(dev)
 
             def d2h(ctx: TaskContext, b: Bucket = b, dev: str = dev, host: str = host) -> None:
                 # non_blocking (pipelined only; the RFC path copies synchronously):
@@ -332,9 +347,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                                                 non_blocking=cuda and not sync)
 
             g.add_task(f"allreduce:b{k}", TaskKind.ALLREDUCE, allreduce, buffers=[dev],
-                       nbytes=b.nbytes, lane=lane(TaskKind.ALLREDUCE))
+                       nbytes=b.nbytes, must_run=True)
             g.add_task(f"d2h:b{k}", TaskKind.D2H, d2h, deps=[f"allreduce:b{k}"],
-                       buffers=[dev, host], nbytes=b.nbytes, lane=lane(TaskKind.D2H))
+                       buffers=[dev, host], nbytes=b.nbytes)
             copied.append(f"d2h:b{k}")
 
         def decide(ctx: TaskContext) -> bool:
@@ -345,8 +360,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             commit["decided"] = decided
             return decided
 
-        g.add_task("should_commit", TaskKind.HOST, decide, deps=copied,
-                   lane=lane(TaskKind.HOST))
+        g.add_task("should_commit", TaskKind.HOST, decide, deps=copied)
 
         for k, b in enumerate(buckets):
             host = f"host:b{k}"
@@ -363,7 +377,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                         _write_back_slice(params[pc.param], src, pc.start, pc.whole, cuda)
 
             g.add_task(f"h2d:b{k}", TaskKind.H2D, h2d, deps=["should_commit"],
-                       buffers=[host], nbytes=b.nbytes, lane=lane(TaskKind.H2D))
+                       buffers=[host], nbytes=b.nbytes)
         return g
 
 
@@ -402,31 +416,6 @@ def _write_back_slice(
     # non_blocking: src is pinned host staging that stays allocated until this
     # task's end event has fired (the pool waits on it before reuse).
     dst.copy_(src, non_blocking=cuda)
-
-
-# -- lane slots -----------------------------------------------------------------------
-_slots_lock = threading.Lock()
-_busy_slots: set[int] = set()
-
-
-@contextlib.contextmanager
-def _lane_slot() -> Iterator[int]:
-    """Hold a set of lanes that no other sync in this process uses meanwhile.
-
-    An all-reduce task blocks its lane until every replica has joined the
-    collective. Two replicas in one process (threads, as in torchft's
-    integration tests) would otherwise queue on the same ``comm`` lane, each
-    waiting for the other's collective behind its own: a deadlock. Slot 0 uses
-    the default lane names; slot k suffixes them with ``#k``.
-    """
-    with _slots_lock:
-        slot = next(i for i in itertools.count() if i not in _busy_slots)
-        _busy_slots.add(slot)
-    try:
-        yield slot
-    finally:
-        with _slots_lock:
-            _busy_slots.discard(slot)
 
 
 # -- argument checks ------------------------------------------------------------------

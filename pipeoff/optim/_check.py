@@ -85,6 +85,7 @@ def check_overlap(
     chunk_bytes: int | None = None,
     delay_s: float = 0.02,
     attach: bool = True,
+    read_guard: bool = True,
 ) -> OverlapReport:
     """Check that ``OffloadOptimizer(mode="overlap")`` is exact on this model; the first thing
     to run on a new model.
@@ -102,12 +103,14 @@ def check_overlap(
             state into about 16 chunks, so that each holds few parameters.
         delay_s: how long each chunk is held back (seconds).
         attach: call ``opt.attach(model)``, as training should.
+        read_guard: the optimizer's ``read_guard`` (check the setting you train with).
 
     Returns:
         An :class:`OverlapReport`; ``report.format()`` explains it.
 
     Raises:
-        ConfigError: fewer than 2 batches, or a bad ``delay_s``.
+        ConfigError: fewer than 2 batches, a bad ``delay_s``, or a model whose runs
+            differ before any optimizer step (not deterministic: nothing to compare).
     """
     from pipeoff.optim.offload import OffloadOptimizer
 
@@ -119,6 +122,16 @@ def check_overlap(
         raise ConfigError(f"delay_s must be a number of seconds > 0, got {delay_s!r}")
     fresh = _factory(model)
     loss_of = loss_fn or _default_loss
+    # Every run starts from the same random state, so dropout and the like draw the
+    # same numbers in each: a difference is the optimizer's, not the RNG's.
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def reseed() -> None:
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
     if chunk_bytes is None:
         probe = OffloadOptimizer(make_optimizer(fresh()), mode="chunked", chunk_bytes=None)
         total = probe.plan.chunks[0].nbytes if probe.plan.chunks else 0
@@ -128,8 +141,9 @@ def check_overlap(
                                                        list[torch.Tensor], Any]:
         """Train; in overlap mode chunks ``late_from`` and later are held back (all if 0)."""
         m = fresh()
+        reseed()
         opt = OffloadOptimizer(make_optimizer(m), mode=mode,  # type: ignore[arg-type]
-                               chunk_bytes=chunk_bytes)
+                               chunk_bytes=chunk_bytes, read_guard=read_guard)
         if attach:
             opt.attach(m)
         losses = []
@@ -165,6 +179,13 @@ def check_overlap(
     bad = first_bad(0)
     if bad is None:
         return OverlapReport(ok=True, steps=len(xs))
+    if bad == 0:
+        # Step 0's forward runs before any optimizer step: no race can show there.
+        raise ConfigError(
+            "the model is not deterministic: two runs from the same state and random "
+            "seed differ before any optimizer step (step 0's loss), so a race cannot be "
+            "told from that. Make the forward and loss_fn deterministic (no data "
+            "shuffling inside them, torch.use_deterministic_algorithms) and check again")
     # Find the last chunk whose lateness still shows: the chunk read too early.
     lo, hi = 0, len(ref_opt.plan.chunks) - 1  # first_bad(lo) is not None
     while lo < hi:
@@ -174,8 +195,9 @@ def check_overlap(
         else:
             hi = mid - 1
     m = fresh()
-    names = {id(p): n for n, p in m.named_parameters()}
-    owners_of = {id(p): mn or type(m).__name__ for mn, mod in m.named_modules()
+    root = type(getattr(m, "_orig_mod", m)).__name__
+    names = {id(p): _clean(n) for n, p in m.named_parameters()}
+    owners_of = {id(p): _clean(mn) or root for mn, mod in m.named_modules()
                  for p in mod.parameters(recurse=False)}
     layout = OffloadOptimizer(make_optimizer(m), mode="chunked", chunk_bytes=chunk_bytes)
     idx = sorted({s.param for s in layout.plan.chunks[lo].segments})
@@ -226,7 +248,8 @@ def _readers(model: torch.nn.Module, params: Sequence[torch.Tensor], batch: Any,
 
     from pipeoff import _compat
 
-    names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+    root = type(getattr(model, "_orig_mod", model)).__name__
+    names = {m: _clean(n) or root for n, m in model.named_modules()}
     stack: list[str] = []
     def enter(m: torch.nn.Module, args: Any) -> None:
         stack.append(names.get(m, type(m).__name__))
@@ -246,7 +269,12 @@ def _readers(model: torch.nn.Module, params: Sequence[torch.Tensor], batch: Any,
         _compat.restore_stance(prior)
         pre.remove()
         post.remove()
-    return tuple(re.sub(r"(^|\.)_orig_mod(\.|$)", r"\1", s) for s in watch.seen)
+    return tuple(watch.seen)
+
+
+def _clean(name: str) -> str:
+    """A module or parameter name without ``torch.compile``'s ``_orig_mod`` levels."""
+    return re.sub(r"(^|\.)_orig_mod(\.|$)", r"\1", name).strip(".")
 
 
 def _factory(model: torch.nn.Module | Callable[[], torch.nn.Module]

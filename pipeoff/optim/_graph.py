@@ -49,7 +49,7 @@ class Step:
     scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per parameter, the scalar state its last chunk produced, until committed."""
     written: set[int] = field(default_factory=set)
-    """Chunks that have started writing parameters or state (a failure after that is torn)."""
+    """Chunks that have written parameters (a failure after that is torn)."""
     waited: set[int] = field(default_factory=set)
     """Chunks the forward waits have already waited for."""
     hook_waits: list[tuple[str, int, int]] = field(default_factory=list)
@@ -297,8 +297,19 @@ def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | N
             cg.scalars.append(sc)  # type: ignore[attr-defined]
             if layout.last_chunk[i] == k:
                 mine.append((i, sc))
-        _update.step_chunk(_update.make_shadow(inner), [groups[g] for g in sorted(groups)],
-                           before_write=lambda: step.written.add(k))
+        # A chunk has written its parameters once any of their version counters
+        # moved (slices share their parameter's): the wrapped optimizer may
+        # raise while it sets up (a flag turned on mid-training), having
+        # written nothing, and then the step can be retried.
+        bases = [_local(params[i]) for i in {s.param for s, _, _ in segs}]
+        versions = [b._version for b in bases]
+        try:
+            _update.step_chunk(_update.make_shadow(inner), [groups[g] for g in sorted(groups)])
+        except BaseException:
+            if any(b._version != v for b, v in zip(bases, versions)):
+                step.written.add(k)
+            raise
+        step.written.add(k)
         for i, sc in mine:
             step.scalars[i] = sc
             step.restore.pop(i, None)

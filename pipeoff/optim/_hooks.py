@@ -58,7 +58,7 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
     plain = {id(p) for p in params}
     if fsdp is not None and any(isinstance(m, fsdp) for m in root.modules()):
         fsdp_modules = [m for m in root.modules() if isinstance(m, fsdp)]
-        plan += [(m, _fsdp_hook(waits, names[m]), True) for m in fsdp_modules]
+        plan += [(m, _ForwardWait(waits, names[m], fsdp=True), True) for m in fsdp_modules]
         # Parameters no FSDP module manages (a plain head outside every
         # fully_shard unit, under a root that is not sharded) get plain hooks.
         managed = {id(p) for m in fsdp_modules
@@ -69,7 +69,7 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
         if m in hooked:
             continue
         if m is root or any(id(p) in plain for p in m.parameters(recurse=False)):
-            plan.append((m, _plain_hook(waits, names[m]), False))
+            plan.append((m, _ForwardWait(waits, names[m], fsdp=False), False))
     handles: list[Any] = []
     try:
         for m, hook, kw in plan:
@@ -90,33 +90,80 @@ def _clean(name: str) -> str:
     return name.replace("_orig_mod.", "").replace("._orig_mod", "")
 
 
-def _plain_hook(waits: ForwardWaits, name: str) -> Any:
-    def pipeoff_forward_wait(module: torch.nn.Module, args: Any) -> None:
-        waits.on_module(module, module.parameters(recurse=False), name)
+class _ForwardWait:
+    """A forward pre-hook waiting for the chunks a module's forward reads.
 
-    return _compat.dynamo_disable(pipeoff_forward_wait)
+    ``__call__`` is traced by Dynamo, and calls the wait through a function
+    opaque to it (a graph break), so compiled code runs the wait at every call.
+    A model pickled or deep-copied with these hooks gets inert ones: the copy is
+    not attached to this optimizer.
+    """
+
+    __slots__ = ("fsdp", "name", "waits")
+
+    def __init__(self, waits: ForwardWaits, name: str, fsdp: bool) -> None:
+        self.waits = waits
+        self.name = name
+        self.fsdp = fsdp
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
+        _opaque_wait()(self, module)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_hook, ())
+
+
+def _inert_hook(*args: Any) -> Any:
+    return _Inert()
+
+
+class _Inert:
+    """What a pickled or copied forward wait becomes: a hook that does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+_OPAQUE: Any = None
+
+
+def _opaque_wait() -> Any:
+    global _OPAQUE
+    if _OPAQUE is None:
+        _OPAQUE = _compat.dynamo_disable(_wait)
+    return _OPAQUE
+
+
+def _wait(hook: _ForwardWait, module: torch.nn.Module) -> None:
+    if hook.fsdp:
+        _fsdp_wait(hook.waits, module, hook.name)
+    else:
+        hook.waits.on_module(module, module.parameters(recurse=False), hook.name)
+
+
+# What a Dynamo error names when a fullgraph=True region contains a forward wait.
+_wait.__qualname__ = _wait.__name__ = (
+    "pipeoff_OffloadOptimizer_forward_wait__a_graph_break__"
+    "compile_without_fullgraph_or_compile_inside_the_hooked_modules")
 
 
 def _sharded_params(state: Any) -> list[torch.Tensor]:
     return [fp.sharded_param for g in state._fsdp_param_groups for fp in g.fsdp_params]
 
 
-def _fsdp_hook(waits: ForwardWaits, name: str) -> Any:
-    def pipeoff_fsdp_forward_wait(module: Any, args: Any, kwargs: Any) -> None:
-        state = module._get_fsdp_state()
-        # Read the prefetch list now: set_modules_to_forward_prefetch may change it.
-        mine = _sharded_params(state)
-        for other in state._states_to_forward_prefetch:
-            mine += _sharded_params(other)
-        streams: tuple[Any, ...] | None = None
-        if waits.cuda:
-            ctx = state._comm_ctx
-            # The all-gathers read the shards on these streams, which do not
-            # sync with the compute stream again after the root's pre-forward.
-            streams = (torch.cuda.current_stream(waits.device), *(
-                s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
-                                                            "all_gather_stream"))
-                if s is not None))
-        waits.on_module(module, mine, name, streams)
-
-    return _compat.dynamo_disable(pipeoff_fsdp_forward_wait)
+def _fsdp_wait(waits: ForwardWaits, module: Any, name: str) -> None:
+    state = module._get_fsdp_state()
+    # Read the prefetch list now: set_modules_to_forward_prefetch may change it.
+    mine = _sharded_params(state)
+    for other in state._states_to_forward_prefetch:
+        mine += _sharded_params(other)
+    streams: tuple[Any, ...] | None = None
+    if waits.cuda:
+        ctx = state._comm_ctx
+        # The all-gathers read the shards on these streams, which do not
+        # sync with the compute stream again after the root's pre-forward.
+        streams = (torch.cuda.current_stream(waits.device), *(
+            s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
+                                                        "all_gather_stream"))
+            if s is not None))
+    waits.on_module(module, mine, name, streams)

@@ -27,7 +27,9 @@ from pipeoff.optim._tensors import describe, local, memory_order
 __all__ = ["FUSED_ALIGN", "Layout", "build_layout", "fingerprint"]
 
 FUSED_ALIGN = 128
-"""Fused kernels vectorize from a tensor's start: split parameters at multiples of this."""
+"""Fused kernels vectorize from a tensor's start: split parameters at multiples of this.
+It is also the split granularity of 16-bit parameters (CPU kernels round a bf16
+tensor's vectorized body and its scalar tail differently)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,7 +145,9 @@ def build_layout(inner: torch.optim.Optimizer, *, chunked: bool, chunk_bytes: in
     if chunked:
         fused = any(g.get("fused") for g in inner.param_groups)
         metas = [ParamMeta(numel=planned_numel(p), itemsize=local(p).element_size(),
-                           nkeys=len(keys[i]), group=group_of[i]) for i, p in enumerate(params)]
+                           nkeys=len(keys[i]), group=group_of[i],
+                           align=FUSED_ALIGN if local(p).element_size() < 4 else 1)
+                 for i, p in enumerate(params)]
         plan = plan_chunks(metas, chunk_bytes, align=FUSED_ALIGN if fused else 1)
         per: list[list[int]] = [[] for _ in params]
         for c in plan.chunks:

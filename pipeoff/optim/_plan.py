@@ -37,9 +37,15 @@ class ParamMeta:
     """How many per-element state tensors the optimizer keeps for it (2 for AdamW)."""
     group: int
     """Index of its param group in the wrapped optimizer."""
+    align: int = 1
+    """Split this parameter only at multiples of this many elements (at least the
+    plan's ``align``): a kernel vectorized from a tensor's start rounds its body and
+    its scalar tail differently for 16-bit dtypes on CPU, so slices must start
+    where the whole tensor's vector lanes do."""
 
     def __post_init__(self) -> None:
-        if self.numel < 0 or self.itemsize <= 0 or self.nkeys < 0 or self.group < 0:
+        if (self.numel < 0 or self.itemsize <= 0 or self.nkeys < 0 or self.group < 0
+                or self.align <= 0):
             raise ConfigError(f"invalid parameter metadata {self!r}")
 
     def slot_bytes(self, elems: int) -> int:
@@ -170,20 +176,21 @@ def plan_chunks(
             continue
         # State-less optimizers (plain SGD) are still chunked, by parameter bytes.
         per_elem = m.nkeys * m.itemsize or m.itemsize
+        unit = max(align, m.align)
         lo = 0
         while lo < m.numel:
             rest = m.numel - lo
             take = rest
             if _bytes(m, take) + used > cap:
                 room = cap - used
-                fit = int(room // per_elem) // align * align
+                fit = int(room // per_elem) // unit * unit
                 while fit > 0 and _bytes(m, fit) > room:  # slot padding
-                    fit -= align
+                    fit -= unit
                 if fit <= 0:
                     if cur:
                         flush()
                         continue
-                    fit = align  # the smallest unit: one per chunk
+                    fit = unit  # the smallest unit: one per chunk
                 take = min(fit, rest)
             cur.append(Segment(param=i, lo=lo, hi=lo + take, offset=staged,
                                slot_bytes=m.slot_bytes(take) if m.nkeys else 0))

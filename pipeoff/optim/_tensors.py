@@ -93,6 +93,11 @@ def host_alloc(specs: Sequence[tuple[torch.Size, torch.dtype] | tuple[torch.Size
     A spec may carry a memory order (see :func:`memory_order`): the tensor then
     has the strides of a tensor laid out in that order (a channels-last weight's
     state is channels-last too, as torch's own ``zeros_like`` state would be).
+
+    Each tensor sits on a storage of its own that aliases its piece of the
+    arena (``UntypedStorage`` slicing; the slice keeps the arena alive), at
+    offset 0: torch 2.13 cannot pickle a DTensor whose local tensor is a view at
+    a non-zero offset, and ``torch.save`` of a view would write the whole arena.
     """
     total: dict[torch.dtype, int] = collections.defaultdict(int)
     for spec in specs:
@@ -105,7 +110,9 @@ def host_alloc(specs: Sequence[tuple[torch.Size, torch.dtype] | tuple[torch.Size
         order = tuple(spec[2]) if len(spec) > 2 else tuple(range(len(shape)))  # type: ignore[misc]
         n = numel(shape)
         o = offs[dtype]
-        piece = arenas[dtype][o:o + n]
+        size = dtype.itemsize
+        storage = arenas[dtype].untyped_storage()[o * size:(o + n) * size]
+        piece = torch.empty(0, dtype=dtype).set_(storage, 0, (n,), (1,))
         if order == tuple(range(len(shape))):
             out.append(piece.view(shape))
         else:

@@ -112,15 +112,12 @@ class ChunkGroup:
     """Per slice, the other state entries (``step``), private copies."""
 
 
-def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup], *,
-               before_write: Callable[[], object] | None = None) -> None:
+def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> None:
     """Apply one optimizer step to the slices in ``groups``; pure math, no bookkeeping.
 
     Per-element state that the optimizer creates on a first step is copied into
     the staging views, so ``staged`` always holds the result. ``scalars`` are
     updated in place with the entries the step leaves (an incremented ``step``).
-    ``before_write`` is called once everything is set up, just before the
-    optimizer's kernels start writing parameters: a failure before it wrote nothing.
     """
     shadow.param_groups = [
         {**g.hyper, "params": list(g.params)} for g in groups if g.params
@@ -139,8 +136,6 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup], *,
     # The class's step is wrapped by torch.optim's hook machinery; call the body.
     body = step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
     try:
-        if before_write is not None:
-            before_write()
         # Hazard: torch.compile on another thread flipping torch.compiler.is_compiling()
         # (one process-wide flag) under these kernels, which then take their
         # compiled-code branches and give different bits.

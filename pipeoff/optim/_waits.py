@@ -122,24 +122,36 @@ def _compiled_read(waits: ForwardWaits) -> None:
     waits.wait_for(list(waits.pending), "compiled code")
 
 
-def _pop_inert_guards() -> None:
-    """Pop read guards with nothing left to guard from the top of this thread's mode stack.
+def _mode_stack() -> list[Any]:
+    n = torch._C._len_torch_function_stack()
+    return [torch._C._get_function_stack_at(k) for k in range(n)]
 
-    A guard comes off only from the top (other modes above it are the user's,
-    entered later, and will exit first); one buried under them is popped once
-    they have.
-    """
-    while True:
-        n = torch._C._len_torch_function_stack()
-        if not n:
-            return
-        top = torch._C._get_function_stack_at(n - 1)
-        if not isinstance(top, _ReadGuard):
-            return
-        top.waits.settle_if_done()
-        if not top.inert:
-            return
+
+def _set_mode_stack(modes: list[Any]) -> None:
+    while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
+    for m in modes:
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _pop_inert_guards() -> None:
+    """Take read guards with nothing left to guard off this thread's mode stack.
+
+    Guards sit at the bottom of the stack (see :meth:`ForwardWaits._push_guard`);
+    the user's modes above them keep their order.
+    """
+    modes = _mode_stack()
+    if not any(isinstance(m, _ReadGuard) for m in modes):
+        return
+    keep = []
+    for m in modes:
+        if isinstance(m, _ReadGuard):
+            m.waits.settle_if_done()
+            if m.inert:
+                continue
+        keep.append(m)
+    if len(keep) != len(modes):
+        _set_mode_stack(keep)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -187,9 +199,14 @@ class ForwardWaits:
         self._learned: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = (
             weakref.WeakKeyDictionary())
         self.attached = False
+        self.guard_enabled = True
+        """Whether ``begin`` pushes the read guard (``OffloadOptimizer(read_guard=...)``)."""
         self.warned_compiled = False
-        self.called: set[int] = set()
-        """``id()`` of the hooked modules whose hook has fired since ``attach()``."""
+        self.called: dict[tuple[bool, bool], set[int]] = {}
+        """Per kind of forward (the root's ``training`` flag, grad mode), ``id()`` of the
+        hooked modules whose hook has fired in one since ``attach()``: an evaluation
+        forward may take another path than a training one."""
+        self._kind: tuple[bool, bool] = (True, True)
         self.anchor: dict[int, int] = {}
         """Per hooked module (``id()``), its nearest hooked ancestor's, for every module
         but the root."""
@@ -211,13 +228,21 @@ class ForwardWaits:
             p = layout.params[i]
             chunks = layout.chunks_of[i]
             loc = getattr(p, "_local_tensor", p)
-            for pid in {id(p), id(loc)}:
-                pending[pid] = chunks
+            # The chunks write the parameter and read its gradient: a reader of the
+            # one and a writer of the other (zero_grad(set_to_none=False) on the
+            # model, p.grad.zero_()) both wait.
+            tensors = [p, loc]
+            g = step.restore.get(i, (None, None))[1]
+            if g is not None:
+                tensors += [g, getattr(g, "_local_tensor", g)]
+            for t in tensors:
+                pending[id(t)] = chunks
                 for c in chunks:
-                    chunk_params[c].append(pid)
-            ptr = _storage_ptr(loc)
-            if ptr:
-                storages[ptr] = id(p)
+                    chunk_params[c].append(id(t))
+            for t in tensors[1::2]:
+                ptr = _storage_ptr(t)
+                if ptr:
+                    storages[ptr] = id(t)
         with self._lock:
             self.step = step
             self.cuda = layout.device.type == "cuda"
@@ -226,7 +251,7 @@ class ForwardWaits:
             self.storages = storages
             self._chunk_params = chunk_params
             self._last_hook = None
-        if pending and not testing.disabled("read_guard"):
+        if pending and self.guard_enabled and not testing.disabled("read_guard"):
             self._push_guard()
 
     def end(self) -> None:
@@ -243,11 +268,17 @@ class ForwardWaits:
         _pop_inert_guards()
 
     def _push_guard(self) -> None:
+        """Put the read guard at the *bottom* of this thread's mode stack.
+
+        A user's mode entered before ``step()`` (``with torch.device(...):``)
+        pops the top of the stack when it exits: on top, the guard would be
+        popped in its place. Below every other mode, each exits as it entered.
+        """
         _pop_inert_guards()
-        n = torch._C._len_torch_function_stack()
-        if any(torch._C._get_function_stack_at(k) is self._guard for k in range(n)):
+        modes = _mode_stack()
+        if any(m is self._guard for m in modes):
             return  # still on this thread's stack from an earlier step
-        torch._C._push_on_torch_function_stack(self._guard)
+        _set_mode_stack([self._guard, *modes])
 
     # -- waiting ----------------------------------------------------------------------
     def set_modules(self, root: torch.nn.Module, hooked: Iterable[torch.nn.Module]) -> None:
@@ -273,7 +304,7 @@ class ForwardWaits:
             self.root = id(root)
             self.anchor = anchor
             self._dependents = dependents
-            self.called = set()
+            self.called = {}
             self._learned = weakref.WeakKeyDictionary()
             self.attached = True
 
@@ -284,10 +315,11 @@ class ForwardWaits:
     def _silent(self, module: int) -> list[Any]:
         """Parameters of the hooked modules under ``module`` that have not run (anchored on it)."""
         out: list[Any] = []
+        called = self.called.get(self._kind, ())
         todo = list(self._dependents.get(module, ()))
         while todo:
             d = todo.pop()
-            if d in self.called:
+            if d in called:
                 continue  # it waits for its own parameters when it runs
             ref = self.modules.get(d)
             m = ref() if ref is not None else None
@@ -306,9 +338,12 @@ class ForwardWaits:
         modules under it that do not run, and for what it learned to read."""
         self._last_hook = weakref.ref(module)
         key = id(module)
-        if key not in self.called:
+        if key == self.root:  # a forward starts: which kind of forward is it?
+            self._kind = (module.training, torch.is_grad_enabled())
+        called = self.called.get(self._kind)
+        if called is None or key not in called:
             with self._lock:
-                self.called.add(key)
+                self.called.setdefault(self._kind, set()).add(key)
         if self.pending:
             ids = {id(p) for p in params}
             ids.update(self._learned.get(module, ()))

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from pipeoff import _compat
 from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
@@ -75,6 +76,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rank is known to be, and by :meth:`verify_plan`; never inside
             ``step()``, ``load_state_dict()`` or ``add_param_group()``, which a
             rank may call alone.
+        read_guard: in ``overlap`` mode, make every eager read of a parameter
+            that a step is still writing wait for it (a ``TorchFunctionMode``
+            while the step is in flight; see ``docs/optimizer.md``). ``False``
+            leaves only :meth:`attach`'s module hooks: run
+            :func:`~pipeoff.optim.check_overlap` with ``read_guard=False`` first.
+            Under any ``TorchFunctionMode`` torch skips the fast paths of
+            ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in
+            inference, whose last bits differ.
 
     Raises:
         ConfigError: an argument is out of range; parameters on mixed devices,
@@ -93,6 +102,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pin_memory: bool = True,
         lookahead: int = 2,
         process_group: Any = None,
+        read_guard: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
             optimizer, OffloadOptimizer
@@ -110,6 +120,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ConfigError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        if not isinstance(read_guard, bool):
+            raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
         if mode != "single_pass":
             _update.check_elementwise(optimizer, mode)
         self.inner = optimizer
@@ -132,6 +144,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._fsdp_root: Any = None  # set by attach() on an FSDP2 root
         self._model: torch.nn.Module | None = None
         self._waits = ForwardWaits(self.wait_for_step)
+        self._waits.guard_enabled = read_guard
         self._layout = build_layout(optimizer, chunked=self._chunked,
                                     chunk_bytes=chunk_bytes)
         self._offload_state(self._layout)
@@ -273,16 +286,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 and later steps raise :class:`~pipeoff.StepFailedError` until a
                 checkpoint is loaded.
         """
+        if torch.compiler.is_compiling():
+            # Traced by Dynamo (a compiled training step): run it eagerly, or the
+            # trace would bake in this call's waits and bookkeeping.
+            return _compat.dynamo_disable(OffloadOptimizer.wait_for_step)(self)  # type: ignore[no-any-return]
         st = self._inflight
         if st is None:
             return
-        self._inflight = None
         try:
             st.execution.wait()
         except BaseException as err:
+            if st.execution.exception is None:
+                # The wait was interrupted (Ctrl-C), not the step: it is still in
+                # flight, and nothing has failed.
+                err.add_note("pipeoff: interrupted while waiting for the optimizer step in "
+                             "flight, which goes on: it has not failed and must not be "
+                             "repeated. Call wait_for_step() to wait for it.")
+                raise
             for p, g in st.restore.values():
                 if p.grad is None:
                     p.grad = g
+            self._end_step(st)
             written = sorted(st.written)
             failed = st.execution.failed_task
             if written:
@@ -302,10 +326,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              "a parameter; no parameter was written and the step can be "
                              "retried.")
             raise
-        finally:
-            st.grads.clear()
-            st.restore.clear()
-            self._waits.end()
+        self._end_step(st)
+
+    def _end_step(self, st: Step) -> None:
+        self._inflight = None
+        st.grads.clear()
+        st.restore.clear()
+        self._waits.end()
 
     def _check_not_torn(self, what: str) -> None:
         if self._torn is not None:
@@ -368,11 +395,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         On FSDP2 modules a ``prepend=True`` pre-forward hook on each FSDP module
         waits for the chunks of its own parameters and of the modules it
         prefetches; on a plain module tree each module that owns parameters,
-        and the root, gets one. Hooks run under ``torch.compile`` too (they are
-        opaque to Dynamo). The first forward after attaching runs compiled code
-        eagerly, so the hooks learn the parameters a forward reads without
-        calling their module. A second call replaces the hooks. Either the hooks
-        are all installed, or (on any error) the old ones stay.
+        and the root, gets one; a module whose hook has not fired in a forward
+        of the same kind (training or not, grad mode) has its parameters waited
+        for by the nearest hooked ancestor that runs. Hooks run under
+        ``torch.compile`` too (they are opaque to Dynamo, so they are graph
+        breaks: not for ``fullgraph=True`` regions containing hooked modules).
+        Code compiled before ``attach()`` is recompiled with the hooks in. A
+        second call replaces the hooks. Either the hooks
+        are all installed, or (on any error) the old ones stay. A model pickled
+        or copied with the hooks carries inert ones.
 
         Raises:
             ConfigError: ``model`` is not a module, or some of the optimizer's
@@ -418,6 +449,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             StepFailedError: an earlier step failed after writing parameters.
             BaseException: the failure of the previous step in flight.
         """
+        if torch.compiler.is_compiling():
+            # Traced by Dynamo (torch.compile of a training step, or of step()
+            # itself): launching chunks, waiting and its bookkeeping must run
+            # for real at every call, not once at trace time.
+            return _compat.dynamo_disable(OffloadOptimizer._step)(self, closure)  # type: ignore[no-any-return]
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], float] | None) -> float | None:
         if closure is not None and self.mode != "single_pass":
             raise ConfigError(
                 f"step(closure) is not supported in mode={self.mode!r}: the closure would run "
@@ -438,7 +477,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._last = st.execution
             self._last_waits = st.hook_waits
             if self.mode == "chunked":
-                self.wait_for_step()  # the one host wait of a chunked step
+                try:
+                    self.wait_for_step()  # the one host wait of a chunked step
+                except KeyboardInterrupt as err:
+                    # A synchronous step is all or nothing for its caller: let the
+                    # chunks in flight finish, then pass the interrupt on. (A second
+                    # interrupt leaves the step in flight; wait_for_step() ends it.)
+                    self.wait_for_step()
+                    err.__notes__ = ["pipeoff: the step completed before the interrupt was "
+                                     "passed on; do not step again for the same gradients."]
+                    raise
             else:
                 self._waits.begin(st, layout, st.grads.keys())
                 if layout.device.type == "cuda":
@@ -462,7 +510,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
                               signature=sig)
         if self._model is not None:
             self._check_in_model(layout, self._model)
+        if self._chunked:
+            self._check_state_dtypes(layout)
         return layout
+
+    def _check_state_dtypes(self, layout: Layout) -> None:
+        """Chunks stage state in the parameter's dtype: refuse state of another one."""
+        for i, p in enumerate(layout.params):
+            st = self.inner.state.get(p)
+            if not st:
+                continue
+            dtype = _local(p).dtype
+            for k in layout.keys[i]:
+                v = st.get(k)
+                if isinstance(v, torch.Tensor) and _local(v).dtype != dtype:
+                    raise ConfigError(
+                        f"{_describe(i, p)} has state {k!r} of dtype {_local(v).dtype}, not "
+                        f"its own {dtype} (the model's dtype changed after the optimizer made "
+                        "state: model.to(dtype)). torch mixes the two dtypes here or refuses, "
+                        "depending on the optimizer; a chunked step stages state in the "
+                        "parameter's dtype. Cast the state (save and load_state_dict, which "
+                        "casts it), or change the dtype before the first step"
+                    )
 
     @staticmethod
     def _check_in_model(layout: Layout, model: torch.nn.Module) -> None:

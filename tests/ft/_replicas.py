@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,17 +41,23 @@ def make_model(seed: int) -> nn.Module:
 
 
 def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: int,
-             make: Callable[[int], nn.Module], barrier: threading.Barrier | None) -> ReplicaRun:
+             make: Callable[[int], nn.Module], barrier: threading.Barrier | None,
+             pg: Callable[[int], Any] | None = None,
+             optimizer: Callable[[nn.Module], optim.Optimizer] | None = None,
+             use_async_quorum: bool = False, step_delay: Callable[[int], float] | None = None,
+             ) -> ReplicaRun:
     store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     model = make(replica_id)  # distinct starting points: the average differs from both
-    opt = optim.SGD(model.parameters(), lr=0.1)
+    opt = (optim.SGD(model.parameters(), lr=0.1) if optimizer is None
+           else optimizer(model))
     data = torch.Generator().manual_seed(100 + replica_id)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=2,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)) if pg is None else pg(replica_id),
+        min_replica_size=2,
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
         state_dict=lambda: {"model": model.state_dict()},
         replica_id=f"replica_{replica_id}", store_addr="localhost", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+        rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=use_async_quorum,
         init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
     )
     out = ReplicaRun()
@@ -67,6 +74,8 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
     try:
         with pipeoff.ft.LocalSGD(manager, model, opt, 1, **kwargs) as local_sgd:
             for _ in range(syncs):
+                if step_delay is not None:
+                    time.sleep(step_delay(replica_id))
                 opt.zero_grad()
                 model(torch.randn(4, 16, generator=data)).pow(2).mean().backward()
                 opt.step()  # sync_every=1: the post hook syncs
@@ -74,6 +83,9 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
                 out.traces.append(local_sgd.last_trace)
                 if barrier is not None:
                     barrier.wait(timeout=60)
+        wait = getattr(opt, "wait_for_step", None)
+        if callable(wait):
+            wait()
         out.steps = manager.current_step()
         return out
     finally:
@@ -82,16 +94,23 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
 
 def run_replicas(kwargs: dict[str, Any], *, syncs: int = 2,
                  make: Callable[[int], nn.Module] = make_model,
-                 barrier: threading.Barrier | None = None) -> list[ReplicaRun]:
+                 barrier: threading.Barrier | None = None,
+                 pg: Callable[[int], Any] | None = None,
+                 optimizer: Callable[[nn.Module], optim.Optimizer] | None = None,
+                 use_async_quorum: bool = False,
+                 step_delay: Callable[[int], float] | None = None) -> list[ReplicaRun]:
     """Two replicas (threads), each with its own Manager and ProcessGroupGloo.
 
     ``barrier``, if given, is waited on by both replicas after every sync.
+    ``pg(replica_id)``, if given, makes each replica's process group;
+    ``optimizer(model)`` the optimizer (default SGD, lr 0.1);
+    ``step_delay(replica_id)`` seconds to sleep before each step.
     """
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(_replica, i, lighthouse.address(), kwargs, syncs, make, barrier)
-                    for i in range(2)]
+            futs = [ex.submit(_replica, i, lighthouse.address(), kwargs, syncs, make, barrier,
+                              pg, optimizer, use_async_quorum, step_delay) for i in range(2)]
             return [f.result(timeout=120) for f in futs]
     finally:
         lighthouse.shutdown()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 from typing import Any
-from unittest.mock import create_autospec
+from unittest.mock import MagicMock, create_autospec
 
 import pytest
 import torch
@@ -132,6 +132,9 @@ def _mock_manager(*, commit: bool) -> Any:
     manager.errored.return_value = None
     manager.should_commit.return_value = commit
     manager.allreduce.side_effect = lambda t, should_quantize=False: _DummyWork(t)
+    # After a failure, a sync joins its remaining collectives on the process group.
+    manager._pg = MagicMock()
+    manager._pg.allreduce.side_effect = lambda ts, opts: _DummyWork(ts[0])
     return manager
 
 
@@ -194,6 +197,11 @@ def test_task_failure_reports_error_and_writes_nothing(mode: str, where: str) ->
     _assert_pools_idle()
     summary = local_sgd.last_trace.summary()
     assert summary.failed == 1
+    # Every bucket's collective after the failure is still joined (peers would wait
+    # for it), on the process group: the manager's allreduce is a no-op after an error.
+    buckets = sum(1 for t in local_sgd.last_trace.tasks if t.kind == "allreduce")
+    joined = manager.allreduce.call_count + manager._pg.allreduce.call_count
+    assert joined == buckets - (where == "allreduce:b1")  # the injection skips b1's work
     _assert_trace_budget(local_sgd)
     # The next sync works (here the mock "average" adds 1 to every element).
     local_sgd.sync()

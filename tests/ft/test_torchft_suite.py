@@ -8,6 +8,7 @@ torchft's unmodified test method.
 
 from __future__ import annotations
 
+import dataclasses
 import unittest
 from typing import Any
 
@@ -76,10 +77,24 @@ def test_torchft_local_sgd_unit(mode_class: tuple[str, list[Any]], test: str) ->
 
 
 @pytest.mark.timeout(120)
-def test_torchft_local_sgd_recovery_integ(mode_class: tuple[str, list[Any]]) -> None:
+@pytest.mark.parametrize("use_async_quorum", [False, True], ids=["sync_quorum", "async_quorum"])
+def test_torchft_local_sgd_recovery_integ(mode_class: tuple[str, list[Any]],
+                                          use_async_quorum: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     mode, created = mode_class
+    runners: list[Any] = []
+    if use_async_quorum:
+        # torchft's test hard-codes use_async_quorum=False; run it the other way too.
+        @dataclasses.dataclass
+        class AsyncRunner(integ.Runner):  # type: ignore[misc, name-defined]
+            def __post_init__(self) -> None:
+                self.manager_args = {**self.manager_args, "use_async_quorum": True}
+                runners.append(self)
+
+        monkeypatch.setattr(integ, "Runner", AsyncRunner)
     # Fixed ports 19530-19531: never run this concurrently with another copy.
     _run(integ.LocalSGDIntegTest("test_local_sgd_recovery_0"))
+    assert len(runners) == (2 if use_async_quorum else 0)
     assert len(created) >= 3  # replica 0 once, replica 1 twice (injected failure)
     traces = [c.last_trace for c in created if c.last_trace is not None]
     if mode == "original":

@@ -45,6 +45,19 @@ def test_parameters_outside_every_fsdp_unit_are_waited_for(results: dict[int, di
         assert r["params_equal"], rank
 
 
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_optimizer_state_pickles_and_a_rank_local_load_needs_no_collective(
+        results: dict[int, dict], mode: str) -> None:
+    """Issue 10, inputs 1 and 2: torch.save of the state of DTensor parameters (whose
+    host state shares one allocation), and load_state_dict on rank 1 only, then
+    training on: bitwise FSDP2 with plain AdamW doing the same."""
+    for rank in (0, 1):
+        r = results[rank][("checkpoint", mode)]
+        assert r["saved"] and r["loaded_equal"], rank
+        assert r["losses_equal"], rank
+        assert r["params_equal"], rank
+
+
 def test_uneven_shards_give_identical_plans(results: dict[int, dict]) -> None:
     a, b = results[0][(True, True)], results[1][(True, True)]
     assert a["local_numels"] != b["local_numels"]  # the shards really are uneven

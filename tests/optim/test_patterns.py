@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -787,3 +788,328 @@ def test_the_checker_output_in_the_docs_is_what_it_prints(capsys: pytest.Capture
     shown = re.search(r"It prints:\n\n```text\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     exec(compile(code, "optimizer.md", "exec"), {"__name__": "doc_check_overlap"})
     assert capsys.readouterr().out == shown
+
+
+# -- found by a review that tried to break it -------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", CHUNKED)
+def test_a_compiled_optimizer_step_runs_eagerly_inside_the_compiled_code(mode: str) -> None:
+    """torch's "compile the optimizer step" recipe: Dynamo must not trace the launch."""
+    torch._dynamo.reset()
+    ref, mod = Three(), Three()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode=mode,  # type: ignore[arg-type]
+                           chunk_bytes=256)
+    opt.attach(mod)
+    compiled_step = torch.compile(opt.step, backend="eager")
+    xs = batches(4)
+    losses = []
+    with pipeoff.testing.delay_lane("compute", DELAY if mode == "overlap" else 0.0):
+        for x in xs:
+            loss = mod(x).pow(2).mean()
+            losses.append(loss.detach().clone())
+            loss.backward()
+            compiled_step()
+            assert opt.last_execution is not None
+            opt.zero_grad()
+        opt.wait_for_step()
+    assert_same(ref, ref_opt, mod, opt, run(ref, ref_opt, xs), losses)
+    assert all(float(st["step"]) == 4 for st in opt.state.values())
+
+
+ZEROING: dict[str, Callable[[nn.Module], None]] = {
+    "module_zero_grad_in_place": lambda m: m.zero_grad(set_to_none=False),
+    "grad_zero_": lambda m: [p.grad.zero_() for p in m.parameters() if p.grad is not None],
+    "foreach_zero_": lambda m: torch._foreach_zero_(
+        [p.grad for p in m.parameters() if p.grad is not None]),
+}
+
+
+@pytest.mark.parametrize("how", list(ZEROING))
+def test_writing_the_grads_in_place_waits_for_the_step_reading_them(how: str) -> None:
+    ref, mod = Three(), Three()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    xs = batches(3)
+    for m, o in ((ref, ref_opt), (mod, opt)):
+        with pipeoff.testing.delay_lane("compute", DELAY if o is opt else 0.0):
+            for x in xs:
+                m(x).pow(2).mean().backward()
+                o.step()
+                ZEROING[how](m)  # the step in flight still reads these grads
+        if o is opt:
+            opt.wait_for_step()
+    assert_same(ref, ref_opt, mod, opt)
+
+
+def test_a_users_mode_around_the_step_keeps_the_read_guard() -> None:
+    """``with torch.device(...)`` (a TorchFunctionMode) entered before step() pops the top
+    of the mode stack when it exits: that must be itself, not pipeoff's guard."""
+    ref, mod = EarlyRead(), EarlyRead()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=96)
+    xs = batches(4)
+    depth = torch._C._len_torch_function_stack()
+    losses = []
+    with pipeoff.testing.delay_lane("compute", DELAY):
+        for x in xs:
+            loss = mod(x).pow(2).mean()
+            losses.append(loss.detach().clone())
+            with torch.device("cpu"):
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+    assert_same(ref, ref_opt, mod, opt, run(ref, ref_opt, xs), losses)
+    assert torch._C._len_torch_function_stack() == depth  # nothing leaked
+
+
+class EvalPath(nn.Module):
+    """In training ``norm`` runs as a module; in evaluation its weight is read
+    functionally (``norm`` never runs there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.training:
+            return self.norm(h)
+        return F.layer_norm(h, (32,), self.norm.weight, self.norm.bias)
+
+
+def test_a_module_that_runs_in_training_but_not_in_evaluation_is_waited_for_there() -> None:
+    """Which modules run is learned per kind of forward (training or not, grad mode): the
+    evaluation forward's hooks wait for norm's parameters at the root. Hooks only (no
+    read guard), as compiled code gets."""
+    results = []
+    for mode in ("chunked", "overlap"):
+        m = EvalPath()
+        opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), mode=mode,  # type: ignore[arg-type]
+                               chunk_bytes=128, read_guard=False)
+        opt.attach(m)
+        g = torch.Generator().manual_seed(3)
+        evals = []
+        with pipeoff.testing.delay_lane("compute", DELAY if mode == "overlap" else 0.0):
+            for _ in range(4):
+                m.train()
+                m(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                m.eval()
+                with torch.no_grad():
+                    evals.append(m(torch.randn(4, 16, generator=g)))
+            opt.wait_for_step()
+        results.append(evals)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("mode", CHUNKED)
+def test_state_of_another_dtype_than_its_parameter_is_refused_before_anything_is_written(
+        mode: str) -> None:
+    """model.to(dtype) after the optimizer made state: torch mixes dtypes or refuses,
+    by optimizer; a chunk stages state in the parameter's dtype, so it refuses."""
+    mod = Three()
+    opt = OffloadOptimizer(torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9),
+                           mode=mode, chunk_bytes=256)  # type: ignore[arg-type]
+    xs = batches(3)
+    run(mod, opt, xs[:1])
+    mod.to(torch.float64)
+    mod(xs[1].double()).pow(2).mean().backward()
+    before = [p.detach().clone() for p in mod.parameters()]
+    with pytest.raises(pipeoff.ConfigError, match="momentum_buffer.*float32.*float64"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, mod.parameters()))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # casts the state, as torch does
+    opt.step()
+    opt.wait_for_step()
+
+
+BF16_OPTIMS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam_maximize_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, maximize=True,
+                                                    weight_decay=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+}
+
+
+@pytest.mark.parametrize("optim", list(BF16_OPTIMS))
+@pytest.mark.parametrize("chunk_bytes", [100, 1000])
+def test_bf16_parameters_split_across_chunks_are_bitwise(chunk_bytes: int, optim: str) -> None:
+    """CPU kernels round a bf16 tensor's vectorized body and its scalar tail differently,
+    so bf16 parameters are split only where the whole tensor's vector lanes start."""
+
+    def make() -> list[nn.Parameter]:
+        g = torch.Generator().manual_seed(0)
+        return [nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16))
+                for shape in ((300,), (37, 29), (5,))]
+
+    ref, mine = make(), make()
+    ref_opt = BF16_OPTIMS[optim](ref)
+    opt = OffloadOptimizer(BF16_OPTIMS[optim](mine), mode="chunked", chunk_bytes=chunk_bytes)
+    assert any(s.lo > 0 for c in opt.plan.chunks for s in c.segments)  # a parameter is split
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 + step)
+        for a, b in zip(ref, mine):
+            grad = torch.randn(a.shape, generator=g).to(a.dtype)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        ref_opt.step()
+        opt.step()
+    for a, b in zip(ref, mine):
+        assert torch.equal(a, b)
+
+
+def test_the_read_guard_can_be_turned_off_for_inference_fast_paths() -> None:
+    """torch skips nn.TransformerEncoderLayer's inference fast path under any
+    TorchFunctionMode. With read_guard=False (hooks only; check_overlap first), an
+    evaluation that overlaps a step takes it, as without pipeoff."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    from pipeoff.optim import check_overlap
+
+    report = check_overlap(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                           batches(3, (2, 5, 16)), read_guard=False)
+    assert report.ok, report.format()
+    ref, mod = make(), make()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=512, read_guard=False)
+    opt.attach(mod)
+    xs = batches(3, (2, 5, 16))
+    outs = []
+    for m, o in ((ref, ref_opt), (mod, opt)):
+        evals = []
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        with pipeoff.testing.delay_lane("compute", DELAY if o is opt else 0.0):
+            for x in xs:
+                m.train()
+                m(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+                m.eval()
+                with torch.no_grad():
+                    evals.append(m(x))
+        outs.append(evals)
+    opt.wait_for_step()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+TOGGLES: dict[str, Callable[[torch.optim.Optimizer], Callable[[], None]]] = {
+    # Each returns how to undo it. torch raises in step()'s set-up and writes nothing.
+    "amsgrad_on": lambda o: (o.param_groups[0].__setitem__("amsgrad", True),
+                             lambda: o.param_groups[0].__setitem__("amsgrad", False))[1],
+    "tensor_lr_foreach": lambda o: (
+        o.param_groups[0].update(lr=torch.tensor(1e-2), foreach=True),
+        lambda: o.param_groups[0].update(lr=1e-2, foreach=None))[1],
+}
+
+
+@pytest.mark.parametrize("toggle", list(TOGGLES))
+@pytest.mark.parametrize("mode", CHUNKED)
+def test_an_error_the_optimizer_raises_while_it_sets_up_is_not_a_torn_step(
+        mode: str, toggle: str) -> None:
+    ref, mod = Three(), Three()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.Adam(mod.parameters(), lr=1e-2), mode=mode,  # type: ignore[arg-type]
+                           chunk_bytes=256)
+    xs = batches(4)
+    ref_losses, losses = run(ref, ref_opt, xs[:2]), run(mod, opt, xs[:2])
+    for m, o in ((ref, ref_opt), (mod, opt)):
+        undo = TOGGLES[toggle](o)
+        m(xs[2]).pow(2).mean().backward()
+        with pytest.raises(Exception) as info:  # noqa: B017 - torch's own error
+            o.step()
+            if isinstance(o, OffloadOptimizer):
+                o.wait_for_step()
+        if o is opt:
+            notes = "\n".join(getattr(info.value, "__notes__", []))
+            assert "no parameter was written" in notes
+        undo()
+        o.step()  # the retry, as in torch
+        o.zero_grad()
+    ref_losses += run(ref, ref_opt, xs[3:])
+    losses += run(mod, opt, xs[3:])
+    assert_same(ref, ref_opt, mod, opt)
+
+
+@pytest.mark.parametrize("mode", CHUNKED)
+def test_ctrl_c_while_waiting_neither_fails_nor_repeats_the_step(mode: str) -> None:
+    """overlap: the interrupted wait leaves the step in flight; chunked: step() finishes
+    the step, then passes the interrupt on. Either way nothing is torn or repeated."""
+    import os
+    import signal
+
+    ref, mod = Three(), Three()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode=mode,  # type: ignore[arg-type]
+                           chunk_bytes=256)
+    xs = batches(3)
+    ref_losses = run(ref, ref_opt, xs)
+    losses = run(mod, opt, xs[:1])
+    with pipeoff.testing.delay_lane("compute", 0.05):
+        loss = mod(xs[1]).pow(2).mean()
+        losses.append(loss.detach().clone())
+        loss.backward()
+        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C
+        with pytest.raises(KeyboardInterrupt) as info:
+            opt.step()
+            opt.wait_for_step()
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "must not be repeated" in notes or "do not step again" in notes
+        assert opt.last_execution is not None
+        assert opt.last_execution.done() == (mode == "chunked")
+        opt.zero_grad()
+    losses += run(mod, opt, xs[2:])  # no StepFailedError: nothing failed
+    assert_same(ref, ref_opt, mod, opt, ref_losses, losses)
+
+
+def test_check_overlap_passes_a_model_with_dropout() -> None:
+    from pipeoff.optim import check_overlap
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+
+    report = check_overlap(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                           batches(3))
+    assert report.ok, report.format()
+
+
+def test_a_model_with_forward_waits_pickles_and_copies_with_inert_hooks() -> None:
+    import io
+
+    mod = Three()
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    opt.attach(mod)
+    buf = io.BytesIO()
+    torch.save(mod, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(mod)
+    for m in (back, twin):
+        assert all(type(h).__name__ == "_Inert" for h in m.a._forward_pre_hooks.values())
+        m(batches(1)[0])  # the inert hooks do nothing
+    opt.detach()
+
+
+def test_a_fullgraph_region_with_forward_waits_names_them() -> None:
+    torch._dynamo.reset()
+    mod = Three()
+    opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    opt.attach(mod)
+    compiled = torch.compile(mod, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="pipeoff_OffloadOptimizer_forward_wait"):
+        compiled(batches(1)[0])
+    torch._dynamo.reset()

@@ -1,0 +1,89 @@
+"""A replica that fails mid-sync never leaves its peers waiting (issue 10, input 3).
+
+Two real replicas (threads, a Lighthouse, Managers, ProcessGroupGloo with a 20 s
+timeout). Replica 0's second all-reduce completes, but its ``wait()`` raises
+(a process group wrapper). torchft issues every all-reduce before
+waiting, so only replica 0 rejects and replica 1 commits the average. pipeoff's
+sequential and pipelined syncs must give the same outcome, bit for bit.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _replicas import ReplicaRun, run_replicas  # type: ignore[import-not-found]
+from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
+
+MODES: dict[str, dict[str, Any]] = {
+    "original": {},
+    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "sync"},
+    "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+                  "bucket_bytes": "per_parameter", "device_budget_bytes": 256},
+    "pipelined_split": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+                        "bucket_bytes": 96, "device_budget_bytes": 192},
+}
+
+
+class _WaitRaises(dist._Work):  # type: ignore[misc]
+    def __init__(self, work: Any) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait()  # the collective completes on every replica...
+        raise RuntimeError("injected: wait() failed after the collective completed")
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+class FailingWait(ProcessGroupWrapper):  # type: ignore[misc]
+    """The ``fail_at``-th all-reduce completes, but its ``wait()`` raises."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)))
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
+        self.calls += 1
+        work = super().allreduce(tensors, opts)
+        return _WaitRaises(work) if self.calls == self.fail_at else work
+
+
+def _run(kwargs: dict[str, Any], fail_at: int) -> list[ReplicaRun]:
+    def pg(replica_id: int) -> Any:
+        if replica_id == 0:
+            return FailingWait(fail_at)
+        return ProcessGroupGloo(timeout=timedelta(seconds=20))
+
+    return run_replicas(kwargs, syncs=2, pg=pg)
+
+
+@pytest.fixture(scope="module")
+def original() -> list[ReplicaRun]:
+    return _run(MODES["original"], fail_at=2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_local_failure_mid_sync_costs_only_that_replica(mode: str,
+                                                         original: list[ReplicaRun]) -> None:
+    runs = original if mode == "original" else _run(MODES[mode], fail_at=2)
+    r0, r1 = runs
+    assert len(r0.errors_reported) == 1 and "injected" in str(r0.errors_reported[0])
+    assert r1.errors_reported == []  # the peer was never left waiting
+    # Replica 0 rejected its first sync: it kept its local values.
+    assert all(torch.equal(a, b) for a, b in zip(r0.params_before_sync[0],
+                                                 r0.params_after_sync[0]))
+    # Replica 1 committed the average of both (replica 0 joined every collective).
+    avg = [(a + b) / 2 for a, b in zip(r0.params_before_sync[0], r1.params_before_sync[0])]
+    assert all(torch.allclose(a, b) for a, b in zip(avg, r1.params_after_sync[0]))
+    # Bit for bit torchft's own outcome, in both syncs, on both replicas.
+    for got, want in zip(runs, original):
+        for sync_got, sync_want in zip(got.params_after_sync, want.params_after_sync):
+            assert all(torch.equal(a, b) for a, b in zip(sync_got, sync_want))
