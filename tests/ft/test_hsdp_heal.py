@@ -79,11 +79,17 @@ def _run(optimizer: str) -> dict[tuple[int, int, int], Any]:
         lighthouse.shutdown()
 
 
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, int, int], Any]:
+    return _run("plain")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", ["overlap", "chunked"])
-def test_a_killed_replica_group_heals_bitwise_with_offloaded_state(optimizer: str) -> None:
-    ref = _run("plain")
+def test_a_killed_replica_group_heals_bitwise_with_offloaded_state(
+        optimizer: str, reference: dict[tuple[int, int, int], Any]) -> None:
+    ref = reference
     got = _run(optimizer)
     keys = [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
     assert sorted(ref) == sorted(got) == sorted(keys)
