@@ -191,6 +191,9 @@ class ForwardWaits:
         self.pending: dict[int, tuple[int, ...]] = {}
         """``id()`` of each parameter (and its local tensor) not yet waited for, to its chunks."""
         self.storages: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        """The pending tensors themselves: an ``id()`` or a storage address may be reused
+        by another tensor once a pending one (a gradient) has been freed."""
         """Storage address of each pending parameter, to its ``id()``: a read through
         an alias (a view cached before the step, ``.data`` kept aside) waits too."""
         self._chunk_params: list[list[int]] = []
@@ -224,6 +227,7 @@ class ForwardWaits:
         chunk_params: list[list[int]] = [[] for _ in range(len(step.opt_tasks))]
         pending: dict[int, tuple[int, ...]] = {}
         storages: dict[int, int] = {}
+        refs: dict[int, weakref.ref[torch.Tensor]] = {}
         for i in written:
             p = layout.params[i]
             chunks = layout.chunks_of[i]
@@ -237,6 +241,7 @@ class ForwardWaits:
                 tensors += [g, getattr(g, "_local_tensor", g)]
             for t in tensors:
                 pending[id(t)] = chunks
+                refs[id(t)] = weakref.ref(t)
                 for c in chunks:
                     chunk_params[c].append(id(t))
             for t in tensors[1::2]:
@@ -249,6 +254,7 @@ class ForwardWaits:
             self.device = layout.device
             self.pending = pending
             self.storages = storages
+            self._refs = refs
             self._chunk_params = chunk_params
             self._last_hook = None
         if pending and self.guard_enabled and not testing.disabled("read_guard"):
@@ -260,6 +266,7 @@ class ForwardWaits:
             self.step = None
             self.pending = {}
             self.storages = {}
+            self._refs = {}
             self._chunk_params = []
         self._settle()
 
@@ -359,14 +366,23 @@ class ForwardWaits:
                 return
         elif name in _META_METHODS:
             return
-        pending, storages = self.pending, self.storages
+        pending, storages, refs = self.pending, self.storages, self._refs
         hits = None
         for t in _tensors_in(args, kwargs):
             key = id(t)
-            if key not in pending:
-                key = storages.get(_storage_ptr(t), 0)
+            if key in pending:
+                ref = refs.get(key)
+                if ref is None or ref() is not t:
+                    continue  # another tensor with a freed pending one's id
+            else:
+                ptr = _storage_ptr(t)
+                key = storages.get(ptr, 0)
                 if key not in pending:
                     continue
+                ref = refs.get(key)
+                owner = ref() if ref is not None else None
+                if owner is None or _storage_ptr(owner) != ptr:
+                    continue  # memory a freed pending tensor had
             if hits is None:
                 hits = {key}
             else:
