@@ -2,8 +2,10 @@
 
     python benchmarks/gpu_suite.py --out gpu-results [--quick]
 
-Finishes within about 8 minutes on an H200 and writes, under ``--out``:
-``bandwidth.md``, ``cuda_tests.txt``, ``optimizer.md`` (from
+Finishes within about 9 minutes on an H200 and writes, under ``--out``:
+``bandwidth.md``, ``gpu_checks.md`` (each promise of the simulated device,
+checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
+``cuda_tests_sanitizer.txt`` (under ``TORCH_CUDA_SANITIZER=1``), ``optimizer.md`` (from
 ``gpu_optimizer.py``), ``local_sgd_staging.md``, ``sim_vs_measured.md``,
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
@@ -79,10 +81,12 @@ def bandwidth(out: Path, nbytes: int) -> dict[str, float]:
     return res
 
 
-def _run(cmd: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess[str] | str:
+def _run(cmd: list[str], log: Path, timeout: int, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str] | str:
     """Run ``cmd``, logging its output; on a timeout, what it printed so far and a note."""
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                             env=env)
     except subprocess.TimeoutExpired as err:
         # One slow part must not cost the tables of the others (summary.md).
         partial = "".join(x.decode() if isinstance(x, bytes) else (x or "")
@@ -93,9 +97,21 @@ def _run(cmd: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess
     return res
 
 
-def run_cuda_tests(out: Path, timeout: int) -> str:
-    res = _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                str(ROOT / "tests")], out / "cuda_tests.txt", timeout)
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_accel.py", "tests/optim/test_optim_cuda.py",
+              "tests/ft/test_local_sgd_cuda.py"]
+
+
+def run_cuda_tests(out: Path, timeout: int, sanitizer: bool = False) -> str:
+    """The CUDA tests on the real device (their ``[cuda]`` cases and ``gpu``-marked
+    tests; the ``[simulated]`` ones ran in CI), optionally under torch's CUDA
+    sanitizer, which checks every kernel's accesses against stream ordering."""
+    import os
+
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1") if sanitizer else None
+    name = "cuda_tests_sanitizer.txt" if sanitizer else "cuda_tests.txt"
+    res = _run([sys.executable, "-m", "pytest", "-q", "-k", "not simulated", "-p",
+                "no:cacheprovider", *(str(ROOT / t) for t in CUDA_TESTS)],
+               out / name, timeout, env=env)
     if isinstance(res, str):
         return res
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "no output"
@@ -198,18 +214,27 @@ def main() -> int:
     sections = [f"# pipeoff GPU suite on {torch.cuda.get_device_name()}\n",
                 f"torch {torch.__version__}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"]
 
-    log("1/5 pinned-copy bandwidth")
+    log("1/7 pinned-copy bandwidth")
     bw = bandwidth(out, (256 if args.quick else 1024) << 20)
     sections.append("## Pinned-copy bandwidth\n\n" + (out / "bandwidth.md").read_text())
 
-    log("2/5 CUDA-marked tests")
-    sections.append("## CUDA tests\n\n" + run_cuda_tests(out, timeout=150) + "\n")
+    log("2/7 the simulated device's promises, and NCCL LocalSGD (gpu_checks.py)")
+    checks = run_script("gpu_checks.py", out, ["--out", str(out)], timeout=90)
+    sections.append("## Promises of the simulated device, checked\n\n" + (
+        (out / "gpu_checks.md").read_text() if (out / "gpu_checks.md").exists() else checks))
 
-    log("3/5 GPU optimizer benchmark")
+    log("3/7 CUDA tests")
+    sections.append("## CUDA tests\n\n" + run_cuda_tests(out, timeout=120) + "\n")
+
+    log("4/7 CUDA tests under TORCH_CUDA_SANITIZER=1")
+    sections.append("## CUDA tests under the CUDA sanitizer\n\n"
+                    + run_cuda_tests(out, timeout=140, sanitizer=True) + "\n")
+
+    log("5/7 GPU optimizer benchmark")
     sections.append("## Optimizer\n\n" + run_script(
-        "gpu_optimizer.py", out, ["--quick"] if args.quick else [], timeout=300))
+        "gpu_optimizer.py", out, ["--quick"] if args.quick else [], timeout=180))
 
-    log("4/5 LocalSGD staging, measured against predicted")
+    log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters
     rows = local_sgd_staging(out, numels, bucket_bytes=64 << 20)
     sections.append(
@@ -217,7 +242,7 @@ def main() -> int:
         + table(["schedule", "measured ms", "predicted ms", "error", "peak device staging B"],
                 rows) + "\n")
 
-    log("5/5 summary")
+    log("7/7 summary")
     sections.append(f"\nMeasured link: H2D {bw['h2d_gbps']:.1f} GB/s, D2H {bw['d2h_gbps']:.1f} "
                     f"GB/s, both at once {bw['bidir_total_gbps']:.1f} GB/s in total "
                     f"(h200_pcie5 assumes 55 / 55 / 87.2).\n")

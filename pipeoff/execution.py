@@ -22,7 +22,10 @@ class Completion:
     """The completion of one task, for code outside pipeoff to wait on.
 
     On a CUDA lane :meth:`wait` makes a stream wait (the host does not block);
-    on a host lane it blocks the calling thread.
+    on a host lane it blocks the calling thread. So after ``wait()`` on a
+    device-to-host copy, work *enqueued on that stream* may read the host
+    tensor, but the host itself may not: call :meth:`synchronize` before a host
+    read (``.item()``, ``.numpy()``, ``torch.save``) of a D2H task's result.
     """
 
     __slots__ = ("_backend", "_index", "_run")
@@ -47,7 +50,9 @@ class Completion:
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current CUDA stream) wait for the task.
 
-        On a CPU execution there is no stream, and the host blocks instead.
+        The host does not wait: a host read of the task's output needs
+        :meth:`synchronize`. On a CPU execution there is no stream, and the host
+        blocks instead.
         """
         self._backend.stream_wait(self._run, self._index, stream)
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from pipeoff import _accel
+
 __all__ = ["PoolStats", "Pools", "StagingBlock", "StagingPool", "host_pool", "pools_for"]
 
 
@@ -55,7 +57,7 @@ _pin_warned = False
 
 
 def _can_pin() -> bool:
-    return torch.cuda.is_available()
+    return _accel.current().available()
 
 
 class StagingPool:
@@ -72,9 +74,12 @@ class StagingPool:
             says so once with a ``RuntimeWarning``.
     """
 
-    def __init__(self, device: torch.device | str, *, pinned: bool = False) -> None:
+    def __init__(self, device: torch.device | str, *, pinned: bool = False,
+                 host: bool = False) -> None:
         global _pin_warned
         self.device = torch.device(device)
+        self.host = host or pinned
+        """Whether blocks are host memory (the accelerator allocates them)."""
         if pinned and not _can_pin():
             if not _pin_warned:
                 _pin_warned = True
@@ -104,8 +109,10 @@ class StagingPool:
             self._live += nbytes
             self._peak = max(self._peak, self._live)
         if block is None:
-            tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
-                                 pin_memory=self.pinned)
+            if self.device.type == "cpu" and self.host:
+                tensor = _accel.current().host_empty(nbytes, torch.uint8, pinned=self.pinned)
+            else:
+                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             block = StagingBlock(tensor=tensor, capacity=nbytes)
             with self._lock:
                 self._reserved += nbytes
@@ -168,45 +175,51 @@ class StagingPool:
 class Pools:
     """The device pool and the host pool that one device's executions share.
 
-    The host pool is process-wide and created on first use, so a run that
-    stages nothing on the host never tries to pin memory.
+    The host pool is process-wide (per accelerator) and created on first use,
+    so a run that stages nothing on the host never tries to pin memory.
     """
 
-    __slots__ = ("device",)
+    __slots__ = ("_accel", "device")
 
-    def __init__(self, device: StagingPool) -> None:
+    def __init__(self, device: StagingPool, accel: Any) -> None:
         self.device = device
+        self._accel = accel
 
     @property
     def host(self) -> StagingPool:
-        return host_pool()
+        return host_pool(self._accel)
 
     def for_where(self, where: str) -> StagingPool:
-        return self.device if where == "device" else host_pool()
+        return self.device if where == "device" else host_pool(self._accel)
 
 
-_pools: dict[torch.device, Pools] = {}
+_pools: dict[tuple[Any, torch.device], Pools] = {}
 _pools_lock = threading.Lock()
-_host_pool: StagingPool | None = None
+_host_pools: dict[Any, StagingPool] = {}
 
 
-def host_pool() -> StagingPool:
-    """The process-wide pinned host pool (created on first use)."""
-    global _host_pool
-    if _host_pool is None:
+def host_pool(accel: Any = None) -> StagingPool:
+    """The process-wide pinned host pool (of the current accelerator; created on first use)."""
+    key = _accel.current() if accel is None else accel
+    pool = _host_pools.get(key)
+    if pool is None:
         with _pools_lock:
-            if _host_pool is None:
-                _host_pool = StagingPool("cpu", pinned=True)
-    return _host_pool
+            pool = _host_pools.get(key)
+            if pool is None:
+                pool = _host_pools[key] = StagingPool("cpu", pinned=True, host=True)
+    return pool
 
 
 def pools_for(device: torch.device | str) -> Pools:
-    """The process-wide pools for ``device`` (created on first use)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    """The process-wide pools for ``device`` (created on first use).
+
+    Pools belong to the current accelerator: the simulated device of
+    :mod:`pipeoff.testing` gets pools of its own.
+    """
+    accel = _accel.current()
+    dev = accel.normalize(torch.device(device))
     with _pools_lock:
-        pools = _pools.get(dev)
+        pools = _pools.get((accel, dev))
         if pools is None:
-            pools = _pools[dev] = Pools(StagingPool(dev))
+            pools = _pools[(accel, dev)] = Pools(StagingPool(dev), accel)
         return pools

@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+from gpu_device import Gpu
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason="needs a real GPU (the simulated device cannot show this)")
     for item in items:
-        if "cuda" in item.keywords:
+        if "gpu" in item.keywords:
             item.add_marker(skip)
 
 
@@ -21,3 +24,16 @@ def _seed() -> None:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(params=["simulated"] + (["cuda"] if torch.cuda.is_available() else []))
+def gpu(request: pytest.FixtureRequest) -> Iterator[Gpu]:
+    """The simulated CUDA device, and a real GPU where there is one."""
+    if request.param == "cuda":
+        yield Gpu()
+        torch.cuda.synchronize()
+        return
+    import pipeoff.testing
+
+    with pipeoff.testing.simulated_cuda() as sim:
+        yield Gpu(sim)

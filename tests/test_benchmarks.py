@@ -27,6 +27,14 @@ def test_gpu_suite_refuses_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+def test_gpu_checks_refuse_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        return  # there is a GPU here: gpu_suite.py runs gpu_checks.py itself
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
 def test_gpu_suite_local_sgd_graphs_run_on_cpu(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
+from pipeoff import _accel
 from pipeoff._errors import ConfigError
 from pipeoff.executor._backend import Backend
 from pipeoff.executor._run import Run
@@ -49,21 +48,29 @@ def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "sim":
         return "sim"
-    if graph.device.type == "cuda" and not torch.cuda.is_available():
+    accel = _accel.current()
+    on_device = accel.is_device(graph.device)
+    if on_device and not accel.available():
         raise ConfigError(
             f"the graph is on {graph.device}, but this torch has no usable CUDA device; "
             "build it on 'cpu' (also what backend='sim' takes)"
         )
-    if backend == "cuda" and graph.device.type != "cuda":
+    if backend == "cuda" and not on_device:
         raise ConfigError(
             f"backend='cuda' needs a graph on a CUDA device, but the graph's device is "
             f"{graph.device}; build it with TaskGraph(device='cuda')"
+        )
+    if backend == "threads" and on_device:
+        raise ConfigError(
+            f"backend='threads' cannot run a graph on {graph.device}: its lanes would report "
+            "tasks done while their kernels still run on the device. Use backend='cuda' "
+            "(or 'auto'), or 'inline' with Schedule.synchronous()"
         )
     if backend != "auto":
         return backend
     if schedule.is_synchronous:
         return "inline"
-    return "cuda" if graph.device.type == "cuda" else "threads"
+    return "cuda" if on_device else "threads"
 
 
 def execute(

@@ -58,6 +58,8 @@ class Run:
         }
         self._index: dict[str, int] | None = None
         self._on_complete: list[Callable[[], None]] = []
+        self.hooks = testing.snapshot()
+        """The test hooks (delays, injected failures) installed at launch."""
         self.retired: set[str] = set()
         """Buffers a task declared unsafe to reuse (a failed collective may still write
         them): dropped from their pool at release instead of returned."""
@@ -189,10 +191,17 @@ class Run:
         self.release(i, ready_of=ready_of)
         self.finish(i, CANCELLED)
 
-    def run_task(self, i: int, lane: str) -> None:
-        """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish."""
+    def set_status(self, i: int, status: int) -> None:
+        """Correct a finished task's status (work that ran after its issue failed)."""
+        self.status[i] = status
+
+    def run_task(self, i: int, lane: str, *, waited: bool = False) -> None:
+        """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish.
+
+        ``waited``: the caller has already waited for the task's dependencies.
+        """
         status = self.status
-        for j in self.plan.waits[i]:
+        for j in () if waited else self.plan.waits[i]:
             if status[j] == PENDING:
                 self.wait_terminal(j)
         if self.window is not None and i >= self.window and status[i - self.window] == PENDING:
@@ -205,7 +214,11 @@ class Run:
             return
         if self.plan.acquire[i]:
             try:
-                self.acquire(i)
+                for block in self.acquire(i):
+                    if block.ready is not None and not testing.disabled("block_fence"):
+                        # Hazard: the host touching a pooled block that a CUDA
+                        # execution released with its last copy still in flight.
+                        block.ready.synchronize()
             except BaseException as err:  # e.g. an out-of-memory allocating staging
                 self.fail(i, err)
                 self.cancel(i)
@@ -214,10 +227,10 @@ class Run:
         outcome = OK
         start = time.perf_counter_ns()
         work = task.work
-        if work is not None or testing._hooks:
+        if work is not None or self.hooks:
             try:
-                if testing._hooks:
-                    testing.run_hooks(task.name, lane)
+                if self.hooks:
+                    testing.run_hooks(task.name, lane, hooks=self.hooks)
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,

@@ -1,18 +1,26 @@
-"""The CUDA backend: one stream per lane, events across lanes, the host never blocks.
+"""The CUDA backend: device tasks on lane streams, host tasks on host lanes; never blocks.
 
-Streams are created once per process and device and reused by every
-execution (creating streams per step leaks caching-allocator pools). Each task
-is enqueued on its lane's stream between two timing events; its end event is
-its completion. A cross-lane dependency is ``wait_event`` on the consumer's
-stream. Tasks are issued in plan order, so an event is always recorded before
-any stream waits on it.
+Every CUDA call goes through :mod:`pipeoff._accel` (tests run this backend on
+the simulated device of :mod:`pipeoff.testing`).
 
-As on the threads backend, an execution in flight holds its lanes' streams: a
-``wait_event`` that an execution enqueued (a write-back waiting for a commit)
-sits at the head of its stream, and another execution's copies behind it would
-wait too. A launch that finds a lane's stream held by another execution whose
-device work is not done takes (or creates) another stream for that lane.
-Executions run one after the other reuse the first.
+* **Device tasks** are issued in plan order by a dispatch thread (an instance
+  of the ``cuda-dispatch`` lane), each between a start and an end event on its
+  lane's stream. A cross-lane dependency is ``wait_event`` on the consumer's
+  stream, so the host never blocks for it. Issue is not windowed unless the
+  schedule asks for it: a forward hook waiting for a chunk needs only that
+  chunk's end event to be recorded.
+* **Host tasks** (a CPU optimizer chunk, a ``should_commit`` RPC) run on
+  host-lane threads, one FIFO per lane as on the threads backend, so they
+  never stall the issue of the copies behind them. A host task first
+  host-synchronizes the device tasks it depends on (blocking events: no spin);
+  a device task that depends on a host task is issued once that host task has
+  finished.
+* **Streams** are created once per process, device and lane instance, and an
+  execution in flight holds its lanes' streams until its device work is done:
+  another execution takes another instance, so neither waits behind the
+  other's ``wait_event`` (see ``docs/concepts.md``).
+* **Times** come from timing events kept apart from the dependency events,
+  placed on the host clock by an offset calibrated per device.
 """
 
 from __future__ import annotations
@@ -24,33 +32,46 @@ from typing import Any
 
 import torch
 
-from pipeoff import testing
-from pipeoff.executor import _exit
+from pipeoff import _accel, testing
+from pipeoff.executor import threads
 from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
 from pipeoff.graph import TaskContext, TaskKind
+
+DISPATCH_LANE = "cuda-dispatch"
+"""The host lane whose instances issue device tasks (one per execution in flight)."""
+_COPY_LANES = ("h2d", "d2h")
+_RECALIBRATE_S = 60.0  # timing-event offsets drift; re-measure at most this often
 
 
 class _StreamSlot:
     __slots__ = ("holder", "stream")
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.holder: Run | None = None
 
 
-_streams: dict[tuple[torch.device, str], list[_StreamSlot]] = {}
+_streams: dict[tuple[Any, torch.device, str], list[_StreamSlot]] = {}
 _streams_lock = threading.Lock()
-_events: dict[torch.device, list[torch.cuda.Event]] = {}
+_events: dict[tuple[Any, torch.device, bool], list[Any]] = {}
 _events_lock = threading.Lock()
-_SLEEP_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep spins in clock cycles; ~H200 boost clock
+_calibration: dict[tuple[Any, torch.device], tuple[Any, int, float]] = {}
+_calibration_lock = threading.Lock()
 
 
-def lane_stream(device: torch.device, lane: str) -> torch.cuda.Stream:
+def _new_stream(accel: _accel.Accelerator, device: torch.device, lane: str) -> Any:
+    # Copy lanes at high priority: their copies are short and gate compute;
+    # they should not queue behind the optimizer's kernels.
+    return accel.new_stream(device, priority=-1 if lane in _COPY_LANES else 0, name=lane)
+
+
+def lane_stream(device: torch.device, lane: str) -> Any:
     """The first stream of ``lane`` on ``device``, created on first use and kept."""
+    accel = _accel.current()
     with _streams_lock:
-        slots = _streams.setdefault((device, lane), [])
+        slots = _streams.setdefault((accel, device, lane), [])
         if not slots:
-            slots.append(_StreamSlot(torch.cuda.Stream(device=device)))
+            slots.append(_StreamSlot(_new_stream(accel, device, lane)))
         return slots[0].stream
 
 
@@ -62,17 +83,17 @@ def _holder_done(run: Run) -> bool:
     return state is None or all(not d or e.query() for d, e in zip(state.dispatched, state.ends))
 
 
-def _acquire_streams(device: torch.device, lanes: list[str], run: Run
-                     ) -> dict[str, torch.cuda.Stream]:
+def _acquire_streams(accel: _accel.Accelerator, device: torch.device, lanes: list[str],
+                     run: Run) -> dict[str, Any]:
     """A stream per lane that no other execution with device work pending holds."""
-    out: dict[str, torch.cuda.Stream] = {}
+    out: dict[str, Any] = {}
     with _streams_lock:
         for lane in lanes:
-            slots = _streams.setdefault((device, lane), [])
+            slots = _streams.setdefault((accel, device, lane), [])
             slot = next((s for s in slots if s.holder is None
                          or (s.holder is not run and _holder_done(s.holder))), None)
             if slot is None:
-                slot = _StreamSlot(torch.cuda.Stream(device=device))
+                slot = _StreamSlot(_new_stream(accel, device, lane))
                 slots.append(slot)
             slot.holder = run
             out[lane] = slot.stream
@@ -87,117 +108,118 @@ def _release_streams(run: Run) -> None:
                     s.holder = None
 
 
-def _take_events(device: torch.device, n: int) -> list[torch.cuda.Event]:
+def _take_events(accel: _accel.Accelerator, device: torch.device, n: int,
+                 timing: bool) -> list[Any]:
+    key = (accel, device, timing)
     with _events_lock:
-        pool = _events.setdefault(device, [])
+        pool = _events.setdefault(key, [])
         take = pool[-n:] if n else []
         del pool[len(pool) - len(take):]
-    with torch.cuda.device(device):
-        take.extend(torch.cuda.Event(enable_timing=True) for _ in range(n - len(take)))
+    with accel.use_device(device):
+        take.extend(accel.new_event(timing=timing) for _ in range(n - len(take)))
     return take
 
 
-def _give_events(device: torch.device, events: list[torch.cuda.Event]) -> None:
+def _give_events(accel: _accel.Accelerator, device: torch.device, events: list[Any],
+                 timing: bool) -> None:
     with _events_lock:
-        _events.setdefault(device, []).extend(events)
+        _events.setdefault((accel, device, timing), []).extend(events)
+
+
+def _clock(accel: _accel.Accelerator, device: torch.device) -> tuple[Any, int]:
+    """A timing event and the host time (``perf_counter_ns``) at which it completed.
+
+    GPU times of later timing events are ``host_ns + elapsed_time(event, ev)``:
+    on the host clock, as hook waits and recorders are. Measured on an idle
+    stream of its own (no stall of the caller's work), again after
+    ``_RECALIBRATE_S`` (elapsed times are single-precision milliseconds).
+    """
+    key = (accel, device)
+    now = time.monotonic()
+    with _calibration_lock:
+        cal = _calibration.get(key)
+        if cal is not None and now - cal[2] < _RECALIBRATE_S:
+            return cal[0], cal[1]
+        stream = lane_stream(device, "clock")
+        with accel.use_device(device):
+            ev = accel.new_event(timing=True)
+        ev.record(stream)
+        ev.synchronize()
+        host_ns = time.perf_counter_ns()
+        _calibration[key] = (ev, host_ns, now)
+        return ev, host_ns
 
 
 class _CudaRunState:
-    __slots__ = ("base", "device", "dispatched", "ends", "starts", "streams")
+    __slots__ = ("accel", "clock", "device", "dispatched", "ends", "base", "starts_t",
+                 "ends_t", "streams")
 
-    def __init__(self, n: int, device: torch.device) -> None:
+    def __init__(self, run: Run, accel: _accel.Accelerator, device: torch.device) -> None:
+        n = run.n
+        self.accel = accel
         self.device = device
-        evs = _take_events(device, 2 * n + 1)
-        self.base = evs[0]
-        self.starts = evs[1 : n + 1]
-        self.ends = evs[n + 1 :]
+        # Dependency events: blocking (a host synchronize sleeps, not spins), no timing.
+        deps = _take_events(accel, device, n + 1, timing=False)
+        self.base = deps[0]
+        self.ends = deps[1:]
+        timing = _take_events(accel, device, 2 * n, timing=True)
+        self.starts_t = timing[:n]
+        self.ends_t = timing[n:]
         self.dispatched = [False] * n
-        self.streams: dict[str, torch.cuda.Stream] = {}
-
-
-# Windowed dispatch threads still running; exit joins them (pipeoff.executor._exit).
-_dispatchers: set[threading.Thread] = set()
-_dispatchers_lock = threading.Lock()
-
-
-def join_dispatchers(deadline: float) -> list[str]:
-    """Wait for the dispatch threads in flight (at exit); the names of those still running."""
-    with _dispatchers_lock:
-        threads = list(_dispatchers)
-    return [t.name for t in threads if not _exit.join_until(t, deadline)]
+        self.streams: dict[str, Any] = {}
+        self.clock = _clock(accel, device)
 
 
 class CudaBackend:
-    """Enqueues each lane's tasks on its stream; :func:`pipeoff.execute` returns at once."""
+    """Issues device tasks on lane streams and host tasks on host lanes; returns at once."""
 
     name = "cuda"
 
     def launch(self, run: Run) -> None:
-        device = run.graph.device
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        state = _CudaRunState(run.n, device)
+        accel = _accel.current()
+        device = accel.normalize(run.graph.device)
+        state = _CudaRunState(run, accel, device)
         run.backend_state = state
-        state.streams = _acquire_streams(device, list(dict.fromkeys(run.plan.lanes)), run)
-        caller = torch.cuda.current_stream(device)
-        # Every lane starts after the work the caller has already enqueued
-        # (the backward that produced the grads, the forward that wrote the
-        # params): without this wait, a lane could read them half-written.
-        state.base.record(caller)
-        lookahead = run.plan.schedule.lookahead
-        if lookahead is None or lookahead >= run.n:
-            self._dispatch(run, state, device, None)
-        else:
-            t = threading.Thread(
-                target=self._dispatch, args=(run, state, device, lookahead),
-                name="pipeoff-cuda-dispatch", daemon=True,
-            )
-            _exit.ensure_registered()
-            with _dispatchers_lock:
-                _dispatchers.add(t)
-            t.start()
-
-    def _dispatch(
-        self, run: Run, state: _CudaRunState, device: torch.device, lookahead: int | None
-    ) -> None:
-        try:
-            self._dispatch_all(run, state, device, lookahead)
-        finally:
-            if lookahead is not None:
-                with _dispatchers_lock:
-                    _dispatchers.discard(threading.current_thread())
-
-    def _dispatch_all(
-        self, run: Run, state: _CudaRunState, device: torch.device, lookahead: int | None
-    ) -> None:
+        host = [i for i, t in enumerate(run.tasks) if t.kind is TaskKind.HOST]
         lanes = run.plan.lanes
+        device_lanes = list(dict.fromkeys(lanes[i] for i in range(run.n)
+                                          if run.tasks[i].kind is not TaskKind.HOST))
+        host_lanes = list(dict.fromkeys(lanes[i] for i in host))
+        state.streams = _acquire_streams(accel, device, device_lanes, run)
+        # Every lane starts after the work the caller has already enqueued (the
+        # backward that produced the grads, the forward that wrote the params).
+        state.base.record(accel.current_stream(device))
+        workers = threads.acquire([DISPATCH_LANE, *host_lanes], run)
+        held = list(workers.values())
+        run.on_complete(lambda: threads.release(held, run))
+        now = time.perf_counter_ns() - run.origin_ns
+        run.enqueue_ns = [now] * run.n
+        for i in host:
+            workers[lanes[i]].submit([functools.partial(self._run_host, run, state, i)])
+        workers[DISPATCH_LANE].submit([functools.partial(self._dispatch, run, state)])
+
+    # -- device tasks ---------------------------------------------------------
+    def _dispatch(self, run: Run, state: _CudaRunState) -> None:
+        accel = state.accel
+        window = run.window
         started: set[str] = set()
-        last_on_lane: dict[str, int] = {}
-        with torch.cuda.device(device):
+        with accel.use_device(state.device):
             for i in range(run.n):
+                task = run.tasks[i]
+                if task.kind is TaskKind.HOST:
+                    continue
                 try:
-                    if lookahead is not None and i >= lookahead:
-                        # Flow control on the dispatch thread (never the caller):
-                        # keep the launch queue from filling up.
-                        state.ends[i - lookahead].synchronize()
-                    if run.error is not None and not run.tasks[i].must_run:
-                        run.cancel(i, ready_of=functools.partial(self._last_ready, run, state,
-                                                                 before=i))
-                        continue
-                    lane = lanes[i]
-                    stream = state.streams[lane]
-                    if lane not in started:
-                        started.add(lane)
-                        # Hazard: reading tensors the caller's stream is still producing.
-                        stream.wait_event(state.base)
-                    run.enqueue_ns[i] = time.perf_counter_ns() - run.origin_ns
-                    self._issue(run, state, stream, i, last_on_lane.get(lane))
-                    last_on_lane[lane] = i
+                    if window is not None and i >= window:
+                        # Flow control (Schedule.lookahead), on this thread only.
+                        self.synchronize(run, i - window, None)
+                    self._issue(run, state, i, started)
                 except BaseException as err:  # a sticky CUDA error, an allocator failure
                     run.fail(i, err)
                     if not run.terminal(i):
-                        run.cancel(i, ready_of=functools.partial(self._last_ready, run, state,
-                                                                 before=i))
+                        self._cancel(run, state, i)
+
+    def _cancel(self, run: Run, state: _CudaRunState, i: int) -> None:
+        run.cancel(i, ready_of=functools.partial(self._last_ready, run, state, before=i))
 
     @staticmethod
     def _last_ready(run: Run, state: _CudaRunState, buffer: str, before: int) -> Any:
@@ -212,74 +234,99 @@ class CudaBackend:
                 return state.ends[k]
         return None
 
-    def _issue(self, run: Run, state: _CudaRunState, stream: torch.cuda.Stream, i: int,
-               prev_on_lane: int | None) -> None:
+    def _issue(self, run: Run, state: _CudaRunState, i: int, started: set[str]) -> None:
+        accel = state.accel
         task = run.tasks[i]
         lane = run.plan.lanes[i]
-        host = task.kind is TaskKind.HOST
-        if host:
-            # A host task (a CPU optimizer, a should_commit RPC) runs on this
-            # thread. Hazard: host work reading device results, or deciding on
-            # them, before the device work it follows has finished. On its own
-            # lane FIFO order is the edge, so the lane's previous task counts.
-            for j in (*run.plan.waits[i], *(() if prev_on_lane is None else (prev_on_lane,))):
-                if state.dispatched[j]:
-                    state.ends[j].synchronize()
-        else:
-            for j in run.plan.waits[i]:
-                if state.dispatched[j]:  # a cancelled task records no event
-                    # Hazard: starting before a dependency (or the previous user of a
-                    # buffer, or a budget release) on another lane has finished.
-                    stream.wait_event(state.ends[j])
+        stream = state.streams[lane]
+        if lane not in started:
+            started.add(lane)
+            if not testing.disabled("base_wait"):
+                # Hazard: reading tensors the caller's stream is still producing.
+                stream.wait_event(state.base)
+        for j in run.plan.waits[i]:
+            if run.tasks[j].kind is TaskKind.HOST:
+                # A host dependency: issue only once its work is done on the host.
+                run.wait_terminal(j)
+            elif state.dispatched[j] and not testing.disabled("cross_lane_wait"):
+                # Hazard: starting before a dependency (or the previous user of a
+                # buffer, or a budget release) on another lane has finished.
+                stream.wait_event(state.ends[j])
+        if run.error is not None and not task.must_run:
+            self._cancel(run, state, i)
+            return
         try:
             # Allocate on the lane's stream: a fresh block then cannot be memory
             # that another stream freed with its kernels still pending.
-            with torch.cuda.stream(stream):
+            with accel.use_stream(stream):
                 blocks = run.acquire(i)
         except BaseException as err:  # an out-of-memory allocating staging
             run.fail(i, err)
-            run.cancel(i, ready_of=lambda b: self._last_ready(run, state, b, i))
+            self._cancel(run, state, i)
             return
         for block in blocks:
-            if block.ready is None:
-                continue
-            if host:
-                # Hazard: the CPU touching a pooled block that the previous
-                # execution's last user may still be copying.
-                block.ready.synchronize()
-            else:
+            if block.ready is not None and not testing.disabled("block_fence"):
                 # Hazard: reusing a pooled block while its previous last user
                 # (another execution's stream work) may still read or write it.
                 stream.wait_event(block.ready)
-        status = OK
-        name = f"pipeoff::{task.kind.value}::{task.name}"
-        with torch.cuda.stream(stream):
-            state.starts[i].record(stream)
-            try:
-                if testing.installed():
-                    delay = testing.delay_for(task.name, lane)
-                    if delay:
-                        torch.cuda._sleep(int(delay * _SLEEP_CYCLES_PER_S))
-                    testing.run_hooks(task.name, lane, sleep=False)
-                if task.work is not None:
-                    torch.cuda.nvtx.range_push(name)
-                    try:
-                        with torch.profiler.record_function(name):
-                            ctx = TaskContext(task=task, lane=lane, buffers=run.views(i),
-                                              stream=stream, results=run.results,
-                                              retire=run.retired.add, failed=run.error)
-                            result = run._call(i, task.work, ctx)
-                    finally:
-                        torch.cuda.nvtx.range_pop()
-                    if result is not None:
-                        run.results[task.name] = result
-            except BaseException as err:
-                status = FAILED
-                run.fail(i, err)
-            state.ends[i].record(stream)
+        outcome = [OK]
+        state.starts_t[i].record(stream)
+        if run.hooks:
+            delay = testing.delay_for(task.name, lane, run.hooks)
+            if delay:
+                accel.sleep(stream, delay)  # a GPU-side sleep: the stream is late
+        # The context (the staging views) is made now: on the simulated device
+        # the work runs later, after this task's staging has been released.
+        ctx = TaskContext(task=task, lane=lane, buffers=run.views(i), stream=stream,
+                          results=run.results, retire=run.retired.add)
+        accel.launch(stream, functools.partial(self._device_work, run, state, i, ctx, outcome))
+        state.ends[i].record(stream)
+        state.ends_t[i].record(stream)
         state.dispatched[i] = True
         run.release(i, ready=state.ends[i])
-        run.finish(i, status)
+        run.finish(i, outcome[0])
+
+    def _device_work(self, run: Run, state: _CudaRunState, i: int, ctx: TaskContext,
+                     outcome: list[int]) -> None:
+        """A device task's work, with ``stream`` current. On CUDA it runs while the task
+        is issued; on the simulated device later, on the stream's worker."""
+        task = run.tasks[i]
+        lane = run.plan.lanes[i]
+        if run.error is not None and not task.must_run and run.error_task != task.name:
+            # The simulated device runs work after its issue: a failure meanwhile
+            # cancels it, as a failure before its issue would have.
+            run.set_status(i, CANCELLED)
+            return
+        try:
+            if run.hooks:
+                testing.run_hooks(task.name, lane, sleep=False, hooks=run.hooks)
+            if task.work is not None:
+                name = f"pipeoff::{task.kind.value}::{task.name}"
+                ctx.failed = run.error
+                with state.accel.range(name), torch.profiler.record_function(name):
+                    result = run._call(i, task.work, ctx)
+                if result is not None:
+                    run.results[task.name] = result
+        except BaseException as err:
+            run.fail(i, err)
+            outcome[0] = FAILED
+            run.set_status(i, FAILED)
+
+    # -- host tasks -----------------------------------------------------------
+    def _run_host(self, run: Run, state: _CudaRunState, i: int) -> None:
+        """A host task on its host lane: wait for its dependencies, then run on this thread.
+
+        No lane stream is current here: work that enqueues device work (torchft's
+        ``should_commit`` synchronizing) does so on this thread's current stream.
+        """
+        for j in run.plan.waits[i]:
+            run.wait_terminal(j)
+            if (run.tasks[j].kind is not TaskKind.HOST and state.dispatched[j]
+                    and not testing.disabled("host_sync")):
+                # Hazard: host work reading device results, or deciding on them,
+                # before the device work it follows has finished.
+                state.ends[j].synchronize()
+        run.run_task(i, run.plan.lanes[i], waited=True)
 
     # -- completion -----------------------------------------------------------
     # After finalize() the run's events are back in the pool (backend_state is
@@ -304,19 +351,22 @@ class CudaBackend:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(1e-4)
+        state.ends[i].synchronize()  # the host's view of the device work (no wait now)
         return True
 
     def synchronize_all(self, run: Run, deadline: float | None) -> bool:
+        if testing.disabled("execution_sync"):
+            return True
         return all(self.synchronize(run, i, deadline) for i in range(run.n))
 
     def stream_wait(self, run: Run, i: int, stream: Any) -> None:
-        # The event must be recorded before a stream can wait on it; with a
-        # lookahead window the task may not be issued yet, so wait for that.
+        # The end event must be recorded before a stream can wait on it: wait for
+        # the task's issue (a host task: for its end, there is no event).
         run.wait_terminal(i)
         state: _CudaRunState | None = run.backend_state
         if state is None or not state.dispatched[i]:
             return
-        target = stream if stream is not None else torch.cuda.current_stream(run.graph.device)
+        target = stream if stream is not None else state.accel.current_stream(state.device)
         # Hazard: the reader's stream running ahead of the task that writes its inputs.
         target.wait_event(state.ends[i])
 
@@ -324,11 +374,14 @@ class CudaBackend:
         state: _CudaRunState | None = run.backend_state
         if state is None:  # already resolved when the run was finalized
             return
+        clock, host_ns = state.clock
         for i in range(run.n):
             if state.dispatched[i] and run.status[i] != CANCELLED:
-                # elapsed_time is in ms from the launch's base event.
-                run.start_ns[i] = int(state.base.elapsed_time(state.starts[i]) * 1e6)
-                run.end_ns[i] = int(state.base.elapsed_time(state.ends[i]) * 1e6)
+                # elapsed_time is in ms; put it on the host clock of the run's origin.
+                run.start_ns[i] = (host_ns + int(clock.elapsed_time(state.starts_t[i]) * 1e6)
+                                   - run.origin_ns)
+                run.end_ns[i] = (host_ns + int(clock.elapsed_time(state.ends_t[i]) * 1e6)
+                                 - run.origin_ns)
 
     def finalize(self, run: Run) -> None:
         state: _CudaRunState | None = run.backend_state
@@ -344,6 +397,13 @@ class CudaBackend:
         ends = set(state.ends)
         for pool in (run.pools.device, run.pools.host):
             pool.forget_events(ends)
-        _give_events(state.device, [state.base, *state.starts, *state.ends])
+        _give_events(state.accel, state.device, [state.base, *state.ends], timing=False)
+        _give_events(state.accel, state.device, [*state.starts_t, *state.ends_t], timing=True)
         run.backend_state = None
         _release_streams(run)
+
+
+def join_dispatchers(deadline: float) -> list[str]:
+    """Dispatch threads are lane workers now (``cuda-dispatch``); exit stops them with the
+    lanes. Kept for :mod:`pipeoff.executor._exit`."""
+    return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from pipeoff import _accel
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
 
@@ -19,15 +20,17 @@ class InlineBackend(HostBackend):
     name = "inline"
 
     def launch(self, run: Run) -> None:
-        cuda = run.graph.device.type == "cuda"
-        if cuda:
-            import torch
+        accel = _accel.current()
+        device = run.graph.device
+        stream = accel.current_stream(accel.normalize(device)) if accel.is_device(device) else None
         now = time.perf_counter_ns() - run.origin_ns
         for i in range(run.n):
             run.enqueue_ns[i] = now
         for i in range(run.n):
             run.run_task(i, run.plan.lanes[i])
-            if cuda and run.error is None:
+            if stream is not None:
                 # The synchronous schedule's contract: task i has finished on
-                # the device before task i+1 starts (RFC 0003's sequential path).
-                torch.cuda.current_stream(run.graph.device).synchronize()
+                # the device before task i+1 starts (RFC 0003's sequential path),
+                # and, after a failure, before its staging goes back to the pool
+                # (hazard: another execution reusing a block a copy still reads).
+                stream.synchronize()

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import Any
 
+from pipeoff import _accel
 from pipeoff.executor import _exit
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
@@ -46,7 +47,7 @@ def current_holder() -> Run | None:
 
 
 class _LaneWorker:
-    """A daemon thread draining a FIFO of ``(run, index)`` items until stopped."""
+    """A daemon thread draining a FIFO of ``(run, index)`` items, or callables, until stopped."""
 
     def __init__(self, lane: str, instance: int) -> None:
         self.lane = lane
@@ -77,15 +78,21 @@ class _LaneWorker:
             for item in batch:
                 if item is _STOP:
                     return
-                run, i = item
-                run.run_task(i, self.lane)
+                # The accelerator's per-thread set-up (the simulated device checks
+                # this thread's accesses too); a no-op on CUDA.
+                with _accel.current().host_thread():
+                    if callable(item):
+                        item()
+                    else:
+                        run, i = item
+                        run.run_task(i, self.lane)
 
 
 _lanes: dict[str, list[_LaneWorker]] = {}
 _lanes_lock = threading.Lock()
 
 
-def _acquire(lanes: list[str], run: Run) -> dict[str, _LaneWorker]:
+def acquire(lanes: list[str], run: Run) -> dict[str, _LaneWorker]:
     """An instance of each of ``lanes`` that no other execution in flight holds."""
     out: dict[str, _LaneWorker] = {}
     with _lanes_lock:
@@ -100,7 +107,7 @@ def _acquire(lanes: list[str], run: Run) -> dict[str, _LaneWorker]:
     return out
 
 
-def _release(workers: list[_LaneWorker], run: Run) -> None:
+def release(workers: list[_LaneWorker], run: Run) -> None:
     with _lanes_lock:
         for w in workers:
             if w.holder is run:
@@ -142,10 +149,10 @@ class ThreadsBackend(HostBackend):
         groups: dict[str, list[Any]] = {}
         for i, lane in enumerate(lanes):
             groups.setdefault(lane, []).append((run, i))
-        workers = _acquire(list(groups), run)
+        workers = acquire(list(groups), run)
         held = list(workers.values())
         now = time.perf_counter_ns() - run.origin_ns
         run.enqueue_ns = [now] * run.n
-        run.on_complete(lambda: _release(held, run))
+        run.on_complete(lambda: release(held, run))
         for lane, items in groups.items():
             workers[lane].submit(items)

@@ -9,7 +9,7 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
-from pipeoff import _compat
+from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import Bucket, TensorInfo, plan_buckets
@@ -296,7 +296,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         commit: dict[str, bool],
     ) -> TaskGraph:
         manager = self._manager
-        cuda = device.type == "cuda"
+        cuda = _accel.current().is_device(device)
         sync = self._schedule_name == "sync"
         g = TaskGraph(device=device)
         copied = []

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pipeoff import _accel, testing
 from pipeoff._errors import ConfigError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
@@ -30,8 +31,6 @@ from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.schedule import Schedule
 
 __all__ = ["Step", "launch", "single_pass"]
-
-CUDA_TASK_WINDOW = 24  # tasks enqueued ahead on CUDA, so the launch queue never fills
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +53,9 @@ class Step:
     """Chunks the forward waits have already waited for."""
     hook_waits: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, start, end) of each forward wait, ``perf_counter_ns``."""
+    updated: tuple[int, ...] = ()
+    """The parameters (indices) the step updates, fixed at launch (``grads``
+    shrinks on the lanes as chunks finish)."""
 
 
 def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
@@ -85,13 +87,16 @@ def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
 
 
 def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
-           prefetch: int) -> Step:
+           prefetch: int,
+           reserved: Callable[[torch.Tensor, str], torch.Tensor | None] | None = None) -> Step:
     """Capture grads, hyperparameters and state of ``inner``, build the step's graph, launch it.
 
     Per chunk: ``h2d{k}`` stages the existing state slices, ``opt{k}`` updates the
     parameter slices (:func:`~pipeoff.optim._update.step_chunk`), ``d2h{k}`` copies
     the state back and, at a parameter's last chunk, commits its new state.
-    Device staging is bounded by ``(prefetch + 1)`` chunks.
+    Device staging is bounded by ``(prefetch + 1)`` chunks. State that does not
+    exist yet goes into the host tensor ``reserved(param, key)`` hands out, if
+    any, else into a new host allocation.
 
     Returns:
         The launched :class:`Step` (its execution may still be running).
@@ -118,18 +123,21 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
         scalars[i] = {k: v for k, v in st.items() if k not in keys[i]}
         hosts[i] = {k: flat(_local(st[k]), layout.orders[i]) for k in present[i]}
         missing += [(i, k) for k in keys[i] if k not in present[i]]
-    fresh = host_alloc([(_local(params[i]).shape, _local(params[i]).dtype, layout.orders[i])
-                        for i, _ in missing], pin_memory)
+    taken = [reserved(params[i], key) if reserved is not None else None for i, key in missing]
+    fresh = iter(host_alloc([(_local(params[i]).shape, _local(params[i]).dtype,
+                              layout.orders[i])
+                             for (i, _), r in zip(missing, taken) if r is None], pin_memory))
     new_state: dict[int, dict[str, torch.Tensor]] = collections.defaultdict(dict)
-    for (i, key), h in zip(missing, fresh):
+    for (i, key), r in zip(missing, taken):
+        h = r if r is not None else next(fresh)
         hosts[i][key] = flat(h, layout.orders[i])
         new_state[i][key] = _wrap_like(params[i], h)
 
     graph = TaskGraph(device=layout.device)
     opt_tasks = []
-    cuda = layout.device.type == "cuda"
+    cuda = _accel.current().is_device(layout.device)
     step = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
-                restore=restore)
+                restore=restore, updated=tuple(grads))
 
     def commit(i: int) -> None:
         # A parameter's state is committed in one go once all of it is written,
@@ -180,8 +188,7 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
     budget = None
     if plan.chunk_bytes is not None and plan.max_chunk_bytes:
         budget = (prefetch + 1) * plan.max_chunk_bytes
-    sched = Schedule.pipelined(device_budget_bytes=budget,
-                               lookahead=CUDA_TASK_WINDOW if cuda else None)
+    sched = Schedule.pipelined(device_budget_bytes=budget)
     step.execution = execute(graph, sched)
     step.opt_tasks = tuple(opt_tasks)
     return step
@@ -314,10 +321,10 @@ def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | N
             step.scalars[i] = sc
             step.restore.pop(i, None)
             g = step.grads.pop(i, None)
-            if g is not None and cuda:
+            if g is not None and cuda and not testing.disabled("record_stream"):
                 # Hazard: the caching allocator handing this grad's memory to new
                 # work once the user drops it, while this lane still reads it.
-                g.record_stream(ctx.stream)
+                _accel.current().record_stream(g, ctx.stream)
         if commit is not None:  # nothing to copy out: commit now
             commit()
     return work

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _compat
+from pipeoff import _accel, _compat, testing
 from pipeoff.optim._waits import ForwardWaits
 
 __all__ = ["install", "unwrap"]
@@ -162,8 +162,9 @@ def _fsdp_wait(waits: ForwardWaits, module: Any, name: str) -> None:
         ctx = state._comm_ctx
         # The all-gathers read the shards on these streams, which do not
         # sync with the compute stream again after the root's pre-forward.
-        streams = (torch.cuda.current_stream(waits.device), *(
+        gathers = () if testing.disabled("fsdp_gather_wait") else tuple(
             s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
                                                         "all_gather_stream"))
-            if s is not None))
+            if s is not None)
+        streams = (_accel.current().current_stream(waits.device), *gathers)
     waits.on_module(module, mine, name, streams)

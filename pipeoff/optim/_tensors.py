@@ -102,7 +102,10 @@ def host_alloc(specs: Sequence[tuple[torch.Size, torch.dtype] | tuple[torch.Size
     total: dict[torch.dtype, int] = collections.defaultdict(int)
     for spec in specs:
         total[spec[1]] += max(1, numel(spec[0]))
-    arenas = {d: torch.empty(n, dtype=d, pin_memory=pin) for d, n in total.items()}
+    from pipeoff import _accel
+
+    accel = _accel.current()
+    arenas = {d: accel.host_empty(n, d, pinned=pin) for d, n in total.items()}
     offs: dict[torch.dtype, int] = collections.defaultdict(int)
     out = []
     for spec in specs:

@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pipeoff import _compat, testing
+from pipeoff import _accel, _compat, testing
+from pipeoff._errors import ConfigError
 from pipeoff.trace import record_hook_wait
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ class ForwardWaits:
                     storages[ptr] = id(t)
         with self._lock:
             self.step = step
-            self.cuda = layout.device.type == "cuda"
+            self.cuda = _accel.current().is_device(layout.device)
             self.device = layout.device
             self.pending = pending
             self.storages = storages
@@ -420,12 +421,20 @@ class ForwardWaits:
                 return
             todo = sorted({c for i in ids for c in self.pending.get(i, ())} - st.waited)
         if todo:
+            if self.cuda and _accel.current().is_capturing():
+                raise ConfigError(
+                    "a forward that reads parameters an OffloadOptimizer(mode='overlap') step "
+                    "is still writing is being captured into a CUDA graph: a replay would "
+                    "not wait for the step (hooks run at capture only). Capture after "
+                    "opt.wait_for_step(), or use mode='chunked'")
             if self.cuda and streams is None:
-                streams = (torch.cuda.current_stream(self.device),)
+                streams = (_accel.current().current_stream(self.device),)
             t0 = time.perf_counter_ns()
             for comp in st.execution.events_for([st.opt_tasks[c] for c in todo]):
                 if streams:
                     for s in streams:
+                        if testing.disabled("hook_stream_wait"):
+                            continue
                         # Hazard: this stream (compute, or FSDP's all-gather copy-in)
                         # reading parameters the chunk is still writing.
                         comp.wait(s)

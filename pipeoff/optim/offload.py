@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeoff import _compat
+from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
@@ -76,6 +76,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             rank is known to be, and by :meth:`verify_plan`; never inside
             ``step()``, ``load_state_dict()`` or ``add_param_group()``, which a
             rank may call alone.
+        reserve: allocate the host state of every parameter now (see
+            :meth:`reserve`), rather than at the first step.
         read_guard: in ``overlap`` mode, make every eager read of a parameter
             that a step is still writing wait for it (a ``TorchFunctionMode``
             while the step is in flight; see ``docs/optimizer.md``). ``False``
@@ -103,6 +105,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         lookahead: int = 2,
         process_group: Any = None,
         read_guard: bool = True,
+        reserve: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
             optimizer, OffloadOptimizer
@@ -122,6 +125,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"lookahead must be an int >= 0, got {lookahead!r}")
         if not isinstance(read_guard, bool):
             raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
+        if not isinstance(reserve, bool):
+            raise ConfigError(f"reserve must be True or False, got {reserve!r}")
         if mode != "single_pass":
             _update.check_elementwise(optimizer, mode)
         self.inner = optimizer
@@ -129,7 +134,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self.lookahead = lookahead
         self.process_group = process_group
-        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        self.pin_memory = bool(pin_memory) and _accel.current().available()
         # Optimizer.__init__ is not called (it wants parameters); set what the
         # base class's hooks, schedulers and repr need.
         self.defaults = optimizer.defaults
@@ -145,11 +150,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._model: torch.nn.Module | None = None
         self._waits = ForwardWaits(self.wait_for_step)
         self._waits.guard_enabled = read_guard
+        self._reserve = reserve
+        self._reserved: dict[tuple[int, str], torch.Tensor] = {}
         self._layout = build_layout(optimizer, chunked=self._chunked,
                                     chunk_bytes=chunk_bytes)
         self._offload_state(self._layout)
         if self._chunked:
             self.verify_plan()
+            if reserve:
+                self.reserve()
 
     @property
     def _chunked(self) -> bool:
@@ -247,31 +256,59 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # (its checks, hooks and hyperparameters) and the state straight to host.
         saved = state_dict["state"]
         before = (self.inner.param_groups, self.inner.state)
+        old_state = self.inner.state
         try:
             self.inner.load_state_dict({**state_dict, "state": {}})
+            self.inner.state = old_state  # the layout checks below read it
             ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
             params = itertools.chain.from_iterable(g["params"] for g in self.inner.param_groups)
             by_id = dict(zip(ids, params))
-            state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
             group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
+            # Check everything before anything is written.
+            entries: list[tuple[int, Any, Any, bool, tuple[str, ...]]] = []
             for pid, entry in saved.items():
                 p = by_id.get(pid)
                 if p is None:
-                    state[pid] = entry  # as torch does with ids it does not know
+                    entries.append((pid, None, entry, False, ()))
                     continue
                 group = group_of[id(p)]
                 on_device = bool(group.get("fused") or group.get("capturable"))
                 keys = _update.state_keys(self.inner, group) if self._chunked else ()
-                state[p] = {k: _host_value(p, k, v, on_device, k in keys)
-                            for k, v in entry.items()}
-            self.inner.state = state
-            layout = self._checked_layout()
-            self._offload_state(layout)
+                for k, v in entry.items():
+                    _check_loaded(p, k, v, k in keys)
+                entries.append((pid, p, entry, on_device, keys))
+            # The loaded state is cast to each parameter's dtype: check the rest.
+            layout = self._checked_layout(check_state=False)
         except BaseException:
             self.inner.param_groups, self.inner.state = before  # nothing was loaded
             raise
+        state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
+        for pid, p, entry, on_device, keys in entries:
+            if p is None:
+                state[pid] = entry  # as torch does with ids it does not know
+                continue
+            reuse = old_state.get(p, {})
+            state[p] = {k: self._loaded_value(p, k, v, on_device, k in keys, reuse.get(k))
+                        for k, v in entry.items()}
+        self.inner.state = state
+        self._offload_state(layout)
         self._layout = layout
         self._torn = None
+
+    def _loaded_value(self, p: torch.Tensor, key: str, value: Any, step_on_device: bool,
+                      element: bool, old: Any) -> Any:
+        """A loaded state value in host memory. A per-element one is copied into the host
+        tensor that already holds that state, or into a reserved one, where they fit:
+        loading then takes no second copy of the (pinned) state."""
+        if element and isinstance(value, torch.Tensor):
+            for dst in (old, self._reserved.pop((id(p), key), None)):
+                if (isinstance(dst, torch.Tensor) and not _accel.current().on_device(_local(dst))
+                        and _local(dst).shape == _local(p).shape
+                        and _local(dst).dtype == _local(p).dtype
+                        and memory_order(_local(dst)) == memory_order(_local(p))):
+                    _local(dst).copy_(_local(value).detach())
+                    return _wrap_like(p, _local(dst))
+        return _host_value(p, key, value, step_on_device, element)
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has finished.
@@ -472,7 +509,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
-                               prefetch=self.lookahead)
+                               prefetch=self.lookahead,
+                               reserved=lambda p, k: self._reserved.pop((id(p), k), None))
             self._inflight = st
             self._last = st.execution
             self._last_waits = st.hook_waits
@@ -488,10 +526,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                      "passed on; do not step again for the same gradients."]
                     raise
             else:
-                self._waits.begin(st, layout, st.grads.keys())
-                if layout.device.type == "cuda":
+                self._waits.begin(st, layout, st.updated)
+                if _accel.current().is_device(layout.device):
                     self._set_post_optim_event()
         return None
+
+    def reserve(self) -> int:
+        """Allocate (pinned) host memory now for every state tensor that does not exist yet.
+
+        Otherwise the first step allocates it: pinning costs time
+        (``cudaHostAlloc`` runs at a few GB/s and synchronizes the device) at a
+        moment the training loop did not choose, possibly under a collective.
+        The constructor calls this unless ``reserve=False``; call it again
+        after adding parameters. The memory is the state's own size (AdamW: 8
+        bytes per fp32 parameter), allocated once.
+
+        Returns:
+            The bytes allocated.
+        """
+        if not self._chunked:
+            return 0
+        layout = self._current_layout()
+        want = []
+        for i, p in enumerate(layout.params):
+            st = self.inner.state.get(p, {})
+            want += [(i, k) for k in layout.keys[i]
+                     if st.get(k) is None and (id(p), k) not in self._reserved]
+        hosts = host_alloc([(_local(layout.params[i]).shape, _local(layout.params[i]).dtype,
+                             layout.orders[i]) for i, _ in want], self.pin_memory)
+        for (i, k), h in zip(want, hosts):
+            self._reserved[(id(layout.params[i]), k)] = h
+        return sum(h.numel() * h.element_size() for h in hosts)
 
     # -- layout ---------------------------------------------------------------
     def _current_layout(self) -> Layout:
@@ -505,12 +570,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._waits.forget()  # learn the reads of the new parameters too
         return layout
 
-    def _checked_layout(self, sig: tuple[Any, ...] | None = None) -> Layout:
+    def _checked_layout(self, sig: tuple[Any, ...] | None = None, *,
+                        check_state: bool = True) -> Layout:
         layout = build_layout(self.inner, chunked=self._chunked, chunk_bytes=self.chunk_bytes,
                               signature=sig)
         if self._model is not None:
             self._check_in_model(layout, self._model)
-        if self._chunked:
+        if self._chunked and check_state:
             self._check_state_dtypes(layout)
         return layout
 
@@ -549,6 +615,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Move per-element state that is not in host memory there (pinned, in the
         parameter's memory order, so that chunks are flat slices of both)."""
         todo: list[tuple[int, str, torch.Tensor]] = []
+        accel = _accel.current()
         for i, p in enumerate(layout.params):
             st = self.inner.state.get(p)
             if not st:
@@ -559,9 +626,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loc = _local(v)
                 element = (k in layout.keys[i]) if self._chunked else (
                     k != "step" and loc.shape == _local(p).shape)
-                if element and (loc.device.type != "cpu"
+                if element and (accel.on_device(loc)
                                 or memory_order(loc) != layout.orders[i]
-                                or (self.pin_memory and not loc.is_pinned())):
+                                or (self.pin_memory and not accel.is_pinned(loc))):
                     todo.append((i, k, loc))
         hosts = host_alloc([(t.shape, t.dtype, layout.orders[i]) for i, _, t in todo],
                            self.pin_memory)
@@ -574,12 +641,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         root = self._fsdp_root
         if root is None:
             return
-        ev = torch.cuda.Event()
+        accel = _accel.current()
+        ev = accel.new_event()
         # Hazard: FSDP's all-gather streams waiting on compute enqueued after the
         # step (a false dependency); the forward hooks carry the real ones.
         # Recorded on the parameters' device, whichever device is current.
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(accel.current_stream(self.device))
         root.set_post_optim_event(ev)
+
+
+def _check_loaded(p: torch.Tensor, key: str, value: Any, element: bool) -> None:
+    """Raise :class:`ConfigError` for a per-element entry whose shape is not the parameter's."""
+    if element and isinstance(value, torch.Tensor) and _local(value).shape != _local(p).shape:
+        raise ConfigError(
+            f"state {key!r} of a parameter of shape {tuple(p.shape)} has (local) shape "
+            f"{tuple(_local(value).shape)}, not the parameter's {tuple(_local(p).shape)}: the "
+            "checkpoint does not belong to these parameters"
+        )
 
 
 def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool,
@@ -588,21 +666,12 @@ def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool,
 
     ``step`` follows torch: kept as it is, or a float32 tensor on the
     parameter's device for fused and capturable optimizers.
-
-    Raises:
-        ConfigError: a per-element entry (``element``) whose shape is not the parameter's.
     """
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step":
         return value.to(dtype=torch.float32, device=p.device) if step_on_device else value
     local = _local(value).detach()
-    if element and local.shape != _local(p).shape:
-        raise ConfigError(
-            f"state {key!r} of a parameter of shape {tuple(p.shape)} has (local) shape "
-            f"{tuple(local.shape)}, not the parameter's {tuple(_local(p).shape)}: the "
-            "checkpoint does not belong to these parameters"
-        )
     dtype = _local(p).dtype if p.is_floating_point() else local.dtype
     local = local.to(device="cpu", dtype=dtype, copy=True)
     return _wrap_like(p, local) if hasattr(value, "placements") else local

@@ -265,3 +265,35 @@ def test_parameters_read_without_calling_their_module_are_waited_for() -> None:
     out, params = run(True)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
     assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+
+
+def test_a_slow_caller_still_waits_for_every_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks run (and drop their grads) while step() is still registering what
+    the forward must wait for: what it registers is fixed at launch, not read from
+    state the lanes change (this raised "dictionary changed size during iteration"
+    in benchmarks/bench_read_guard.py)."""
+    import time
+
+    from pipeoff.optim import _waits
+
+    seen: list[int] = []
+    real = _waits.ForwardWaits.begin
+
+    def slow_begin(self: _waits.ForwardWaits, step: object, layout: object,
+                   written: object) -> None:
+        def slowly() -> object:
+            for i in written:  # type: ignore[attr-defined]
+                time.sleep(0.01)  # the chunks finish meanwhile
+                seen.append(i)
+                yield i
+
+        real(self, step, layout, slowly())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_waits.ForwardWaits, "begin", slow_begin)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap", chunk_bytes=256)
+    for x in batches(2):
+        net(x, 1).pow(2).mean().backward()
+        opt.step()
+    opt.wait_for_step()
+    assert len(seen) == 2 * len(list(net.parameters()))

@@ -1,7 +1,8 @@
 """Fault and delay injection, so tests can provoke races and failures on purpose.
 
-Every executor consults these hooks before a task's work runs. With nothing
-installed the check is one dictionary lookup.
+Every executor consults these hooks before a task's work runs; an execution
+takes the hooks installed when it is launched. With nothing installed the
+check is one tuple test.
 
 Example::
 
@@ -19,10 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["delay_lane", "delay_task", "disable", "disabled", "fail_task", "installed"]
+__all__ = ["DataRaceError", "delay_lane", "delay_task", "disable", "disabled", "fail_task",
+           "installed", "simulated_cuda"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,26 +45,33 @@ def installed() -> bool:
     return bool(_hooks)
 
 
-def _match(task_name: str, lane: str) -> list[_Hook]:
+def snapshot() -> tuple[_Hook, ...]:
+    """The hooks installed now. An execution takes them at launch: a delay or a
+    failure applies to the executions launched inside its ``with`` block."""
+    return tuple(_hooks)
+
+
+def _match(task_name: str, lane: str, hooks: tuple[_Hook, ...] | None = None) -> list[_Hook]:
     return [
-        h for h in list(_hooks)
+        h for h in (tuple(_hooks) if hooks is None else hooks)
         if (h.lane is None or h.lane == lane)
         and (h.pattern is None or h.pattern.fullmatch(task_name))
     ]
 
 
-def delay_for(task_name: str, lane: str) -> float:
-    """Seconds of delay that the installed hooks ask for this task."""
-    return sum(h.delay_s for h in _match(task_name, lane))
+def delay_for(task_name: str, lane: str, hooks: tuple[_Hook, ...] | None = None) -> float:
+    """Seconds of delay that the hooks (the installed ones by default) ask for this task."""
+    return sum(h.delay_s for h in _match(task_name, lane, hooks))
 
 
-def run_hooks(task_name: str, lane: str, *, sleep: bool = True) -> None:
+def run_hooks(task_name: str, lane: str, *, sleep: bool = True,
+              hooks: tuple[_Hook, ...] | None = None) -> None:
     """Apply the hooks for a task about to run: sleep, then maybe raise."""
-    hooks = _match(task_name, lane)
-    delay = sum(h.delay_s for h in hooks)
+    matched = _match(task_name, lane, hooks)
+    delay = sum(h.delay_s for h in matched)
     if delay and sleep:
         time.sleep(delay)
-    for h in hooks:
+    for h in matched:
         if h.error is not None:
             raise h.error() if callable(h.error) else h.error
 
@@ -115,11 +125,29 @@ def fail_task(
 
 # -- mutation switches -----------------------------------------------------------------
 _disabled: set[str] = set()
-MUTATIONS = frozenset({"read_guard"})
+MUTATIONS = frozenset({
+    "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
+    "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait",
+})
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
 * ``"read_guard"``: the overlap optimizer's read guard (waits before eager reads
   of parameters that a step in flight is still writing).
+* ``"base_wait"``: a CUDA lane's first ``wait_event`` on the caller's stream
+  (work the caller enqueued before the launch).
+* ``"cross_lane_wait"``: a CUDA task's ``wait_event`` on its dependencies on
+  other lanes.
+* ``"block_fence"``: the wait (a stream's ``wait_event``, or a host
+  ``synchronize``) on a reused staging block's previous last user.
+* ``"host_sync"``: a CUDA host task's ``synchronize`` on the device tasks it
+  depends on.
+* ``"execution_sync"``: ``Execution.wait()``'s ``synchronize`` of device work
+  before it returns.
+* ``"record_stream"``: the optimizer's ``record_stream`` on a gradient its lane
+  reads.
+* ``"hook_stream_wait"``: a forward hook's ``wait_event`` on CUDA streams.
+* ``"fsdp_gather_wait"``: the ``wait_event`` of an FSDP2 module's forward hook on
+  FSDP's all-gather streams (the current stream still waits).
 """
 
 
@@ -149,3 +177,46 @@ def disable(*names: str) -> Iterator[None]:
     finally:
         with _lock:
             _disabled.difference_update(added)
+
+
+# -- the simulated CUDA device -----------------------------------------------------------
+def simulated_cuda() -> contextlib.AbstractContextManager[Any]:
+    """Run pipeoff's CUDA paths on a simulated CUDA device, on the CPU, inside the block.
+
+    The device is ``torch.device("cpu")``: graphs, optimizers and LocalSGD on it
+    take their CUDA paths (the CUDA backend, streams, events, pinned host memory).
+    Streams run asynchronously; every read and write is checked against CUDA's
+    ordering rules, and a race raises :class:`DataRaceError` naming the tensor and
+    both accesses (see :mod:`pipeoff.testing._simcuda` and ``docs/concepts.md``).
+    Host memory is what ``device.host_empty(...)`` returns; other tensors are device
+    memory. Yields the :class:`~pipeoff.testing._simcuda.SimulatedCuda` device.
+    Problems found off the raising thread (a storage freed while a stream may
+    still use it) are raised when the block exits.
+    """
+    return _simulated_cuda()
+
+
+@contextlib.contextmanager
+def _simulated_cuda() -> Iterator[Any]:
+    from pipeoff import _accel
+    from pipeoff.testing._simcuda import SimulatedCuda
+
+    sim = SimulatedCuda()
+    try:
+        with _accel.use(sim), sim.host_thread():
+            try:
+                yield sim
+            finally:
+                sim.synchronize()
+    finally:
+        sim.close()
+    if sim.undelivered:
+        raise sim.undelivered[0]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DataRaceError":
+        from pipeoff.testing._simcuda import DataRaceError
+
+        return DataRaceError
+    raise AttributeError(f"module 'pipeoff.testing' has no attribute {name!r}")

@@ -1,0 +1,660 @@
+"""A simulated CUDA device: asynchronous streams, CUDA's event ordering, and an access checker.
+
+Installed with :func:`pipeoff.testing.simulated_cuda`, it replaces
+:class:`pipeoff._accel.Cuda` on a CPU-only machine, so that pipeoff's CUDA
+backend, and every CUDA path of the optimizer and of LocalSGD, run in tests
+and fail when a synchronization is missing.
+
+**Memory.** Tensors are CPU tensors. Host memory is what the device allocates
+as host memory (``host_empty``: pipeoff's pinned pools and state) and what
+host work makes; everything else is device memory (also a tensor made from
+Python data, such as AdamW's ``step``, which on CUDA would be a CPU tensor).
+The device is ``torch.device("cpu")``.
+
+**Streams** are FIFO queues, each drained by a worker thread: ``launch``,
+``ev.record``, ``wait_event`` and ``sleep`` return at once and take effect
+later, in order. An operation that a host thread runs on device memory runs
+on its current stream (the default stream unless one is current): the thread
+first waits until that stream has drained, as the device would make the
+operation wait (and a host thread that makes its own stream ``wait_event``
+waits there, so that the awaited work's in-place updates have bumped autograd's
+version counters, as their issue would have on CUDA). A ``non_blocking``
+copy to or from pinned memory is stream work; any other copy between host and
+device memory synchronizes the host with the stream afterwards.
+
+**Ordering** is tracked with vector clocks, as torch's CUDA sanitizer does
+(``torch/cuda/_sanitizer.py``): every stream, and the host, has a clock; an
+event captures its stream's clock when its record executes; ``wait_event``
+merges it into the waiting stream's clock, ``synchronize`` into the host's;
+work enqueued by the host inherits the host's clock.
+
+**Checking.** A ``TorchDispatchMode``, active on the simulated streams' workers,
+on pipeoff's threads and on the thread that entered the device, records every
+read and write of a byte range of a storage with its actor (a stream, or the
+host) and clock. An access that conflicts with an earlier one by another actor
+(one of them a write) that does not happen before it raises
+:class:`DataRaceError`, naming the tensor and both accesses. So a missing
+``wait_event``, a reused staging block without a fence, or a host read of a
+copy's result before a synchronization fails deterministically, whatever the
+threads' timing. A device storage freed while a stream other than the one that
+made it may still use it (no ``record_stream``, no event) is reported when the
+device exits: that is the caching allocator's stream-ordered reuse. An error
+raised by stream work outside a pipeoff task (a race seen by another stream's
+worker) is raised at the host's next synchronization, as CUDA reports an
+asynchronous error, or else when the device exits.
+
+What it cannot model is listed in ``docs/concepts.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["DataRaceError", "SimulatedCuda"]
+
+HOST = "host"
+_MAX_RECORDS = 256  # access records kept per storage
+
+
+class DataRaceError(BaseException):
+    """Raised by the simulated CUDA device on an access that races with another.
+
+    Its message names the tensor and both accesses (operation, actor, read or
+    write, where in the code). Like ``KeyboardInterrupt`` it derives from
+    ``BaseException`` only, so that an ``except Exception`` on the way (torchft
+    reporting a failed sync, say) cannot swallow it.
+    """
+
+
+@dataclass(slots=True)
+class _Gen:
+    """One ``record`` of an event: done once the stream has executed it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    vc: dict[Any, int] = field(default_factory=dict)
+    t: float = 0.0
+
+
+class SimEvent:
+    """An event of the simulated device (torch's method names)."""
+
+    def __init__(self, sim: SimulatedCuda, timing: bool) -> None:
+        self.sim = sim
+        self.timing = timing
+        self._gen: _Gen | None = None
+
+    def record(self, stream: Any = None) -> None:
+        stream = self.sim.current_stream() if stream is None else stream
+        gen = _Gen()
+        self._gen = gen
+        stream._enqueue(("record", gen))
+
+    def wait(self, stream: Any = None) -> None:
+        (self.sim.current_stream() if stream is None else stream).wait_event(self)
+
+    def query(self) -> bool:
+        gen = self._gen
+        return gen is None or gen.done.is_set()
+
+    def synchronize(self) -> None:
+        gen = self._gen
+        if gen is None:
+            return
+        gen.done.wait()
+        self.sim._host_acquire(gen.vc)
+        self.sim._deliver()
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_time needs events created with enable_timing=True")
+        if self._gen is None or end._gen is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        self._gen.done.wait()
+        end._gen.done.wait()
+        return (end._gen.t - self._gen.t) * 1e3
+
+
+class SimStream:
+    """A stream of the simulated device: a FIFO drained by a worker thread."""
+
+    def __init__(self, sim: SimulatedCuda, name: str, priority: int = 0) -> None:
+        self.sim = sim
+        self.name = name
+        self.priority = priority
+        self.vc: dict[Any, int] = {}
+        self._q: deque[tuple[Any, ...]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=f"simcuda-{name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<simulated stream {self.name!r}>"
+
+    # -- torch's Stream surface --------------------------------------------------------
+    def wait_event(self, event: SimEvent) -> None:
+        gen = event._gen
+        if gen is None:
+            return  # as CUDA: waiting on an event never recorded is a no-op
+        self._enqueue(("wait", gen))
+        if getattr(self.sim._tls, "worker", None) is None and self is self.sim.current_stream():
+            # A host thread made its own stream wait: its next operation on the
+            # device waits for that anyway (see "Streams"), so wait now. On CUDA
+            # the awaited work's host-side effects (autograd's version counters)
+            # happened when it was issued; here they happen when it runs, and an
+            # autograd node saves its inputs' versions before the operation reaches
+            # the device. This gives the host no ordering: the clocks are unchanged.
+            self.drain()
+
+    def wait_stream(self, other: SimStream) -> None:
+        ev = SimEvent(self.sim, timing=False)
+        ev.record(other)
+        self.wait_event(ev)
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = SimEvent(self.sim, timing=False) if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        with self._cond:
+            return not self._q and not self._busy
+
+    def synchronize(self) -> None:
+        self.drain()
+        self.sim._host_acquire(dict(self.vc))
+        self.sim._deliver()
+
+    # -- the queue ----------------------------------------------------------------------
+    def _enqueue(self, item: tuple[Any, ...]) -> None:
+        # Work enqueued by the host comes after everything the host did before.
+        enq = self.sim._enqueuer_clock()
+        if getattr(self.sim._tls, "worker", None) is self:
+            # Enqueued by this stream's own work (a collective's wait() inside a
+            # task): it comes right after what ran so far, before the rest of it.
+            self._execute((*item, enq))
+            return
+        with self._cond:
+            self._q.append((*item, enq))
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Block until every item enqueued so far has executed."""
+        with self._cond:
+            while self._q or self._busy:
+                self._cond.wait()
+
+    def _loop(self) -> None:
+        self.sim._worker_started(self)
+        while True:
+            with self._cond:
+                while not self._q and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._q:
+                    return
+                item = self._q.popleft()
+                self._busy = True
+            try:
+                self._execute(item)
+            except BaseException as err:  # noqa: BLE001 - reported by the device
+                self.sim.undelivered.append(err)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _execute(self, item: tuple[Any, ...]) -> None:
+        kind, *rest, enq = item
+        with self.sim._lock:
+            _merge(self.vc, enq)
+        if kind == "record":
+            (gen,) = rest
+            with self.sim._lock:
+                self.vc[self] = self.vc.get(self, 0) + 1
+                gen.vc = dict(self.vc)
+            gen.t = time.monotonic()
+            gen.done.set()
+        elif kind == "wait":
+            (gen,) = rest
+            gen.done.wait()
+            with self.sim._lock:
+                _merge(self.vc, gen.vc)
+        elif kind == "sleep":
+            time.sleep(rest[0])
+        elif kind == "launch":
+            (fn,) = rest
+            fn()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(10)
+
+
+def _merge(into: dict[Any, int], other: dict[Any, int]) -> None:
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v
+
+
+@dataclass(slots=True)
+class _Access:
+    lo: int
+    hi: int
+    actor: Any
+    epoch: int
+    write: bool
+    op: str
+    where: str
+
+
+_METADATA_ONLY = frozenset(getattr(torch.ops.aten, n) for n in (
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_like",
+    "zeros_like", "ones_like", "full_like", "empty_strided",
+))
+
+
+class _Checker(TorchDispatchMode):
+    """Sees every aten operation on its thread and checks its accesses."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        actor = self.sim._on_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.sim._on_result(out, actor)
+        return out
+
+
+class SimulatedCuda:
+    """A CUDA device simulated on the CPU (see the module docstring).
+
+    Use it through :func:`pipeoff.testing.simulated_cuda`.
+    """
+
+    name = "cuda-sim"
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.device = torch.device("cpu")
+        self.host_vc: dict[Any, int] = {}
+        self.errors: list[BaseException] = []
+        """Every data race found, raised where it happened."""
+        self.undelivered: list[BaseException] = []
+        """Problems found off any caller's path (a storage freed too early, an error
+        inside a stream's worker): raised when the device exits."""
+        self._host: list[tuple[int, int, bool]] = []  # (start, end, pinned), sorted
+        self._acc: dict[int, list[_Access]] = {}
+        self._made_by: dict[int, Any] = {}  # device storage -> the actor that first used it
+        self._fences: dict[int, set[Any]] = {}  # storage -> streams recorded on it
+        self._watched: set[int] = set()
+        self._tls = threading.local()
+        self._checker = _Checker(self)
+        self._closed = False
+        self.default = SimStream(self, "default")
+        self.streams: list[SimStream] = [self.default]
+
+    # -- the Accelerator interface ------------------------------------------------------
+    def available(self) -> bool:
+        return True
+
+    def is_device(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return self._host_range(_ptr(t)) is None
+
+    def normalize(self, device: torch.device) -> torch.device:
+        return device
+
+    def host_empty(self, shape: Any, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        self._register_host(t.untyped_storage(), pinned)
+        return t
+
+    def _register_host(self, storage: Any, pinned: bool) -> None:
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes:
+            with self._lock:
+                bisect.insort(self._host, (start, start + nbytes, pinned))
+                self._acc.pop(start, None)  # memory a freed device tensor had
+            weakref.finalize(storage, self._host_freed, start, start + nbytes, pinned)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        r = self._host_range(_ptr(t))
+        return r is not None and r[2]
+
+    def new_stream(self, device: torch.device, priority: int = 0,
+                   name: str = "") -> SimStream:
+        with self._lock:
+            s = SimStream(self, name or f"stream{len(self.streams)}", priority)
+            self.streams.append(s)
+        return s
+
+    def current_stream(self, device: torch.device | None = None) -> SimStream:
+        s: SimStream | None = getattr(self._tls, "stream", None)
+        if s is None:
+            s = getattr(self._tls, "worker", None)  # work launched on a stream
+        return self.default if s is None else s
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream) -> Iterator[SimStream]:
+        prior = getattr(self._tls, "stream", None)
+        self._tls.stream = stream
+        try:
+            yield stream
+        finally:
+            self._tls.stream = prior
+
+    def use_device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def new_event(self, timing: bool = False) -> SimEvent:
+        return SimEvent(self, timing)
+
+    def launch(self, stream: SimStream, fn: Callable[[], None]) -> None:
+        stream._enqueue(("launch", fn))
+
+    def sleep(self, stream: SimStream, seconds: float) -> None:
+        stream._enqueue(("sleep", seconds))
+
+    def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
+        ptr = _ptr(t)
+        if ptr:
+            with self._lock:
+                self._fences.setdefault(ptr, set()).add(stream)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        for s in list(self.streams):
+            s.synchronize()
+
+    def range(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    capturing = False
+    """Set by a test to act as if a CUDA graph were being captured."""
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+    @contextlib.contextmanager
+    def host_thread(self) -> Iterator[None]:
+        if getattr(self._tls, "checking", False):
+            yield
+            return
+        self._tls.checking = True
+        try:
+            with self._checker:
+                yield
+        finally:
+            self._tls.checking = False
+
+    # -- clocks -------------------------------------------------------------------------
+    def _worker_started(self, stream: SimStream) -> None:
+        self._tls.worker = stream
+        self._tls.checking = True
+        self._checker.__enter__()
+
+    def _enqueuer_clock(self) -> dict[Any, int]:
+        worker: SimStream | None = getattr(self._tls, "worker", None)
+        with self._lock:
+            return dict(worker.vc if worker is not None else self.host_vc)
+
+    def _deliver(self) -> None:
+        """Raise on the host, at a synchronization, the first error that stream work
+        raised (as CUDA reports an asynchronous kernel error at the next one)."""
+        if self.undelivered and getattr(self._tls, "worker", None) is None:
+            with self._lock:
+                # As a sticky CUDA error: one report; the rest stay in ``errors``.
+                err = self.undelivered[0] if self.undelivered else None
+                self.errors.extend(self.undelivered)
+                self.undelivered.clear()
+            if err is not None:
+                raise err
+
+    def _host_acquire(self, vc: dict[Any, int]) -> None:
+        if getattr(self._tls, "worker", None) is not None:
+            return  # a stream worker blocking on an event learns nothing for the host
+        with self._lock:
+            _merge(self.host_vc, vc)
+
+    # -- memory -------------------------------------------------------------------------
+    def _host_range(self, ptr: int) -> tuple[int, int, bool] | None:
+        if not ptr:
+            return None
+        with self._lock:
+            k = bisect.bisect_right(self._host, (ptr, float("inf"), True)) - 1
+            if k >= 0 and self._host[k][0] <= ptr < self._host[k][1]:
+                return self._host[k]
+        return None
+
+    def _host_freed(self, start: int, end: int, pinned: bool) -> None:
+        with self._lock:
+            try:
+                self._host.remove((start, end, pinned))
+            except ValueError:
+                pass
+            for acc in self._acc.pop(start, ()):
+                if acc.actor != HOST and self.host_vc.get(acc.actor, 0) < acc.epoch:
+                    self.undelivered.append(DataRaceError(
+                        f"host memory freed while {acc.actor!r} may still {_rw(acc)} it "
+                        f"({acc.op}, at {acc.where}): the host never synchronized with it"))
+
+    def _device_freed(self, ptr: int) -> None:
+        with self._lock:
+            made_by = self._made_by.pop(ptr, None)
+            fences = self._fences.pop(ptr, set())
+            self._watched.discard(ptr)
+            accesses = self._acc.pop(ptr, [])
+            if made_by is None:
+                return
+            known = dict(self.host_vc)
+            if made_by != HOST:
+                _merge(known, made_by.vc)
+            for acc in accesses:
+                if acc.actor in (made_by, HOST) or acc.actor in fences:
+                    continue
+                # Safe if the allocation stream's next work (enqueued by the host
+                # from now on) is ordered after this access: the host or the
+                # allocation stream already waited for it.
+                if known.get(acc.actor, 0) < acc.epoch:
+                    self.undelivered.append(DataRaceError(
+                        f"device memory made on {made_by!r} was freed while {acc.actor!r} may "
+                        f"still {_rw(acc)} it ({acc.op}, at {acc.where}): the caching allocator "
+                        f"can hand it to the next allocation on {made_by!r} at once. Call "
+                        f"record_stream({acc.actor!r}) on it, or make {made_by!r} wait for "
+                        "that work before the tensor is dropped"))
+
+    # -- the access checker ---------------------------------------------------------------
+    def _on_result(self, out: Any, actor: Any) -> None:
+        """Note what new storages are: host memory if host work made them (CPU ops
+        make CPU tensors), else device memory and the stream that allocated it."""
+        if self._closed:
+            return
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ptr = _ptr(t)
+                if not ptr or ptr in self._watched or self._host_range(ptr) is not None:
+                    continue
+                if actor == HOST:
+                    self._register_host(t.untyped_storage(), pinned=False)
+                else:
+                    with self._lock:
+                        self._watch(t, ptr, self.current_stream() if actor is None else actor)
+
+    def _on_op(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Check and record the accesses of one operation; returns its actor."""
+        if self._closed or getattr(func, "is_view", False):
+            return None
+        if func.overloadpacket in _METADATA_ONLY:
+            # new_empty(t) / empty_like(t): reads t's shape, not its memory. The
+            # result is where t is: host memory for a host tensor, made by the host.
+            on: SimStream | None = getattr(self._tls, "worker", None)
+            src = next((t for t in tree_flatten((args, kwargs))[0]
+                        if isinstance(t, torch.Tensor)), None)
+            if on is None and src is not None and self._host_range(_ptr(src)) is not None:
+                return HOST
+            return on
+        schema = func._schema
+        written: set[int] = set()
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in tree_flatten(v)[0]:
+                    if isinstance(t, torch.Tensor):
+                        written.add(id(t))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return getattr(self._tls, "worker", None)
+        kinds = [self._host_range(_ptr(t)) for t in tensors]
+        worker: SimStream | None = getattr(self._tls, "worker", None)
+        touches_device = any(k is None and _ptr(t) for k, t in zip(kinds, tensors))
+        touches_host = any(k is not None for k in kinds)
+        sync_after: SimStream | None = None
+        if worker is not None:
+            actor: Any = worker
+        elif touches_device:
+            actor = self.current_stream()
+            # The device runs this after everything enqueued on the stream so far;
+            # the host thread issuing it waits for that here.
+            actor.drain()
+            with self._lock:
+                _merge(actor.vc, self.host_vc)
+            nb = bool(kwargs.get("non_blocking", False))
+            pinned_only = all(k is None or k[2] for k in kinds)
+            if touches_host and not (nb and pinned_only):
+                sync_after = actor  # a blocking or pageable copy synchronizes the host
+            if any(str(r.type) in _HOST_VALUES for r in schema.returns):
+                sync_after = actor  # .item(), torch.equal: the host waits for the value
+        else:
+            actor = HOST
+        op = str(func).replace("aten::", "").replace(".default", "")
+        where = _where()
+        with self._lock:
+            vc = self.host_vc if actor == HOST else actor.vc
+            vc[actor] = epoch = vc.get(actor, 0) + 1
+            for t in tensors:
+                ptr = _ptr(t)
+                span = _span(t)
+                if not ptr or span is None:
+                    continue
+                lo, hi = span
+                base = self._base(ptr)
+                write = id(t) in written
+                self._check(base, lo + ptr - base, hi + ptr - base, write, actor, vc, op, t)
+                recs = self._acc.setdefault(base, [])
+                recs.append(_Access(lo + ptr - base, hi + ptr - base, actor, epoch, write, op,
+                                    where))
+                if len(recs) > _MAX_RECORDS:
+                    del recs[: len(recs) - _MAX_RECORDS]
+                if base not in self._watched and self._host_range(base) is None:
+                    self._watch(t, base, actor)
+        if sync_after is not None:
+            with self._lock:
+                _merge(self.host_vc, sync_after.vc)
+            self._deliver()
+        return actor
+
+    def _base(self, ptr: int) -> int:
+        r = self._host_range(ptr)
+        return r[0] if r is not None else ptr
+
+    def _watch(self, t: torch.Tensor, base: int, actor: Any) -> None:
+        self._watched.add(base)
+        self._made_by.setdefault(base, actor)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        weakref.finalize(storage, self._device_freed, base)
+
+    def _check(self, base: int, lo: int, hi: int, write: bool, actor: Any,
+               vc: dict[Any, int], op: str, t: torch.Tensor) -> None:
+        for acc in self._acc.get(base, ()):
+            if acc.actor == actor or acc.hi <= lo or hi <= acc.lo:
+                continue
+            if not (write or acc.write):
+                continue
+            if vc.get(acc.actor, 0) >= acc.epoch:
+                continue
+            err = DataRaceError(
+                f"data race on a {_describe(t, self)}: {actor!r} {'writes' if write else 'reads'}"
+                f" it ({op}, at {_where()}) while {acc.actor!r} may still {_rw(acc)} it "
+                f"({acc.op}, at {acc.where}); nothing orders the second after the first (a "
+                "missing wait_event, event fence or synchronize)")
+            self.errors.append(err)
+            raise err
+
+    # -- life ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain and stop every stream (the device's exit)."""
+        for s in list(self.streams):
+            s.drain()
+        self._closed = True
+        for s in list(self.streams):
+            s.stop()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """Byte range ``[lo, hi)`` of ``t`` inside its storage, or ``None`` if empty."""
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    lo = int(t.storage_offset()) * size
+    return lo, lo + int(last + 1) * size
+
+
+def _rw(acc: _Access) -> str:
+    return "write" if acc.write else "read"
+
+
+def _describe(t: torch.Tensor, sim: SimulatedCuda) -> str:
+    r = sim._host_range(_ptr(t))
+    kind = "device" if r is None else ("pinned host" if r[2] else "pageable host")
+    return f"{kind} tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+
+
+_HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+_OWN = ("_simcuda.py", "_python_dispatch.py", "_ops.py", "_pytree.py", "contextlib.py",
+        "threading.py", "overrides.py", "_tensor.py", "functional.py", "__init__.py")
+
+
+def _where() -> str:
+    """The innermost frame outside the device, torch and pipeoff's executor machinery."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.endswith(_OWN) and "/torch/" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+_ids = itertools.count()
