@@ -8,6 +8,7 @@ whose :attr:`~Execution.trace` shows where the time went.
 
 from __future__ import annotations
 
+from pipeoff import sim as sim  # registers the "sim" backend
 from pipeoff._errors import (
     BudgetError,
     ConfigError,
@@ -19,7 +20,7 @@ from pipeoff._errors import (
     TraceFormatError,
     UnsupportedOptimizerError,
 )
-from pipeoff.execution import Completion, Execution
+from pipeoff.execution import Completion, Execution, Gate
 from pipeoff.executor import execute
 from pipeoff.graph import BufferSpec, Task, TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Plan, Schedule
@@ -41,6 +42,7 @@ __all__ = [
     # execution
     "Completion",
     "Execution",
+    "Gate",
     "execute",
     # staging
     "StagingPool",

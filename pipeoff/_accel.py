@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeoff import _compat
+
 __all__ = ["Accelerator", "Cuda", "current", "use"]
 
 
@@ -171,7 +173,7 @@ class Cuda:
 
     def sleep(self, stream: Any, seconds: float) -> None:
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_S))
+            _compat.cuda_sleep(int(seconds * _SLEEP_CYCLES_PER_S))
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)

@@ -1,20 +1,135 @@
-"""The private APIs of torch that pipeoff relies on, in one place.
+"""The private APIs of torch, FSDP2 and torchft that pipeoff relies on, in one place.
 
-Each helper names the private API it uses, so that a torch release that moves
-one fails here, loudly, instead of deep inside a feature.
+Every use of a private name goes through a helper here, and every private name
+is listed in :data:`PRIVATE_APIS` with the versions it was tested on
+(:data:`TESTED`, also the upper bounds in ``pyproject.toml``).
+``tests/test_compat.py`` resolves each one against the installed packages, so
+a release that moves one fails that test, naming the API, instead of a
+feature failing deep inside a training step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["allreduce_discarded", "dynamo_disable", "eager_math", "force_eager",
-           "is_compiling", "recompile_with_hooks", "restore_stance"]
+__all__ = ["PRIVATE_APIS", "TESTED", "PrivateAPI", "allreduce_discarded", "check_private_apis",
+           "cuda_sleep", "installed_version",
+           "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
+           "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state", "is_compiling",
+           "profiler_enabled", "recompile_with_hooks", "restore_stance",
+           "set_torch_function_stack", "torch_function_stack"]
+
+TESTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.9", "2.13"),
+    "torchft": ("0.2", "0.2"),
+}
+"""Per package, the oldest and newest minor versions pipeoff was tested on; the
+upper bounds of ``pyproject.toml`` admit these and nothing newer."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateAPI:
+    """One private name pipeoff uses: where it lives and what uses it."""
+
+    package: str
+    """``"torch"`` or ``"torchft"``."""
+    path: str
+    """``module:attribute.attribute`` (resolved by :func:`check_private_apis`)."""
+    used_for: str
+
+
+PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    PrivateAPI("torch", "torch._dynamo.eval_frame:_set_stance",
+               "force_eager / restore_stance: compiled optimizer steps run eagerly"),
+    PrivateAPI("torch", "torch._dynamo.eval_frame:DynamoStance", "force_eager"),
+    PrivateAPI("torch", "torch._dynamo.config:skip_nnmodule_hook_guards",
+               "recompile_with_hooks: compiled code sees attach()'s hooks"),
+    PrivateAPI("torch", "torch._C._dynamo.eval_frame:reset_code", "recompile_with_hooks"),
+    PrivateAPI("torch", "torch.compiler:_compile_session_context",
+               "eager_math: a chunk's math never overlaps a compile session"),
+    PrivateAPI("torch", "torch._C:_len_torch_function_stack",
+               "torch_function_stack: the read guard sits below the user's modes"),
+    PrivateAPI("torch", "torch._C:_get_function_stack_at", "torch_function_stack"),
+    PrivateAPI("torch", "torch._C:_pop_torch_function_stack", "set_torch_function_stack"),
+    PrivateAPI("torch", "torch._C:_push_on_torch_function_stack", "set_torch_function_stack"),
+    PrivateAPI("torch", "torch.autograd:_profiler_enabled",
+               "profiler_enabled: tasks show in torch.profiler traces only when profiling"),
+    PrivateAPI("torch", "torch.cuda:_sleep", "cuda_sleep: pipeoff.testing delays on streams"),
+    PrivateAPI("torch", "torch.utils._python_dispatch:TorchDispatchMode",
+               "pipeoff.testing's simulated CUDA device checks every access"),
+    PrivateAPI("torch", "torch.utils._pytree:tree_flatten", "pipeoff.testing (the same)"),
+    PrivateAPI("torch", "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+               "fsdp_state: FSDP2 forward waits"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
+               "._fsdp_param_groups", "fsdp_sharded_params"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
+               "._states_to_forward_prefetch", "fsdp_prefetch_states"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._comm_ctx",
+               "fsdp_all_gather_streams"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:"
+               "FSDPCommContext.all_gather_copy_in_stream", "fsdp_all_gather_streams"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:"
+               "FSDPCommContext.all_gather_stream", "fsdp_all_gather_streams"),
+    PrivateAPI("torchft", "torchft.manager:Manager._pg",
+               "allreduce_discarded: a failed replica still joins its peers' collectives"),
+    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
+               "pipeoff.ft.LocalSGD overrides it (torchft's extension point)"),
+)
+"""Every private name pipeoff uses."""
+
+
+def _resolve(path: str) -> None:
+    module, _, attrs = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for i, name in enumerate(attrs.split(".")):
+        if hasattr(obj, name):
+            obj = getattr(obj, name)
+            continue
+        # An instance attribute (FSDPState._comm_ctx): the class annotates it,
+        # or one of its methods sets it (``self.name = ...``).
+        if isinstance(obj, type) and i == len(attrs.split(".")) - 1 and (
+                name in getattr(obj, "__annotations__", {})
+                or any(name in f.__code__.co_names for f in vars(obj).values()
+                       if hasattr(f, "__code__"))):
+            return
+        raise AttributeError(f"{'.'.join(attrs.split('.')[:i]) or module} has no {name!r}")
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of ``package`` (its distribution's), or ``None``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_private_apis(package: str | None = None) -> list[str]:
+    """Resolve every private API (of ``package``, or all); the problems found, each
+    naming the API, the installed version and the tested range."""
+    problems = []
+    for api in PRIVATE_APIS:
+        if package is not None and api.package != package:
+            continue
+        version = installed_version(api.package)
+        if version is None:
+            continue  # an optional package (torchft) that is not installed
+        try:
+            _resolve(api.path)
+        except (ImportError, AttributeError) as err:
+            lo, hi = TESTED[api.package]
+            problems.append(
+                f"{api.path} (used for {api.used_for}) is gone in {api.package} {version} "
+                f"(tested {lo} to {hi}): {err}")
+    return problems
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -146,3 +261,51 @@ def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool:
     except Exception:  # noqa: BLE001 - this replica's sync has already failed
         return False
     return True
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Spin the current CUDA stream for ``cycles`` GPU clock cycles (``torch.cuda._sleep``)."""
+    torch.cuda._sleep(cycles)
+
+
+def profiler_enabled() -> bool:
+    """Whether torch.profiler is recording (``torch.autograd._profiler_enabled``)."""
+    return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
+
+
+def torch_function_stack() -> list[Any]:
+    """This thread's ``TorchFunctionMode`` stack, bottom first (``torch._C``'s stack API)."""
+    n = torch._C._len_torch_function_stack()
+    return [torch._C._get_function_stack_at(k) for k in range(n)]
+
+
+def set_torch_function_stack(modes: list[Any]) -> None:
+    """Replace this thread's ``TorchFunctionMode`` stack with ``modes``, bottom first."""
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for m in modes:
+        torch._C._push_on_torch_function_stack(m)
+
+
+def fsdp_state(module: Any) -> Any:
+    """An FSDP2 module's state (``FSDPModule._get_fsdp_state``)."""
+    return module._get_fsdp_state()
+
+
+def fsdp_sharded_params(state: Any) -> list[torch.Tensor]:
+    """The sharded parameters (DTensors) an FSDP2 state manages."""
+    return [fp.sharded_param for g in state._fsdp_param_groups for fp in g.fsdp_params]
+
+
+def fsdp_prefetch_states(state: Any) -> list[Any]:
+    """The states whose all-gather this one's forward prefetches
+    (``set_modules_to_forward_prefetch``)."""
+    return list(state._states_to_forward_prefetch)
+
+
+def fsdp_all_gather_streams(state: Any) -> tuple[Any, ...]:
+    """The streams FSDP2's all-gathers read the shards on (copy-in, and the collective)."""
+    ctx = state._comm_ctx
+    return tuple(s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
+                                                            "all_gather_stream"))
+                 if s is not None)

@@ -41,11 +41,14 @@ class BudgetError(PipeoffError, ValueError):
 
 
 class StepTimeoutError(PipeoffError, TimeoutError):
-    """Raised when a wait with a timeout expires; names the tasks still pending."""
+    """Raised when a wait with a timeout expires; names the tasks still pending
+    and the gates not yet opened."""
 
-    def __init__(self, message: str, pending: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, pending: tuple[str, ...] = (),
+                 pending_gates: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.pending = pending
+        self.pending_gates = pending_gates
 
 
 class UnsupportedOptimizerError(PipeoffError, TypeError):

@@ -8,14 +8,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pipeoff._errors import ConfigError, StepTimeoutError
-from pipeoff.executor._run import Run
-from pipeoff.schedule import Plan
 from pipeoff.trace import Trace
 
 if TYPE_CHECKING:
     from pipeoff.executor._backend import Backend
+    from pipeoff.executor._run import Run
+    from pipeoff.schedule import Plan
 
-__all__ = ["Completion", "Execution"]
+__all__ = ["Completion", "Execution", "Gate"]
 
 
 class Completion:
@@ -60,6 +60,72 @@ class Completion:
         return f"Completion({self.task!r}, done={self.query()})"
 
 
+class Gate:
+    """The producer's end of one gate of an execution (see :meth:`TaskGraph.add_gate`).
+
+    Get it with :meth:`Execution.gate`. Call exactly one of :meth:`open`,
+    :meth:`close` or :meth:`fail`, from any thread (an autograd hook, another
+    execution's task), before or after the tasks that wait on it are reached.
+    """
+
+    __slots__ = ("_k", "_run")
+
+    def __init__(self, run: Run, k: int) -> None:
+        self._run = run
+        self._k = k
+
+    @property
+    def name(self) -> str:
+        return self._run.gates.names[self._k]
+
+    @property
+    def state(self) -> str:
+        """``"pending"``, ``"open"``, ``"closed"`` (empty) or ``"failed"``."""
+        return self._run.gates.state_name(self._k)
+
+    def open(self, payload: Any = None, *, event: Any = None) -> None:
+        """Let the tasks that wait on this gate start; they read ``payload``
+        (``ctx.gate(name)``).
+
+        Args:
+            payload: any value (a tensor, a tuple of them).
+            event: what the payload is ready after, when device work still
+                writes it: a CUDA event, or a :class:`Completion` of another
+                execution. On a CUDA execution the default is an event recorded
+                now on the caller's current stream (the work that produced the
+                payload), and lanes' *streams* wait on it; host lanes
+                synchronize it. Nothing here blocks the caller.
+
+        Raises:
+            ConfigError: the gate was already opened, closed or failed.
+        """
+        self._run.open_gate(self._k, payload, event)
+
+    def close(self) -> None:
+        """Settle the gate without a payload: the tasks that wait on it run and
+        read ``None`` (a parameter that got no gradient this step).
+
+        Raises:
+            ConfigError: the gate was already opened, closed or failed.
+        """
+        self._run.gates.close(self._k)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the execution with ``error``, as if a task had raised it: tasks
+        that have not started do not run, and ``wait()`` re-raises it.
+
+        Raises:
+            ConfigError: ``error`` is not an exception, or the gate was already
+                opened, closed or failed.
+        """
+        if not isinstance(error, BaseException):
+            raise ConfigError(f"Gate.fail() takes an exception, got {error!r}")
+        self._run.gates.fail(self._k, error)
+
+    def __repr__(self) -> str:
+        return f"Gate({self.name!r}, {self.state})"
+
+
 class Execution:
     """A launched graph. Returned by :func:`pipeoff.execute`; do not build one yourself.
 
@@ -99,7 +165,8 @@ class Execution:
             raise ConfigError(f"timeout must be a number >= 0 or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         run = self._run
-        self._refuse_waiting_on_own_lane(task)
+        # A wait that a lane's own thread could never see end (a deadlock) is refused.
+        self._backend.check_wait(run, None if task is None else self._index(task))
         if task is None:
             ok = run.wait_all(deadline) and self._backend.synchronize_all(run, deadline)
         else:
@@ -111,35 +178,21 @@ class Execution:
             )
             shown = ", ".join(repr(p) for p in pending[:8])
             more = f" and {len(pending) - 8} more" if len(pending) > 8 else ""
+            closed = run.gates.pending()
+            gates = ""
+            if closed:
+                gates = "; gate(s) not yet opened: " + ", ".join(repr(g) for g in closed[:8]) + (
+                    f" and {len(closed) - 8} more" if len(closed) > 8 else "")
             raise StepTimeoutError(
                 f"timed out after {timeout}s waiting for "
                 f"{'the execution' if task is None else repr(task)}; "
-                f"{len(pending)} task(s) pending: {shown}{more}",
+                f"{len(pending)} task(s) pending: {shown}{more}{gates}",
                 pending,
+                closed,
             )
         self._check()
         if task is None:
             self._finalize()
-
-    def _refuse_waiting_on_own_lane(self, task: str | None) -> None:
-        """Refuse a wait that a lane's own thread can never see end (a deadlock)."""
-        if self._backend.name != "threads":
-            return
-        from pipeoff.executor.threads import current_holder, current_lane
-
-        lane = current_lane()
-        run = self._run
-        if lane is None or current_holder() is not run:
-            return  # another execution's lane instance: it can run meanwhile
-        mine = [i for i in ((self._index(task),) if task is not None else range(run.n))
-                if run.plan.lanes[i] == lane and not run.terminal(i)]
-        if mine:
-            raise ConfigError(
-                f"wait() called from a task on lane {lane!r} for {run.tasks[mine[0]].name!r}, "
-                f"which is queued on that same lane behind the caller: it could never run. "
-                "Give the inner graph's tasks other lanes, or run it with "
-                "Schedule.synchronous() (inline, on the calling thread)"
-            )
 
     async def wait_async(self, task: str | None = None, *, timeout: float | None = None) -> None:
         """:meth:`wait` for asyncio and trio callers (through anyio); does not block the loop."""
@@ -168,6 +221,19 @@ class Execution:
                 self._backend.query(run, i) for i in range(run.n)
             )
         return self._backend.query(run, self._index(task))
+
+    def gate(self, name: str) -> Gate:
+        """The producer's handle on gate ``name`` (see :class:`Gate`).
+
+        Raises:
+            ConfigError: the graph has no gate of that name.
+        """
+        k = self._run.gates.index.get(name) if isinstance(name, str) else None
+        if k is None:
+            known = self._run.gates.names
+            raise ConfigError(f"unknown gate {name!r}; this execution has "
+                              + (f"gates {list(known[:8])}" if known else "no gates"))
+        return Gate(self._run, k)
 
     # -- reading ------------------------------------------------------------
     def events_for(self, tasks: Iterable[str] | str) -> tuple[Completion, ...]:
@@ -210,7 +276,7 @@ class Execution:
         self._backend.synchronize_all(run, None)
         self._finalize()
         self._backend.resolve_times(run)
-        return run.make_trace(prefix=prefix, shift_ns=shift_ns)
+        return Trace.from_run(run, prefix=prefix, shift_ns=shift_ns)
 
     @property
     def trace(self) -> Trace:
@@ -221,7 +287,7 @@ class Execution:
         self._finalize()
         if self._trace is None:
             self._backend.resolve_times(run)
-            self._trace = run.make_trace()
+            self._trace = Trace.from_run(run)
         return self._trace
 
     def __repr__(self) -> str:

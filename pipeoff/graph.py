@@ -111,6 +111,9 @@ class Task:
     :attr:`TaskContext.failed`). For a collective that peers are waiting for:
     skipping it would leave them waiting until a timeout. Its dependents that
     are not ``must_run`` are cancelled as usual."""
+    gates: tuple[str, ...] = ()
+    """Names of the gates (inputs from outside the execution, see
+    :meth:`TaskGraph.add_gate`) that must be opened or closed before it starts."""
 
 
 @dataclass(slots=True)
@@ -132,6 +135,9 @@ class TaskContext:
     failed: BaseException | None = None
     """The execution's first failure when this task started (``must_run`` tasks run
     after one), else ``None``."""
+    gates: Mapping[str, Any] = field(default_factory=dict)
+    """The payloads of the task's gates by name: what ``open(payload)`` gave, or
+    ``None`` for a gate closed empty."""
 
     def buffer(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return staging buffer ``name``, viewed as ``dtype`` if given."""
@@ -143,6 +149,16 @@ class TaskContext:
                 f"{sorted(self.buffers)}"
             ) from None
         return buf if dtype is None else buf.view(dtype)
+
+    def gate(self, name: str) -> Any:
+        """The payload of gate ``name`` (``None`` if it was closed empty)."""
+        try:
+            return self.gates[name]
+        except KeyError:
+            raise GraphError(
+                f"task {self.task.name!r} asked for gate {name!r}, but it waits only on "
+                f"{sorted(self.gates)}"
+            ) from None
 
     def retire_buffer(self, name: str) -> None:
         """Never hand staging buffer ``name`` out again: drop it when it is released.
@@ -182,6 +198,7 @@ class TaskGraph:
             ) from None
         self._tasks: dict[str, Task] = {}
         self._buffers: dict[str, BufferSpec] = {}
+        self._gates: dict[str, None] = {}
         self._validated = False
         self._order: tuple[str, ...] = ()
 
@@ -199,6 +216,28 @@ class TaskGraph:
         self._validated = False
         return name
 
+    def add_gate(self, name: str) -> str:
+        """Declare a gate and return its name.
+
+        A gate is an input that arrives from outside the execution while it
+        runs: a gradient that an autograd hook produces, or a tensor another
+        execution is still writing. Tasks list the gates they wait on
+        (``add_task(..., gates=[name])``); the caller opens each one on the
+        :class:`~pipeoff.Execution` (``execution.gate(name).open(payload)``),
+        fails it, or closes it empty. Names share one namespace with tasks.
+
+        Raises:
+            GraphError: a gate or task with this name exists.
+            ConfigError: ``name`` is not a non-empty string.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"gate name must be a non-empty string, got {name!r}")
+        if name in self._gates or name in self._tasks:
+            raise GraphError(f"duplicate name {name!r}: gates and tasks share one namespace")
+        self._gates[name] = None
+        self._validated = False
+        return name
+
     def add_task(
         self,
         name: str,
@@ -210,11 +249,13 @@ class TaskGraph:
         buffers: Iterable[str] = (),
         lane: str | None = None,
         must_run: bool = False,
+        gates: Iterable[str] = (),
     ) -> str:
         """Add a task and return its name.
 
         ``must_run`` marks a task that runs even after another task failed
-        (see :attr:`Task.must_run`).
+        (see :attr:`Task.must_run`). ``gates`` names the gates (see
+        :meth:`add_gate`) it waits on besides its ``deps``.
 
         Raises:
             GraphError: a task with this name exists.
@@ -225,6 +266,8 @@ class TaskGraph:
             raise ConfigError(f"task name must be a non-empty string, got {name!r}")
         if name in self._tasks:
             raise GraphError(f"duplicate task name {name!r}")
+        if name in self._gates:
+            raise GraphError(f"duplicate name {name!r}: gates and tasks share one namespace")
         if not isinstance(kind, TaskKind):
             raise ConfigError(f"task {name!r}: kind must be a pipeoff.TaskKind, got {kind!r}")
         if lane is not None and (not isinstance(lane, str) or not lane):
@@ -238,11 +281,12 @@ class TaskGraph:
             raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
         deps_t = (deps,) if isinstance(deps, str) else tuple(deps)
         bufs_t = (buffers,) if isinstance(buffers, str) else tuple(buffers)
+        gates_t = (gates,) if isinstance(gates, str) else tuple(gates)
         if not isinstance(must_run, bool):
             raise ConfigError(f"task {name!r}: must_run must be True or False, got {must_run!r}")
         self._tasks[name] = Task(
             name=name, kind=kind, work=work, deps=deps_t, nbytes=nbytes, buffers=bufs_t,
-            lane=lane, must_run=must_run,
+            lane=lane, must_run=must_run, gates=gates_t,
         )
         self._validated = False
         return name
@@ -258,6 +302,11 @@ class TaskGraph:
         """The staging buffers by name, in the order they were declared."""
         return self._buffers
 
+    @property
+    def gates(self) -> tuple[str, ...]:
+        """The gates' names, in the order they were declared."""
+        return tuple(self._gates)
+
     def __len__(self) -> int:
         return len(self._tasks)
 
@@ -268,27 +317,39 @@ class TaskGraph:
         """Check the graph.
 
         Raises:
-            GraphError: a dependency or buffer is unknown, a task depends on
-                itself, a buffer has no user, or the dependencies form a cycle
-                (the message prints it).
+            GraphError: a dependency, buffer or gate is unknown, a task depends
+                on itself, a buffer or gate has no user, or the dependencies form
+                a cycle (the message prints it).
         """
         if self._validated:
             return
         tasks = self._tasks
         used: set[str] = set()
+        waited: set[str] = set()
         for t in tasks.values():
             for d in t.deps:
                 if d not in tasks:
-                    raise GraphError(f"task {t.name!r} depends on unknown task {d!r}")
+                    raise GraphError(f"task {t.name!r} depends on unknown task {d!r}"
+                                     + (" (it is a gate: list it in gates)"
+                                        if d in self._gates else ""))
                 if d == t.name:
                     raise GraphError(f"task {t.name!r} depends on itself")
             for b in t.buffers:
                 if b not in self._buffers:
                     raise GraphError(f"task {t.name!r} uses unknown buffer {b!r}")
                 used.add(b)
+            for gname in t.gates:
+                if gname not in self._gates:
+                    raise GraphError(f"task {t.name!r} waits on unknown gate {gname!r}"
+                                     + (" (it is a task: list it in deps)"
+                                        if gname in tasks else ""))
+                waited.add(gname)
         for b in self._buffers:
             if b not in used:
                 raise GraphError(f"buffer {b!r} is declared but no task uses it")
+        for gname in self._gates:
+            if gname not in waited:
+                raise GraphError(f"gate {gname!r} is declared but no task waits on it")
         with no_gc():
             self._order = self._topological_order()  # raises on a cycle
         self._validated = True

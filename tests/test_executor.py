@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from gpu_device import Gpu  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing
@@ -165,6 +166,43 @@ def test_fail_task_hook() -> None:
         with pytest.raises(OSError, match="injected"):
             pipeoff.execute(g).wait(timeout=30)
     pipeoff.execute(g).wait(timeout=30)  # the hook is gone
+
+
+@pytest.mark.parametrize("backend", ["threads", "inline"])
+def test_fail_work_raises_inside_the_work_after_it_started(backend: str) -> None:
+    x = torch.zeros(3)
+
+    def work(ctx: pipeoff.TaskContext) -> None:
+        x[0] = 1.0
+        x[1] = 2.0
+        x[2] = 3.0
+
+    g = TaskGraph()
+    g.add_task("allreduce:b0", TaskKind.ALLREDUCE, work)
+    g.add_task("after", TaskKind.H2D, lambda ctx: x.mul_(10), deps=["allreduce:b0"])
+    sched = Schedule.synchronous() if backend == "inline" else Schedule.pipelined()
+    # after_ops=1: the first write happened, the second raised.
+    with pipeoff.testing.fail_work("allreduce:b0", OSError("mid-collective"), after_ops=1), \
+            pytest.raises(OSError, match="mid-collective"):
+        pipeoff.execute(g, sched, backend=backend).wait(timeout=30)  # type: ignore[arg-type]
+    assert x.tolist() == [1.0, 0.0, 0.0]  # and "after" did not run
+    # Default: the work ran to its end, then the task failed.
+    x.zero_()
+    with pipeoff.testing.fail_work("allreduce:b0"), \
+            pytest.raises(RuntimeError, match="inside the work of 'allreduce:b0'"):
+        pipeoff.execute(g, sched, backend=backend).wait(timeout=30)  # type: ignore[arg-type]
+    assert x.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ConfigError, match="after_ops must be an int >= 0"):
+        pipeoff.testing.fail_work("x", after_ops=-1)
+
+
+def test_fail_work_on_a_cuda_lane(gpu: Gpu) -> None:
+    x = gpu.zeros(2)
+    g = TaskGraph(device=gpu.device)
+    g.add_task("w", TaskKind.OPTIMIZER_CHUNK, lambda ctx: (x.add_(1.0), x.mul_(3.0)))
+    with pipeoff.testing.fail_work("w", after_ops=1), pytest.raises(RuntimeError):
+        pipeoff.execute(g).wait(timeout=30)
+    assert gpu.read(x).tolist() == [1.0, 1.0]  # the add ran on the stream, the mul raised
 
 
 def test_results_and_context() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeoff import _accel
 from pipeoff._errors import ConfigError
@@ -17,18 +18,27 @@ if TYPE_CHECKING:
     from pipeoff.execution import Execution
     from pipeoff.sim._costmodel import CostModel
 
-__all__ = ["BACKENDS", "execute"]
+__all__ = ["BACKENDS", "execute", "register_backend"]
 
 BackendName = Literal["auto", "inline", "threads", "cuda", "sim"]
 BACKENDS = ("auto", "inline", "threads", "cuda", "sim")
 
 
-def _backend(name: str, cost_model: CostModel | None = None) -> Backend:
-    if name == "sim":
-        from pipeoff.executor.sim import SimBackend
-        from pipeoff.sim._costmodel import CostModel as _CostModel
+_registered: dict[str, Callable[[Any], Backend]] = {}
 
-        return SimBackend(cost_model if cost_model is not None else _CostModel.h200_pcie5())
+
+def register_backend(name: str, factory: Callable[[Any], Backend]) -> None:
+    """Make ``execute(..., backend=name)`` use ``factory(cost_model)`` (the simulator
+    registers ``"sim"`` when :mod:`pipeoff.sim` is imported, which ``import pipeoff``
+    does)."""
+    _registered[name] = factory
+
+
+def _backend(name: str, cost_model: CostModel | None = None) -> Backend:
+    if name in _registered:
+        return _registered[name](cost_model)
+    if name == "sim":
+        raise ConfigError("backend='sim' needs pipeoff.sim; import pipeoff (or pipeoff.sim)")
     if name == "inline":
         from pipeoff.executor.inline import InlineBackend
 
@@ -66,9 +76,17 @@ def resolve_backend(graph: TaskGraph, schedule: Schedule, backend: str) -> str:
             "tasks done while their kernels still run on the device. Use backend='cuda' "
             "(or 'auto'), or 'inline' with Schedule.synchronous()"
         )
+    if backend == "inline" and graph.gates:
+        raise ConfigError(
+            f"backend='inline' cannot run a graph with gates ({', '.join(graph.gates[:3])}"
+            f"{', ...' if len(graph.gates) > 3 else ''}): it runs every task inside "
+            "execute(), so nobody could open a gate on the Execution it returns. Use "
+            "backend='auto' (a synchronous schedule then runs its one lane on a "
+            "background thread)"
+        )
     if backend != "auto":
         return backend
-    if schedule.is_synchronous:
+    if schedule.is_synchronous and not graph.gates:
         return "inline"
     return "cuda" if on_device else "threads"
 
@@ -85,8 +103,10 @@ def execute(
     Args:
         graph: the tasks to run.
         schedule: how to run them; the default is ``Schedule.pipelined()``.
-        backend: ``"auto"`` picks ``"inline"`` for a synchronous schedule,
-            ``"cuda"`` for a graph on a CUDA device, else ``"threads"``.
+        backend: ``"auto"`` picks ``"inline"`` for a synchronous schedule
+            (unless the graph has gates), ``"cuda"`` for a graph on a CUDA
+            device, else ``"threads"``. Under ``"sim"`` every gate is open at
+            launch.
             ``"sim"`` never runs the work: it times the plan against
             ``cost_model`` and returns a finished execution whose trace
             holds the predicted times.

@@ -33,6 +33,9 @@ class Backend(Protocol):
     def finalize(self, run: Run) -> None:
         """Return per-run resources (events) once every task is complete."""
 
+    def check_wait(self, run: Run, i: int | None) -> None:
+        """Refuse (``ConfigError``) a host wait for task ``i`` (or all) that can never end."""
+
 
 class HostBackend:
     """Shared behaviour of backends whose tasks complete on the host."""
@@ -57,4 +60,7 @@ class HostBackend:
         return None
 
     def finalize(self, run: Run) -> None:
+        return None
+
+    def check_wait(self, run: Run, i: int | None) -> None:
         return None

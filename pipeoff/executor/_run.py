@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import threading
@@ -11,11 +12,12 @@ from typing import Any
 
 import torch
 
-from pipeoff import testing
-from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind, no_gc
+from pipeoff import _accel, _compat, _dist, testing
+from pipeoff.executor._gates import OPEN as GATE_OPEN
+from pipeoff.executor._gates import GateStates
+from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Plan
 from pipeoff.staging import Pools, StagingBlock
-from pipeoff.trace import BufferRecord, TaskRecord, Trace
 
 PENDING, OK, FAILED, CANCELLED = 0, 1, 2, 3
 _STATUS = {OK: "ok", FAILED: "failed", CANCELLED: "cancelled"}
@@ -48,7 +50,7 @@ class Run:
         self.blocks: dict[str, StagingBlock] = {}
         self.origin_ns = time.perf_counter_ns()
         self.origin_unix_ns = time.time_ns()
-        self.rank = _rank()
+        self.rank = _dist.rank()
         self.backend_state: Any = None
         """Per-run data of the backend (the CUDA events)."""
         self._async = {
@@ -66,6 +68,12 @@ class Run:
         lookahead = plan.schedule.lookahead
         self.window = lookahead if lookahead is not None and lookahead < n else None
         """Flow control: task ``i`` starts only after task ``i - window`` is terminal."""
+        self.gates = GateStates(graph.gates, self.origin_ns, self._gate_failed)
+        """The graph's gates (inputs from outside the execution)."""
+        index = self.gates.index
+        self.task_gates: list[tuple[int, ...]] = (
+            [tuple(index[g] for g in t.gates) for t in self.tasks] if index else [()] * n)
+        """Per task, the indices of the gates it waits on."""
 
     @property
     def index(self) -> dict[str, int]:
@@ -146,6 +154,45 @@ class Run:
                     f"(raised in pipeoff task {self.tasks[i].name!r} "
                     f"on lane {self.plan.lanes[i]!r})"
                 )
+        # Tasks waiting on gates that may never open now are cancelled instead.
+        self.gates.abandon()
+
+    def _gate_failed(self, name: str, err: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = err
+                self.error_task = name
+                err.add_note(f"(pipeoff gate {name!r} was failed by its producer)")
+        self.gates.abandon()
+
+    def open_gate(self, k: int, payload: Any, event: Any) -> None:
+        """Open gate ``k``. On a device execution without ``event``, the payload is
+        ready after the work the caller has enqueued on its current stream."""
+        if event is None and self.backend == "cuda":
+            accel = _accel.current()
+            event = accel.new_event()
+            # Hazard: lanes reading a payload that the producer's stream (the
+            # backward that computed a gradient) is still writing.
+            event.record(accel.current_stream(accel.normalize(self.graph.device)))
+        self.gates.open(k, payload, event)
+
+    def wait_gates(self, i: int, *, host: bool) -> None:
+        """Wait until task ``i``'s gates are settled (or the run failed).
+
+        ``host``: the task's work runs on this host thread, so it also waits
+        for each opened gate's event (on CUDA the dispatcher makes the lane's
+        stream wait instead).
+        """
+        ks = self.task_gates[i]
+        self.gates.wait(ks)
+        if host:
+            for k in ks:
+                ev = self.gates.event[k]
+                if (ev is not None and self.gates.state[k] == GATE_OPEN
+                        and not testing.disabled("gate_wait")):
+                    # Hazard: the host reading a payload that device work (the
+                    # producer's stream, another execution) is still writing.
+                    ev.synchronize()
 
     def pending(self) -> tuple[str, ...]:
         return tuple(self.tasks[i].name for i in range(self.n) if self.status[i] == PENDING)
@@ -208,6 +255,8 @@ class Run:
             # Flow control, not a dependency: at most `window` tasks run ahead of
             # the oldest unfinished one (Schedule.lookahead).
             self.wait_terminal(i - self.window)
+        if self.task_gates[i]:
+            self.wait_gates(i, host=True)
         task = self.tasks[i]
         if self.error is not None and not task.must_run:
             self.cancel(i)
@@ -234,15 +283,18 @@ class Run:
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,
-                                      failed=self.error)
-                    if _profiler_enabled():
-                        # The same task, visible inside a torch.profiler trace.
-                        with torch.profiler.record_function(
-                            f"pipeoff::{task.kind.value}::{task.name}"
-                        ):
+                                      failed=self.error,
+                                      gates=self.gates.payloads(self.task_gates[i]))
+                    with (testing.failing_work(task.name, lane, self.hooks) if self.hooks
+                          else contextlib.nullcontext()):
+                        if _compat.profiler_enabled():
+                            # The same task, visible inside a torch.profiler trace.
+                            with torch.profiler.record_function(
+                                f"pipeoff::{task.kind.value}::{task.name}"
+                            ):
+                                result = self._call(i, work, ctx)
+                        else:
                             result = self._call(i, work, ctx)
-                    else:
-                        result = self._call(i, work, ctx)
             except BaseException as err:
                 outcome = FAILED
                 self.fail(i, err)
@@ -263,53 +315,12 @@ class Run:
         return work(ctx)
 
     # -- trace --------------------------------------------------------------
-    def make_trace(self, metadata: dict[str, Any] | None = None, *, prefix: str = "",
-                   shift_ns: int = 0) -> Trace:
-        """The trace of this run; ``prefix`` and ``shift_ns`` rename and re-time it
-        (a recorder merging several runs onto one timeline)."""
-        sched = self.plan.schedule
-        lanes = self.plan.lanes
-        status = self.status
-        rank = self.rank
-        with no_gc():
-            records = tuple(
-                TaskRecord(
-                    name=prefix + t.name,
-                    kind=t.kind.value,
-                    lane=lanes[i],
-                    start_ns=self.start_ns[i] + shift_ns,
-                    end_ns=self.end_ns[i] + shift_ns,
-                    enqueue_ns=self.enqueue_ns[i] + shift_ns,
-                    nbytes=t.nbytes,
-                    deps=tuple(prefix + d for d in t.deps) if prefix else t.deps,
-                    buffers=tuple(prefix + b for b in t.buffers) if prefix else t.buffers,
-                    status=_STATUS.get(status[i], "cancelled"),  # type: ignore[arg-type]
-                    rank=rank,
-                )
-                for i, t in enumerate(self.tasks)
-            )
-        buffers = tuple(
-            BufferRecord(name=prefix + b.name, nbytes=b.nbytes, where=b.where, rank=rank)
-            for b in self.graph.buffers.values()
-        )
-        meta = {
-            "backend": self.backend,
-            "schedule": sched.kind,
-            "rank": self.rank,
-            "origin_unix_ns": self.origin_unix_ns,
-            "lookahead": sched.lookahead,
-        }
-        meta.update(metadata or {})
-        return Trace(
-            tasks=records,
-            buffers=buffers,
-            device_budget_bytes=sched.device_budget_bytes,
-            host_budget_bytes=sched.host_budget_bytes,
-            metadata=meta,
-        )
+    def status_names(self) -> list[str]:
+        """Per task, ``"ok"``, ``"failed"`` or ``"cancelled"`` (for
+        :meth:`pipeoff.Trace.from_run`; a pending task counts as cancelled)."""
+        return [_STATUS.get(st, "cancelled") for st in self.status]
 
 
-_profiler_enabled = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _local = threading.local()
 
 
@@ -319,14 +330,3 @@ def _thread_event() -> threading.Event:
     if ev is None:
         ev = _local.event = threading.Event()
     return ev
-
-
-def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # noqa: BLE001 - a trace must never fail for its metadata
-        pass
-    return 0

@@ -25,6 +25,7 @@ the simulated device of :mod:`pipeoff.testing`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -252,9 +253,18 @@ class CudaBackend:
                 # Hazard: starting before a dependency (or the previous user of a
                 # buffer, or a budget release) on another lane has finished.
                 stream.wait_event(state.ends[j])
+        gates = run.task_gates[i]
+        if gates:
+            run.wait_gates(i, host=False)  # this dispatch thread waits, not the caller
         if run.error is not None and not task.must_run:
             self._cancel(run, state, i)
             return
+        for k in gates:
+            ev = run.gates.event[k]
+            if ev is not None and not testing.disabled("gate_wait"):
+                # Hazard: reading a gate's payload that the producer's stream (or
+                # another execution) is still writing.
+                ev.wait(stream)
         try:
             # Allocate on the lane's stream: a fresh block then cannot be memory
             # that another stream freed with its kernels still pending.
@@ -278,7 +288,8 @@ class CudaBackend:
         # The context (the staging views) is made now: on the simulated device
         # the work runs later, after this task's staging has been released.
         ctx = TaskContext(task=task, lane=lane, buffers=run.views(i), stream=stream,
-                          results=run.results, retire=run.retired.add)
+                          results=run.results, retire=run.retired.add,
+                          gates=run.gates.payloads(gates))
         accel.launch(stream, functools.partial(self._device_work, run, state, i, ctx, outcome))
         state.ends[i].record(stream)
         state.ends_t[i].record(stream)
@@ -303,7 +314,9 @@ class CudaBackend:
             if task.work is not None:
                 name = f"pipeoff::{task.kind.value}::{task.name}"
                 ctx.failed = run.error
-                with state.accel.range(name), torch.profiler.record_function(name):
+                with state.accel.range(name), torch.profiler.record_function(name), (
+                        testing.failing_work(task.name, lane, run.hooks) if run.hooks
+                        else contextlib.nullcontext()):
                     result = run._call(i, task.work, ctx)
                 if result is not None:
                     run.results[task.name] = result
@@ -327,6 +340,9 @@ class CudaBackend:
                 # before the device work it follows has finished.
                 state.ends[j].synchronize()
         run.run_task(i, run.plan.lanes[i], waited=True)
+
+    def check_wait(self, run: Run, i: int | None) -> None:
+        threads.refuse_wait_on_own_lane(run, i)  # host tasks run on host lanes
 
     # -- completion -----------------------------------------------------------
     # After finalize() the run's events are back in the pool (backend_state is

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from pipeoff import _accel
+from pipeoff._errors import ConfigError
 from pipeoff.executor import _exit
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
@@ -139,10 +140,30 @@ def lane_instances() -> dict[str, int]:
         return {lane: len(ws) for lane, ws in _lanes.items()}
 
 
+def refuse_wait_on_own_lane(run: Run, i: int | None) -> None:
+    """A task waiting for a task of its own execution queued behind it on its own
+    lane could never see it run: refuse that (``ConfigError``) instead of hanging."""
+    lane = current_lane()
+    if lane is None or current_holder() is not run:
+        return  # another execution's lane instance: it can run meanwhile
+    mine = [j for j in (range(run.n) if i is None else (i,))
+            if run.plan.lanes[j] == lane and not run.terminal(j)]
+    if mine:
+        raise ConfigError(
+            f"wait() called from a task on lane {lane!r} for {run.tasks[mine[0]].name!r}, "
+            f"which is queued on that same lane behind the caller: it could never run. "
+            "Give the inner graph's tasks other lanes, or run it with "
+            "Schedule.synchronous() (inline, on the calling thread)"
+        )
+
+
 class ThreadsBackend(HostBackend):
     """Runs each lane on its own thread; ``launch`` returns without waiting."""
 
     name = "threads"
+
+    def check_wait(self, run: Run, i: int | None) -> None:
+        refuse_wait_on_own_lane(run, i)
 
     def launch(self, run: Run) -> None:
         lanes = run.plan.lanes

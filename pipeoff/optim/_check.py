@@ -201,7 +201,10 @@ def check_overlap(
                  for p in mod.parameters(recurse=False)}
     layout = OffloadOptimizer(make_optimizer(m), mode="chunked", chunk_bytes=chunk_bytes)
     idx = sorted({s.param for s in layout.plan.chunks[lo].segments})
-    ps = [layout._layout.params[i] for i in idx]
+    # Plan segments index the parameters in param-group order (chunked modes
+    # refuse duplicates, so the order is unambiguous).
+    order = [p for g in layout.param_groups for p in g["params"]]
+    ps = [order[i] for i in idx]
     readers = _readers(m, ps, xs[0], loss_of)
     return OverlapReport(
         ok=False, steps=len(xs), first_bad_step=bad,

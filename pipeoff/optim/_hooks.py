@@ -62,7 +62,7 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
         # Parameters no FSDP module manages (a plain head outside every
         # fully_shard unit, under a root that is not sharded) get plain hooks.
         managed = {id(p) for m in fsdp_modules
-                   for p in _sharded_params(m._get_fsdp_state())}  # type: ignore[operator]
+                   for p in _compat.fsdp_sharded_params(_compat.fsdp_state(m))}
         plain -= managed
     hooked = {m for m, _, _ in plan}
     for m in root.modules():
@@ -147,24 +147,17 @@ _wait.__qualname__ = _wait.__name__ = (
     "compile_without_fullgraph_or_compile_inside_the_hooked_modules")
 
 
-def _sharded_params(state: Any) -> list[torch.Tensor]:
-    return [fp.sharded_param for g in state._fsdp_param_groups for fp in g.fsdp_params]
-
-
 def _fsdp_wait(waits: ForwardWaits, module: Any, name: str) -> None:
-    state = module._get_fsdp_state()
+    state = _compat.fsdp_state(module)
     # Read the prefetch list now: set_modules_to_forward_prefetch may change it.
-    mine = _sharded_params(state)
-    for other in state._states_to_forward_prefetch:
-        mine += _sharded_params(other)
+    mine = _compat.fsdp_sharded_params(state)
+    for other in _compat.fsdp_prefetch_states(state):
+        mine += _compat.fsdp_sharded_params(other)
     streams: tuple[Any, ...] | None = None
     if waits.cuda:
-        ctx = state._comm_ctx
         # The all-gathers read the shards on these streams, which do not
         # sync with the compute stream again after the root's pre-forward.
-        gathers = () if testing.disabled("fsdp_gather_wait") else tuple(
-            s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
-                                                        "all_gather_stream"))
-            if s is not None)
+        gathers = () if testing.disabled("fsdp_gather_wait") else (
+            _compat.fsdp_all_gather_streams(state))
         streams = (_accel.current().current_stream(waits.device), *gathers)
     waits.on_module(module, mine, name, streams)

@@ -123,25 +123,13 @@ def _compiled_read(waits: ForwardWaits) -> None:
     waits.wait_for(list(waits.pending), "compiled code")
 
 
-def _mode_stack() -> list[Any]:
-    n = torch._C._len_torch_function_stack()
-    return [torch._C._get_function_stack_at(k) for k in range(n)]
-
-
-def _set_mode_stack(modes: list[Any]) -> None:
-    while torch._C._len_torch_function_stack():
-        torch._C._pop_torch_function_stack()
-    for m in modes:
-        torch._C._push_on_torch_function_stack(m)
-
-
 def _pop_inert_guards() -> None:
     """Take read guards with nothing left to guard off this thread's mode stack.
 
     Guards sit at the bottom of the stack (see :meth:`ForwardWaits._push_guard`);
     the user's modes above them keep their order.
     """
-    modes = _mode_stack()
+    modes = _compat.torch_function_stack()
     if not any(isinstance(m, _ReadGuard) for m in modes):
         return
     keep = []
@@ -152,7 +140,7 @@ def _pop_inert_guards() -> None:
                 continue
         keep.append(m)
     if len(keep) != len(modes):
-        _set_mode_stack(keep)
+        _compat.set_torch_function_stack(keep)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -283,10 +271,10 @@ class ForwardWaits:
         popped in its place. Below every other mode, each exits as it entered.
         """
         _pop_inert_guards()
-        modes = _mode_stack()
+        modes = _compat.torch_function_stack()
         if any(m is self._guard for m in modes):
             return  # still on this thread's stack from an earlier step
-        _set_mode_stack([self._guard, *modes])
+        _compat.set_torch_function_stack([self._guard, *modes])
 
     # -- waiting ----------------------------------------------------------------------
     def set_modules(self, root: torch.nn.Module, hooked: Iterable[torch.nn.Module]) -> None:

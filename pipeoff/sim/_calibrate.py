@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pipeoff.sim._costmodel import GB, CostModel
+GB = 1e9
 
 _CHUNK = 32 << 20  # bytes per measured copy: as big as the L3 cache, so copies are cold
 _COUNT = 4  # distinct buffers per pass (128 MiB moved)
@@ -102,20 +102,20 @@ def measure_update_elems_per_s(numel: int = _CHUNK // 4, count: int = _COUNT) ->
 
 
 def measure_launch_overhead_s(n: int = 2000) -> float:
-    import pipeoff
-    from pipeoff import TaskGraph, TaskKind
+    from pipeoff.executor import execute
+    from pipeoff.graph import TaskGraph, TaskKind
 
     g = TaskGraph()
     prev: list[str] = []
     for i in range(n):
         g.add_task(f"t{i}", TaskKind.OPTIMIZER_CHUNK, None, deps=prev)
         prev = [f"t{i}"]
-    return _best(lambda: pipeoff.execute(g).wait(), repeats=3) / n
+    return _best(lambda: execute(g).wait(), repeats=3) / n
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_here() -> CostModel:
-    """Measure this machine (about a second) and return its cost model.
+def cpu_here() -> dict[str, object]:
+    """Measure this machine (about a second): the fields of its cost model.
 
     On a CPU-only machine "device" and "host" are the same memory, so H2D,
     D2H and device copies all run at the measured ``copy_`` bandwidth, two
@@ -127,7 +127,7 @@ def cpu_here() -> CostModel:
     factor = measure_concurrent_copy_factor()
     update = measure_update_elems_per_s()
     mixed = measure_copy_compute_factor()
-    return CostModel(
+    return dict(
         name="cpu_here",
         h2d_gbps=copy,
         d2h_gbps=copy,

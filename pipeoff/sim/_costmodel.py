@@ -99,7 +99,7 @@ class CostModel:
         """This machine, measured at run time (once per process, about a second)."""
         from pipeoff.sim._calibrate import cpu_here
 
-        return cpu_here()
+        return cls(**cpu_here())  # type: ignore[arg-type]
 
     @classmethod
     def preset(cls, name: str, *, participants: int = 2) -> CostModel:

@@ -10,6 +10,8 @@ Example::
         ...  # every task on lane "compute" starts 50 ms late
     with pipeoff.testing.fail_task("allreduce:bucket3", RuntimeError("boom")):
         ...  # that task raises instead of running
+    with pipeoff.testing.fail_work("allreduce:bucket3", after_ops=1):
+        ...  # that task's work raises after one torch operation
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from pipeoff._errors import ConfigError
 
 __all__ = ["DataRaceError", "delay_lane", "delay_task", "disable", "disabled", "fail_task",
-           "installed", "simulated_cuda"]
+           "fail_work", "installed", "simulated_cuda"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,9 @@ class _Hook:
     pattern: re.Pattern[str] | None
     delay_s: float
     error: BaseException | Callable[[], BaseException] | None
+    inside: bool = False
+    """The error is raised inside the work (:func:`fail_work`), not before it."""
+    after_ops: int | None = None
 
 
 _lock = threading.Lock()
@@ -72,8 +77,51 @@ def run_hooks(task_name: str, lane: str, *, sleep: bool = True,
     if delay and sleep:
         time.sleep(delay)
     for h in matched:
-        if h.error is not None:
+        if h.error is not None and not h.inside:
             raise h.error() if callable(h.error) else h.error
+
+
+@contextlib.contextmanager
+def failing_work(task_name: str, lane: str, hooks: tuple[_Hook, ...]) -> Iterator[None]:
+    """Around a task's work: raise the :func:`fail_work` error inside it, if one matches."""
+    hook = next((h for h in _match(task_name, lane, hooks) if h.inside), None)
+    if hook is None:
+        yield
+        return
+    err = hook.error() if callable(hook.error) else hook.error
+    assert err is not None
+    if hook.after_ops is None:
+        yield  # the work ran to the end (its side effects happened); then it fails
+        raise err
+    with _FailAfter(hook.after_ops, err):
+        yield
+
+
+class _FailAfter:
+    """A ``TorchFunctionMode`` that raises at the torch call after the first ``n``."""
+
+    def __init__(self, n: int, err: BaseException) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                if outer.left == 0:
+                    raise outer.err
+                outer.left -= 1
+                return func(*args, **(kwargs or {}))
+
+        self.left = n
+        self.err = err
+        self.mode = _Mode()
+
+    def __enter__(self) -> None:
+        self.mode.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -123,11 +171,39 @@ def fail_task(
     return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err))
 
 
+def fail_work(
+    pattern: str, error: BaseException | Callable[[], BaseException] | None = None, *,
+    after_ops: int | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """Make the work of the tasks whose names fully match ``pattern`` raise ``error``
+    *after it started*, unlike :func:`fail_task`, which raises before it runs.
+
+    Args:
+        pattern: a regular expression over task names.
+        error: an exception or a factory of one; default a ``RuntimeError``.
+        after_ops: raise at the torch function call that follows the first
+            ``after_ops`` ones (``0``: at the first), with their effects done;
+            ``None`` (default): raise once the work has returned, with all its
+            effects done (a collective issued, a buffer written).
+
+    Raises:
+        ConfigError: ``after_ops`` is not an int >= 0 or ``None``.
+    """
+    if after_ops is not None and (isinstance(after_ops, bool) or not isinstance(after_ops, int)
+                                  or after_ops < 0):
+        raise ConfigError(f"after_ops must be an int >= 0 or None, got {after_ops!r}")
+    err = error if error is not None else RuntimeError(
+        f"pipeoff.testing: injected failure inside the work of {pattern!r}"
+    )
+    return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err,
+                          inside=True, after_ops=after_ops))
+
+
 # -- mutation switches -----------------------------------------------------------------
 _disabled: set[str] = set()
 MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
-    "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait",
+    "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -148,6 +224,7 @@ MUTATIONS = frozenset({
 * ``"hook_stream_wait"``: a forward hook's ``wait_event`` on CUDA streams.
 * ``"fsdp_gather_wait"``: the ``wait_event`` of an FSDP2 module's forward hook on
   FSDP's all-gather streams (the current stream still waits).
+* ``"gate_wait"``: a CUDA lane's wait on the event of a gate's payload.
 """
 
 

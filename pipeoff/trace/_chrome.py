@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeoff._errors import TraceFormatError
-from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace
+from pipeoff.trace._records import BufferRecord, TaskRecord, staging_timeline
+
+if TYPE_CHECKING:
+    from pipeoff.trace._trace import Trace
 
 FORMAT_VERSION = 1
 
@@ -73,12 +76,13 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
                     "deps": list(t.deps),
                     "buffers": list(t.buffers),
                     "t_ns": [t.enqueue_ns, t.start_ns, t.end_ns],
+                    **({"gates": list(t.gates)} if t.gates else {}),
                 },
             }
         )
     flow_id = 0
     for t in trace.tasks:
-        for d in t.deps:
+        for d in (*t.deps, *t.gates):
             src = by_name.get((t.rank, d))
             if src is None or src.lane == t.lane or "cancelled" in (src.status, t.status):
                 continue
@@ -90,11 +94,9 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
                            "ts": _us(t.start_ns)})
     ranks = sorted({b.rank for b in trace.buffers})
     for rank in ranks:
-        sub = Trace(
-            tasks=tuple(t for t in trace.tasks if t.rank == rank),
-            buffers=tuple(b for b in trace.buffers if b.rank == rank),
-        )
-        for time_ns, dev, host in sub.staging_timeline():
+        for time_ns, dev, host in staging_timeline(
+                (t for t in trace.tasks if t.rank == rank),
+                (b for b in trace.buffers if b.rank == rank)):
             events.append(
                 {"ph": "C", "name": "staging bytes", "pid": rank, "ts": _us(time_ns),
                  "args": {"device": dev, "host": host}}
@@ -134,16 +136,15 @@ def read_json(path: str | Path) -> Any:
         raise TraceFormatError(f"{str(path)!r} is not valid JSON: {err}") from None
 
 
-def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
-    """The :class:`Trace` in a parsed Chrome trace document, checked as the tools read it.
+def from_chrome(doc: Any, *, source: str = "<trace>") -> dict[str, Any]:
+    """The fields of the :class:`Trace` in a parsed Chrome trace document.
 
     Raises:
         TraceFormatError: ``doc`` is not a trace pipeoff wrote (or a torch.profiler
             trace with pipeoff ranges), or one of its fields is malformed.
     """
     try:
-        trace = _from_chrome(doc, source)
-        trace.summary()  # reads every field the trace tools use
+        return _from_chrome(doc, source)
     except TraceFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError,
@@ -151,10 +152,20 @@ def from_chrome(doc: Any, *, source: str = "<trace>") -> Trace:
         raise TraceFormatError(
             f"{source!r} is not a well-formed pipeoff trace: {type(err).__name__}: {err}"
         ) from None
-    return trace
 
 
-def _from_chrome(doc: Any, source: str) -> Trace:
+def check_readable(trace: Trace, source: str) -> None:
+    """Read every field the trace tools use, turning a malformed one into TraceFormatError."""
+    try:
+        trace.summary()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError,
+            ArithmeticError) as err:
+        raise TraceFormatError(
+            f"{source!r} is not a well-formed pipeoff trace: {type(err).__name__}: {err}"
+        ) from None
+
+
+def _from_chrome(doc: Any, source: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceFormatError(
             f"{source!r} is not a Chrome trace: expected an object with a 'traceEvents' list"
@@ -189,6 +200,7 @@ def _from_chrome(doc: Any, source: str) -> Trace:
                     buffers=tuple(a["buffers"]),
                     status=a["status"],
                     rank=int(ev.get("pid", 0)),
+                    gates=tuple(a.get("gates", ())),
                 )
             )
         buffers = tuple(
@@ -206,16 +218,16 @@ def _from_chrome(doc: Any, source: str) -> Trace:
         v = section.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise TraceFormatError(f"{source!r}: {key} must be a byte count or null, got {v!r}")
-    return Trace(
-        tasks=tuple(tasks),
-        buffers=buffers,
-        device_budget_bytes=section.get("device_budget_bytes"),
-        host_budget_bytes=section.get("host_budget_bytes"),
-        metadata=dict(section.get("metadata", {})),
-    )
+    return {
+        "tasks": tuple(tasks),
+        "buffers": buffers,
+        "device_budget_bytes": section.get("device_budget_bytes"),
+        "host_budget_bytes": section.get("host_budget_bytes"),
+        "metadata": dict(section.get("metadata", {})),
+    }
 
 
-def _from_profiler(doc: dict[str, Any]) -> Trace | None:
+def _from_profiler(doc: dict[str, Any]) -> dict[str, Any] | None:
     """A trace from the ``pipeoff::<kind>::<name>`` ranges of a torch.profiler trace.
 
     Only what the ranges carry survives: lane (the profiler thread), start,
@@ -242,4 +254,4 @@ def _from_profiler(doc: dict[str, Any]) -> Trace | None:
         tasks.append(TaskRecord(name=f"{name}#{k}", kind=kind, lane=lane, start_ns=start,
                                 end_ns=start + int(round(float(ev.get("dur", 0)) * 1e3)),
                                 enqueue_ns=start, rank=rank))
-    return Trace(tasks=tuple(tasks), metadata={"source": "torch.profiler", "rank": rank})
+    return {"tasks": tuple(tasks), "metadata": {"source": "torch.profiler", "rank": rank}}

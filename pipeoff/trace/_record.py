@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeoff import _dist
 from pipeoff.trace._trace import HOOK_WAIT, BufferRecord, TaskRecord, Trace
 
 if TYPE_CHECKING:
@@ -124,7 +125,5 @@ def record_hook_wait(name: str, start_ns: int, end_ns: int) -> None:
     """Tell the active recorders that a forward hook blocked (``perf_counter_ns`` times)."""
     if not _active:
         return
-    from pipeoff.executor._run import _rank
-
     for rec in list(_active):
-        rec.add_hook_wait(name, start_ns, end_ns, rank=_rank())
+        rec.add_hook_wait(name, start_ns, end_ns, rank=_dist.rank())

@@ -6,54 +6,24 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-__all__ = ["HOOK_WAIT", "BufferRecord", "TaskRecord", "Trace", "TraceSummary", "fmt_bytes"]
+from pipeoff.graph import no_gc
+from pipeoff.trace import _chrome
+from pipeoff.trace._records import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    COPY_KINDS,
+    GATE,
+    HOOK_WAIT,
+    MARKERS,
+    BufferRecord,
+    TaskRecord,
+    staging_timeline,
+)
 
-Status = Literal["ok", "failed", "cancelled"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TaskRecord:
-    """What one task did. Times are nanoseconds from the trace's origin."""
-
-    name: str
-    """The task's name."""
-    kind: str
-    """The :class:`~pipeoff.TaskKind` value, e.g. ``"d2h"``."""
-    lane: str
-    """The lane it ran on."""
-    start_ns: int
-    """When it started (a CUDA event on GPU lanes, a monotonic clock on host)."""
-    end_ns: int
-    """When it ended; equal to ``start_ns`` for a cancelled task."""
-    enqueue_ns: int = 0
-    """When the host issued it."""
-    nbytes: int = 0
-    """Bytes moved or computed on."""
-    deps: tuple[str, ...] = ()
-    """The tasks it depended on."""
-    buffers: tuple[str, ...] = ()
-    """The staging buffers it used."""
-    status: Status = "ok"
-    """``"ok"``, ``"failed"`` (it raised), or ``"cancelled"`` (it never ran)."""
-    rank: int = 0
-    """The process's rank when recorded."""
-
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BufferRecord:
-    """A staging buffer of a traced execution."""
-
-    name: str
-    nbytes: int
-    where: str
-    """``"device"`` or ``"host"``."""
-    rank: int = 0
+__all__ = ["GATE", "HOOK_WAIT", "BufferRecord", "TaskRecord", "Trace", "TraceSummary",
+           "fmt_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +62,10 @@ class TraceSummary:
     """Their total blocked time."""
     hook_wait_max_us: float = 0.0
     """The longest single blocked time."""
+    gates: int = 0
+    """Gates (inputs from outside the executions) recorded."""
+    gate_wait_total_us: float = 0.0
+    """The time lanes waited for gates to open, summed over the gates."""
     longest: tuple[tuple[str, str, float], ...] = ()
     """The 10 longest tasks as ``(name, lane, duration_us)``."""
 
@@ -119,6 +93,8 @@ class TraceSummary:
             "hook_waits": self.hook_waits,
             "hook_wait_total_us": self.hook_wait_total_us,
             "hook_wait_max_us": self.hook_wait_max_us,
+            "gates": self.gates,
+            "gate_wait_total_us": self.gate_wait_total_us,
             "longest": [list(x) for x in self.longest],
         }
 
@@ -143,8 +119,11 @@ class TraceSummary:
             f" / budget {fmt_bytes(self.host_budget_bytes)}",
             f"hook waits        {self.hook_waits}, total {self.hook_wait_total_us / 1e3:.3f} ms,"
             f" worst {self.hook_wait_max_us / 1e3:.3f} ms",
-            "lane busy",
         ]
+        if self.gates:
+            lines.append(f"gate waits        {self.gates} gates, lanes waited "
+                         f"{self.gate_wait_total_us / 1e3:.3f} ms in total")
+        lines.append("lane busy")
         for lane, busy_pct in self.lane_busy_pct:
             lines.append(f"  {lane:<15} {busy_pct:6.1f} %")
         if self.longest:
@@ -166,13 +145,6 @@ def fmt_bytes(n: int | None) -> str:
     return f"{value:.2f} GiB"
 
 
-HOOK_WAIT = "hook_wait"
-"""The ``kind`` of records that time a forward hook blocked on a step in flight."""
-_COPIES = ("d2h", "h2d")
-_COMPUTE = ("optimizer_chunk",)
-_COMM = ("allreduce",)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Trace:
     """The record of one or more executions: tasks, staging buffers and budgets."""
@@ -188,7 +160,7 @@ class Trace:
 
     # -- analysis -----------------------------------------------------------
     def _ran(self) -> list[TaskRecord]:
-        return [t for t in self.tasks if t.status != "cancelled" and t.kind != HOOK_WAIT]
+        return [t for t in self.tasks if t.status != "cancelled" and t.kind not in MARKERS]
 
     def _union(self, kinds: tuple[str, ...]) -> list[tuple[int, int]]:
         return _merge([(t.start_ns, t.end_ns) for t in self._ran() if t.kind in kinds])
@@ -234,10 +206,14 @@ class Trace:
         origin = min(t.start_ns for t in ran)
         # Keyed by rank too: the ranks of a merged trace run the same task names.
         finish: dict[tuple[int, str], int] = {}
+        opened = {(t.rank, t.name): t.end_ns - origin for t in self.tasks if t.kind == GATE}
         for t in self.tasks:  # records are in issue order, a topological order
-            if t.kind == HOOK_WAIT:
+            if t.kind in MARKERS:
                 continue
-            release = max(t.enqueue_ns - origin, 0)
+            # A task cannot start before the host issued it, nor before its
+            # gates opened (inputs from outside the execution).
+            release = max([t.enqueue_ns - origin, 0,
+                           *(opened.get((t.rank, g), 0) for g in t.gates)])
             before = max((finish.get((t.rank, d), 0) for d in t.deps), default=0)
             finish[(t.rank, t.name)] = max(release, before) + (
                 t.duration_ns if t.status != "cancelled" else 0)
@@ -249,27 +225,7 @@ class Trace:
 
         A buffer is live from its first user's start to its last user's end.
         """
-        spans: dict[tuple[int, str], list[int]] = {}
-        for t in self.tasks:
-            for b in t.buffers:
-                span = spans.setdefault((t.rank, b), [t.start_ns, t.end_ns])
-                span[0] = min(span[0], t.start_ns)
-                span[1] = max(span[1], t.end_ns)
-        sizes = {(b.rank, b.name): b for b in self.buffers}
-        changes: list[tuple[int, int, str, int]] = []  # (time, order, where, delta)
-        for key, (s, e) in spans.items():
-            spec = sizes.get(key)
-            if spec is None:
-                continue
-            changes.append((s, 1, spec.where, spec.nbytes))
-            changes.append((e, 0, spec.where, -spec.nbytes))  # releases sort first
-        changes.sort()
-        live = {"device": 0, "host": 0}
-        out: list[tuple[int, int, int]] = []
-        for time_ns, _, where, delta in changes:
-            live[where] += delta
-            out.append((time_ns, live["device"], live["host"]))
-        return out
+        return staging_timeline(self.tasks, self.buffers)
 
     def peak_staging_bytes(self) -> dict[str, int]:
         peak = {"device": 0, "host": 0}
@@ -285,6 +241,7 @@ class Trace:
         peak = self.peak_staging_bytes()
         busy = self.lane_busy_ns()
         waits = [t.duration_ns for t in self.tasks if t.kind == HOOK_WAIT]
+        gates = [t.duration_ns for t in self.tasks if t.kind == GATE]
         ran = sorted(self._ran(), key=lambda t: -t.duration_ns)[:10]
         return TraceSummary(
             makespan_us=makespan / 1e3,
@@ -295,23 +252,24 @@ class Trace:
             peak_host_staging_bytes=peak["host"],
             device_budget_bytes=self.device_budget_bytes,
             host_budget_bytes=self.host_budget_bytes,
-            tasks=sum(t.kind != HOOK_WAIT for t in self.tasks),
-            failed=sum(t.status == "failed" for t in self.tasks),
-            cancelled=sum(t.status == "cancelled" for t in self.tasks),
-            comm_overlap_pct=self.overlap_pct(_COMM, _COPIES + _COMPUTE),
-            copy_overlap_pct=self.overlap_pct(_COPIES, _COMPUTE + _COMM),
+            tasks=sum(t.kind not in MARKERS for t in self.tasks),
+            failed=sum(t.status == "failed" for t in self.tasks if t.kind not in MARKERS),
+            cancelled=sum(t.status == "cancelled" for t in self.tasks
+                          if t.kind not in MARKERS),
+            comm_overlap_pct=self.overlap_pct(COMM_KINDS, COPY_KINDS + COMPUTE_KINDS),
+            copy_overlap_pct=self.overlap_pct(COPY_KINDS, COMPUTE_KINDS + COMM_KINDS),
             hook_waits=len(waits),
             hook_wait_total_us=sum(waits) / 1e3,
             hook_wait_max_us=max(waits, default=0) / 1e3,
             longest=tuple((t.name, t.lane, t.duration_ns / 1e3) for t in ran),
+            gates=len(gates),
+            gate_wait_total_us=sum(gates) / 1e3,
         )
 
     # -- files --------------------------------------------------------------
     def to_chrome(self) -> dict[str, Any]:
         """This trace as a Chrome trace JSON object (what :meth:`save` writes)."""
-        from pipeoff.trace._chrome import to_chrome
-
-        return to_chrome(self)
+        return _chrome.to_chrome(self)
 
     def save(self, path: str | Path) -> Path:
         """Write Chrome trace JSON that Perfetto and ``chrome://tracing`` open."""
@@ -328,9 +286,68 @@ class Trace:
             TraceFormatError: the file is not JSON or not a pipeoff trace.
             FileNotFoundError: the file does not exist.
         """
-        from pipeoff.trace._chrome import from_chrome, read_json
+        source = str(path)
+        fields = _chrome.from_chrome(_chrome.read_json(path), source=source)
+        trace = cls(**fields)
+        _chrome.check_readable(trace, source)
+        return trace
 
-        return from_chrome(read_json(path), source=str(path))
+    @classmethod
+    def from_run(cls, run: Any, metadata: Mapping[str, Any] | None = None, *,
+                 prefix: str = "", shift_ns: int = 0) -> Trace:
+        """The trace of one finished execution's bookkeeping (``Execution.trace``
+        calls this). ``prefix`` and ``shift_ns`` rename and re-time it, for a
+        recorder that puts several executions on one timeline."""
+        sched = run.plan.schedule
+        lanes = run.plan.lanes
+        status = run.status_names()
+        rank = run.rank
+        with no_gc():  # 100k small records, no cycles: a collection midway costs more
+            records = [
+                TaskRecord(
+                    name=prefix + t.name, kind=t.kind.value, lane=lanes[i],
+                    start_ns=run.start_ns[i] + shift_ns, end_ns=run.end_ns[i] + shift_ns,
+                    enqueue_ns=run.enqueue_ns[i] + shift_ns, nbytes=t.nbytes,
+                    deps=tuple(prefix + d for d in t.deps) if prefix else t.deps,
+                    buffers=tuple(prefix + b for b in t.buffers) if prefix else t.buffers,
+                    status=status[i],  # type: ignore[arg-type]
+                    rank=rank,
+                    gates=tuple(prefix + g for g in t.gates) if prefix else t.gates,
+                )
+                for i, t in enumerate(run.tasks)
+            ]
+        gates = run.gates
+        for k, name in enumerate(gates.names):
+            # From a lane's first wait on the gate (or its opening, if none had
+            # to wait) to its opening; a gate never settled is cancelled.
+            state = gates.state_name(k)
+            first = gates.first_wait_ns[k]
+            end = gates.opened_ns[k] if state != "pending" else (first or 0)
+            start = min(first, end) if first is not None else end
+            payload = gates.payload[k]
+            records.append(TaskRecord(
+                name=prefix + name, kind=GATE, lane="gates", start_ns=start + shift_ns,
+                end_ns=end + shift_ns, enqueue_ns=shift_ns, rank=rank,
+                status=("failed" if state == "failed" else
+                        "cancelled" if state == "pending" else "ok"),
+                nbytes=(payload.numel() * payload.element_size()
+                        if hasattr(payload, "element_size") else 0),
+            ))
+        buffers = tuple(
+            BufferRecord(name=prefix + b.name, nbytes=b.nbytes, where=b.where, rank=rank)
+            for b in run.graph.buffers.values()
+        )
+        meta = {
+            "backend": run.backend,
+            "schedule": sched.kind,
+            "rank": rank,
+            "origin_unix_ns": run.origin_unix_ns,
+            "lookahead": sched.lookahead,
+        }
+        meta.update(metadata or {})
+        return cls(tasks=tuple(records), buffers=buffers,
+                   device_budget_bytes=sched.device_budget_bytes,
+                   host_budget_bytes=sched.host_budget_bytes, metadata=meta)
 
     @classmethod
     def merge(cls, traces: Iterable[Trace], metadata: Mapping[str, Any] | None = None) -> Trace:

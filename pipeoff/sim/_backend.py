@@ -61,6 +61,8 @@ class SimBackend(HostBackend):
         return f
 
     def launch(self, run: Run) -> None:
+        # The simulator's inputs from outside the execution are there at launch.
+        run.gates.open_all(0)
         plan = run.plan
         n = run.n
         cost = self.cost
