@@ -136,9 +136,10 @@ def local_sgd_staging(out: Path, numels: list[int], bucket_bytes: int,
     (device copy, D2H into pinned memory, H2D write-back) of LocalSGD.
     """
     import pipeoff
-    from pipeoff import Schedule, TaskGraph, TaskKind
+    from pipeoff import Schedule, TaskGraph
+    from pipeoff.ft._sync_graph import SyncWork, sync_graph
     from pipeoff.sim import CostModel
-    from pipeoff.sim._workloads import ModelShape, local_sgd_graph
+    from pipeoff.sim._workloads import ModelShape, local_sgd_buckets, local_sgd_graph
 
     dev = torch.device(device)
     params = [torch.randn(n, device=dev) for n in numels]
@@ -146,39 +147,33 @@ def local_sgd_staging(out: Path, numels: list[int], bucket_bytes: int,
                                                          for i, n in enumerate(numels)), fsdp=1)
 
     def real_graph(variant: str) -> TaskGraph:
-        sym = local_sgd_graph(shape, variant=variant, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
-        g = TaskGraph(device=dev)
-        for b in sym.buffers.values():
-            g.add_buffer(b.name, b.nbytes, where=b.where)
-        flat = torch.cat([p.view(-1) for p in params]) if variant != "original" else None
-        offsets: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for t in sym.tasks.values():
-            if t.kind is TaskKind.ALLREDUCE:
-                n = t.nbytes // 4
-                offsets[t.name.split(":", 1)[1]] = (pos, n)
-                pos += n
-        for t in sym.tasks.values():
-            unit = t.name.split(":", 1)[-1]
-            work = None
-            if t.kind is TaskKind.ALLREDUCE and flat is not None:
-                lo, n = offsets[unit]
+        """LocalSGD's own graph builder, with an all-reduce that stands in for one
+        participant's average (a scale), so what is measured is the staging path."""
+        buckets = local_sgd_buckets(shape, per_parameter=variant == "rfc",
+                                    bucket_bytes=None if variant == "rfc" else bucket_bytes)
 
-                def work(ctx, lo=lo, n=n, unit=unit):  # type: ignore[no-untyped-def]
-                    buf = ctx.buffer(f"dev:{unit}", torch.float32)
-                    buf.copy_(flat[lo:lo + n])
-                    buf.mul_(0.5)  # stands in for the average of one participant
-            elif t.kind is TaskKind.D2H:
-                def work(ctx, unit=unit):  # type: ignore[no-untyped-def]
-                    ctx.buffer(f"host:{unit}").copy_(ctx.buffer(f"dev:{unit}"), non_blocking=True)
-            elif t.kind is TaskKind.H2D and flat is not None:
-                lo, n = offsets[unit]
+        def allreduce(k, b, dev_buf):  # type: ignore[no-untyped-def]
+            def work(ctx):  # type: ignore[no-untyped-def]
+                buf = ctx.buffer(dev_buf, torch.float32)
+                for pc in b.pieces:
+                    buf[pc.offset:pc.offset + pc.numel].copy_(
+                        params[pc.param][pc.start:pc.start + pc.numel])
+                buf.mul_(0.5)
+            return work
 
-                def work(ctx, lo=lo, n=n, unit=unit):  # type: ignore[no-untyped-def]
-                    flat[lo:lo + n].copy_(ctx.buffer(f"host:{unit}", torch.float32),
-                                          non_blocking=True)
-            g.add_task(t.name, t.kind, work, deps=t.deps, nbytes=t.nbytes, buffers=t.buffers)
-        return g
+        def d2h(k, b, dev_buf, host):  # type: ignore[no-untyped-def]
+            return lambda ctx: ctx.buffer(host).copy_(ctx.buffer(dev_buf), non_blocking=True)
+
+        def h2d(k, b, host):  # type: ignore[no-untyped-def]
+            def work(ctx):  # type: ignore[no-untyped-def]
+                flat = ctx.buffer(host, torch.float32)
+                for pc in b.pieces:
+                    params[pc.param][pc.start:pc.start + pc.numel].copy_(
+                        flat[pc.offset:pc.offset + pc.numel], non_blocking=True)
+            return work
+
+        return sync_graph(buckets, dev, SyncWork(allreduce=allreduce, d2h=d2h,
+                                                 decide=lambda ctx: True, h2d=h2d))
 
     schedules = {"rfc": Schedule.synchronous(),
                  "pipelined": Schedule.pipelined(device_budget_bytes=2 * bucket_bytes)}

@@ -141,6 +141,31 @@ def test_a_host_task_reads_device_results_after_they_are_done(gpu: Gpu) -> None:
     _mutated(gpu, "host_sync", scenario)
 
 
+def test_device_tasks_wait_for_device_work_a_host_task_enqueued(gpu: Gpu) -> None:
+    """torchft's should_commit may load a healed state into the parameters: device
+    work on the host task's thread's stream. The write-backs after it wait for it."""
+
+    def scenario() -> None:
+        param = gpu.zeros(1 << 10)
+        healed = gpu.zeros(1 << 10)
+        healed.fill_(3.0)
+        accel = gpu.accel
+
+        def should_commit(ctx: pipeoff.TaskContext) -> bool:
+            stream = accel.current_stream(gpu.device)
+            accel.sleep(stream, 0.03)  # the heal's copies are late on their stream
+            param.copy_(healed)
+            return True
+
+        g = TaskGraph(device=gpu.device)
+        g.add_task("should_commit", TaskKind.HOST, should_commit)
+        g.add_task("h2d", TaskKind.H2D, lambda ctx: param.add_(1.0), deps=["should_commit"])
+        pipeoff.execute(g).wait()
+        assert torch.all(gpu.read(param) == 4.0)
+
+    _mutated(gpu, "host_task_event", scenario)
+
+
 def test_wait_makes_host_reads_of_copies_safe(gpu: Gpu) -> None:
     def scenario() -> None:
         x = gpu.zeros(1 << 10)

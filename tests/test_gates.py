@@ -276,6 +276,7 @@ def test_a_cuda_lane_waits_for_the_payloads_event(gpu: Gpu) -> None:
         g.add_task("copy", TaskKind.D2H, lambda ctx: out.copy_(ctx.gate("grad")),
                    gates=["grad"])
         ex = pipeoff.execute(g)
+        producer.wait_stream(gpu.current_stream())  # grad was zeroed on the default stream
         with accel.use_stream(producer):
             accel.sleep(producer, 0.03)  # the backward is still running
             grad.fill_(5.0)

@@ -242,10 +242,13 @@ class Run:
         """Correct a finished task's status (work that ran after its issue failed)."""
         self.status[i] = status
 
-    def run_task(self, i: int, lane: str, *, waited: bool = False) -> None:
+    def run_task(self, i: int, lane: str, *, waited: bool = False,
+                 after: Callable[[], None] | None = None) -> None:
         """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish.
 
         ``waited``: the caller has already waited for the task's dependencies.
+        ``after``: called once the work has run (or failed), before the task is
+        released to its dependents.
         """
         status = self.status
         for j in () if waited else self.plan.waits[i]:
@@ -303,6 +306,8 @@ class Run:
         end = time.perf_counter_ns()
         self.start_ns[i] = start - self.origin_ns
         self.end_ns[i] = end - self.origin_ns
+        if after is not None:
+            after()
         if self.plan.release[i]:
             self.release(i)
         self.finish(i, outcome)

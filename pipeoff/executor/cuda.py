@@ -152,8 +152,8 @@ def _clock(accel: _accel.Accelerator, device: torch.device) -> tuple[Any, int]:
 
 
 class _CudaRunState:
-    __slots__ = ("accel", "clock", "device", "dispatched", "ends", "base", "starts_t",
-                 "ends_t", "streams")
+    __slots__ = ("accel", "clock", "device", "dispatched", "ends", "base", "host_recorded",
+                 "starts_t", "ends_t", "streams")
 
     def __init__(self, run: Run, accel: _accel.Accelerator, device: torch.device) -> None:
         n = run.n
@@ -167,6 +167,9 @@ class _CudaRunState:
         self.starts_t = timing[:n]
         self.ends_t = timing[n:]
         self.dispatched = [False] * n
+        self.host_recorded = [False] * n
+        """Per HOST task: its end event was recorded on its thread's stream after its
+        work (which may have enqueued device work: torchft's heal in should_commit)."""
         self.streams: dict[str, Any] = {}
         self.clock = _clock(accel, device)
 
@@ -249,6 +252,11 @@ class CudaBackend:
             if run.tasks[j].kind is TaskKind.HOST:
                 # A host dependency: issue only once its work is done on the host.
                 run.wait_terminal(j)
+                if state.host_recorded[j] and not testing.disabled("host_task_event"):
+                    # Hazard: device work the host task enqueued on its thread's
+                    # stream (torchft's should_commit loading a healed state
+                    # into the parameters) still running when this task writes.
+                    stream.wait_event(state.ends[j])
             elif state.dispatched[j] and not testing.disabled("cross_lane_wait"):
                 # Hazard: starting before a dependency (or the previous user of a
                 # buffer, or a budget release) on another lane has finished.
@@ -334,12 +342,20 @@ class CudaBackend:
         """
         for j in run.plan.waits[i]:
             run.wait_terminal(j)
-            if (run.tasks[j].kind is not TaskKind.HOST and state.dispatched[j]
+            if ((state.dispatched[j] or state.host_recorded[j])
                     and not testing.disabled("host_sync")):
                 # Hazard: host work reading device results, or deciding on them,
                 # before the device work it follows has finished.
                 state.ends[j].synchronize()
-        run.run_task(i, run.plan.lanes[i], waited=True)
+
+        def record_end() -> None:
+            # The host work may have enqueued device work on this thread's current
+            # stream; dependents wait for that with this event.
+            with state.accel.use_device(state.device):
+                state.ends[i].record(state.accel.current_stream(state.device))
+            state.host_recorded[i] = True
+
+        run.run_task(i, run.plan.lanes[i], waited=True, after=record_end)
 
     def check_wait(self, run: Run, i: int | None) -> None:
         threads.refuse_wait_on_own_lane(run, i)  # host tasks run on host lanes
@@ -352,13 +368,14 @@ class CudaBackend:
         if not run.terminal(i):
             return False
         state: _CudaRunState | None = run.backend_state
-        return state is None or not state.dispatched[i] or state.ends[i].query()
+        return state is None or not (state.dispatched[i] or state.host_recorded[i]) or (
+            state.ends[i].query())
 
     def synchronize(self, run: Run, i: int, deadline: float | None) -> bool:
         if not run.wait_terminal(i, deadline):
             return False
         state: _CudaRunState | None = run.backend_state
-        if state is None or not state.dispatched[i]:
+        if state is None or not (state.dispatched[i] or state.host_recorded[i]):
             return True
         if deadline is None:
             state.ends[i].synchronize()
@@ -377,10 +394,10 @@ class CudaBackend:
 
     def stream_wait(self, run: Run, i: int, stream: Any) -> None:
         # The end event must be recorded before a stream can wait on it: wait for
-        # the task's issue (a host task: for its end, there is no event).
+        # the task's issue (a host task: for its end, and the event it recorded).
         run.wait_terminal(i)
         state: _CudaRunState | None = run.backend_state
-        if state is None or not state.dispatched[i]:
+        if state is None or not (state.dispatched[i] or state.host_recorded[i]):
             return
         target = stream if stream is not None else state.accel.current_stream(state.device)
         # Hazard: the reader's stream running ahead of the task that writes its inputs.

@@ -18,7 +18,10 @@ import torch
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["Bucket", "Piece", "TensorInfo", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Piece", "TensorInfo", "plan_buckets"]
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+"""Bucket size of ``LocalSGD(schedule="pipelined")`` when ``bucket_bytes`` is not given."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

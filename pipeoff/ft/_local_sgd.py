@@ -12,9 +12,9 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError
 from pipeoff.executor import execute
-from pipeoff.ft._buckets import Bucket, TensorInfo, plan_buckets
-from pipeoff.graph import TaskContext, TaskGraph, TaskKind
-from pipeoff.schedule import Schedule
+from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
+from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
+from pipeoff.graph import TaskContext, TaskGraph
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "LocalSGD"]
 
-DEFAULT_BUCKET_BYTES = 16 << 20
-"""Bucket size of ``schedule="pipelined"`` when ``bucket_bytes`` is not given."""
 _SCHEDULES = ("pipelined", "sync")
 _PER_PARAMETER = "per_parameter"
 
@@ -252,13 +250,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
         graph = self._build_graph(params, buckets, device, commit)
-        budget = self._device_budget_bytes
-        if budget is None and buckets:
-            # One bucket per parameter and no budget: the RFC's bound, M
-            # (the largest one), not all of S at once.
-            budget = max(b.nbytes for b in buckets)
-        schedule = (Schedule.pipelined(device_budget_bytes=budget)
-                    if pipelined else Schedule.synchronous())
+        schedule = sync_schedule(buckets, pipelined=pipelined,
+                                 device_budget_bytes=self._device_budget_bytes)
         ex = None
         try:
             ex = execute(graph, schedule)
@@ -298,13 +291,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         manager = self._manager
         cuda = _accel.current().is_device(device)
         sync = self._schedule_name == "sync"
-        g = TaskGraph(device=device)
-        copied = []
-        for k, b in enumerate(buckets):
-            dev = g.add_buffer(f"device:b{k}", b.nbytes, where="device")
-            host = g.add_buffer(f"host:b{k}", b.nbytes, where="host")
 
-            def allreduce(ctx: TaskContext, b: Bucket = b, dev: str = dev) -> None:
+        def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
+            def allreduce(ctx: TaskContext) -> None:
                 flat = ctx.buffer(dev, b.dtype)
                 local_failure: BaseException | None = None
                 try:
@@ -338,7 +327,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     # may still write it.
                     ctx.retire_buffer(dev)
 
-            def d2h(ctx: TaskContext, b: Bucket = b, dev: str = dev, host: str = host) -> None:
+            return allreduce
+
+        def d2h_work(k: int, b: Bucket, dev: str, host: str) -> Any:
+            def d2h(ctx: TaskContext) -> None:
                 # non_blocking (pipelined only; the RFC path copies synchronously):
                 # the host buffer is pinned and read only by this bucket's
                 # write-back, which the executor orders after this copy with an
@@ -346,11 +338,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 ctx.buffer(host, b.dtype).copy_(ctx.buffer(dev, b.dtype),
                                                 non_blocking=cuda and not sync)
 
-            g.add_task(f"allreduce:b{k}", TaskKind.ALLREDUCE, allreduce, buffers=[dev],
-                       nbytes=b.nbytes, must_run=True)
-            g.add_task(f"d2h:b{k}", TaskKind.D2H, d2h, deps=[f"allreduce:b{k}"],
-                       buffers=[dev, host], nbytes=b.nbytes)
-            copied.append(f"d2h:b{k}")
+            return d2h
 
         def decide(ctx: TaskContext) -> bool:
             # Runs once every bucket is in host staging, so the vote covers
@@ -360,12 +348,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             commit["decided"] = decided
             return decided
 
-        g.add_task("should_commit", TaskKind.HOST, decide, deps=copied)
-
-        for k, b in enumerate(buckets):
-            host = f"host:b{k}"
-
-            def h2d(ctx: TaskContext, b: Bucket = b, host: str = host) -> None:
+        def h2d_work(k: int, b: Bucket, host: str) -> Any:
+            def h2d(ctx: TaskContext) -> None:
                 if not ctx.results["should_commit"]:
                     return  # quorum rejected: the model keeps its local values
                 flat = ctx.buffer(host, b.dtype)
@@ -376,9 +360,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     else:
                         _write_back_slice(params[pc.param], src, pc.start, pc.whole, cuda)
 
-            g.add_task(f"h2d:b{k}", TaskKind.H2D, h2d, deps=["should_commit"],
-                       buffers=[host], nbytes=b.nbytes)
-        return g
+            return h2d
+
+        return sync_graph(buckets, device, SyncWork(allreduce=allreduce_work, d2h=d2h_work,
+                                                    decide=decide, h2d=h2d_work))
 
 
 # -- tensor helpers -------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pipeoff.executor import execute
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim import _update
 from pipeoff.optim._layout import Layout
+from pipeoff.optim._step_graph import ChunkTasks, chunk_tasks, step_graph, step_schedule
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import flat, flat_like, host_alloc
 from pipeoff.optim._tensors import local as _local
@@ -133,8 +134,6 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
         hosts[i][key] = flat(h, layout.orders[i])
         new_state[i][key] = _wrap_like(params[i], h)
 
-    graph = TaskGraph(device=layout.device)
-    opt_tasks = []
     cuda = _accel.current().is_device(layout.device)
     step = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
                 restore=restore, updated=tuple(grads))
@@ -150,47 +149,26 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
         for i in ends:
             commit(i)
 
-    for chunk in plan.chunks:
-        k = chunk.index
-        segs = []
-        for s in chunk.segments:
-            if s.param not in grads:
-                continue
-            n_loc = _local(params[s.param]).numel()
-            lo, hi = min(s.lo, n_loc), min(s.hi, n_loc)
-            segs.append((s, lo, hi))
-        buf = graph.add_buffer(f"state{k}", chunk.nbytes) if chunk.nbytes and segs else None
-        deps: list[str] = []
-        if buf is not None:
-            graph.add_task(f"h2d{k}", TaskKind.H2D,
-                           _h2d_work(buf, segs, keys, present, hosts, params),
-                           buffers=[buf], nbytes=_moved(segs, present, params))
-            deps = [f"h2d{k}"]
+    def work(c: ChunkTasks, buf: str | None) -> tuple[Any, Any, Any]:
+        k, segs = c.index, c.segments
         ends_here = [s.param for s, _, _ in segs if layout.last_chunk[s.param] == k]
-        upd = graph.add_task(
-            f"opt{k}", TaskKind.OPTIMIZER_CHUNK,
-            _opt_work(layout, inner, k, buf, segs, present, scalars, hyper, step, cuda,
-                      None if buf is not None else functools.partial(commit_all, ends_here))
-            if segs else None,
-            deps=deps, buffers=[buf] if buf else [],
-            nbytes=sum((hi - lo) * _local(params[s.param]).element_size()
-                       for s, lo, hi in segs),
-        )
-        opt_tasks.append(upd)
-        if buf is not None:
-            graph.add_task(f"d2h{k}", TaskKind.D2H,
-                           _d2h_work(buf, segs, keys, hosts, params,
-                                     functools.partial(commit_all, ends_here)),
-                           deps=[upd], buffers=[buf],
-                           nbytes=sum(len(keys[s.param]) * (hi - lo)
-                                      * _local(params[s.param]).element_size()
-                                      for s, lo, hi in segs))
-    budget = None
-    if plan.chunk_bytes is not None and plan.max_chunk_bytes:
-        budget = (prefetch + 1) * plan.max_chunk_bytes
-    sched = Schedule.pipelined(device_budget_bytes=budget)
-    step.execution = execute(graph, sched)
-    step.opt_tasks = tuple(opt_tasks)
+        done = functools.partial(commit_all, ends_here)
+        if buf is None:  # nothing to copy out: the update commits
+            return None, _opt_work(layout, inner, k, None, segs, present, scalars, hyper,
+                                   step, cuda, done), None
+        return (_h2d_work(buf, segs, keys, present, hosts, params),
+                _opt_work(layout, inner, k, buf, segs, present, scalars, hyper, step, cuda,
+                          None),
+                _d2h_work(buf, segs, keys, hosts, params, done))
+
+    local = [_local(p) for p in params]
+    chunks = chunk_tasks(plan, itemsize=[t.element_size() for t in local],
+                         nkeys=[len(k) for k in keys], local_numel=[t.numel() for t in local],
+                         present=[len(present.get(i, ())) for i in range(len(params))],
+                         updated=grads)
+    graph = step_graph(layout.device, chunks, work)
+    step.execution = execute(graph, step_schedule(plan, prefetch))
+    step.opt_tasks = tuple(f"opt{c.index}" for c in chunks)
     return step
 
 
@@ -244,12 +222,6 @@ def single_pass(layout: Layout, inner: torch.optim.Optimizer,
     ex = execute(graph, Schedule.synchronous())
     ex.wait()
     return ex, ex.result("opt")
-
-
-def _moved(segs: Sequence[Any], present: dict[int, tuple[str, ...]],
-           params: Sequence[torch.Tensor]) -> int:
-    return sum(len(present[s.param]) * (hi - lo) * _local(params[s.param]).element_size()
-               for s, lo, hi in segs)
 
 
 def _slot(ctx: TaskContext, buf: str, s: Any, j: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Model shapes and shape-only graphs of pipeoff's features, for simulation.
 
-The graphs mirror what the features build at run time (the same tasks,
-buffers and dependencies), with ``work=None`` so they cost no memory: a 70B
-model is a list of shapes here, not tensors.
+The optimizer's and LocalSGD's graphs come from the features' own builders
+(:mod:`pipeoff.optim._step_graph`, :mod:`pipeoff.ft._sync_graph`), run
+shape-only (``work=None``) so they cost no memory: a 70B model is a list of
+shapes here, not tensors. A test checks that a real run's trace has the same
+tasks, kinds, bytes and dependencies as the simulated one.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pipeoff._errors import ConfigError
 from pipeoff.graph import TaskGraph, TaskKind
+from pipeoff.schedule import Schedule
 
-__all__ = ["MODEL_PRESETS", "ModelShape", "local_sgd_graph", "model_shape", "optimizer_graph"]
+__all__ = ["MODEL_PRESETS", "ModelShape", "local_sgd_buckets", "local_sgd_graph",
+           "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,40 +125,40 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     return ModelShape(name=path.stem, global_shapes=tuple(shapes), fsdp=fsdp)
 
 
-def _chunks(numels: tuple[tuple[str, int], ...], chunk_elems: int) -> list[int]:
-    """Pack parameters, in order, into chunks of at most ``chunk_elems``, splitting big ones."""
-    chunks: list[int] = []
-    cur = 0
-    for _, n in numels:
-        while n:
-            take = min(n, chunk_elems - cur)
-            cur += take
-            n -= take
-            if cur == chunk_elems:
-                chunks.append(cur)
-                cur = 0
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
 def optimizer_graph(shape: ModelShape, *, chunk_bytes: int | None,
                     state_bytes_per_elem: int = 8) -> TaskGraph:
-    """The offload optimizer's step: per chunk H2D of state, update, D2H of state.
+    """The offload optimizer's steady-state step (every parameter has a gradient and
+    its state), built by the optimizer's own graph builder, shape only.
 
-    ``chunk_bytes=None`` is ``single_pass``: one chunk holding all the state.
+    fp32 parameters whose per-element state is ``state_bytes_per_elem`` bytes
+    (AdamW: 8, two fp32 tensors). ``chunk_bytes=None`` is one chunk holding all
+    the state (``single_pass``'s memory, the chunked path's tasks).
     """
-    elems = sum(n for _, n in shape.local_numels)
-    per_chunk = elems if chunk_bytes is None else max(1, chunk_bytes // state_bytes_per_elem)
-    g = TaskGraph()
-    for k, n in enumerate(_chunks(shape.local_numels, per_chunk)):
-        b = g.add_buffer(f"state{k}", n * state_bytes_per_elem, where="device")
-        g.add_task(f"h2d:{k}", TaskKind.H2D, buffers=[b], nbytes=n * state_bytes_per_elem)
-        g.add_task(f"step:{k}", TaskKind.OPTIMIZER_CHUNK, deps=[f"h2d:{k}"], buffers=[b],
-                   nbytes=n * 4)
-        g.add_task(f"d2h:{k}", TaskKind.D2H, deps=[f"step:{k}"], buffers=[b],
-                   nbytes=n * state_bytes_per_elem)
-    return g
+    from pipeoff.optim._plan import ParamMeta, plan_chunks
+    from pipeoff.optim._step_graph import chunk_tasks, step_graph
+
+    if state_bytes_per_elem % 4:
+        raise ConfigError(f"state_bytes_per_elem must be a multiple of 4 (fp32 state tensors), "
+                          f"got {state_bytes_per_elem!r}")
+    numels = [n for _, n in shape.local_numels]
+    nkeys = state_bytes_per_elem // 4
+    plan = plan_chunks([ParamMeta(numel=n, itemsize=4, nkeys=nkeys, group=0) for n in numels],
+                       chunk_bytes)
+    count = len(numels)
+    chunks = chunk_tasks(plan, itemsize=[4] * count, nkeys=[nkeys] * count,
+                         local_numel=numels, present=[nkeys] * count, updated=range(count))
+    return step_graph(None, chunks)
+
+
+def optimizer_schedule(shape: ModelShape, *, chunk_bytes: int | None, prefetch: int = 1,
+                       state_bytes_per_elem: int = 8) -> Schedule:
+    """The schedule the optimizer would run :func:`optimizer_graph` with."""
+    from pipeoff.optim._plan import ParamMeta, plan_chunks
+    from pipeoff.optim._step_graph import step_schedule
+
+    plan = plan_chunks([ParamMeta(numel=n, itemsize=4, nkeys=state_bytes_per_elem // 4, group=0)
+                        for _, n in shape.local_numels], chunk_bytes)
+    return step_schedule(plan, prefetch)
 
 
 Variant = Literal["original", "rfc", "pipelined"]
@@ -164,16 +168,18 @@ def local_sgd_graph(shape: ModelShape, *, variant: Variant, bucket_bytes: int = 
                     bytes_per_elem: int = 4) -> TaskGraph:
     """One LocalSGD sync that commits.
 
-    - ``original``: torchft's path: every parameter cloned on the device and
-      all-reduced at once, then copied back (no host staging).
-    - ``rfc``: RFC 0003: per parameter clone, all-reduce, copy to host, free;
-      then write back (run it with ``Schedule.synchronous()``).
-    - ``pipelined``: buckets of ``bucket_bytes``: all-reduce, D2H into pinned
-      host buffers, then a commit and H2D write-back per bucket.
+    - ``original``: torchft's own path, the baseline: every parameter cloned on
+      the device and all-reduced at once, then copied back (no host staging).
+    - ``rfc``: RFC 0003 (``LocalSGD(schedule="synchronous")``): one bucket per
+      parameter (run it with ``Schedule.synchronous()``).
+    - ``pipelined``: buckets of ``bucket_bytes``.
+
+    ``rfc`` and ``pipelined`` are built by LocalSGD's own graph builder (shape
+    only), on parameters of ``bytes_per_elem`` bytes (4: fp32).
     """
-    g = TaskGraph()
-    numels = shape.local_numels
     if variant == "original":
+        g = TaskGraph()
+        numels = shape.local_numels
         for name, n in numels:
             b = g.add_buffer(f"avg:{name}", n * bytes_per_elem, where="device")
             g.add_task(f"allreduce:{name}", TaskKind.ALLREDUCE, buffers=[b],
@@ -183,22 +189,33 @@ def local_sgd_graph(shape: ModelShape, *, variant: Variant, bucket_bytes: int = 
             g.add_task(f"writeback:{name}", TaskKind.OPTIMIZER_CHUNK, deps=["commit"],
                        buffers=[f"avg:{name}"], nbytes=0)
         return g
-    if variant == "rfc":
-        units = [(name, n) for name, n in numels]
-    elif variant == "pipelined":
-        per = max(1, bucket_bytes // bytes_per_elem)
-        units = [(f"bucket{k}", n) for k, n in enumerate(_chunks(numels, per))]
-    else:
+    if variant not in ("rfc", "pipelined"):
         raise ConfigError(f"variant must be 'original', 'rfc' or 'pipelined', got {variant!r}")
-    for name, n in units:
-        nb = n * bytes_per_elem
-        dev = g.add_buffer(f"dev:{name}", nb, where="device")
-        host = g.add_buffer(f"host:{name}", nb, where="host")
-        g.add_task(f"allreduce:{name}", TaskKind.ALLREDUCE, buffers=[dev], nbytes=nb)
-        g.add_task(f"d2h:{name}", TaskKind.D2H, deps=[f"allreduce:{name}"],
-                   buffers=[dev, host], nbytes=nb)
-    g.add_task("commit", TaskKind.HOST, deps=[f"d2h:{name}" for name, _ in units])
-    for name, n in units:
-        g.add_task(f"h2d:{name}", TaskKind.H2D, deps=["commit"], buffers=[f"host:{name}"],
-                   nbytes=n * bytes_per_elem)
-    return g
+    return local_sgd_sync_graph(shape, per_parameter=variant == "rfc",
+                                bucket_bytes=None if variant == "rfc" else bucket_bytes,
+                                bytes_per_elem=bytes_per_elem)
+
+
+def local_sgd_buckets(shape: ModelShape, *, per_parameter: bool, bucket_bytes: int | None,
+                      bytes_per_elem: int = 4) -> tuple[Any, ...]:
+    """The buckets LocalSGD would plan for these shapes (its own planner)."""
+    import torch
+
+    from pipeoff.ft._buckets import TensorInfo, plan_buckets
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(bytes_per_elem)
+    if dtype is None:
+        raise ConfigError(f"bytes_per_elem must be 2, 4 or 8, got {bytes_per_elem!r}")
+    infos = [TensorInfo(name=name, numel=n, dtype=dtype, contiguous=True)
+             for name, n in shape.local_numels]
+    return plan_buckets(infos, limit=bucket_bytes, per_parameter=per_parameter)
+
+
+def local_sgd_sync_graph(shape: ModelShape, *, per_parameter: bool, bucket_bytes: int | None,
+                         bytes_per_elem: int = 4) -> TaskGraph:
+    """LocalSGD's offloaded sync for these shapes, from its own builder (shape only)."""
+    from pipeoff.ft._sync_graph import sync_graph
+
+    return sync_graph(local_sgd_buckets(shape, per_parameter=per_parameter,
+                                        bucket_bytes=bucket_bytes,
+                                        bytes_per_elem=bytes_per_elem), None)

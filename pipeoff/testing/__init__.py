@@ -204,6 +204,7 @@ _disabled: set[str] = set()
 MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
+    "host_task_event",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -225,6 +226,8 @@ MUTATIONS = frozenset({
 * ``"fsdp_gather_wait"``: the ``wait_event`` of an FSDP2 module's forward hook on
   FSDP's all-gather streams (the current stream still waits).
 * ``"gate_wait"``: a CUDA lane's wait on the event of a gate's payload.
+* ``"host_task_event"``: a CUDA lane's wait on the event a HOST task recorded on
+  its thread's stream after its work (device work it enqueued).
 """
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import sys
 import threading
@@ -61,13 +62,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["DataRaceError", "SimulatedCuda"]
 
 HOST = "host"
-_MAX_RECORDS = 256  # access records kept per storage
+_MAX_RECORDS = 8192  # access records kept per storage (the latest per range, actor, kind)
 
 
 class DataRaceError(BaseException):
@@ -108,7 +110,13 @@ class SimEvent:
 
     def query(self) -> bool:
         gen = self._gen
-        return gen is None or gen.done.is_set()
+        if gen is None:
+            return True
+        if not gen.done.is_set():
+            return False
+        # As on CUDA: once a query says the work is done, the host may read its results.
+        self.sim._host_acquire(gen.vc)
+        return True
 
     def synchronize(self) -> None:
         gen = self._gen
@@ -137,7 +145,9 @@ class SimStream:
         self.priority = priority
         self.vc: dict[Any, int] = {}
         self._q: deque[tuple[Any, ...]] = deque()
-        self._cond = threading.Condition()
+        # Reentrant: a storage finalizer (the free check) may enqueue onto this
+        # stream from inside code that holds the lock, when a collection runs there.
+        self._cond = threading.Condition(threading.RLock())
         self._busy = False
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=f"simcuda-{name}", daemon=True)
@@ -173,17 +183,25 @@ class SimStream:
 
     def query(self) -> bool:
         with self._cond:
-            return not self._q and not self._busy
+            if self._q or self._busy:
+                return False
+        self.sim._host_acquire(dict(self.vc))  # done: the host may read its results
+        return True
 
     def synchronize(self) -> None:
+        if getattr(self.sim._tls, "worker", None) is self:
+            # Work running on this stream (a collective's wait() inside a task):
+            # on CUDA it runs at issue, when everything before it on the stream
+            # is all there is to wait for, and that has run here already.
+            return
         self.drain()
         self.sim._host_acquire(dict(self.vc))
         self.sim._deliver()
 
     # -- the queue ----------------------------------------------------------------------
-    def _enqueue(self, item: tuple[Any, ...]) -> None:
+    def _enqueue(self, item: tuple[Any, ...], clock: dict[Any, int] | None = None) -> None:
         # Work enqueued by the host comes after everything the host did before.
-        enq = self.sim._enqueuer_clock()
+        enq = self.sim._enqueuer_clock() if clock is None else clock
         if getattr(self.sim._tls, "worker", None) is self:
             # Enqueued by this stream's own work (a collective's wait() inside a
             # task): it comes right after what ran so far, before the rest of it.
@@ -285,6 +303,24 @@ class _Checker(TorchDispatchMode):
         return out
 
 
+class _HostReads(TorchFunctionMode):
+    """On host threads: reads that bypass aten (``.tolist()``, ``.numpy()``) are checked
+    like an aten read, and on device memory synchronize the host first."""
+
+    _READS = frozenset({"tolist", "numpy", "__array__"})
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self._READS and args and isinstance(args[0], torch.Tensor):
+            self.sim.host_read(args[0], name)
+        return func(*args, **(kwargs or {}))
+
+
 class SimulatedCuda:
     """A CUDA device simulated on the CPU (see the module docstring).
 
@@ -303,12 +339,16 @@ class SimulatedCuda:
         """Problems found off any caller's path (a storage freed too early, an error
         inside a stream's worker): raised when the device exits."""
         self._host: list[tuple[int, int, bool]] = []  # (start, end, pinned), sorted
-        self._acc: dict[int, list[_Access]] = {}
+        self._acc: dict[int, dict[tuple[int, int, Any, bool], _Access]] = {}
+        """Per storage base, the latest access of each (byte range, actor, write): an
+        actor's earlier access to the same range is ordered before its later one, so
+        it needs no record of its own."""
         self._made_by: dict[int, Any] = {}  # device storage -> the actor that first used it
         self._fences: dict[int, set[Any]] = {}  # storage -> streams recorded on it
         self._watched: set[int] = set()
         self._tls = threading.local()
         self._checker = _Checker(self)
+        self._host_reads = _HostReads(self)
         self._closed = False
         self.default = SimStream(self, "default")
         self.streams: list[SimStream] = [self.default]
@@ -384,6 +424,9 @@ class SimulatedCuda:
                 self._fences.setdefault(ptr, set()).add(stream)
 
     def synchronize(self, device: torch.device | None = None) -> None:
+        # From a stream's own work, its stream is skipped (see SimStream.synchronize);
+        # another stream waiting for an event this one records later would hang
+        # here, where CUDA (issuing the work first) would not.
         for s in list(self.streams):
             s.synchronize()
 
@@ -403,7 +446,7 @@ class SimulatedCuda:
             return
         self._tls.checking = True
         try:
-            with self._checker:
+            with self._checker, self._host_reads:
                 yield
         finally:
             self._tls.checking = False
@@ -453,7 +496,7 @@ class SimulatedCuda:
                 self._host.remove((start, end, pinned))
             except ValueError:
                 pass
-            for acc in self._acc.pop(start, ()):
+            for acc in self._acc.pop(start, {}).values():
                 if acc.actor != HOST and self.host_vc.get(acc.actor, 0) < acc.epoch:
                     self.undelivered.append(DataRaceError(
                         f"host memory freed while {acc.actor!r} may still {_rw(acc)} it "
@@ -464,12 +507,23 @@ class SimulatedCuda:
             made_by = self._made_by.pop(ptr, None)
             fences = self._fences.pop(ptr, set())
             self._watched.discard(ptr)
-            accesses = self._acc.pop(ptr, [])
-            if made_by is None:
-                return
-            known = dict(self.host_vc)
-            if made_by != HOST:
-                _merge(known, made_by.vc)
+            accesses = list(self._acc.pop(ptr, {}).values())
+        if made_by is None or made_by == HOST or self._closed:
+            return
+        # The allocator hands the block to the next allocation on `made_by`, which
+        # runs after everything enqueued there so far (waits included, even those
+        # not yet run): check at that point of its queue.
+        # The free itself orders nothing: on CUDA the host drops the last reference
+        # when it issues work, whichever stream's work (here, thread) dropped it.
+        with self._lock:
+            host = dict(self.host_vc)
+        made_by._enqueue(("launch", functools.partial(
+            self._check_free, made_by, fences, accesses)), clock=host)
+
+    def _check_free(self, made_by: SimStream, fences: set[Any],
+                    accesses: list[_Access]) -> None:
+        with self._lock:
+            known = dict(made_by.vc)
             for acc in accesses:
                 if acc.actor in (made_by, HOST) or acc.actor in fences:
                     continue
@@ -485,94 +539,144 @@ class SimulatedCuda:
                         "that work before the tensor is dropped"))
 
     # -- the access checker ---------------------------------------------------------------
-    def _on_result(self, out: Any, actor: Any) -> None:
-        """Note what new storages are: host memory if host work made them (CPU ops
-        make CPU tensors), else device memory and the stream that allocated it."""
-        if self._closed:
+    def _on_result(self, out: Any, op: tuple[Any, int, frozenset[int]] | None) -> None:
+        """Note the outputs: new storages are host memory if host work made them (CPU
+        ops make CPU tensors), else device memory and the stream that allocated them;
+        and every new output is written by the operation's actor (an output that is
+        an input, ``copy_``'s, was recorded with the inputs)."""
+        if self._closed or op is None:
             return
+        actor, epoch, inputs = op
+        where = ""
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                ptr = _ptr(t)
-                if not ptr or ptr in self._watched or self._host_range(ptr) is not None:
-                    continue
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = _ptr(t)
+            span = _span(t)
+            if not ptr or _ptr(t) in inputs:
+                continue
+            if ptr not in self._watched and self._host_range(ptr) is None:
                 if actor == HOST:
                     self._register_host(t.untyped_storage(), pinned=False)
                 else:
                     with self._lock:
-                        self._watch(t, ptr, self.current_stream() if actor is None else actor)
-
-    def _on_op(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """Check and record the accesses of one operation; returns its actor."""
-        if self._closed or getattr(func, "is_view", False):
-            return None
-        if func.overloadpacket in _METADATA_ONLY:
-            # new_empty(t) / empty_like(t): reads t's shape, not its memory. The
-            # result is where t is: host memory for a host tensor, made by the host.
-            on: SimStream | None = getattr(self._tls, "worker", None)
-            src = next((t for t in tree_flatten((args, kwargs))[0]
-                        if isinstance(t, torch.Tensor)), None)
-            if on is None and src is not None and self._host_range(_ptr(src)) is not None:
-                return HOST
-            return on
-        schema = func._schema
-        written: set[int] = set()
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                for t in tree_flatten(v)[0]:
-                    if isinstance(t, torch.Tensor):
-                        written.add(id(t))
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if not tensors:
-            return getattr(self._tls, "worker", None)
-        kinds = [self._host_range(_ptr(t)) for t in tensors]
-        worker: SimStream | None = getattr(self._tls, "worker", None)
-        touches_device = any(k is None and _ptr(t) for k, t in zip(kinds, tensors))
-        touches_host = any(k is not None for k in kinds)
-        sync_after: SimStream | None = None
-        if worker is not None:
-            actor: Any = worker
-        elif touches_device:
-            actor = self.current_stream()
-            # The device runs this after everything enqueued on the stream so far;
-            # the host thread issuing it waits for that here.
-            actor.drain()
+                        self._watch(t, ptr, actor)
+            if span is None:
+                continue
+            where = where or _where()
+            name = "output"
             with self._lock:
-                _merge(actor.vc, self.host_vc)
-            nb = bool(kwargs.get("non_blocking", False))
-            pinned_only = all(k is None or k[2] for k in kinds)
-            if touches_host and not (nb and pinned_only):
-                sync_after = actor  # a blocking or pageable copy synchronizes the host
-            if any(str(r.type) in _HOST_VALUES for r in schema.returns):
-                sync_after = actor  # .item(), torch.equal: the host waits for the value
-        else:
-            actor = HOST
-        op = str(func).replace("aten::", "").replace(".default", "")
-        where = _where()
+                base = self._base(ptr)
+                lo, hi = span[0] + ptr - base, span[1] + ptr - base
+                vc = self.host_vc if actor == HOST else actor.vc
+                self._check(base, lo, hi, True, actor, vc, name, t)
+                self._record(base, lo, hi, actor, epoch, True, name, where)
+
+    def _actor(self, device: bool) -> Any:
+        """Who runs an operation issued by this thread: its stream worker, the current
+        stream (an operation on device memory), or the host."""
+        worker: SimStream | None = getattr(self._tls, "worker", None)
+        if worker is not None:
+            return worker
+        if not device:
+            return HOST
+        stream = self.current_stream()
+        # The device runs this after everything enqueued on the stream so far;
+        # the host thread issuing it waits for that here.
+        stream.drain()
+        with self._lock:
+            _merge(stream.vc, self.host_vc)
+        return stream
+
+    def _tick(self, actor: Any) -> int:
         with self._lock:
             vc = self.host_vc if actor == HOST else actor.vc
             vc[actor] = epoch = vc.get(actor, 0) + 1
+        return epoch
+
+    def _on_op(self, func: Any, args: Any,
+               kwargs: dict[str, Any]) -> tuple[Any, int, frozenset[int]] | None:
+        """Check and record the accesses of one operation; returns its actor, its epoch
+        and its inputs' storages."""
+        if self._closed or getattr(func, "is_view", False):
+            return None
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func.overloadpacket in _METADATA_ONLY or not tensors:
+            # new_empty(t) / zeros_like(t) read t's shape, not its memory; a factory
+            # reads nothing. The result is where t is (host memory for a host
+            # tensor); a factory's is device memory, written on the current stream.
+            src = tensors[0] if tensors else None
+            host = src is not None and self._host_range(_ptr(src)) is not None
+            actor = self._actor(device=not host)
+            return actor, self._tick(actor), frozenset(_ptr(t) for t in tensors)
+        schema = func._schema
+        written: set[int] = set()
+        non_blocking = kwargs.get("non_blocking")
+        for i, a in enumerate(schema.arguments):
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.name == "non_blocking" and i < len(args):
+                non_blocking = v  # copy_(src, True): positional
+            if a.alias_info is not None and a.alias_info.is_write:
+                for t in tree_flatten(v)[0]:
+                    if isinstance(t, torch.Tensor):
+                        written.add(id(t))
+        kinds = [self._host_range(_ptr(t)) for t in tensors]
+        touches_device = any(k is None and _ptr(t) for k, t in zip(kinds, tensors))
+        touches_host = any(k is not None for k in kinds)
+        actor = self._actor(device=touches_device)
+        sync_after: SimStream | None = None
+        if actor != HOST and getattr(self._tls, "worker", None) is None:
+            pinned_only = all(k is None or k[2] for k in kinds)
+            if touches_host and not (bool(non_blocking) and pinned_only):
+                sync_after = actor  # a blocking or pageable copy synchronizes the host
+            if (any(str(r.type) in _HOST_VALUES for r in schema.returns)
+                    or func.overloadpacket in _SHAPE_FROM_DATA):
+                # .item(), torch.equal, nonzero(): the host waits for a value (or a
+                # shape that depends on the data).
+                sync_after = actor
+        op = str(func).replace("aten::", "").replace(".default", "")
+        where = _where()
+        epoch = self._tick(actor)
+        with self._lock:
+            vc = self.host_vc if actor == HOST else actor.vc
             for t in tensors:
                 ptr = _ptr(t)
                 span = _span(t)
                 if not ptr or span is None:
                     continue
-                lo, hi = span
                 base = self._base(ptr)
+                lo, hi = span[0] + ptr - base, span[1] + ptr - base
                 write = id(t) in written
-                self._check(base, lo + ptr - base, hi + ptr - base, write, actor, vc, op, t)
-                recs = self._acc.setdefault(base, [])
-                recs.append(_Access(lo + ptr - base, hi + ptr - base, actor, epoch, write, op,
-                                    where))
-                if len(recs) > _MAX_RECORDS:
-                    del recs[: len(recs) - _MAX_RECORDS]
+                self._check(base, lo, hi, write, actor, vc, op, t)
+                self._record(base, lo, hi, actor, epoch, write, op, where)
                 if base not in self._watched and self._host_range(base) is None:
                     self._watch(t, base, actor)
         if sync_after is not None:
             with self._lock:
                 _merge(self.host_vc, sync_after.vc)
             self._deliver()
-        return actor
+        return actor, epoch, frozenset(_ptr(t) for t in tensors)
+
+    def host_read(self, t: torch.Tensor, op: str) -> None:
+        """The host reads ``t`` outside aten (``.tolist()``, ``.numpy()``): on device
+        memory that synchronizes the host with the current stream first, as on CUDA."""
+        if self._closed or getattr(self._tls, "worker", None) is not None:
+            return
+        ptr = _ptr(t)
+        span = _span(t)
+        if not ptr or span is None:
+            return
+        if self._host_range(ptr) is None:
+            stream = self._actor(device=True)
+            with self._lock:
+                _merge(self.host_vc, stream.vc)
+            self._deliver()
+        epoch = self._tick(HOST)
+        with self._lock:
+            base = self._base(ptr)
+            lo, hi = span[0] + ptr - base, span[1] + ptr - base
+            self._check(base, lo, hi, False, HOST, self.host_vc, op, t)
+            self._record(base, lo, hi, HOST, epoch, False, op, _where())
 
     def _base(self, ptr: int) -> int:
         r = self._host_range(ptr)
@@ -587,9 +691,18 @@ class SimulatedCuda:
             return
         weakref.finalize(storage, self._device_freed, base)
 
+    def _record(self, base: int, lo: int, hi: int, actor: Any, epoch: int, write: bool,
+                op: str, where: str) -> None:
+        recs = self._acc.setdefault(base, {})
+        key = (lo, hi, actor, write)
+        recs.pop(key, None)  # re-inserted last: the dict stays in access order
+        recs[key] = _Access(lo, hi, actor, epoch, write, op, where)
+        if len(recs) > _MAX_RECORDS:
+            del recs[next(iter(recs))]
+
     def _check(self, base: int, lo: int, hi: int, write: bool, actor: Any,
                vc: dict[Any, int], op: str, t: torch.Tensor) -> None:
-        for acc in self._acc.get(base, ()):
+        for acc in list(self._acc.get(base, {}).values()):
             if acc.actor == actor or acc.hi <= lo or hi <= acc.lo:
                 continue
             if not (write or acc.write):
@@ -642,6 +755,9 @@ def _describe(t: torch.Tensor, sim: SimulatedCuda) -> str:
 
 
 _HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+_SHAPE_FROM_DATA = frozenset(getattr(torch.ops.aten, n) for n in (
+    "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+))
 _OWN = ("_simcuda.py", "_python_dispatch.py", "_ops.py", "_pytree.py", "contextlib.py",
         "threading.py", "overrides.py", "_tensor.py", "functional.py", "__init__.py")
 

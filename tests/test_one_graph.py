@@ -1,0 +1,44 @@
+"""A real run and the simulator build the same graph: the features' own builders
+run shape-only for the simulator, so the tasks, kinds, bytes, buffers and
+dependencies of a real step's trace and of the simulated one are equal."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipeoff
+from pipeoff.optim import OffloadOptimizer
+from pipeoff.sim._workloads import ModelShape, optimizer_graph, optimizer_schedule
+from pipeoff.trace import Trace
+
+
+def shape_of(model: nn.Module) -> ModelShape:
+    return ModelShape(name="test", fsdp=1, global_shapes=tuple(
+        (n, tuple(p.shape)) for n, p in model.named_parameters()))
+
+
+def structure(trace: Trace) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[object, ...]]]:
+    tasks = {t.name: (t.kind, t.nbytes, tuple(sorted(t.deps)), t.buffers) for t in trace.tasks}
+    buffers = {b.name: (b.nbytes, b.where) for b in trace.buffers}
+    return tasks, buffers
+
+
+def test_the_optimizer_step_simulated_is_the_step_that_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 5))
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters()), mode="chunked",
+                           chunk_bytes=4096, lookahead=2)
+    for _ in range(2):  # the second step: every parameter has its state
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    real = opt.last_trace
+    assert real is not None
+    shape = shape_of(model)
+    graph = optimizer_graph(shape, chunk_bytes=4096)
+    sched = optimizer_schedule(shape, chunk_bytes=4096, prefetch=2)
+    simulated = pipeoff.execute(graph, sched, backend="sim").trace
+    assert structure(real) == structure(simulated)
+    assert real.device_budget_bytes == simulated.device_budget_bytes
+    assert len(real.tasks) > 9

@@ -1,0 +1,198 @@
+"""The simulated CUDA device itself: races it must flag, correct programs it must
+accept, and CUDA semantics it must keep (from a review that tried to break it)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import pipeoff
+import pipeoff.testing
+from pipeoff import TaskGraph, TaskKind, _accel
+from pipeoff.testing import DataRaceError
+
+Sim = Any
+
+
+@contextlib.contextmanager
+def device() -> Iterator[Sim]:
+    with pipeoff.testing.simulated_cuda() as sim:
+        yield sim
+
+
+def late_d2h(sim: Sim, stream: Any, n: int = 1000) -> torch.Tensor:
+    """A non_blocking D2H into pinned memory, issued as stream work (as tasks do), late."""
+    with sim.use_stream(stream):
+        x = torch.ones(n) * 3
+    h = sim.host_empty(n, torch.float32, pinned=True)
+    sim.sleep(stream, 0.05)
+    sim.launch(stream, lambda: h.copy_(x, non_blocking=True))
+    return h
+
+
+def flagged(program: Callable[[Sim], None]) -> None:
+    with pytest.raises(DataRaceError), device() as sim:
+        program(sim)
+
+
+def accepted(program: Callable[[Sim], None]) -> None:
+    with device() as sim:
+        program(sim)
+
+
+# -- races it must flag ------------------------------------------------------------------
+def test_a_host_issued_non_blocking_copy_is_stream_work() -> None:
+    """copy_(src, non_blocking=True) passes the flag positionally to aten."""
+
+    def read_before_sync(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.ones(1000)
+        h = sim.host_empty(1000, torch.float32, pinned=True)
+        with sim.use_stream(a):
+            h.copy_(x, non_blocking=True)
+        h.sum()  # no synchronize
+
+    def overwrite_source(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = sim.host_empty(1000, torch.float32, pinned=True)
+        h.fill_(1)
+        with sim.use_stream(a):
+            x = torch.empty(1000)
+            x.copy_(h, non_blocking=True)
+        h.fill_(2)  # the pending H2D still reads it
+
+    flagged(read_before_sync)
+    flagged(overwrite_source)
+
+
+def test_what_factories_write_is_checked() -> None:
+    def zeros_on_a_side_stream(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.zeros(1000)  # the fill runs on a
+        x + 1  # the default stream reads it without waiting
+
+    flagged(zeros_on_a_side_stream)
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy"])
+def test_host_reads_outside_aten_are_checked(read: str) -> None:
+    def program(sim: Sim) -> None:
+        h = late_d2h(sim, sim.new_stream(sim.device))
+        h.tolist() if read == "tolist" else h.numpy()
+
+    flagged(program)
+
+
+def test_a_write_followed_by_many_reads_is_not_forgotten() -> None:
+    def program(sim: Sim) -> None:
+        a, b = sim.new_stream(sim.device), sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x, y = torch.zeros(1000), torch.zeros(1000)
+
+        def work() -> None:
+            x.fill_(1)
+            for _ in range(300):
+                y.add_(x)
+
+        sim.launch(a, work)
+        with sim.use_stream(b):
+            o = torch.zeros(1)
+        b.wait_stream(sim.default)  # o was made on b; x only on a
+        sim.launch(b, lambda: o.copy_(x.sum()))  # b never waits for a
+
+    flagged(program)
+
+
+# -- correct programs it must accept -----------------------------------------------------
+def test_a_completed_query_orders_the_host() -> None:
+    def event_query(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = late_d2h(sim, a)
+        ev = sim.new_event()
+        ev.record(a)
+        while not ev.query():
+            time.sleep(0.001)
+        h.sum()
+
+    def stream_query(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = late_d2h(sim, a)
+        while not a.query():
+            time.sleep(0.001)
+        h.sum()
+
+    accepted(event_query)
+    accepted(stream_query)
+
+
+def test_freeing_after_the_allocating_stream_waited_for_the_reader() -> None:
+    def program(sim: Sim) -> None:
+        a, b = sim.new_stream(sim.device), sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.ones(1000)
+        ev = sim.new_event()
+        ev.record(a)
+        b.wait_event(ev)
+        with sim.use_stream(b):
+            o = torch.zeros(1)
+            o.copy_(x.sum())
+        sim.sleep(b, 0.05)
+        done = sim.new_event()
+        done.record(b)
+        a.wait_event(done)  # the next allocation on a comes after b's read
+        del x
+
+    accepted(program)
+
+
+# -- CUDA semantics it must keep -----------------------------------------------------------
+def test_tolist_of_a_device_tensor_synchronizes() -> None:
+    with device() as sim:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.zeros(4)
+        sim.launch(a, lambda: (time.sleep(0.05), x.fill_(1)))
+        with sim.use_stream(a):
+            assert x.tolist() == [1.0] * 4
+
+
+def test_nonzero_synchronizes_the_host() -> None:
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = late_d2h(sim, a)
+        with sim.use_stream(a):
+            torch.ones(10).nonzero()  # a shape from data: the host waits for a
+        h.sum()
+
+    accepted(program)
+
+
+@pytest.mark.parametrize("how", ["stream", "device", "event"])
+def test_a_task_may_synchronize_its_own_stream(how: str) -> None:
+    with device() as sim:
+        x = torch.ones(4)
+
+        def work(ctx: pipeoff.TaskContext) -> None:
+            x.add_(1)
+            accel = _accel.current()
+            if how == "stream":
+                ctx.stream.synchronize()
+            elif how == "device":
+                accel.synchronize(sim.device)
+            else:
+                ev = accel.new_event()
+                ev.record(ctx.stream)
+                ev.synchronize()
+
+        g = TaskGraph(device=sim.device)
+        g.add_task("t", TaskKind.OPTIMIZER_CHUNK, work)
+        pipeoff.execute(g).wait(timeout=20)
+        sim.synchronize()
+        assert x.tolist() == [2.0] * 4
