@@ -4,7 +4,7 @@ A small transformer language model trains for a few steps in two replica
 processes that find each other through a torchft Lighthouse started here.
 Each replica wraps AdamW in ``OffloadOptimizer(mode="overlap")`` and syncs
 with ``pipeoff.ft.LocalSGD(..., offload_averaged_parameters_to_cpu=True)``.
-The run happens twice, once with ``schedule="sync"`` (RFC 0003's sequential
+The run happens twice, once with ``schedule="synchronous"`` (RFC 0003's sequential
 path) and once with ``schedule="pipelined"``, so the two can be compared.
 Replica 0 records each run with ``pipeoff.trace.record``.
 """
@@ -204,21 +204,21 @@ def run_demo(out: Path, quick: bool = False) -> int:
           f"{cfg['bucket_bytes'] >> 10} KiB buckets, device budget "
           f"{cfg['device_budget_bytes'] >> 10} KiB\n")
     sync_ms = {}
-    for schedule in ("sync", "pipelined"):
-        label = "RFC 0003 sequential" if schedule == "sync" else "pipeoff pipelined"
+    for schedule in ("synchronous", "pipelined"):
+        label = "RFC 0003 sequential" if schedule == "synchronous" else "pipeoff pipelined"
         print(f"run {1 if schedule == 'sync' else 2}/2: LocalSGD schedule='{schedule}' ({label})")
         sync_ms[schedule] = _run_phase(schedule, cfg, out)
     trace_path = out / "trace.json"
     trace = Trace.load(out / "trace-pipelined.json")
     trace.save(trace_path)
     png = plot(trace, out / "trace.png")
-    sync_trace = Trace.load(out / "trace-sync.json")
+    sync_trace = Trace.load(out / "trace-synchronous.json")
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else math.nan
 
     a, b = sync_trace.summary(), trace.summary()
-    (sync_times, sync_peak), (pipe_times, pipe_peak) = sync_ms["sync"], sync_ms["pipelined"]
+    (sync_times, sync_peak), (pipe_times, pipe_peak) = sync_ms["synchronous"], sync_ms["pipelined"]
     print("\n=== LocalSGD schedule='sync' vs 'pipelined' (replica 0, measured in this run) ===")
     print(f"{'':<40} {'sync':>10} {'pipelined':>10} {'ratio':>7}")
     rows = [
@@ -235,7 +235,7 @@ def run_demo(out: Path, quick: bool = False) -> int:
         ratio = f"{y / x:.2f}x" if x else "n/a"
         print(f"{name:<40} {x:>10.2f} {y:>10.2f} {ratio:>7}")
     print(f"(LocalSGD device budget {cfg['device_budget_bytes'] >> 10} KiB; the whole run also "
-          f"holds the optimizer's (lookahead+1) x {cfg['chunk_bytes'] >> 10} KiB chunks)")
+          f"holds the optimizer's (prefetch+1) x {cfg['chunk_bytes'] >> 10} KiB chunks)")
     print(f"\ntrace: {trace_path}   plot: {png}")
     print("  (open the JSON in https://ui.perfetto.dev, or run `pipeoff trace summary`,\n"
           "   `pipeoff trace diff`, `pipeoff trace plot` on it)\n")

@@ -112,7 +112,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cost = CostModel.preset(args.preset, participants=replicas)
     preds = compare(
         shape, args.feature, schedules, cost,
-        chunk_bytes=parse_bytes(args.chunk_bytes), lookahead=args.lookahead,
+        chunk_bytes=parse_bytes(args.chunk_bytes), prefetch=args.prefetch,
         bucket_bytes=parse_bytes(args.bucket_bytes),
         device_budget_bytes=parse_bytes(args.device_budget) if args.device_budget else None,
     )
@@ -165,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--replicas", type=int,
                      help="all-reduce participants (default: 2; not with cpu_here)")
     sim.add_argument("--chunk-bytes", default="1GiB", help="optimizer chunk (%(default)s)")
-    sim.add_argument("--lookahead", type=int, default=2, help="optimizer chunks ahead")
+    sim.add_argument("--prefetch", "--lookahead", dest="prefetch", type=int, default=2,
+                     help="optimizer chunks staged ahead (--lookahead: its old name)")
     sim.add_argument("--bucket-bytes", default="256MiB", help="LocalSGD bucket (%(default)s)")
     sim.add_argument("--device-budget", help="device staging budget (default: from the above)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")

@@ -10,6 +10,7 @@ the lanes run concurrently (see :func:`_budget_waits`).
 from __future__ import annotations
 
 import heapq
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -50,10 +51,11 @@ class Schedule:
     """Most bytes of device staging live at once; ``None`` is unbounded."""
     host_budget_bytes: int | None = None
     """Most bytes of host staging live at once; ``None`` is unbounded."""
-    lookahead: int | None = None
-    """Most tasks issued ahead of the oldest unfinished one; ``None`` issues all
-    at once. A bounded window issues from a background thread, so the caller
-    never blocks (and a CUDA launch queue never fills)."""
+    max_in_flight: int | None = None
+    """Most tasks issued but unfinished: task ``i`` is issued only once task
+    ``i - max_in_flight`` has finished (flow control, not a dependency); ``None``
+    issues all at once. It bounds how far issue runs ahead (and a CUDA launch
+    queue); the staging budgets bound memory. (Formerly ``lookahead``.)"""
 
     def __post_init__(self) -> None:
         if self.kind not in ("synchronous", "pipelined"):
@@ -62,7 +64,7 @@ class Schedule:
             )
         _check_optional_positive("device_budget_bytes", self.device_budget_bytes)
         _check_optional_positive("host_budget_bytes", self.host_budget_bytes)
-        _check_optional_positive("lookahead", self.lookahead)
+        _check_optional_positive("max_in_flight", self.max_in_flight)
 
     @classmethod
     def synchronous(cls) -> Schedule:
@@ -75,6 +77,7 @@ class Schedule:
         *,
         device_budget_bytes: int | None = None,
         host_budget_bytes: int | None = None,
+        max_in_flight: int | None = None,
         lookahead: int | None = None,
     ) -> Schedule:
         """All lanes run concurrently; live staging stays within the budgets.
@@ -82,17 +85,33 @@ class Schedule:
         Args:
             device_budget_bytes: cap on live device staging bytes, or ``None``.
             host_budget_bytes: cap on live host staging bytes, or ``None``.
-            lookahead: cap on tasks issued but unfinished, or ``None``.
+            max_in_flight: cap on tasks issued but unfinished, or ``None``.
+            lookahead: the old name of ``max_in_flight`` (deprecated; a
+                ``FutureWarning``).
 
         Raises:
-            ConfigError: a budget or ``lookahead`` is not a positive int.
+            ConfigError: a budget or ``max_in_flight`` is not a positive int, or
+                both ``max_in_flight`` and ``lookahead`` are given.
         """
+        if lookahead is not None:
+            if max_in_flight is not None:
+                raise ConfigError("give max_in_flight (the new name of lookahead), not both")
+            warnings.warn("Schedule.pipelined(lookahead=...) is now max_in_flight=...; "
+                          "lookahead will be removed", FutureWarning, stacklevel=2)
+            max_in_flight = lookahead
         return cls(
             kind="pipelined",
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
-            lookahead=lookahead,
+            max_in_flight=max_in_flight,
         )
+
+    @property
+    def lookahead(self) -> int | None:
+        """The old name of :attr:`max_in_flight` (deprecated)."""
+        warnings.warn("Schedule.lookahead is now Schedule.max_in_flight; lookahead will be "
+                      "removed", FutureWarning, stacklevel=2)
+        return self.max_in_flight
 
     @property
     def is_synchronous(self) -> bool:

@@ -12,14 +12,21 @@ from __future__ import annotations
 import bisect
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeoff import _accel
+from pipeoff._errors import ConfigError
 
-__all__ = ["PoolStats", "Pools", "StagingBlock", "StagingPool", "host_pool", "pools_for"]
+if TYPE_CHECKING:
+    from pipeoff.graph import TaskGraph
+    from pipeoff.schedule import Plan, Schedule
+
+__all__ = ["PoolStats", "Pools", "StagingBlock", "StagingPool", "host_pool", "pools_for",
+           "reserve_for"]
 
 
 @dataclass(eq=False, slots=True)
@@ -109,16 +116,40 @@ class StagingPool:
             self._live += nbytes
             self._peak = max(self._peak, self._live)
         if block is None:
-            if self.device.type == "cpu" and self.host:
-                tensor = _accel.current().host_empty(nbytes, torch.uint8, pinned=self.pinned)
-            else:
-                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            block = StagingBlock(tensor=tensor, capacity=nbytes)
+            block = StagingBlock(tensor=self._allocate(nbytes), capacity=nbytes)
             with self._lock:
                 self._reserved += nbytes
                 self._allocations += 1
         block.in_use = nbytes
         return block
+
+    def reserve(self, sizes: Iterable[int]) -> int:
+        """Allocate a free block of each of ``sizes`` (bytes) now; returns the bytes.
+
+        Pinned allocation stalls the device (``cudaHostAlloc``) and, under NCCL,
+        can deadlock against peers spinning in a collective: reserve the blocks a
+        feature's executions will need before training starts (see
+        :func:`reserve_for`), never in a hook or during the backward.
+
+        Raises:
+            ConfigError: a size is not a positive int.
+        """
+        sizes = list(sizes)
+        for n in sizes:
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"reserve() takes positive byte counts, got {n!r}")
+        blocks = [StagingBlock(tensor=self._allocate(n), capacity=n) for n in sizes]
+        with self._lock:
+            for block in blocks:
+                bisect.insort(self._free, (block.capacity, id(block), block))
+            self._reserved += sum(sizes)
+            self._allocations += len(sizes)
+        return sum(sizes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu" and self.host:
+            return _accel.current().host_empty(nbytes, torch.uint8, pinned=self.pinned)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def release(self, block: StagingBlock, ready: Any = None) -> None:
         """Return ``block``; ``ready`` is the event of its last user (CUDA) or ``None``."""
@@ -223,3 +254,68 @@ def pools_for(device: torch.device | str) -> Pools:
         if pools is None:
             pools = _pools[(accel, dev)] = Pools(StagingPool(dev), accel)
         return pools
+
+
+def reserve_for(graph: TaskGraph, schedule: Schedule) -> dict[str, int]:
+    """Reserve, in ``graph``'s pools, every staging block its executions under
+    ``schedule`` can hold at once, so that running it allocates nothing.
+
+    Per memory kind and buffer size, as many blocks as can be live together: all
+    of them without a budget, at most ``budget // size`` of a size with one (a
+    pool hands a request the smallest free block that holds it, so each size is
+    served by its own blocks). Shape-only graphs (``work=None``) are fine: the
+    features reserve with the graph the simulator runs. Each call reserves anew;
+    features that run at the same time each reserve their own.
+
+    Returns:
+        Bytes reserved, by ``"device"`` and ``"host"``.
+
+    Raises:
+        GraphError, BudgetError: the graph cannot be planned with ``schedule``.
+    """
+    plan = schedule.plan(graph)
+    pools = pools_for(graph.device)
+    out = {}
+    for where in ("device", "host"):
+        counts: dict[int, int] = {}
+        for spec in graph.buffers.values():
+            if spec.where == where:
+                counts[spec.nbytes] = counts.get(spec.nbytes, 0) + 1
+        if not counts:
+            out[where] = 0
+            continue
+        budget = plan.schedule.budget(where)
+        live = _max_live(plan, graph, where) if plan.schedule.is_synchronous else None
+        sizes = []
+        for size, count in sorted(counts.items()):
+            n = count
+            if budget is not None:
+                n = min(n, budget // size)
+            if live is not None:
+                n = min(n, live.get(size, 0))
+            sizes += [size] * max(n, 1)
+        out[where] = pools.for_where(where).reserve(sizes)
+    return out
+
+
+def _max_live(plan: Plan, graph: TaskGraph, where: str) -> dict[int, int]:
+    """Per buffer size, the most buffers of ``where`` live at once when the tasks run
+    one at a time in plan order (live from the first user to the last)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, name in enumerate(plan.order):
+        for b in graph.tasks[name].buffers:
+            first.setdefault(b, i)
+            last[b] = i
+    events = []
+    for b, lo in first.items():
+        spec = graph.buffers[b]
+        if spec.where == where:
+            events.append((lo, 1, spec.nbytes))
+            events.append((last[b] + 1, 0, spec.nbytes))  # gone before the next acquires
+    now: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for _, acquire, size in sorted(events):
+        now[size] = now.get(size, 0) + (1 if acquire else -1)
+        most[size] = max(most.get(size, 0), now[size])
+    return most

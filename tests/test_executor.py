@@ -289,7 +289,7 @@ async def test_wait_async_reraises(anyio_backend: str) -> None:
         await ex.wait_async()
 
 
-def test_lookahead_window_bounds_tasks_in_flight() -> None:
+def test_max_in_flight_bounds_tasks_in_flight() -> None:
     running = 0
     peak = 0
     lock = threading.Lock()
@@ -306,7 +306,7 @@ def test_lookahead_window_bounds_tasks_in_flight() -> None:
     g = TaskGraph()
     for k in range(12):
         g.add_task(f"t{k}", list(TaskKind)[k % 4], work)  # 4 lanes, no deps
-    pipeoff.execute(g, Schedule.pipelined(lookahead=1)).wait(timeout=30)
+    pipeoff.execute(g, Schedule.pipelined(max_in_flight=1)).wait(timeout=30)
     assert peak == 1
     peak = 0
     pipeoff.execute(g, Schedule.pipelined()).wait(timeout=30)
@@ -404,9 +404,10 @@ def test_concurrent_executions_do_not_deadlock() -> None:
 
     results: list[BaseException | None] = []
 
-    def launch(tag: str, lookahead: int | None) -> None:
+    def launch(tag: str, max_in_flight: int | None) -> None:
         try:
-            pipeoff.execute(build(tag), Schedule.pipelined(lookahead=lookahead)).wait(timeout=60)
+            pipeoff.execute(build(tag),
+                            Schedule.pipelined(max_in_flight=max_in_flight)).wait(timeout=60)
             results.append(None)
         except BaseException as err:  # noqa: BLE001
             results.append(err)
@@ -460,7 +461,7 @@ def test_a_failure_under_a_window_keeps_the_staging_of_running_tasks() -> None:
     g.add_task("t2", TaskKind.D2H, lambda ctx: None, buffers=["b"])
     pool = pools_for("cpu").device
     before = pool.stats().live_bytes
-    ex = pipeoff.execute(g, Schedule.pipelined(lookahead=2))
+    ex = pipeoff.execute(g, Schedule.pipelined(max_in_flight=2))
     assert inside.wait(10)
     while ex.exception is None:
         time.sleep(0.001)
@@ -479,7 +480,7 @@ def test_a_lane_may_be_named_like_pipeoffs_own_threads() -> None:
     g = TaskGraph()
     for k in range(3):
         g.add_task(f"t{k}", TaskKind.HOST, lane="dispatch", deps=[f"t{k - 1}"] if k else [])
-    pipeoff.execute(g, Schedule.pipelined(lookahead=1), backend="threads").wait(timeout=30)
+    pipeoff.execute(g, Schedule.pipelined(max_in_flight=1), backend="threads").wait(timeout=30)
 
 
 @pytest.mark.parametrize("lane", ["", 5])

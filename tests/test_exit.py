@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "schedule", ["Schedule.synchronous()", "Schedule.pipelined(lookahead=1)"],
+    "schedule", ["Schedule.synchronous()", "Schedule.pipelined(max_in_flight=1)"],
     ids=["all_at_once", "windowed"],
 )
 def test_exit_lets_queued_work_land_and_leaves_no_thread(schedule: str) -> None:

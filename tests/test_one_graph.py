@@ -28,7 +28,7 @@ def test_the_optimizer_step_simulated_is_the_step_that_runs() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 5))
     opt = OffloadOptimizer(torch.optim.AdamW(model.parameters()), mode="chunked",
-                           chunk_bytes=4096, lookahead=2)
+                           chunk_bytes=4096, prefetch=2)
     for _ in range(2):  # the second step: every parameter has its state
         model(torch.randn(8, 32)).sum().backward()
         opt.step()

@@ -28,8 +28,8 @@ def test_schedules_are_frozen_values() -> None:
         ({"device_budget_bytes": 0}, "device_budget_bytes must be a positive int"),
         ({"host_budget_bytes": -5}, "host_budget_bytes must be a positive int"),
         ({"device_budget_bytes": True}, "device_budget_bytes must be a positive int"),
-        ({"lookahead": 0}, "lookahead must be a positive int"),
-        ({"lookahead": 2.0}, "lookahead must be a positive int"),
+        ({"max_in_flight": 0}, "max_in_flight must be a positive int"),
+        ({"max_in_flight": 2.0}, "max_in_flight must be a positive int"),
     ],
 )
 def test_bad_schedule_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -230,3 +230,13 @@ def test_the_search_handles_graphs_deeper_than_the_recursion_limit() -> None:
         prev = g.add_task(f"p{i}", TaskKind.HOST, deps=[prev])
     plan = Schedule.pipelined(device_budget_bytes=100).plan(g)
     assert plan.order[:3] == ("b1", "a1", "a2")
+
+
+def test_lookahead_is_the_deprecated_name_of_max_in_flight() -> None:
+    with pytest.warns(FutureWarning, match="now max_in_flight"):
+        s = Schedule.pipelined(lookahead=3)
+    assert s == Schedule.pipelined(max_in_flight=3)
+    with pytest.warns(FutureWarning, match="Schedule.max_in_flight"):
+        assert s.lookahead == 3
+    with pytest.raises(ConfigError, match="not both"):
+        Schedule.pipelined(lookahead=3, max_in_flight=3)

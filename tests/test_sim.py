@@ -99,7 +99,7 @@ def test_launch_overhead_and_lookahead() -> None:
         g2.add_task(f"o{k}", TaskKind.OPTIMIZER_CHUNK if k % 2 else TaskKind.ALLREDUCE,
                     nbytes=4 * 10**7)
     # lookahead=1: each task is issued only after the previous one finished.
-    t2 = sim(g2, Schedule.pipelined(lookahead=1), cost=cost)
+    t2 = sim(g2, Schedule.pipelined(max_in_flight=1), cost=cost)
     starts = [r.start_ns for r in t2.tasks]
     ends = [r.end_ns for r in t2.tasks]
     assert all(s >= e for s, e in zip(starts[1:], ends))

@@ -65,8 +65,8 @@ class Run:
         self.retired: set[str] = set()
         """Buffers a task declared unsafe to reuse (a failed collective may still write
         them): dropped from their pool at release instead of returned."""
-        lookahead = plan.schedule.lookahead
-        self.window = lookahead if lookahead is not None and lookahead < n else None
+        cap = plan.schedule.max_in_flight
+        self.window = cap if cap is not None and cap < n else None
         """Flow control: task ``i`` starts only after task ``i - window`` is terminal."""
         self.gates = GateStates(graph.gates, self.origin_ns, self._gate_failed)
         """The graph's gates (inputs from outside the execution)."""
@@ -256,7 +256,7 @@ class Run:
                 self.wait_terminal(j)
         if self.window is not None and i >= self.window and status[i - self.window] == PENDING:
             # Flow control, not a dependency: at most `window` tasks run ahead of
-            # the oldest unfinished one (Schedule.lookahead).
+            # the oldest unfinished one (Schedule.max_in_flight).
             self.wait_terminal(i - self.window)
         if self.task_gates[i]:
             self.wait_gates(i, host=True)

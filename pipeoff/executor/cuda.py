@@ -214,7 +214,7 @@ class CudaBackend:
                     continue
                 try:
                     if window is not None and i >= window:
-                        # Flow control (Schedule.lookahead), on this thread only.
+                        # Flow control (Schedule.max_in_flight), on this thread only.
                         self.synchronize(run, i - window, None)
                     self._issue(run, state, i, started)
                 except BaseException as err:  # a sticky CUDA error, an allocator failure

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -15,6 +16,7 @@ from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
+from pipeoff.staging import reserve_for
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "LocalSGD"]
 
-_SCHEDULES = ("pipelined", "sync")
+_SCHEDULES = ("pipelined", "synchronous")
 _PER_PARAMETER = "per_parameter"
 
 
@@ -36,7 +38,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     ``_perform_sync`` changes, and only when
     ``offload_averaged_parameters_to_cpu=True``:
 
-    * ``schedule="sync"`` is RFC 0003 exactly, run as a pipeoff graph under
+    * ``schedule="synchronous"`` is RFC 0003 exactly, run as a pipeoff graph under
       :meth:`pipeoff.Schedule.synchronous`: for each parameter in turn, copy
       its local tensor to device staging, all-reduce and wait, copy it to host
       staging and free the device copy. If quorum commits, each averaged
@@ -58,7 +60,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     mode                      extra device memory    host memory  host link
     ========================  =====================  ===========  ================
     original (flag off)       S                      0            0
-    ``"sync"`` (RFC 0003)     M                      S            2S (S if reject)
+    ``"synchronous"`` (RFC)   M                      S            2S (S if reject)
     ``"pipelined"``           D (>= B)               S            2S (S if reject)
     ========================  =====================  ===========  ================
 
@@ -96,19 +98,21 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         offload_averaged_parameters_to_cpu: stage averaged parameters in
             host memory until commit (RFC 0003). ``False`` is torchft's
             original path, byte for byte.
-        schedule: ``"pipelined"`` (the default) or ``"sync"``; only with the
+        schedule: ``"pipelined"`` (the default) or ``"synchronous"`` (RFC 0003's
+            sequential path, like :meth:`pipeoff.Schedule.synchronous`; ``"sync"``
+            is its old name, accepted with a ``FutureWarning``); only with the
             offload flag on.
         bucket_bytes: bucket size of the pipelined schedule (default
             :data:`DEFAULT_BUCKET_BYTES`), or ``"per_parameter"`` for one
             bucket per parameter (split only where a parameter exceeds
             ``device_budget_bytes``). With only ``device_budget_bytes`` given,
             the default is half of it (at most :data:`DEFAULT_BUCKET_BYTES`).
-            Checked but unused under ``"sync"``, which stages one whole
+            Checked but unused under ``"synchronous"``, which stages one whole
             parameter at a time.
         device_budget_bytes: most device staging bytes live at once
             (default: two buckets, so one all-reduce overlaps one copy; with
             ``"per_parameter"``, the largest parameter, M, as in the RFC).
-            Checked but unused under ``"sync"`` (its staging is M).
+            Checked but unused under ``"synchronous"`` (its staging is M).
 
     Raises:
         ConfigError: an argument is out of range, or ``schedule``,
@@ -127,7 +131,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         sync_every: int,
         offload_averaged_parameters_to_cpu: bool = False,
         *,
-        schedule: Literal["pipelined", "sync"] | None = None,
+        schedule: Literal["pipelined", "synchronous", "sync"] | None = None,
         bucket_bytes: int | Literal["per_parameter"] | None = None,
         device_budget_bytes: int | None = None,
     ) -> None:
@@ -143,10 +147,16 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     f"got offload_averaged_parameters_to_cpu=False and {_show(given, extra)}"
                 )
         sched = "pipelined" if schedule is None else schedule
+        if sched == "sync":
+            warnings.warn("LocalSGD(schedule='sync') is now schedule='synchronous' (the name of "
+                          "pipeoff.Schedule.synchronous; 'sync' read like LocalSGD.sync()); "
+                          "'sync' will be removed", FutureWarning, stacklevel=2)
+            sched = "synchronous"
         if sched not in _SCHEDULES:
-            raise ConfigError(f"schedule must be 'pipelined' or 'sync', got {schedule!r}")
+            raise ConfigError(
+                f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
         self._schedule_name = sched
-        self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "sync"
+        self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "synchronous"
         budget = None if device_budget_bytes is None else _positive_int(
             "device_budget_bytes", device_budget_bytes)
         bucket: int | None
@@ -170,7 +180,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 f"(bucket_bytes={bucket}); use device_budget_bytes >= bucket_bytes "
                 f"(2 * bucket_bytes overlaps one all-reduce with one copy)"
             )
-        if sched == "sync":
+        if sched == "synchronous":
             # RFC 0003 stages one whole parameter at a time: the bucket options
             # are checked above (so that switching schedules keeps them valid)
             # but do not apply.
@@ -178,13 +188,36 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self._bucket_bytes = bucket
         self._device_budget_bytes = budget
         self.last_trace = None
+        self._reserved_for: tuple[Bucket, ...] | None = None
         if self._offload:
-            self._plan()  # refuse sizes no bucket can hold now, not at the first sync
+            # Refuse sizes no bucket can hold now, not at the first sync; and take
+            # the staging a sync holds now, not inside it (pinned allocation stalls
+            # the device, and under NCCL can deadlock against peers in a collective).
+            self.reserve()
+
+    def reserve(self) -> int:
+        """Reserve the staging blocks (device and pinned host) that a sync holds at
+        once, in the process's staging pools; the constructor calls it. Call it
+        again after the model's parameters change. Returns the bytes reserved (0
+        if already done for this bucket plan, or without the offload flag)."""
+        if not self._offload:
+            return 0
+        buckets = self._plan()
+        if buckets == self._reserved_for:
+            return 0
+        params = list(self._model.parameters())
+        device = _local(params[0]).device if params else torch.device("cpu")
+        reserved = reserve_for(
+            sync_graph(buckets, device),
+            sync_schedule(buckets, pipelined=self._schedule_name == "pipelined",
+                          device_budget_bytes=self._device_budget_bytes))
+        self._reserved_for = buckets
+        return sum(reserved.values())
 
     # -- configuration, read-only ------------------------------------------------
     @property
     def schedule(self) -> str:
-        """``"pipelined"`` or ``"sync"`` (meaningful with the offload flag on)."""
+        """``"pipelined"`` or ``"synchronous"`` (meaningful with the offload flag on)."""
         return self._schedule_name
 
     @property
@@ -290,7 +323,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     ) -> TaskGraph:
         manager = self._manager
         cuda = _accel.current().is_device(device)
-        sync = self._schedule_name == "sync"
+        sync = self._schedule_name == "synchronous"
 
         def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
             def allreduce(ctx: TaskContext) -> None:

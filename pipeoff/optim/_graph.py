@@ -88,15 +88,15 @@ def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
 
 
 def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
-           prefetch: int,
+           prefetch: int, budget: int | None = None,
            reserved: Callable[[torch.Tensor, str], torch.Tensor | None] | None = None) -> Step:
     """Capture grads, hyperparameters and state of ``inner``, build the step's graph, launch it.
 
     Per chunk: ``h2d{k}`` stages the existing state slices, ``opt{k}`` updates the
     parameter slices (:func:`~pipeoff.optim._update.step_chunk`), ``d2h{k}`` copies
     the state back and, at a parameter's last chunk, commits its new state.
-    Device staging is bounded by ``(prefetch + 1)`` chunks. State that does not
-    exist yet goes into the host tensor ``reserved(param, key)`` hands out, if
+    Device staging is bounded by ``budget``, or else by ``(prefetch + 1)`` chunks.
+    State that does not exist yet goes into the host tensor ``reserved(param, key)`` hands out, if
     any, else into a new host allocation.
 
     Returns:
@@ -167,7 +167,7 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
                          present=[len(present.get(i, ())) for i in range(len(params))],
                          updated=grads)
     graph = step_graph(layout.device, chunks, work)
-    step.execution = execute(graph, step_schedule(plan, prefetch))
+    step.execution = execute(graph, step_schedule(plan, prefetch, budget))
     step.opt_tasks = tuple(f"opt{c.index}" for c in chunks)
     return step
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -17,11 +18,13 @@ from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
 from pipeoff.optim._layout import Layout, build_layout, fingerprint
 from pipeoff.optim._plan import ChunkPlan, verify_plan
+from pipeoff.optim._step_graph import chunk_tasks, step_graph, step_schedule
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import host_alloc, memory_order
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.optim._waits import ForwardWaits
+from pipeoff.staging import reserve_for
 from pipeoff.trace import TaskRecord, Trace
 from pipeoff.trace._trace import HOOK_WAIT
 
@@ -29,6 +32,19 @@ __all__ = ["OffloadOptimizer"]
 
 Mode = Literal["single_pass", "chunked", "overlap"]
 _MODES = ("single_pass", "chunked", "overlap")
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""``chunk_bytes`` when neither it nor ``device_budget_bytes`` is given."""
+
+
+class _Default:
+    """The default of ``chunk_bytes``: 1 GiB, or a third of ``device_budget_bytes``."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_CHUNK_BYTES"
+
+
+_DEFAULT = _Default()
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -41,7 +57,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     the wrapped optimizer's own kernels, copy the state back. Chunk k+1's copy in
     overlaps chunk k's update and chunk k-1's copy out.
 
-    Memory: device optimizer state at most ``(lookahead + 1) * chunk_bytes``
+    Memory: device optimizer state at most ``(prefetch + 1) * chunk_bytes`` (or
+    ``device_budget_bytes``)
     instead of all of it (AdamW: 8 bytes per fp32 parameter), plus, on a first
     step only, one chunk that the optimizer allocates while it initializes state.
     Host: all state (pinned). Traffic: the state of every parameter with a grad
@@ -69,7 +86,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mode: ``"single_pass"``, ``"chunked"`` or ``"overlap"``.
         chunk_bytes: bound on each chunk's device state, or ``None`` for one chunk.
         pin_memory: page-lock the host state (ignored without an accelerator).
-        lookahead: chunks staged ahead of the one being updated.
+        prefetch: chunks staged ahead of the one being updated (default 2).
+            Device staging is then at most ``(prefetch + 1)`` of the largest
+            chunk. (Formerly ``lookahead``, still accepted with a
+            ``FutureWarning``.)
+        device_budget_bytes: instead of ``prefetch``, a cap on live device
+            staging in bytes, as ``LocalSGD`` takes one: chunks of a third of it
+            unless ``chunk_bytes`` is given too (at most the budget).
         process_group: the group whose ranks must agree on the chunk plan
             (default: the world, when torch.distributed is initialized). The
             plan is checked collectively here, at construction, where every
@@ -100,12 +123,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         mode: Mode = "chunked",
-        chunk_bytes: int | None = 1 << 30,
+        chunk_bytes: int | None | _Default = _DEFAULT,
         pin_memory: bool = True,
-        lookahead: int = 2,
+        prefetch: int | None = None,
+        device_budget_bytes: int | None = None,
         process_group: Any = None,
         read_guard: bool = True,
         reserve: bool = True,
+        lookahead: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
             optimizer, OffloadOptimizer
@@ -115,14 +140,39 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         if mode not in _MODES:
             raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
+        chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes
+        if isinstance(chunk_bytes, _Default):
+            chunk_bytes = DEFAULT_CHUNK_BYTES
         if chunk_bytes is not None and (
             isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0
         ):
             raise ConfigError(
                 f"chunk_bytes must be a positive int (bytes) or None, got {chunk_bytes!r}"
             )
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ConfigError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        if lookahead is not None:
+            if prefetch is not None:
+                raise ConfigError("give prefetch (the new name of lookahead), not both")
+            warnings.warn("OffloadOptimizer(lookahead=...) is now prefetch=...; lookahead will "
+                          "be removed", FutureWarning, stacklevel=2)
+            prefetch = lookahead
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                     or prefetch < 0):
+            raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if device_budget_bytes is not None:
+            if (isinstance(device_budget_bytes, bool) or not isinstance(device_budget_bytes, int)
+                    or device_budget_bytes <= 0):
+                raise ConfigError(f"device_budget_bytes must be a positive int (bytes) or None, "
+                                  f"got {device_budget_bytes!r}")
+            if prefetch is not None:
+                raise ConfigError(
+                    f"give prefetch or device_budget_bytes, not both (got prefetch={prefetch!r}, "
+                    f"device_budget_bytes={device_budget_bytes!r})")
+            if chunk_bytes_given is None:
+                chunk_bytes = max(1, device_budget_bytes // 3)
+            elif chunk_bytes is None or chunk_bytes > device_budget_bytes:
+                raise ConfigError(
+                    f"device_budget_bytes={device_budget_bytes} must hold one chunk, but "
+                    f"chunk_bytes={chunk_bytes!r}; use chunk_bytes <= device_budget_bytes")
         if not isinstance(read_guard, bool):
             raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
         if not isinstance(reserve, bool):
@@ -132,7 +182,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self.mode: Mode = mode
         self.chunk_bytes = chunk_bytes
-        self.lookahead = lookahead
+        self.prefetch = 2 if prefetch is None else prefetch
+        """Chunks staged ahead of the one being updated."""
+        self.device_budget_bytes = device_budget_bytes
+        """The cap on live device staging, if given instead of ``prefetch``."""
         self.process_group = process_group
         self.pin_memory = bool(pin_memory) and _accel.current().available()
         # Optimizer.__init__ is not called (it wants parameters); set what the
@@ -152,6 +205,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._waits.guard_enabled = read_guard
         self._reserve = reserve
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}
+        self._staging_reserved: tuple[int, ...] | None = None
+        """The signature of the plan whose staging blocks are reserved."""
         self._layout = build_layout(optimizer, chunked=self._chunked,
                                     chunk_bytes=chunk_bytes)
         self._offload_state(self._layout)
@@ -159,6 +214,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.verify_plan()
             if reserve:
                 self.reserve()
+
+    @property
+    def lookahead(self) -> int:
+        """The old name of :attr:`prefetch` (deprecated)."""
+        warnings.warn("OffloadOptimizer.lookahead is now .prefetch; lookahead will be removed",
+                      FutureWarning, stacklevel=2)
+        return self.prefetch
 
     @property
     def _chunked(self) -> bool:
@@ -192,8 +254,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         raise TypeError("OffloadOptimizer cannot be pickled; save state_dict() instead")
 
     def __repr__(self) -> str:
+        staging = (f"device_budget_bytes={self.device_budget_bytes}"
+                   if self.device_budget_bytes is not None else f"prefetch={self.prefetch}")
         return (f"OffloadOptimizer(mode={self.mode!r}, chunk_bytes={self.chunk_bytes}, "
-                f"{self.inner!r})")
+                f"{staging}, {self.inner!r})")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; the next step plans it in.
@@ -509,7 +573,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
-                               prefetch=self.lookahead,
+                               prefetch=self.prefetch, budget=self.device_budget_bytes,
                                reserved=lambda p, k: self._reserved.pop((id(p), k), None))
             self._inflight = st
             self._last = st.execution
@@ -532,14 +596,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return None
 
     def reserve(self) -> int:
-        """Allocate (pinned) host memory now for every state tensor that does not exist yet.
+        """Allocate now the (pinned) host memory of every state tensor that does not
+        exist yet, and the staging blocks a step uses.
 
-        Otherwise the first step allocates it: pinning costs time
+        Otherwise the first step allocates them: pinning costs time
         (``cudaHostAlloc`` runs at a few GB/s and synchronizes the device) at a
         moment the training loop did not choose, possibly under a collective.
         The constructor calls this unless ``reserve=False``; call it again
-        after adding parameters. The memory is the state's own size (AdamW: 8
-        bytes per fp32 parameter), allocated once.
+        after adding parameters. Host state is the state's own size (AdamW: 8
+        bytes per fp32 parameter), allocated once; staging is what a step can
+        hold at once (about ``(prefetch + 1) * chunk_bytes`` of device memory),
+        reserved in the process's staging pools (:func:`pipeoff.staging.reserve_for`).
 
         Returns:
             The bytes allocated.
@@ -547,6 +614,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._chunked:
             return 0
         layout = self._current_layout()
+        staged = 0
+        plan = layout.plan
+        if plan is not None and self._staging_reserved != plan.signature():
+            local = [_local(p) for p in layout.params]
+            n = len(local)
+            chunks = chunk_tasks(plan, itemsize=[t.element_size() for t in local],
+                                 nkeys=[len(k) for k in layout.keys],
+                                 local_numel=[t.numel() for t in local],
+                                 present=[len(k) for k in layout.keys], updated=range(n))
+            reserved = reserve_for(step_graph(layout.device, chunks),
+                                   step_schedule(plan, self.prefetch,
+                                                 self.device_budget_bytes))
+            staged = sum(reserved.values())
+            self._staging_reserved = plan.signature()
         want = []
         for i, p in enumerate(layout.params):
             st = self.inner.state.get(p, {})
@@ -556,7 +637,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              layout.orders[i]) for i, _ in want], self.pin_memory)
         for (i, k), h in zip(want, hosts):
             self._reserved[(id(layout.params[i]), k)] = h
-        return sum(h.numel() * h.element_size() for h in hosts)
+        return staged + sum(h.numel() * h.element_size() for h in hosts)
 
     # -- layout ---------------------------------------------------------------
     def _current_layout(self) -> Layout:

@@ -2,8 +2,8 @@
 
 Lanes are FIFO and wait for their cross-lane dependencies exactly as on the
 real backends, and the host issues tasks in plan order paying a launch
-overhead each (with ``lookahead``, task *i* is issued only after task
-*i - lookahead* finished). Copies are simulated as fluids: a copy's rate
+overhead each (with ``max_in_flight``, task *i* is issued only after task
+*i - max_in_flight* finished). Copies are simulated as fluids: a copy's rate
 changes when a copy in the other direction starts or ends, which is how
 bidirectional contention slows both; optimizer chunks and copies can be set
 to slow each other too (they share memory bandwidth on a CPU). Task ``work``
@@ -68,7 +68,7 @@ class SimBackend(HostBackend):
         cost = self.cost
         # The synchronous schedule waits for each task before issuing the next:
         # a window of one, so every task pays its launch overhead after the last.
-        lookahead = 1 if plan.schedule.kind == "synchronous" else plan.schedule.lookahead
+        lookahead = 1 if plan.schedule.kind == "synchronous" else plan.schedule.max_in_flight
         lanes: dict[str, list[int]] = {}
         for i, lane in enumerate(plan.lanes):
             lanes.setdefault(lane, []).append(i)

@@ -86,14 +86,14 @@ def compare(
     cost: CostModel,
     *,
     chunk_bytes: int = 1 << 30,
-    lookahead: int = 2,
+    prefetch: int = 2,
     bucket_bytes: int = 256 << 20,
     device_budget_bytes: int | None = None,
 ) -> list[Prediction]:
     """Predict each of ``schedules`` for ``feature`` on ``shape`` with ``cost``.
 
     Raises:
-        ConfigError: an unknown feature or schedule, no schedule, a lookahead
+        ConfigError: an unknown feature or schedule, no schedule, a prefetch
             below 1, or a chunk or bucket size that makes too many tasks.
     """
     import pipeoff
@@ -103,8 +103,8 @@ def compare(
     known = FEATURE_SCHEDULES[feature]
     if not schedules:
         raise ConfigError(f"no schedule given; known for {feature}: {', '.join(known)}")
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
-        raise ConfigError(f"lookahead must be an int >= 1, got {lookahead!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
     if feature == "optimizer" and set(schedules) - {"single_pass"}:
         _check_pieces("chunk_bytes", chunk_bytes, shape)
     if feature == "local-sgd" and "pipelined" in schedules:
@@ -123,7 +123,7 @@ def compare(
                 sched = Schedule.synchronous()
             else:
                 graph = optimizer_graph(shape, chunk_bytes=chunk_bytes)
-                budget = device_budget_bytes or (lookahead + 1) * chunk_bytes
+                budget = device_budget_bytes or (prefetch + 1) * chunk_bytes
                 sched = Schedule.pipelined(device_budget_bytes=budget)
         else:
             if name == "original":

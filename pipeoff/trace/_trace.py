@@ -342,7 +342,7 @@ class Trace:
             "schedule": sched.kind,
             "rank": rank,
             "origin_unix_ns": run.origin_unix_ns,
-            "lookahead": sched.lookahead,
+            "max_in_flight": sched.max_in_flight,
         }
         meta.update(metadata or {})
         return cls(tasks=tuple(records), buffers=buffers,

@@ -28,7 +28,7 @@ PIPELINED: dict[str, dict[str, Any]] = {
     "packed": {**OFF, "bucket_bytes": 1200, "device_budget_bytes": 2400},
     "one_bucket": {**OFF, "bucket_bytes": 4096, "device_budget_bytes": 4096},
 }
-MODES: dict[str, dict[str, Any]] = {"sync": {**OFF, "schedule": "sync"}, **PIPELINED}
+MODES: dict[str, dict[str, Any]] = {"sync": {**OFF, "schedule": "synchronous"}, **PIPELINED}
 
 
 def _assert_pools_idle() -> None:
@@ -303,11 +303,12 @@ def test_never_mixes_dtypes() -> None:
         ({**OFF, "bucket_bytes": 4096, "device_budget_bytes": 1024},
          "device_budget_bytes=1024 is smaller than one bucket"),
         ({**OFF, "device_budget_bytes": 0}, "device_budget_bytes must be a positive int"),
-        ({**OFF, "schedule": "chunked"}, "schedule must be 'pipelined' or 'sync'"),
+        ({**OFF, "schedule": "chunked"}, "schedule must be 'pipelined' or 'synchronous'"),
         ({"schedule": "pipelined"}, "only apply with offload_averaged_parameters_to_cpu=True"),
         ({"bucket_bytes": 1024}, "only apply with offload_averaged_parameters_to_cpu=True"),
         ({"device_budget_bytes": 1024}, "only apply with offload"),
-        ({**OFF, "schedule": "sync", "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
+        ({**OFF, "schedule": "synchronous", "bucket_bytes": 0},
+         "bucket_bytes must be a positive int"),
         ({"offload_averaged_parameters_to_cpu": 1}, "must be True or False"),
     ],
 )
@@ -349,21 +350,20 @@ def test_ft_exports() -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "packed"])
-def test_staging_pools_are_reused_across_syncs(mode: str) -> None:
+def test_a_reserved_sync_allocates_no_staging(mode: str) -> None:
     manager = _mock_manager(commit=True)
     model = make_model(0)
     local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
                                     **MODES[mode])
-    buckets = len(local_sgd._plan())
     pools = pipeoff.pools_for("cpu")
     before = (pools.device.stats().allocations, pools.host.stats().allocations)
     for _ in range(10):
         local_sgd.sync()
-    # Which free block a request gets depends on which buffers other lanes have
-    # released by then, so a pool may grow over the first syncs, but by at most
-    # one block per bucket in all: steady-state syncs allocate nothing.
+    # The constructor reserved what a sync holds at once: no sync allocates,
+    # the first one included.
     after = (pools.device.stats().allocations, pools.host.stats().allocations)
-    assert after[0] - before[0] <= buckets and after[1] - before[1] <= buckets
+    assert after == before
+    assert local_sgd.reserve() == 0  # already reserved for this plan
     _assert_pools_idle()
 
 
@@ -372,7 +372,7 @@ def test_sync_schedule_accepts_and_ignores_bucket_options() -> None:
     manager = _mock_manager(commit=True)
     model = make_model(0)
     local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
-                                    **OFF, schedule="sync", bucket_bytes=1 << 20,
+                                    **OFF, schedule="synchronous", bucket_bytes=1 << 20,
                                     device_budget_bytes=2 << 20)
     assert local_sgd.bucket_bytes is None and local_sgd.device_budget_bytes is None
     local_sgd.sync()
@@ -399,3 +399,12 @@ def test_waits_for_an_asynchronous_optimizer_step(mode: str) -> None:
     local_sgd.sync()
     assert events[:2] == ["wait_for_step", "start_quorum"]
     assert "allreduce" in events
+
+
+def test_sync_is_the_deprecated_name_of_the_synchronous_schedule() -> None:
+    manager = _mock_manager(commit=True)
+    model = make_model(0)
+    with pytest.warns(FutureWarning, match="now schedule='synchronous'"):
+        local_sgd = pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1),
+                                        1, **OFF, schedule="sync")
+    assert local_sgd.schedule == "synchronous"

@@ -23,7 +23,7 @@ import pipeoff.testing
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "sync"},
+    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
     "pipelined": {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 4 << 10,
                   "device_budget_bytes": 8 << 10},
 }

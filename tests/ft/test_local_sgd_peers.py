@@ -20,7 +20,7 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "sync"},
+    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
     "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
                   "bucket_bytes": "per_parameter", "device_budget_bytes": 256},
     "pipelined_split": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",

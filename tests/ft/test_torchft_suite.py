@@ -25,7 +25,7 @@ import pipeoff.ft  # noqa: E402
 BUDGET = 128
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "sync"},
+    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
     # One bucket per parameter keeps torchft's "one all-reduce per parameter" count;
     # 128 bytes of device staging holds the largest parameter of either test model.
     "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",

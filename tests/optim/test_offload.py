@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import pipeoff
+from pipeoff import ConfigError
 from pipeoff.optim import OffloadOptimizer
 
 MODES = ["single_pass", "chunked", "overlap"]
@@ -139,7 +140,7 @@ def test_state_lives_in_host_memory_and_grads_are_untouched() -> None:
 def test_peak_device_staging_is_bounded(chunk_bytes: int) -> None:
     net = make_net()
     opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), amsgrad=True), mode="chunked",
-                           chunk_bytes=chunk_bytes, lookahead=1)
+                           chunk_bytes=chunk_bytes, prefetch=1)
     for x in batches(2):
         net(x, 1).sum().backward()
         opt.step()
@@ -304,3 +305,36 @@ def test_global_step_hooks_fire_once_per_step_in_every_mode(mode: str) -> None:
         for h in handles:
             h.remove()
     assert calls == ["pre", "post"]
+
+
+def test_prefetch_and_a_device_budget_name_the_staging_bound() -> None:
+    import warnings
+
+    net = make_net()
+    with pytest.warns(FutureWarning, match="now prefetch"):
+        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), chunk_bytes=4096,
+                               lookahead=1)
+    assert opt.prefetch == 1
+    with pytest.warns(FutureWarning, match=r"\.prefetch"):
+        assert opt.lookahead == 1
+    # A budget alone: chunks of a third of it, the schedule bounded by it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="chunked",
+                               device_budget_bytes=3 * 4096)
+    assert opt.chunk_bytes == 4096 and "device_budget_bytes=12288" in repr(opt)
+    for x in batches(2):
+        net(x, 1).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    trace = opt.last_trace
+    assert trace is not None and trace.device_budget_bytes == 3 * 4096
+    assert trace.summary().peak_device_staging_bytes <= 3 * 4096
+    with pytest.raises(ConfigError, match="give prefetch or device_budget_bytes, not both"):
+        OffloadOptimizer(torch.optim.AdamW(net.parameters()), prefetch=1,
+                         device_budget_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="must hold one chunk"):
+        OffloadOptimizer(torch.optim.AdamW(net.parameters()), chunk_bytes=1 << 20,
+                         device_budget_bytes=1 << 10)
+    with pytest.raises(ConfigError, match="prefetch must be an int >= 0"):
+        OffloadOptimizer(torch.optim.AdamW(net.parameters()), prefetch=-1)

@@ -106,7 +106,7 @@ def test_peak_state_memory_is_bounded(gpu: Gpu) -> None:
     net = make_net(gpu)
     chunk = 4096
     opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), foreach=True), mode="chunked",
-                           chunk_bytes=chunk, lookahead=2)
+                           chunk_bytes=chunk, prefetch=2)
     for x in batches(gpu, 2):
         net(x).sum().backward()
         opt.step()
