@@ -12,6 +12,7 @@ import contextlib
 import enum
 import gc
 import heapq
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -277,6 +278,13 @@ class TaskGraph:
             )
         if work is not None and not callable(work):
             raise ConfigError(f"task {name!r}: work must be callable or None, got {work!r}")
+        call = vars(type(work)).get("__call__")  # an object with an async __call__
+        if inspect.iscoroutinefunction(work) or inspect.iscoroutinefunction(call):
+            raise ConfigError(
+                f"task {name!r}: work is an async function, but task work runs synchronously "
+                "on a lane; make it a plain function (to await an RPC inside it, use "
+                "anyio.from_thread.run or asyncio.run_coroutine_threadsafe). To await an "
+                "execution from async code, use Execution.wait_async()")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
         deps_t = (deps,) if isinstance(deps, str) else tuple(deps)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,17 +20,15 @@ def test_scheduler_benchmark_quick() -> None:
     assert "threads" in res.stdout and "us/task" in res.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_suite_refuses_without_a_gpu() -> None:
-    if torch.cuda.is_available():
-        return
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--out",
                           "/tmp/unused"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_checks_refuse_without_a_gpu() -> None:
-    if torch.cuda.is_available():
-        return  # there is a GPU here: gpu_suite.py runs gpu_checks.py itself
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no CUDA device" in res.stderr

@@ -107,17 +107,28 @@ def test_first_exception_reraised_dependents_cancelled_staging_released() -> Non
 
 
 def test_running_tasks_finish_after_a_failure() -> None:
+    started = threading.Event()
     finished = threading.Event()
+    holder: list[pipeoff.Execution] = []
 
     def slow(ctx: pipeoff.TaskContext) -> None:
-        time.sleep(0.2)
+        started.set()
+        deadline = time.monotonic() + 30
+        while holder[0].exception is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # running when the failure is recorded
         finished.set()
+
+    def bad(ctx: pipeoff.TaskContext) -> None:
+        assert started.wait(30)
+        raise ValueError("boom")
 
     g = TaskGraph()
     g.add_task("slow", TaskKind.D2H, slow)
-    g.add_task("bad", TaskKind.ALLREDUCE, _raises_boom)
-    with pipeoff.testing.delay_task("bad", 0.05):
+    g.add_task("bad", TaskKind.ALLREDUCE, bad)
+    with pipeoff.testing.hold_task("slow") as release:
         ex = pipeoff.execute(g)
+        holder.append(ex)
+        release.set()
         with pytest.raises(ValueError):
             ex.wait(timeout=30)
     assert finished.is_set()
@@ -126,15 +137,25 @@ def test_running_tasks_finish_after_a_failure() -> None:
 
 def test_failure_cancels_tasks_queued_on_other_lanes() -> None:
     ran: list[str] = []
+    holder: list[pipeoff.Execution] = []
+
+    def slow(ctx: pipeoff.TaskContext) -> None:
+        deadline = time.monotonic() + 30
+        while holder[0].exception is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # ends only once the failure is recorded
+
     g = TaskGraph()
-    g.add_task("slow", TaskKind.D2H, lambda ctx: time.sleep(0.2))
+    g.add_task("slow", TaskKind.D2H, slow)
     g.add_task("bad", TaskKind.ALLREDUCE, _raises_boom)
     # Independent of "bad", but queued behind "slow" on its lane, so it would
     # start after the failure is known: it must not run.
     g.add_task("independent_later", TaskKind.D2H, lambda ctx: ran.append("x"))
-    ex = pipeoff.execute(g)
-    with pytest.raises(ValueError):
-        ex.wait(timeout=30)
+    with pipeoff.testing.hold_task("slow") as release:
+        ex = pipeoff.execute(g)
+        holder.append(ex)
+        release.set()
+        with pytest.raises(ValueError):
+            ex.wait(timeout=30)
     assert ran == []
     assert {r.name: r.status for r in ex.trace.tasks}["independent_later"] == "cancelled"
 
@@ -244,16 +265,17 @@ def test_events_for_completion_handles() -> None:
     assert slow.query()
 
 
-def test_async_host_task_runs_on_the_anyio_loop() -> None:
-    import anyio
-
+def test_async_work_is_refused_not_left_unawaited() -> None:
     async def rpc(ctx: pipeoff.TaskContext) -> str:
-        await anyio.sleep(0.01)
         return "committed"
 
     g = TaskGraph()
-    g.add_task("should_commit", TaskKind.HOST, rpc)
-    assert pipeoff.execute(g).result("should_commit") == "committed"
+    with pytest.raises(ConfigError, match="work is an async function"):
+        g.add_task("should_commit", TaskKind.HOST, rpc)
+    # One add_task cannot recognize: it fails at run time, the coroutine closed.
+    g.add_task("should_commit", TaskKind.HOST, lambda ctx: rpc(ctx))
+    with pytest.raises(ConfigError, match="returned an awaitable"):
+        pipeoff.execute(g).wait(timeout=30)
 
 
 @pytest.mark.anyio
@@ -294,13 +316,19 @@ def test_max_in_flight_bounds_tasks_in_flight() -> None:
     peak = 0
     lock = threading.Lock()
 
+    overlap = threading.Condition(lock)
+    wait_for_company = False
+
     def work(ctx: pipeoff.TaskContext) -> None:
         nonlocal running, peak
         with lock:
             running += 1
             peak = max(peak, running)
-        time.sleep(0.01)
-        with lock:
+            overlap.notify_all()
+            if wait_for_company:
+                # Unbounded: tasks on other lanes start meanwhile (event-ordered,
+                # not a sleep racing the other lanes).
+                overlap.wait_for(lambda: peak > 1, timeout=30)
             running -= 1
 
     g = TaskGraph()
@@ -309,6 +337,7 @@ def test_max_in_flight_bounds_tasks_in_flight() -> None:
     pipeoff.execute(g, Schedule.pipelined(max_in_flight=1)).wait(timeout=30)
     assert peak == 1
     peak = 0
+    wait_for_company = True
     pipeoff.execute(g, Schedule.pipelined()).wait(timeout=30)
     assert peak > 1
 
@@ -583,3 +612,30 @@ def test_lane_instances_are_reused_once_free() -> None:
     for _ in range(20):
         run_once()
     assert lane_instances() == before  # sequential executions share the first instance
+
+
+def test_idle_lane_threads_are_reaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeoff.executor import threads
+
+    g = TaskGraph()
+    for k in range(3):
+        g.add_task(f"t{k}", TaskKind.HOST, lambda ctx: None, lane=f"one-off-{k}")
+    pipeoff.execute(g).wait(timeout=30)
+    workers = {lane: ws[0]._thread for lane, ws in threads._lanes.items()
+               if lane.startswith("one-off-")}
+    assert len(workers) == 3
+    # Used recently: kept (a lane reused within LANE_IDLE_S keeps its thread).
+    assert not [n for n in threads.reap_idle(threads.LANE_IDLE_S) if "one-off" in n]
+    # The next release reaps what has been idle longer than LANE_IDLE_S.
+    monkeypatch.setattr(threads, "LANE_IDLE_S", 0.0)
+    pipeoff.execute(TaskGraph()).wait(timeout=30)  # no lanes: releases nothing
+    g2 = TaskGraph()
+    g2.add_task("other", TaskKind.HOST, lambda ctx: None, lane="one-off-other")
+    pipeoff.execute(g2).wait(timeout=30)
+    deadline = time.monotonic() + 10
+    for t in workers.values():
+        t.join(max(0.0, deadline - time.monotonic()))
+        assert not t.is_alive()
+    assert not any(lane.startswith("one-off-") for lane in threads.lane_instances())
+    # A reaped lane comes back on demand.
+    pipeoff.execute(g).wait(timeout=30)

@@ -28,12 +28,11 @@ SCRIPT = textwrap.dedent(
     atexit.register(check)
 
     import time
-    import anyio
     import pipeoff
     from pipeoff import Schedule, TaskGraph, TaskKind
 
-    async def rpc(ctx):
-        await anyio.sleep(0.05)
+    def rpc(ctx):
+        time.sleep(0.05)
 
     g = TaskGraph()
     g.add_task("copy", TaskKind.D2H, lambda ctx: time.sleep(0.5))  # still running at exit

@@ -1,7 +1,7 @@
 """Stopping pipeoff's background threads before the interpreter finalizes.
 
-pipeoff's lane workers, its host event loop and the CUDA backend's dispatch
-threads are daemon threads, so a program that forgets to wait never hangs at
+pipeoff's lane workers (the CUDA backend's dispatch threads among them) are
+daemon threads, so a program that forgets to wait never hangs at
 exit. But a daemon thread still alive when CPython finalizes is a hazard of its
 own: once finalization starts, a thread that re-takes the GIL is unwound with
 ``pthread_exit``, and if that unwind crosses a C++ ``noexcept`` frame (torch
@@ -47,17 +47,9 @@ def ensure_registered() -> None:
 def _shutdown() -> None:
     deadline = time.monotonic() + EXIT_TIMEOUT_S
     stuck: list[str] = []
-    # Order matters: a CUDA dispatch thread feeds lanes, and a lane may be
-    # blocked in a call into the host loop, so the loop stops last.
-    cuda = sys.modules.get("pipeoff.executor.cuda")
-    if cuda is not None:
-        stuck += cuda.join_dispatchers(deadline)
     threads = sys.modules.get("pipeoff.executor.threads")
     if threads is not None:
         stuck += threads.stop_lanes(deadline)
-    hostloop = sys.modules.get("pipeoff.executor._hostloop")
-    if hostloop is not None:
-        stuck += hostloop.stop(deadline)
     if stuck:
         warnings.warn(
             f"pipeoff: {len(stuck)} thread(s) still running after waiting "

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from pipeoff import _accel, _compat, _dist, testing
+from pipeoff._errors import ConfigError
 from pipeoff.executor._gates import OPEN as GATE_OPEN
 from pipeoff.executor._gates import GateStates
-from pipeoff.graph import Task, TaskContext, TaskGraph, TaskKind
+from pipeoff.graph import Task, TaskContext, TaskGraph
 from pipeoff.schedule import Plan
 from pipeoff.staging import Pools, StagingBlock
 
@@ -53,11 +54,6 @@ class Run:
         self.rank = _dist.rank()
         self.backend_state: Any = None
         """Per-run data of the backend (the CUDA events)."""
-        self._async = {
-            i for i, t in enumerate(self.tasks)
-            if t.kind is TaskKind.HOST and t.work is not None
-            and inspect.iscoroutinefunction(t.work)
-        }
         self._index: dict[str, int] | None = None
         self._on_complete: list[Callable[[], None]] = []
         self.hooks = testing.snapshot()
@@ -313,11 +309,17 @@ class Run:
         self.finish(i, outcome)
 
     def _call(self, i: int, work: Any, ctx: TaskContext) -> Any:
-        if i in self._async:
-            from pipeoff.executor._hostloop import run_async
-
-            return run_async(work, ctx)
-        return work(ctx)
+        result = work(ctx)
+        if inspect.isawaitable(result):
+            # An async callable that add_task could not recognize (a partial of an
+            # async function): never leave it un-awaited in silence.
+            if inspect.iscoroutine(result):
+                result.close()
+            raise ConfigError(
+                f"task {self.tasks[i].name!r}: its work returned an awaitable; task work "
+                "runs synchronously on a lane (await the result of an RPC inside it with "
+                "anyio.from_thread or asyncio.run_coroutine_threadsafe)")
+        return result
 
     # -- trace --------------------------------------------------------------
     def status_names(self) -> list[str]:

@@ -434,9 +434,3 @@ class CudaBackend:
         _give_events(state.accel, state.device, [*state.starts_t, *state.ends_t], timing=True)
         run.backend_state = None
         _release_streams(run)
-
-
-def join_dispatchers(deadline: float) -> list[str]:
-    """Dispatch threads are lane workers now (``cuda-dispatch``); exit stops them with the
-    lanes. Kept for :mod:`pipeoff.executor._exit`."""
-    return []

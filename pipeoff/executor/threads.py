@@ -55,6 +55,8 @@ class _LaneWorker:
         self.instance = instance
         self.holder: Run | None = None
         """The execution whose tasks this instance runs, until its last one has finished."""
+        self.idle_since = time.monotonic()
+        """When the last execution holding it released it."""
         self._q: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
         name = f"pipeoff-{lane}" if instance == 0 else f"pipeoff-{lane}#{instance}"
@@ -109,10 +111,39 @@ def acquire(lanes: list[str], run: Run) -> dict[str, _LaneWorker]:
 
 
 def release(workers: list[_LaneWorker], run: Run) -> None:
+    now = time.monotonic()
     with _lanes_lock:
         for w in workers:
             if w.holder is run:
                 w.holder = None
+                w.idle_since = now
+    reap_idle(LANE_IDLE_S)
+
+
+LANE_IDLE_S = 60.0
+"""A lane worker idle this long (seconds) is stopped at the next release: lanes
+made for one burst of concurrency, or named by one graph, do not stay forever."""
+
+
+def reap_idle(max_idle_s: float) -> list[str]:
+    """Stop the lane workers no execution has held for ``max_idle_s`` seconds; their
+    names. A lane asked for again gets a new worker."""
+    now = time.monotonic()
+    stopped = []
+    with _lanes_lock:
+        for lane in list(_lanes):
+            keep = []
+            for w in _lanes[lane]:
+                if w.holder is None and now - w.idle_since >= max_idle_s:
+                    w.submit([_STOP])
+                    stopped.append(w._thread.name)
+                else:
+                    keep.append(w)
+            if keep:
+                _lanes[lane] = keep
+            else:
+                del _lanes[lane]
+    return stopped
 
 
 def stop_lanes(deadline: float) -> list[str]:

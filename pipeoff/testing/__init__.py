@@ -27,7 +27,7 @@ from typing import Any
 from pipeoff._errors import ConfigError
 
 __all__ = ["DataRaceError", "delay_lane", "delay_task", "disable", "disabled", "fail_task",
-           "fail_work", "installed", "simulated_cuda"]
+           "fail_work", "hold_task", "installed", "simulated_cuda"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,8 @@ class _Hook:
     inside: bool = False
     """The error is raised inside the work (:func:`fail_work`), not before it."""
     after_ops: int | None = None
+    hold: threading.Event | None = None
+    """The task waits for this event before it runs (:func:`hold_task`)."""
 
 
 _lock = threading.Lock()
@@ -73,6 +75,9 @@ def run_hooks(task_name: str, lane: str, *, sleep: bool = True,
               hooks: tuple[_Hook, ...] | None = None) -> None:
     """Apply the hooks for a task about to run: sleep, then maybe raise."""
     matched = _match(task_name, lane, hooks)
+    for h in matched:
+        if h.hold is not None:
+            h.hold.wait()
     delay = sum(h.delay_s for h in matched)
     if delay and sleep:
         time.sleep(delay)
@@ -169,6 +174,31 @@ def fail_task(
         f"pipeoff.testing: injected failure in {pattern!r}"
     )
     return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err))
+
+
+@contextlib.contextmanager
+def hold_task(pattern: str) -> Iterator[threading.Event]:
+    """Hold the tasks whose names fully match ``pattern`` until the event this yields
+    is set (at the latest when the block exits): tests order events this way
+    instead of racing a sleep against a delay.
+
+    On host lanes the task's thread waits; on a CUDA lane the thread that runs
+    its work does (on a GPU the dispatch thread: later tasks are not issued).
+
+    Example::
+
+        with pipeoff.testing.hold_task("opt3") as release:
+            opt.step()
+            assert not opt.last_execution.done()  # opt3 cannot have run
+            release.set()
+    """
+    event = threading.Event()
+    hook = _Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=None, hold=event)
+    with _install(hook):
+        try:
+            yield event
+        finally:
+            event.set()
 
 
 def fail_work(

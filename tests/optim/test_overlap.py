@@ -37,16 +37,19 @@ def overlapped(steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Offl
     opt.attach(net)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     outs = []
+    last = f"opt{len(opt.plan.chunks) - 1}"
     with pipeoff.testing.delay_lane("compute", DELAY):
         for x in batches(steps):
             y = net(x, 1)
             outs.append(y.detach().clone())
             y.pow(2).mean().backward()
-            opt.step()
-            assert not opt.last_execution.done()  # type: ignore[union-attr]
-            # While the chunks are pending: none of this may change the step's math.
-            opt.zero_grad()
-            sched.step()
+            with pipeoff.testing.hold_task(last) as release:
+                opt.step()
+                assert not opt.last_execution.done()  # type: ignore[union-attr]
+                # While the chunks are pending: none of this may change the step's math.
+                opt.zero_grad()
+                sched.step()
+                release.set()
         opt.wait_for_step()
     return outs, [p.detach().clone() for p in net.parameters()], opt
 
@@ -86,13 +89,16 @@ def test_a_module_waits_only_for_its_own_chunks() -> None:
     x = batches(1)[0]
     net(x, 1).sum().backward()
     ex = None
-    with pipeoff.testing.delay_lane("compute", DELAY):
+    last = f"opt{len(opt.plan.chunks) - 1}"
+    with pipeoff.testing.delay_lane("compute", DELAY), \
+            pipeoff.testing.hold_task(last) as release:
         opt.step()
         ex = opt.last_execution
         assert ex is not None
         with torch.no_grad():
             net.a(x)  # waits for net.a's chunks, which come first
-        assert not ex.done()  # net.b's and net.side's chunks are still pending
+        assert not ex.done()  # the last chunk (net.side's) is held
+        release.set()
         opt.wait_for_step()
     assert ex.done()
 

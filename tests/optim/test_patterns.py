@@ -1056,18 +1056,38 @@ def test_ctrl_c_while_waiting_neither_fails_nor_repeats_the_step(mode: str) -> N
     xs = batches(3)
     ref_losses = run(ref, ref_opt, xs)
     losses = run(mod, opt, xs[:1])
-    with pipeoff.testing.delay_lane("compute", 0.05):
+    real_wait = pipeoff.Execution.wait
+    interrupted: list[bool] = []
+
+    def wait(self: pipeoff.Execution, *args: Any, **kwargs: Any) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            # Ctrl-C, delivered while the caller is inside the wait (a real
+            # SIGINT: the handler raises at the next bytecode, in here).
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_wait(self, *args, **kwargs)
+
+    last = f"opt{len(opt.plan.chunks) - 1}"
+    # overlap: the last chunk is held, so the step is still in flight after the
+    # interrupt; chunked: step() waits for it again before passing the interrupt on.
+    hold = (pipeoff.testing.hold_task(last) if mode == "overlap"
+            else contextlib.nullcontext(threading.Event()))
+    with pipeoff.testing.delay_lane("compute", 0.005), hold as release:
         loss = mod(xs[1]).pow(2).mean()
         losses.append(loss.detach().clone())
         loss.backward()
-        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C
-        with pytest.raises(KeyboardInterrupt) as info:
-            opt.step()
-            opt.wait_for_step()
+        pipeoff.Execution.wait = wait  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                opt.step()
+                opt.wait_for_step()
+        finally:
+            pipeoff.Execution.wait = real_wait  # type: ignore[method-assign]
         notes = " ".join(getattr(info.value, "__notes__", []))
         assert "must not be repeated" in notes or "do not step again" in notes
         assert opt.last_execution is not None
         assert opt.last_execution.done() == (mode == "chunked")
+        release.set()
         opt.zero_grad()
     losses += run(mod, opt, xs[2:])  # no StepFailedError: nothing failed
     assert_same(ref, ref_opt, mod, opt, ref_losses, losses)
