@@ -206,7 +206,8 @@ def run_demo(out: Path, quick: bool = False) -> int:
     sync_ms = {}
     for schedule in ("synchronous", "pipelined"):
         label = "RFC 0003 sequential" if schedule == "synchronous" else "pipeoff pipelined"
-        print(f"run {1 if schedule == 'sync' else 2}/2: LocalSGD schedule='{schedule}' ({label})")
+        print(f"run {1 if schedule == 'synchronous' else 2}/2: LocalSGD "
+              f"schedule='{schedule}' ({label})")
         sync_ms[schedule] = _run_phase(schedule, cfg, out)
     trace_path = out / "trace.json"
     trace = Trace.load(out / "trace-pipelined.json")
@@ -219,8 +220,9 @@ def run_demo(out: Path, quick: bool = False) -> int:
 
     a, b = sync_trace.summary(), trace.summary()
     (sync_times, sync_peak), (pipe_times, pipe_peak) = sync_ms["synchronous"], sync_ms["pipelined"]
-    print("\n=== LocalSGD schedule='sync' vs 'pipelined' (replica 0, measured in this run) ===")
-    print(f"{'':<40} {'sync':>10} {'pipelined':>10} {'ratio':>7}")
+    print("\n=== LocalSGD schedule='synchronous' vs 'pipelined' (replica 0, measured in this "
+          "run) ===")
+    print(f"{'':<40} {'synchronous':>11} {'pipelined':>10} {'ratio':>7}")
     rows = [
         ("mean LocalSGD sync time (ms)", mean(sync_times), mean(pipe_times)),
         ("LocalSGD peak device staging (KiB)", sync_peak / 1024, pipe_peak / 1024),
@@ -233,7 +235,7 @@ def run_demo(out: Path, quick: bool = False) -> int:
     ]
     for name, x, y in rows:
         ratio = f"{y / x:.2f}x" if x else "n/a"
-        print(f"{name:<40} {x:>10.2f} {y:>10.2f} {ratio:>7}")
+        print(f"{name:<40} {x:>11.2f} {y:>10.2f} {ratio:>7}")
     print(f"(LocalSGD device budget {cfg['device_budget_bytes'] >> 10} KiB; the whole run also "
           f"holds the optimizer's (prefetch+1) x {cfg['chunk_bytes'] >> 10} KiB chunks)")
     print(f"\ntrace: {trace_path}   plot: {png}")

@@ -53,6 +53,7 @@ def _cmd_trace_diff(args: argparse.Namespace) -> int:
         ("critical path ms", a.critical_path_us / 1e3, b.critical_path_us / 1e3, "time"),
         ("efficiency", a.efficiency, b.efficiency, "num"),
         ("comm overlap %", a.comm_overlap_pct, b.comm_overlap_pct, "num"),
+        ("comm hidden %", a.comm_hidden_pct, b.comm_hidden_pct, "num"),
         ("copy overlap %", a.copy_overlap_pct, b.copy_overlap_pct, "num"),
         ("peak device staging", a.peak_device_staging_bytes, b.peak_device_staging_bytes, "bytes"),
         ("peak host staging", a.peak_host_staging_bytes, b.peak_host_staging_bytes, "bytes"),

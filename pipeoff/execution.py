@@ -269,14 +269,14 @@ class Execution:
         """``perf_counter_ns`` at launch; the trace's times are relative to it."""
         return self._run.origin_ns
 
-    def _shifted_trace(self, prefix: str, shift_ns: int) -> Trace:
+    def _shifted_trace(self, prefix: str, shift_ns: int, execution: int = 0) -> Trace:
         """The trace with task and buffer names prefixed and times shifted (for recorders)."""
         run = self._run
         run.wait_all()
         self._backend.synchronize_all(run, None)
         self._finalize()
         self._backend.resolve_times(run)
-        return Trace.from_run(run, prefix=prefix, shift_ns=shift_ns)
+        return Trace.from_run(run, prefix=prefix, shift_ns=shift_ns, execution=execution)
 
     @property
     def trace(self) -> Trace:

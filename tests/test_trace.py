@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import pipeoff
+import pipeoff.testing
 from pipeoff import Schedule, TaskGraph, TaskKind, Trace, TraceFormatError
 from pipeoff.trace import BufferRecord, TaskRecord
 
@@ -181,7 +183,8 @@ def test_overlap_pct_of_two_lanes_with_known_overlap() -> None:
         rec("opt", "compute", 120, 200, kind="optimizer_chunk"),
     ))
     s = t.summary()
-    assert s.comm_overlap_pct == pytest.approx(50.0)  # 50 of 100 us under the copy
+    assert s.comm_overlap_pct == pytest.approx(0.0)  # no compute during the collective
+    assert s.comm_hidden_pct == pytest.approx(50.0)  # 50 of 100 us under the copy
     # copy 50-150: 50-100 under comm, 120-150 under compute -> 80 of 100.
     assert s.copy_overlap_pct == pytest.approx(80.0)
     assert Trace(tasks=(rec("a", "x", 0, 1),)).summary().comm_overlap_pct is None
@@ -257,3 +260,31 @@ def test_torch_profiler_trace_with_pipeoff_ranges_loads(tmp_path: Path) -> None:
     assert [(t.name.split("#")[0], t.kind) for t in trace.tasks] == [
         ("copy", "h2d"), ("reduce", "allreduce")]
     assert trace.summary().makespan_us > 0
+
+
+def test_a_recorded_region_reports_each_execution_not_the_host_gaps() -> None:
+    """Efficiency over a region used to count the host's time between executions as
+    part of every bound (0.98 with lanes 15% busy); now it is the executions' own."""
+    g = TaskGraph()
+    g.add_task("a", TaskKind.H2D)
+    g.add_task("b", TaskKind.OPTIMIZER_CHUNK, deps=["a"])
+    g.add_task("c", TaskKind.D2H, deps=["b"])
+    with pipeoff.testing.delay_lane("compute", 0.01), pipeoff.trace.record() as rec:
+        for _ in range(3):
+            pipeoff.execute(g).wait()
+            time.sleep(0.05)  # the forward and backward, on the host
+    s = rec.trace.summary()
+    assert s.executions == 3
+    assert s.execution_efficiency is not None and s.execution_makespan_us is not None
+    lo, mid, hi = s.execution_efficiency
+    assert 0 < lo <= mid <= hi <= 1
+    assert lo <= s.efficiency <= hi  # a time-weighted mean of the executions'
+    assert s.busy_pct < 50  # the host gaps are visible here instead
+    assert s.critical_path_us <= s.makespan_us
+    assert "executions        3: efficiency" in s.format()
+    # The executions survive a saved trace.
+    loaded = rec.trace.to_chrome()
+    from pipeoff.trace import _chrome
+
+    again = Trace(**_chrome.from_chrome(loaded))
+    assert again.summary().executions == 3

@@ -19,17 +19,22 @@ FORMAT_VERSION = 1
 _CATEGORY = {
     "d2h": "gpu_memcpy",
     "h2d": "gpu_memcpy",
-    "allreduce": "comm",
+    "allreduce": "kernel",  # NCCL kernels are "kernel" in torch.profiler traces
     "optimizer_chunk": "kernel",
     "host": "cpu_op",
 }
 _PREFIX = {
     "d2h": "Memcpy DtoH ",
     "h2d": "Memcpy HtoD ",
-    "allreduce": "AllReduce ",
+    # HTA recognizes collectives by NCCL's kernel names (^nccl.*Kernel).
+    "allreduce": "ncclDevKernel_AllReduce ",
     "optimizer_chunk": "",
     "host": "",
 }
+_DEVICE_KINDS = frozenset({"d2h", "h2d", "allreduce", "optimizer_chunk"})
+"""Kinds that run on a lane stream (a CUDA stream; a lane thread standing in for
+one on CPU, and in the simulator): HTA finds device work by its ``stream``."""
+_FIRST_STREAM = 7  # torch's traces number CUDA streams from 7 (the default stream)
 
 
 def _us(ns: int) -> float:
@@ -55,9 +60,15 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         events.append(
             {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
         )
-    by_name: dict[tuple[int, str], TaskRecord] = {}
+    streams: dict[tuple[int, str], int] = {}
     for t in trace.tasks:
+        if t.kind in _DEVICE_KINDS and (t.rank, t.lane) not in streams:
+            streams[(t.rank, t.lane)] = _FIRST_STREAM + sum(r == t.rank for r, _ in streams)
+    by_name: dict[tuple[int, str], TaskRecord] = {}
+    for k, t in enumerate(trace.tasks):
         by_name[(t.rank, t.name)] = t
+        device = {"stream": streams[(t.rank, t.lane)], "correlation": k + 1,
+                  "device": t.rank} if t.kind in _DEVICE_KINDS else {}
         events.append(
             {
                 "ph": "X",
@@ -77,6 +88,8 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
                     "buffers": list(t.buffers),
                     "t_ns": [t.enqueue_ns, t.start_ns, t.end_ns],
                     **({"gates": list(t.gates)} if t.gates else {}),
+                    **({"execution": t.execution} if t.execution else {}),
+                    **device,
                 },
             }
         )
@@ -201,6 +214,7 @@ def _from_chrome(doc: Any, source: str) -> dict[str, Any]:
                     status=a["status"],
                     rank=int(ev.get("pid", 0)),
                     gates=tuple(a.get("gates", ())),
+                    execution=int(a.get("execution", 0)),
                 )
             )
         buffers = tuple(

@@ -69,7 +69,7 @@ class Recorder:
         rank = 0
         for k, ex in self._executions:
             # Waits for the execution; never raises a task's exception.
-            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns)
+            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns, execution=k)
             rank = tr.metadata.get("rank", rank)
             tasks.extend(tr.tasks)
             buffers.extend(tr.buffers)

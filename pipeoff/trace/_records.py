@@ -40,6 +40,8 @@ class TaskRecord:
     """The process's rank when recorded."""
     gates: tuple[str, ...] = ()
     """The gates it waited on (each has a record of kind ``"gate"``)."""
+    execution: int = 0
+    """Which execution of a recorded region it belongs to (0 for a single one)."""
 
     @property
     def duration_ns(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,16 +53,31 @@ class TraceSummary:
     cancelled: int
     """Tasks that never ran because another one failed."""
     comm_overlap_pct: float | None = None
-    """Share of the time collectives ran during which a copy or compute task ran
-    too (HTA's communication/computation overlap); ``None`` without collectives."""
+    """Share of the time collectives ran during which an optimizer (compute) task
+    ran too: HTA's communication/computation overlap (``get_comm_comp_overlap``,
+    which counts copies as memory kernels, not computation); ``None`` without
+    collectives."""
     copy_overlap_pct: float | None = None
     """Share of the time copies ran during which compute or a collective ran too."""
+    comm_hidden_pct: float | None = None
+    """Share of the time collectives ran during which a copy *or* compute task ran:
+    how much of the collectives other work hides (LocalSGD's all-reduces overlap
+    copies, not compute); ``None`` without collectives."""
     hook_waits: int = 0
     """How many times a forward hook blocked on the step in flight."""
     hook_wait_total_us: float = 0.0
     """Their total blocked time."""
     hook_wait_max_us: float = 0.0
     """The longest single blocked time."""
+    executions: int = 1
+    """Executions in the trace (a recorded region has one per step or sync)."""
+    execution_efficiency: tuple[float, float, float] | None = None
+    """Min, median and max of the executions' own efficiencies (several only)."""
+    execution_makespan_us: tuple[float, float, float] | None = None
+    """Min, median and max of the executions' makespans (several only)."""
+    busy_pct: float = 100.0
+    """Share of the makespan during which some task ran: a recorded region's host
+    time between executions (forward, backward) is the rest."""
     gates: int = 0
     """Gates (inputs from outside the executions) recorded."""
     gate_wait_total_us: float = 0.0
@@ -90,9 +106,14 @@ class TraceSummary:
             "cancelled": self.cancelled,
             "comm_overlap_pct": self.comm_overlap_pct,
             "copy_overlap_pct": self.copy_overlap_pct,
+            "comm_hidden_pct": self.comm_hidden_pct,
             "hook_waits": self.hook_waits,
             "hook_wait_total_us": self.hook_wait_total_us,
             "hook_wait_max_us": self.hook_wait_max_us,
+            "executions": self.executions,
+            "execution_efficiency": self.execution_efficiency,
+            "execution_makespan_us": self.execution_makespan_us,
+            "busy_pct": self.busy_pct,
             "gates": self.gates,
             "gate_wait_total_us": self.gate_wait_total_us,
             "longest": [list(x) for x in self.longest],
@@ -108,9 +129,14 @@ class TraceSummary:
             f"tasks             {self.tasks} ({self.failed} failed, {self.cancelled} cancelled)",
             f"makespan          {self.makespan_us / 1e3:.3f} ms",
             f"critical path     {self.critical_path_us / 1e3:.3f} ms (lower bound)",
-            f"efficiency        {self.efficiency:.2f}",
-            f"comm overlap      {pct(self.comm_overlap_pct)} of collective time under copies"
-            " or compute",
+            f"efficiency        {self.efficiency:.2f}"
+            + (" (time-weighted over the executions; see below)" if self.executions > 1
+               else ""),
+            f"busy              {self.busy_pct:.1f} % of the makespan has a task running",
+            f"comm overlap      {pct(self.comm_overlap_pct)} of collective time under compute"
+            " (HTA's comm/comp overlap)",
+            f"comm hidden       {pct(self.comm_hidden_pct)} of collective time under copies or"
+            " compute",
             f"copy overlap      {pct(self.copy_overlap_pct)} of copy time under compute or"
             " collectives",
             f"device staging    peak {fmt_bytes(self.peak_device_staging_bytes)}"
@@ -120,6 +146,12 @@ class TraceSummary:
             f"hook waits        {self.hook_waits}, total {self.hook_wait_total_us / 1e3:.3f} ms,"
             f" worst {self.hook_wait_max_us / 1e3:.3f} ms",
         ]
+        if self.execution_efficiency is not None and self.execution_makespan_us is not None:
+            lo, mid, hi = self.execution_efficiency
+            mlo, mmid, mhi = (x / 1e3 for x in self.execution_makespan_us)
+            lines.append(f"executions        {self.executions}: efficiency {lo:.2f} / {mid:.2f} / "
+                         f"{hi:.2f}, makespan {mlo:.3f} / {mmid:.3f} / {mhi:.3f} ms "
+                         "(min / median / max)")
         if self.gates:
             lines.append(f"gate waits        {self.gates} gates, lanes waited "
                          f"{self.gate_wait_total_us / 1e3:.3f} ms in total")
@@ -234,10 +266,36 @@ class Trace:
             peak["host"] = max(peak["host"], host)
         return peak
 
+    def executions(self) -> dict[int, Trace]:
+        """The trace of each execution in it, by index (one, 0, unless recorded)."""
+        by: dict[int, list[TaskRecord]] = {}
+        for t in self.tasks:
+            by.setdefault(t.execution, []).append(t)
+        return {k: Trace(tasks=tuple(ts), buffers=self.buffers,
+                         device_budget_bytes=self.device_budget_bytes,
+                         host_budget_bytes=self.host_budget_bytes, metadata=self.metadata)
+                for k, ts in sorted(by.items())}
+
     def summary(self) -> TraceSummary:
-        """The headline figures of this trace."""
+        """The headline figures of this trace.
+
+        For a trace of several executions (a recorded region), ``critical_path_us``
+        is the sum of each execution's own bound and ``efficiency`` the sum of
+        bounds over the sum of the executions' makespans: how close each came to
+        its bound, time-weighted. Host time between executions counts in neither;
+        ``busy_pct`` shows it, and ``execution_efficiency`` the spread.
+        """
         makespan = self.makespan_ns()
-        crit = self.critical_path_ns()
+        parts = [p for p in self.executions().values() if p._ran()]
+        per = [(p.makespan_ns(), p.critical_path_ns()) for p in parts] if len(parts) > 1 else []
+        if per:
+            crit = sum(c for _, c in per)
+            efficiency = min(1.0, crit / max(1, sum(m for m, _ in per)))
+        else:
+            crit = self.critical_path_ns()
+            efficiency = min(1.0, crit / makespan) if makespan else 1.0
+        ran_all = self._ran()
+        busy_all = _union_length([(t.start_ns, t.end_ns) for t in ran_all])
         peak = self.peak_staging_bytes()
         busy = self.lane_busy_ns()
         waits = [t.duration_ns for t in self.tasks if t.kind == HOOK_WAIT]
@@ -246,7 +304,11 @@ class Trace:
         return TraceSummary(
             makespan_us=makespan / 1e3,
             critical_path_us=crit / 1e3,
-            efficiency=min(1.0, crit / makespan) if makespan else 1.0,
+            efficiency=efficiency,
+            executions=max(1, len(parts)),
+            execution_efficiency=_spread([min(1.0, c / m) if m else 1.0 for m, c in per]),
+            execution_makespan_us=_spread([m / 1e3 for m, _ in per]),
+            busy_pct=100.0 * busy_all / makespan if makespan else 100.0,
             lane_busy_us=tuple((lane, b / 1e3) for lane, b in busy.items()),
             peak_device_staging_bytes=peak["device"],
             peak_host_staging_bytes=peak["host"],
@@ -256,7 +318,8 @@ class Trace:
             failed=sum(t.status == "failed" for t in self.tasks if t.kind not in MARKERS),
             cancelled=sum(t.status == "cancelled" for t in self.tasks
                           if t.kind not in MARKERS),
-            comm_overlap_pct=self.overlap_pct(COMM_KINDS, COPY_KINDS + COMPUTE_KINDS),
+            comm_overlap_pct=self.overlap_pct(COMM_KINDS, COMPUTE_KINDS),
+            comm_hidden_pct=self.overlap_pct(COMM_KINDS, COPY_KINDS + COMPUTE_KINDS),
             copy_overlap_pct=self.overlap_pct(COPY_KINDS, COMPUTE_KINDS + COMM_KINDS),
             hook_waits=len(waits),
             hook_wait_total_us=sum(waits) / 1e3,
@@ -294,7 +357,7 @@ class Trace:
 
     @classmethod
     def from_run(cls, run: Any, metadata: Mapping[str, Any] | None = None, *,
-                 prefix: str = "", shift_ns: int = 0) -> Trace:
+                 prefix: str = "", shift_ns: int = 0, execution: int = 0) -> Trace:
         """The trace of one finished execution's bookkeeping (``Execution.trace``
         calls this). ``prefix`` and ``shift_ns`` rename and re-time it, for a
         recorder that puts several executions on one timeline."""
@@ -313,6 +376,7 @@ class Trace:
                     status=status[i],  # type: ignore[arg-type]
                     rank=rank,
                     gates=tuple(prefix + g for g in t.gates) if prefix else t.gates,
+                    execution=execution,
                 )
                 for i, t in enumerate(run.tasks)
             ]
@@ -332,6 +396,7 @@ class Trace:
                         "cancelled" if state == "pending" else "ok"),
                 nbytes=(payload.numel() * payload.element_size()
                         if hasattr(payload, "element_size") else 0),
+                execution=execution,
             ))
         buffers = tuple(
             BufferRecord(name=prefix + b.name, nbytes=b.nbytes, where=b.where, rank=rank)
@@ -362,6 +427,14 @@ class Trace:
             host_budget_bytes=traces[0].host_budget_bytes,
             metadata=dict(metadata or traces[0].metadata),
         )
+
+
+def _spread(values: list[float]) -> tuple[float, float, float] | None:
+    """Min, median and max, or ``None`` for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[0], statistics.median(s), s[-1]
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
