@@ -41,6 +41,16 @@ def no_gc() -> Iterator[None]:
         if enabled:
             gc.enable()
 
+def _is_async(work: Callable[..., Any]) -> bool:
+    """Whether ``work`` is an async function (or a partial of one, or an object with an
+    async ``__call__``)."""
+    code = getattr(work, "__code__", None)
+    if code is not None:  # a plain function: one flag test
+        return bool(code.co_flags & inspect.CO_COROUTINE)
+    call = vars(type(work)).get("__call__")
+    return inspect.iscoroutinefunction(work) or inspect.iscoroutinefunction(call)
+
+
 Where = Literal["device", "host"]
 _WHERE = ("device", "host")
 
@@ -278,8 +288,7 @@ class TaskGraph:
             )
         if work is not None and not callable(work):
             raise ConfigError(f"task {name!r}: work must be callable or None, got {work!r}")
-        call = vars(type(work)).get("__call__")  # an object with an async __call__
-        if inspect.iscoroutinefunction(work) or inspect.iscoroutinefunction(call):
+        if work is not None and _is_async(work):
             raise ConfigError(
                 f"task {name!r}: work is an async function, but task work runs synchronously "
                 "on a lane; make it a plain function (to await an RPC inside it, use "
@@ -289,7 +298,7 @@ class TaskGraph:
             raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
         deps_t = (deps,) if isinstance(deps, str) else tuple(deps)
         bufs_t = (buffers,) if isinstance(buffers, str) else tuple(buffers)
-        gates_t = (gates,) if isinstance(gates, str) else tuple(gates)
+        gates_t = () if not gates else (gates,) if isinstance(gates, str) else tuple(gates)
         if not isinstance(must_run, bool):
             raise ConfigError(f"task {name!r}: must_run must be True or False, got {must_run!r}")
         self._tasks[name] = Task(
