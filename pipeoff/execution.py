@@ -43,6 +43,15 @@ class Completion:
         """Whether the task has finished (or will never run)."""
         return self._backend.query(self._run, self._index)
 
+    @property
+    def status(self) -> str:
+        """``"pending"``, ``"ok"``, ``"failed"`` or ``"cancelled"`` (on the host: a device
+        task that was issued is ``"ok"`` before its kernels end; see :meth:`query`)."""
+        run = self._run
+        if not run.terminal(self._index):
+            return "pending"
+        return run.status_names()[self._index]
+
     def synchronize(self) -> None:
         """Block the host until the task has finished."""
         self._backend.synchronize(self._run, self._index, None)
@@ -97,8 +106,14 @@ class Gate:
                 synchronize it. Nothing here blocks the caller.
 
         Raises:
-            ConfigError: the gate was already opened, closed or failed.
+            ConfigError: the gate was already opened, closed or failed, or
+                ``event`` has no ``synchronize()`` and ``wait(stream)``.
         """
+        if event is not None and not (callable(getattr(event, "synchronize", None))
+                                      and callable(getattr(event, "wait", None))):
+            raise ConfigError(
+                f"gate {self.name!r}: event must be a CUDA event or a pipeoff.Completion "
+                f"(with synchronize() and wait(stream)), got {type(event).__name__}")
         self._run.open_gate(self._k, payload, event)
 
     def close(self) -> None:
@@ -269,14 +284,20 @@ class Execution:
         """``perf_counter_ns`` at launch; the trace's times are relative to it."""
         return self._run.origin_ns
 
-    def _shifted_trace(self, prefix: str, shift_ns: int, execution: int = 0) -> Trace:
-        """The trace with task and buffer names prefixed and times shifted (for recorders)."""
+    def _shifted_trace(self, prefix: str, shift_ns: int, execution: int = 0,
+                       deadline: float | None = None) -> Trace | None:
+        """The trace with task and buffer names prefixed and times shifted (for recorders);
+        ``None`` if the execution has not finished by ``deadline`` (``time.monotonic``)."""
         run = self._run
-        run.wait_all()
-        self._backend.synchronize_all(run, None)
+        if not run.wait_all(deadline) or not self._backend.synchronize_all(run, deadline):
+            return None
         self._finalize()
         self._backend.resolve_times(run)
         return Trace.from_run(run, prefix=prefix, shift_ns=shift_ns, execution=execution)
+
+    def _pending_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The tasks still pending and the gates not yet opened."""
+        return self._run.pending(), self._run.gates.pending()
 
     @property
     def trace(self) -> Trace:

@@ -52,10 +52,12 @@ class Schedule:
     host_budget_bytes: int | None = None
     """Most bytes of host staging live at once; ``None`` is unbounded."""
     max_in_flight: int | None = None
-    """Most tasks issued but unfinished: task ``i`` is issued only once task
-    ``i - max_in_flight`` has finished (flow control, not a dependency); ``None``
-    issues all at once. It bounds how far issue runs ahead (and a CUDA launch
-    queue); the staging budgets bound memory. (Formerly ``lookahead``.)"""
+    """Flow control: task ``i`` (in issue order) starts only once task
+    ``i - max_in_flight`` has finished; ``None`` issues all at once. It keeps
+    issue from running far ahead of execution (a CUDA launch queue), but it is
+    not a bound on the tasks running at once (with ``i - k`` finished early,
+    ``i`` may start while older tasks on other lanes still run) nor on memory:
+    the staging budgets bound memory. (Formerly ``lookahead``.)"""
 
     def __post_init__(self) -> None:
         if self.kind not in ("synchronous", "pipelined"):
@@ -96,6 +98,7 @@ class Schedule:
         if lookahead is not None:
             if max_in_flight is not None:
                 raise ConfigError("give max_in_flight (the new name of lookahead), not both")
+            _check_optional_positive("lookahead", lookahead)
             warnings.warn("Schedule.pipelined(lookahead=...) is now max_in_flight=...; "
                           "lookahead will be removed", FutureWarning, stacklevel=2)
             max_in_flight = lookahead

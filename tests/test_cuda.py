@@ -362,3 +362,37 @@ def test_a_device_without_an_index_is_the_current_device(gpu: Gpu) -> None:
             comp.wait()
         ex.wait()
     assert torch.equal(gpu.read(x), torch.full((4,), 2.0, device=gpu.device).cpu())
+
+
+@pytest.mark.parametrize("shape", ["synchronous", "host_task_on_a_device_lane"])
+def test_host_and_device_tasks_on_one_lane_name_are_ordered(gpu: Gpu, shape: str) -> None:
+    """On CUDA one lane name is both a host thread and a stream (a synchronous schedule
+    with gates runs every task on "main"): the order between them is waited for."""
+    seen: list[float] = []
+    x = gpu.zeros(4)
+    g = TaskGraph(device=gpu.device)
+    g.add_gate("go")
+    g.add_task("produce", TaskKind.OPTIMIZER_CHUNK, lambda ctx: x.fill_(3.0), gates=["go"])
+    g.add_task("consume", TaskKind.HOST, lambda ctx: seen.append(float(x.sum())),
+               deps=["produce"], lane="compute" if shape != "synchronous" else None)
+    sched = Schedule.synchronous() if shape == "synchronous" else Schedule.pipelined()
+    with pipeoff.testing.delay_task("produce", 0.05):
+        ex = pipeoff.execute(g, sched)
+        assert ex.backend == "cuda"
+        ex.gate("go").open(None)
+        ex.wait(timeout=30)
+    assert seen == [12.0]
+
+
+def test_a_gate_holds_back_only_its_own_lane(gpu: Gpu) -> None:
+    """Each device lane is issued by its own thread: a producer that needs an ungated
+    task on another lane before it opens the gate does not deadlock."""
+    x = gpu.zeros(4)
+    g = TaskGraph(device=gpu.device)
+    g.add_gate("grad")
+    g.add_task("copy", TaskKind.D2H, lambda ctx: None, gates=["grad"])
+    g.add_task("prep", TaskKind.OPTIMIZER_CHUNK, lambda ctx: x.fill_(1.0))  # added later
+    ex = pipeoff.execute(g)
+    ex.wait("prep", timeout=30)
+    ex.gate("grad").open(x)
+    ex.wait(timeout=30)

@@ -639,3 +639,32 @@ def test_idle_lane_threads_are_reaped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(lane.startswith("one-off-") for lane in threads.lane_instances())
     # A reaped lane comes back on demand.
     pipeoff.execute(g).wait(timeout=30)
+
+
+def test_hold_task_refuses_an_inline_execution() -> None:
+    g = TaskGraph()
+    g.add_task("a", TaskKind.HOST, lambda ctx: None)
+    with pipeoff.testing.hold_task("a"), pytest.raises(ConfigError, match="inline"):
+        pipeoff.execute(g, Schedule.synchronous())
+
+
+def test_fail_work_fires_once_and_never_silently_skips() -> None:
+    x = torch.zeros(3)
+    cleaned: list[bool] = []
+
+    def work(ctx: pipeoff.TaskContext) -> None:
+        try:
+            x.add_(1.0)
+            x.add_(1.0)
+        finally:
+            x.zero_()  # cleanup after the injected failure runs normally
+            cleaned.append(True)
+
+    g = TaskGraph()
+    g.add_task("a", TaskKind.H2D, work)
+    with pipeoff.testing.fail_work("a", after_ops=1), pytest.raises(RuntimeError):
+        pipeoff.execute(g).wait(timeout=30)
+    assert cleaned == [True] and x.tolist() == [0.0, 0.0, 0.0]
+    # More ops asked for than the work makes: it fails once the work returns.
+    with pipeoff.testing.fail_work("a", after_ops=50), pytest.raises(RuntimeError):
+        pipeoff.execute(g).wait(timeout=30)

@@ -296,3 +296,98 @@ def test_a_cuda_lane_waits_for_the_payloads_event(gpu: Gpu) -> None:
                     pytest.raises(pipeoff.testing.DataRaceError):
                 scenario(event_from)
                 gpu.synchronize()
+
+
+# -- from a review that tried to break gates ---------------------------------------
+def test_an_event_that_fails_to_synchronize_fails_the_execution_not_the_lane() -> None:
+    class StickyError:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access (sticky)")
+
+        def wait(self, stream: object = None) -> None:
+            self.synchronize()
+
+    g, _ = gated_copy()
+    ex = pipeoff.execute(g)
+    ex.gate("grad").open(torch.ones(4), event=StickyError())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ex.wait(timeout=30)
+    g2, out = gated_copy()  # the same lanes go on
+    ex2 = pipeoff.execute(g2)
+    ex2.gate("grad").open(torch.ones(4))
+    ex2.wait(timeout=30)
+    assert torch.equal(out, torch.full((4,), 2.0))
+    with pytest.raises(ConfigError, match="event must be a CUDA event or a pipeoff.Completion"):
+        pipeoff.execute(gated_copy()[0]).gate("grad").open(torch.ones(4), event=torch.ones(1))
+
+
+def test_a_payload_ready_after_a_task_that_never_ran_is_refused() -> None:
+    producer = TaskGraph()
+    producer.add_task("boom", TaskKind.H2D, lambda ctx: 1 / 0)
+    producer.add_task("produce", TaskKind.OPTIMIZER_CHUNK, lambda ctx: None, deps=["boom"])
+    first = pipeoff.execute(producer)
+    with pytest.raises(ZeroDivisionError):
+        first.wait(timeout=30)
+    (done,) = first.events_for("produce")
+    assert done.status == "cancelled"
+    g, out = gated_copy()
+    ex = pipeoff.execute(g)
+    ex.gate("grad").open(torch.ones(4), event=done)
+    with pytest.raises(RuntimeError, match="gate 'grad'.*'produce'.*cancelled"):
+        ex.wait(timeout=30)
+    assert torch.equal(out, torch.zeros(4))
+
+
+def test_a_gate_opened_after_a_failure_does_not_distort_the_trace() -> None:
+    g = TaskGraph()
+    g.add_gate("grad")
+    g.add_task("boom", TaskKind.H2D, lambda ctx: 1 / 0)
+    g.add_task("copy", TaskKind.D2H, lambda ctx: None, gates=["grad"])
+    ex = pipeoff.execute(g)
+    with pytest.raises(ZeroDivisionError):
+        ex.wait(timeout=30)
+    time.sleep(0.05)
+    ex.gate("grad").open(torch.ones(4))  # late: the execution failed 50 ms ago
+    s = ex.trace.summary()
+    gate = next(t for t in ex.trace.tasks if t.name == "grad")
+    assert gate.status == "cancelled"
+    assert s.critical_path_us <= s.makespan_us + 1 and s.gate_wait_total_us < 50_000
+
+
+def test_a_recorded_region_does_not_wait_for_a_gate_nobody_opened() -> None:
+    g, _ = gated_copy()
+    with pytest.warns(RuntimeWarning, match="gate.*'grad'.*left out of the trace"):
+        with pipeoff.trace.record() as rec:
+            ex = pipeoff.execute(g)
+        assert rec.trace.summary().tasks == 0
+    ex.gate("grad").open(torch.ones(4))
+    ex.wait(timeout=30)
+
+
+def test_exit_does_not_wait_for_a_gate_nobody_opens() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, pipeoff\n"
+        "from pipeoff import TaskGraph, TaskKind\n"
+        "g = TaskGraph(); g.add_gate('grad')\n"
+        "g.add_task('copy', TaskKind.D2H, lambda ctx: None, gates=['grad'])\n"
+        "pipeoff.execute(g)\n"
+        "print('exiting', flush=True)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr
+    assert "still running" not in proc.stderr
+    assert time.monotonic() - t0 < 20  # not EXIT_TIMEOUT_S (30 s) of waiting
+
+
+def test_the_same_producer_code_runs_under_the_simulator() -> None:
+    for backend in ("threads", "sim"):
+        g = TaskGraph()
+        g.add_gate("grad")
+        g.add_task("copy", TaskKind.D2H, nbytes=1 << 20, gates=["grad"])
+        ex = pipeoff.execute(g, backend=backend)  # type: ignore[arg-type]
+        ex.gate("grad").open(torch.ones(4))  # a no-op under the simulator
+        ex.wait(timeout=30)

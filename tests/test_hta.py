@@ -89,3 +89,21 @@ def test_hta_breakdowns_see_the_device_work(analyses: dict[str, tuple[Trace, obj
     frame = idle[0] if isinstance(idle, tuple) else idle
     lanes = {t.lane for t in trace.tasks if t.kind != "host"}
     assert frame["stream"].nunique() == len(lanes)  # one stream per device lane
+
+
+def test_hta_reads_sub_microsecond_tasks_and_odd_compute_names(tmp_path: Path) -> None:
+    g = TaskGraph()
+    for k in range(8):
+        g.add_task(f"ar{k}", TaskKind.ALLREDUCE)  # null work: under a microsecond
+        g.add_task(f"gradSync{k}", TaskKind.OPTIMIZER_CHUNK)  # HTA's regex: not compute
+    with pipeoff.testing.delay_lane("comm", 0.002), pipeoff.testing.delay_lane("compute", 0.002):
+        trace = pipeoff.execute(g).trace
+    trace.save(tmp_path / "rank0_trace.json")
+    analysis = hta.TraceAnalysis(trace_dir=str(tmp_path))
+    analysis.get_temporal_breakdown(visualize=False)  # raised on durations of -1 us
+    theirs = float(analysis.get_comm_comp_overlap(visualize=False)
+                   ["comp_comm_overlap_pctg"].iloc[0])
+    ours = trace.summary().comm_overlap_pct
+    assert ours is not None and theirs == pytest.approx(ours, abs=3.0)
+    loaded = Trace.load(tmp_path / "rank0_trace.json")
+    assert {t.name for t in loaded.tasks} == {t.name for t in trace.tasks}  # names kept

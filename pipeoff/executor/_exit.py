@@ -47,6 +47,10 @@ def ensure_registered() -> None:
 def _shutdown() -> None:
     deadline = time.monotonic() + EXIT_TIMEOUT_S
     stuck: list[str] = []
+    run = sys.modules.get("pipeoff.executor._run")
+    if run is not None:
+        # A lane waiting on a gate nobody will open now would hold up the exit.
+        run.abandon_gated("the interpreter is exiting")
     threads = sys.modules.get("pipeoff.executor.threads")
     if threads is not None:
         stuck += threads.stop_lanes(deadline)

@@ -41,6 +41,10 @@ class GateStates:
         self._on_fail = on_fail
         self._cond = threading.Condition(threading.Lock())
         self._abandoned = False
+        self.simulated = False
+        """Opened by the simulator at launch: the producer's open/close/fail are no-ops."""
+        self.abandoned_ns: int | None = None
+        """When the execution failed and gate waits stopped (ns from the origin)."""
 
     def settle(self, k: int, state: int, payload: Any = None, event: Any = None,
                error: BaseException | None = None) -> None:
@@ -50,6 +54,8 @@ class GateStates:
             ConfigError: the gate was already opened, closed or failed.
         """
         with self._cond:
+            if self.simulated:
+                return  # the simulator opened it at launch; the producer's call is moot
             if self.state[k] != PENDING:
                 raise ConfigError(
                     f"gate {self.names[k]!r} is already {STATE_NAMES[self.state[k]]}; a gate "
@@ -80,12 +86,15 @@ class GateStates:
                 if st == PENDING:
                     self.state[k] = OPEN
                     self.opened_ns[k] = at_ns
+            self.simulated = True
             self._cond.notify_all()
 
     def abandon(self) -> None:
         """The execution failed: waiters stop waiting for gates that may never open."""
         with self._cond:
-            self._abandoned = True
+            if not self._abandoned:
+                self._abandoned = True
+                self.abandoned_ns = time.perf_counter_ns() - self._origin_ns
             self._cond.notify_all()
 
     def wait(self, ks: Sequence[int], deadline: float | None = None) -> bool:

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,14 @@ from pipeoff.schedule import Plan
 from pipeoff.staging import Pools, StagingBlock
 
 PENDING, OK, FAILED, CANCELLED = 0, 1, 2, 3
+_gated: weakref.WeakSet[Run] = weakref.WeakSet()
+"""Executions in flight that have gates."""
+
+
+def abandon_gated(why: str) -> None:
+    """Fail every execution in flight that waits on a gate nobody has opened."""
+    for run in list(_gated):
+        run.abandon_gates(why)
 _STATUS = {OK: "ok", FAILED: "failed", CANCELLED: "cancelled"}
 
 
@@ -70,6 +79,10 @@ class Run:
         self.task_gates: list[tuple[int, ...]] = (
             [tuple(index[g] for g in t.gates) for t in self.tasks] if index else [()] * n)
         """Per task, the indices of the gates it waits on."""
+        if index:
+            # At exit, a gate nobody opened would hold its lanes (see _exit).
+            _gated.add(self)
+            self.on_complete(lambda: _gated.discard(self))
 
     @property
     def index(self) -> dict[str, int]:
@@ -153,6 +166,20 @@ class Run:
         # Tasks waiting on gates that may never open now are cancelled instead.
         self.gates.abandon()
 
+    def abandon_gates(self, why: str) -> None:
+        """Fail the execution because its pending gates will never be opened (the
+        interpreter is exiting): the tasks waiting on them are cancelled."""
+        pending = self.gates.pending()
+        if not pending:
+            return
+        err = RuntimeError(f"pipeoff: {why}, with gate(s) {', '.join(map(repr, pending[:8]))} "
+                           "never opened")
+        with self._lock:
+            if self.error is None:
+                self.error = err
+                self.error_task = pending[0]
+        self.gates.abandon()
+
     def _gate_failed(self, name: str, err: BaseException) -> None:
         with self._lock:
             if self.error is None:
@@ -189,6 +216,18 @@ class Run:
                     # Hazard: the host reading a payload that device work (the
                     # producer's stream, another execution) is still writing.
                     ev.synchronize()
+                    self.check_gate_event(k)
+
+    def check_gate_event(self, k: int) -> None:
+        """Raise if gate ``k``'s event is another execution's task that did not run: its
+        payload was never written."""
+        ev = self.gates.event[k]
+        status = getattr(ev, "status", None)
+        if status in ("failed", "cancelled"):
+            raise RuntimeError(
+                f"gate {self.gates.names[k]!r} was opened to be ready after task "
+                f"{getattr(ev, 'task', '?')!r} of another execution, which {status}: "
+                "its payload was never written")
 
     def pending(self) -> tuple[str, ...]:
         return tuple(self.tasks[i].name for i in range(self.n) if self.status[i] == PENDING)
@@ -247,15 +286,21 @@ class Run:
         released to its dependents.
         """
         status = self.status
-        for j in () if waited else self.plan.waits[i]:
-            if status[j] == PENDING:
-                self.wait_terminal(j)
-        if self.window is not None and i >= self.window and status[i - self.window] == PENDING:
-            # Flow control, not a dependency: at most `window` tasks run ahead of
-            # the oldest unfinished one (Schedule.max_in_flight).
-            self.wait_terminal(i - self.window)
-        if self.task_gates[i]:
-            self.wait_gates(i, host=True)
+        try:
+            for j in () if waited else self.plan.waits[i]:
+                if status[j] == PENDING:
+                    self.wait_terminal(j)
+            if (self.window is not None and i >= self.window
+                    and status[i - self.window] == PENDING):
+                # Flow control, not a dependency: task i starts only once task
+                # i - window has finished (Schedule.max_in_flight).
+                self.wait_terminal(i - self.window)
+            if self.task_gates[i]:
+                self.wait_gates(i, host=True)
+        except BaseException as err:  # a gate's event that fails to synchronize
+            self.fail(i, err)
+            self.cancel(i)
+            return
         task = self.tasks[i]
         if self.error is not None and not task.must_run:
             self.cancel(i)

@@ -151,9 +151,29 @@ def _clock(accel: _accel.Accelerator, device: torch.device) -> tuple[Any, int]:
         return ev, host_ns
 
 
+def _host_device_order(run: Run) -> list[tuple[int, ...]]:
+    """Per task, the previous task of its lane that runs on the other side (a HOST task
+    on a host thread, a device task on a stream), which it must also wait for.
+
+    A plan leaves same-lane order to the lane's FIFO; on CUDA one lane name is both
+    a host thread and a stream (a synchronous schedule puts every task on "main"),
+    so that order has to be waited for explicitly between the two.
+    """
+    lanes = run.plan.lanes
+    last: dict[str, tuple[int | None, int | None]] = {}
+    out: list[tuple[int, ...]] = []
+    for i, task in enumerate(run.tasks):
+        host_last, dev_last = last.get(lanes[i], (None, None))
+        is_host = task.kind is TaskKind.HOST
+        other = dev_last if is_host else host_last
+        out.append(() if other is None else (other,))
+        last[lanes[i]] = (i, dev_last) if is_host else (host_last, i)
+    return out
+
+
 class _CudaRunState:
-    __slots__ = ("accel", "clock", "device", "dispatched", "ends", "base", "host_recorded",
-                 "starts_t", "ends_t", "streams")
+    __slots__ = ("accel", "clock", "device", "dispatched", "ends", "base", "extra_waits",
+                 "host_recorded", "starts_t", "ends_t", "streams")
 
     def __init__(self, run: Run, accel: _accel.Accelerator, device: torch.device) -> None:
         n = run.n
@@ -171,6 +191,7 @@ class _CudaRunState:
         """Per HOST task: its end event was recorded on its thread's stream after its
         work (which may have enqueued device work: torchft's heal in should_commit)."""
         self.streams: dict[str, Any] = {}
+        self.extra_waits: list[tuple[int, ...]] = []
         self.clock = _clock(accel, device)
 
 
@@ -190,33 +211,39 @@ class CudaBackend:
                                           if run.tasks[i].kind is not TaskKind.HOST))
         host_lanes = list(dict.fromkeys(lanes[i] for i in host))
         state.streams = _acquire_streams(accel, device, device_lanes, run)
+        state.extra_waits = _host_device_order(run)
         # Every lane starts after the work the caller has already enqueued (the
         # backward that produced the grads, the forward that wrote the params).
         state.base.record(accel.current_stream(device))
-        workers = threads.acquire([DISPATCH_LANE, *host_lanes], run)
+        # One dispatch thread per device lane, as the threads backend has one
+        # thread per lane: a task that cannot be issued yet (a gate not open, a
+        # dependency on another lane) holds back only its own lane's issue.
+        dispatch = {lane: f"{DISPATCH_LANE}:{lane}" for lane in device_lanes}
+        workers = threads.acquire([*dispatch.values(), *host_lanes], run)
         held = list(workers.values())
         run.on_complete(lambda: threads.release(held, run))
         now = time.perf_counter_ns() - run.origin_ns
         run.enqueue_ns = [now] * run.n
         for i in host:
             workers[lanes[i]].submit([functools.partial(self._run_host, run, state, i)])
-        workers[DISPATCH_LANE].submit([functools.partial(self._dispatch, run, state)])
+        for lane in device_lanes:
+            mine = [i for i in range(run.n)
+                    if lanes[i] == lane and run.tasks[i].kind is not TaskKind.HOST]
+            workers[dispatch[lane]].submit(
+                [functools.partial(self._dispatch, run, state, lane, mine)])
 
     # -- device tasks ---------------------------------------------------------
-    def _dispatch(self, run: Run, state: _CudaRunState) -> None:
+    def _dispatch(self, run: Run, state: _CudaRunState, lane: str, mine: list[int]) -> None:
+        """Issue ``lane``'s device tasks, in plan order."""
         accel = state.accel
         window = run.window
-        started: set[str] = set()
         with accel.use_device(state.device):
-            for i in range(run.n):
-                task = run.tasks[i]
-                if task.kind is TaskKind.HOST:
-                    continue
+            for n, i in enumerate(mine):
                 try:
                     if window is not None and i >= window:
                         # Flow control (Schedule.max_in_flight), on this thread only.
                         self.synchronize(run, i - window, None)
-                    self._issue(run, state, i, started)
+                    self._issue(run, state, i, first=n == 0)
                 except BaseException as err:  # a sticky CUDA error, an allocator failure
                     run.fail(i, err)
                     if not run.terminal(i):
@@ -238,20 +265,19 @@ class CudaBackend:
                 return state.ends[k]
         return None
 
-    def _issue(self, run: Run, state: _CudaRunState, i: int, started: set[str]) -> None:
+    def _issue(self, run: Run, state: _CudaRunState, i: int, *, first: bool) -> None:
         accel = state.accel
         task = run.tasks[i]
         lane = run.plan.lanes[i]
         stream = state.streams[lane]
-        if lane not in started:
-            started.add(lane)
-            if not testing.disabled("base_wait"):
-                # Hazard: reading tensors the caller's stream is still producing.
-                stream.wait_event(state.base)
-        for j in run.plan.waits[i]:
+        if first and not testing.disabled("base_wait"):
+            # Hazard: reading tensors the caller's stream is still producing.
+            stream.wait_event(state.base)
+        for j in (*run.plan.waits[i], *state.extra_waits[i]):
+            # Issued (by its own lane's dispatcher) or done (a host task): only
+            # then is its end event recorded, and can a stream wait on it.
+            run.wait_terminal(j)
             if run.tasks[j].kind is TaskKind.HOST:
-                # A host dependency: issue only once its work is done on the host.
-                run.wait_terminal(j)
                 if state.host_recorded[j] and not testing.disabled("host_task_event"):
                     # Hazard: device work the host task enqueued on its thread's
                     # stream (torchft's should_commit loading a healed state
@@ -273,6 +299,7 @@ class CudaBackend:
                 # Hazard: reading a gate's payload that the producer's stream (or
                 # another execution) is still writing.
                 ev.wait(stream)
+                run.check_gate_event(k)
         try:
             # Allocate on the lane's stream: a fresh block then cannot be memory
             # that another stream freed with its kernels still pending.
@@ -340,7 +367,7 @@ class CudaBackend:
         No lane stream is current here: work that enqueues device work (torchft's
         ``should_commit`` synchronizing) does so on this thread's current stream.
         """
-        for j in run.plan.waits[i]:
+        for j in (*run.plan.waits[i], *state.extra_waits[i]):
             run.wait_terminal(j)
             if ((state.dispatched[j] or state.host_recorded[j])
                     and not testing.disabled("host_sync")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from pipeoff import _accel
+from pipeoff._errors import ConfigError
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import Run
 
@@ -20,6 +21,11 @@ class InlineBackend(HostBackend):
     name = "inline"
 
     def launch(self, run: Run) -> None:
+        if any(h.hold is not None for h in run.hooks):
+            raise ConfigError(
+                "pipeoff.testing.hold_task() cannot hold a task of an inline execution (a "
+                "synchronous schedule): it runs inside execute(), which would never return "
+                "to release it. Use Schedule.pipelined(), or backend='threads'")
         accel = _accel.current()
         device = run.graph.device
         stream = accel.current_stream(accel.normalize(device)) if accel.is_device(device) else None

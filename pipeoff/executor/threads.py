@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Any
 
@@ -83,12 +84,18 @@ class _LaneWorker:
                     return
                 # The accelerator's per-thread set-up (the simulated device checks
                 # this thread's accesses too); a no-op on CUDA.
-                with _accel.current().host_thread():
-                    if callable(item):
-                        item()
-                    else:
-                        run, i = item
-                        run.run_task(i, self.lane)
+                try:
+                    with _accel.current().host_thread():
+                        if callable(item):
+                            item()
+                        else:
+                            run, i = item
+                            run.run_task(i, self.lane)
+                except BaseException as err:  # noqa: BLE001 - the lane must outlive it
+                    # Items record their own failures on their execution; this is a
+                    # failure outside that (a bug): report it, keep the lane alive.
+                    warnings.warn(f"pipeoff: lane {self.lane!r} caught {err!r} outside a "
+                                  "task; the lane goes on", RuntimeWarning, stacklevel=1)
 
 
 _lanes: dict[str, list[_LaneWorker]] = {}

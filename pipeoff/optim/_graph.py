@@ -88,7 +88,7 @@ def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
 
 
 def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
-           prefetch: int, budget: int | None = None,
+           prefetch: int | None, budget: int | None = None,
            reserved: Callable[[torch.Tensor, str], torch.Tensor | None] | None = None) -> Step:
     """Capture grads, hyperparameters and state of ``inner``, build the step's graph, launch it.
 

@@ -98,9 +98,10 @@ def step_graph(device: torch.device | str | None, chunks: Sequence[ChunkTasks],
     return graph
 
 
-def step_schedule(plan: ChunkPlan, prefetch: int, budget: int | None = None) -> Schedule:
+def step_schedule(plan: ChunkPlan, prefetch: int | None,
+                  budget: int | None = None) -> Schedule:
     """Pipelined, with device staging bounded by ``budget`` if given, else by
     ``prefetch + 1`` of the largest chunk."""
     if budget is None and plan.chunk_bytes is not None and plan.max_chunk_bytes:
-        budget = (prefetch + 1) * plan.max_chunk_bytes
+        budget = ((2 if prefetch is None else prefetch) + 1) * plan.max_chunk_bytes
     return Schedule.pipelined(device_budget_bytes=budget)

@@ -149,15 +149,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"chunk_bytes must be a positive int (bytes) or None, got {chunk_bytes!r}"
             )
+        prefetch_name = "prefetch"
         if lookahead is not None:
             if prefetch is not None:
                 raise ConfigError("give prefetch (the new name of lookahead), not both")
             warnings.warn("OffloadOptimizer(lookahead=...) is now prefetch=...; lookahead will "
                           "be removed", FutureWarning, stacklevel=2)
-            prefetch = lookahead
+            prefetch, prefetch_name = lookahead, "lookahead"
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                      or prefetch < 0):
-            raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
+            raise ConfigError(f"{prefetch_name} must be an int >= 0, got {prefetch!r}")
         if device_budget_bytes is not None:
             if (isinstance(device_budget_bytes, bool) or not isinstance(device_budget_bytes, int)
                     or device_budget_bytes <= 0):
@@ -165,8 +166,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                   f"got {device_budget_bytes!r}")
             if prefetch is not None:
                 raise ConfigError(
-                    f"give prefetch or device_budget_bytes, not both (got prefetch={prefetch!r}, "
-                    f"device_budget_bytes={device_budget_bytes!r})")
+                    f"give {prefetch_name} or device_budget_bytes, not both (got "
+                    f"{prefetch_name}={prefetch!r}, device_budget_bytes={device_budget_bytes!r})")
             if chunk_bytes_given is None:
                 chunk_bytes = max(1, device_budget_bytes // 3)
             elif chunk_bytes is None or chunk_bytes > device_budget_bytes:
@@ -182,8 +183,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.inner = optimizer
         self.mode: Mode = mode
         self.chunk_bytes = chunk_bytes
-        self.prefetch = 2 if prefetch is None else prefetch
-        """Chunks staged ahead of the one being updated."""
+        self.prefetch: int | None = (
+            None if device_budget_bytes is not None else 2 if prefetch is None else prefetch)
+        """Chunks staged ahead of the one being updated (``None`` with a device budget)."""
         self.device_budget_bytes = device_budget_bytes
         """The cap on live device staging, if given instead of ``prefetch``."""
         self.process_group = process_group
@@ -216,7 +218,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.reserve()
 
     @property
-    def lookahead(self) -> int:
+    def lookahead(self) -> int | None:
         """The old name of :attr:`prefetch` (deprecated)."""
         warnings.warn("OffloadOptimizer.lookahead is now .prefetch; lookahead will be removed",
                       FutureWarning, stacklevel=2)

@@ -98,8 +98,13 @@ def failing_work(task_name: str, lane: str, hooks: tuple[_Hook, ...]) -> Iterato
     if hook.after_ops is None:
         yield  # the work ran to the end (its side effects happened); then it fails
         raise err
-    with _FailAfter(hook.after_ops, err):
+    mode = _FailAfter(hook.after_ops, err)
+    with mode:
         yield
+    if not mode.fired:
+        # Fewer torch calls than after_ops: fail once the work is done, rather
+        # than inject nothing.
+        raise err
 
 
 class _FailAfter:
@@ -113,13 +118,15 @@ class _FailAfter:
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                    kwargs: Any = None) -> Any:
-                if outer.left == 0:
+                if outer.left == 0 and not outer.fired:
+                    outer.fired = True  # once: cleanup after it runs normally
                     raise outer.err
                 outer.left -= 1
                 return func(*args, **(kwargs or {}))
 
         self.left = n
         self.err = err
+        self.fired = False
         self.mode = _Mode()
 
     def __enter__(self) -> None:
@@ -183,7 +190,10 @@ def hold_task(pattern: str) -> Iterator[threading.Event]:
     instead of racing a sleep against a delay.
 
     On host lanes the task's thread waits; on a CUDA lane the thread that runs
-    its work does (on a GPU the dispatch thread: later tasks are not issued).
+    its work does (on a GPU the lane's dispatch thread: later tasks of that lane
+    are not issued). An inline execution (a synchronous schedule without gates)
+    is refused: it runs inside ``execute()``, which could never return to release
+    it. The simulator runs no work and ignores it.
 
     Example::
 
@@ -212,9 +222,11 @@ def fail_work(
         pattern: a regular expression over task names.
         error: an exception or a factory of one; default a ``RuntimeError``.
         after_ops: raise at the torch function call that follows the first
-            ``after_ops`` ones (``0``: at the first), with their effects done;
-            ``None`` (default): raise once the work has returned, with all its
-            effects done (a collective issued, a buffer written).
+            ``after_ops`` ones (``0``: at the first), with their effects done,
+            once (later calls, cleanup, run normally); if the work makes no more
+            calls than that, raise when it returns. ``None`` (default): raise
+            once the work has returned, with all its effects done (a collective
+            issued, a buffer written). The simulator runs no work and ignores it.
 
     Raises:
         ConfigError: ``after_ops`` is not an int >= 0 or ``None``.

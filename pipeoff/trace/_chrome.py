@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,22 @@ def _us(ns: int) -> float:
     return ns / 1e3
 
 
+# HTA does not count a kernel as computation if its name matches this (its
+# NCCL_COMPUTE_KERNEL_RE); an optimizer chunk's name must not.
+_NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+
+
+def _display_name(t: TaskRecord) -> str:
+    """The event's name: the profiler's prefix for the kind, then the task's name, which
+    for compute is altered where HTA would read it as a copy or a collective
+    (the task's own name stays in ``args["pipeoff.task"]``)."""
+    name = t.name
+    if t.kind in ("optimizer_chunk",) and _NOT_COMPUTE.match(name):
+        name = "chunk " + name.replace("Sync", "sync").replace("Memcpy", "memcpy").replace(
+            "Memset", "memset")
+    return _PREFIX.get(t.kind, "") + name
+
+
 def to_chrome(trace: Trace) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     tids: dict[tuple[int, str], int] = {}
@@ -72,12 +89,15 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         events.append(
             {
                 "ph": "X",
-                "name": _PREFIX.get(t.kind, "") + t.name,
+                "name": _display_name(t),
                 "cat": _CATEGORY.get(t.kind, "cpu_op"),
                 "pid": t.rank,
                 "tid": tids[(t.rank, t.lane)],
-                "ts": _us(t.start_ns),
-                "dur": _us(t.end_ns - t.start_ns),
+                # Whole microseconds, the start rounded down and the end up: HTA
+                # rounds ts and dur apart, and a sub-microsecond task would end
+                # before it starts. The exact times are in args["t_ns"].
+                "ts": t.start_ns // 1000,
+                "dur": -(-t.end_ns // 1000) - t.start_ns // 1000,
                 "args": {
                     "pipeoff.task": t.name,
                     "kind": t.kind,
@@ -102,9 +122,10 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             flow_id += 1
             common = {"name": "dependency", "cat": "pipeoff.dep", "id": flow_id, "pid": t.rank}
             events.append({**common, "ph": "s", "tid": tids[(t.rank, src.lane)],
-                           "ts": _us(src.start_ns)})
+                           "ts": src.start_ns // 1000})
+            # Same whole-microsecond start as the consumer's slice, so the flow binds to it.
             events.append({**common, "ph": "f", "bp": "e", "tid": tids[(t.rank, t.lane)],
-                           "ts": _us(t.start_ns)})
+                           "ts": t.start_ns // 1000})
     ranks = sorted({b.rank for b in trace.buffers})
     for rank in ranks:
         for time_ns, dev, host in staging_timeline(

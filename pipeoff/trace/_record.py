@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,9 @@ __all__ = ["Recorder", "active", "record", "record_hook_wait"]
 
 _lock = threading.Lock()
 _active: list[Recorder] = []
+
+RECORD_WAIT_S = 60.0
+"""How long a recorder waits, in all, for the executions it saw to finish."""
 
 
 def active() -> bool:
@@ -67,9 +71,23 @@ class Recorder:
         buffers: list[BufferRecord] = []
         budgets: dict[str, int | None] = {"device": None, "host": None}
         rank = 0
+        deadline = time.monotonic() + RECORD_WAIT_S
         for k, ex in self._executions:
             # Waits for the execution; never raises a task's exception.
-            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns, execution=k)
+            # An execution waiting on a gate can only finish when code after the
+            # region opens it: do not wait for that here.
+            gated = bool(ex._pending_names()[1])
+            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns, execution=k,
+                                   deadline=time.monotonic() if gated else deadline)
+            if tr is None:
+                tasks_left, gates_left = ex._pending_names()
+                warnings.warn(
+                    f"pipeoff.trace.record: execution {k} had not finished when the trace was "
+                    f"built ({len(tasks_left)} task(s) pending"
+                    + (f"; gate(s) never opened: {', '.join(map(repr, gates_left[:8]))}"
+                       if gates_left else "")
+                    + "); it is left out of the trace", RuntimeWarning, stacklevel=3)
+                continue
             rank = tr.metadata.get("rank", rank)
             tasks.extend(tr.tasks)
             buffers.extend(tr.buffers)

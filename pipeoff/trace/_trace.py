@@ -238,17 +238,20 @@ class Trace:
         origin = min(t.start_ns for t in ran)
         # Keyed by rank too: the ranks of a merged trace run the same task names.
         finish: dict[tuple[int, str], int] = {}
-        opened = {(t.rank, t.name): t.end_ns - origin for t in self.tasks if t.kind == GATE}
+        opened = {(t.rank, t.name): t.end_ns - origin for t in self.tasks
+                  if t.kind == GATE and t.status == "ok"}
         for t in self.tasks:  # records are in issue order, a topological order
             if t.kind in MARKERS:
+                continue
+            before = max((finish.get((t.rank, d), 0) for d in t.deps), default=0)
+            if t.status == "cancelled":
+                finish[(t.rank, t.name)] = before  # never ran: bounds nothing after it
                 continue
             # A task cannot start before the host issued it, nor before its
             # gates opened (inputs from outside the execution).
             release = max([t.enqueue_ns - origin, 0,
                            *(opened.get((t.rank, g), 0) for g in t.gates)])
-            before = max((finish.get((t.rank, d), 0) for d in t.deps), default=0)
-            finish[(t.rank, t.name)] = max(release, before) + (
-                t.duration_ns if t.status != "cancelled" else 0)
+            finish[(t.rank, t.name)] = max(release, before) + t.duration_ns
         chain = max(finish.values(), default=0)
         return max(chain, max(self.lane_busy_ns().values(), default=0))
 
@@ -387,13 +390,18 @@ class Trace:
             state = gates.state_name(k)
             first = gates.first_wait_ns[k]
             end = gates.opened_ns[k] if state != "pending" else (first or 0)
+            abandoned = gates.abandoned_ns
+            late = abandoned is not None and (state == "pending" or end > abandoned)
+            if late:
+                # Settled after the execution failed (or never): waits ended then.
+                end = min(end, abandoned) if state != "pending" else abandoned
             start = min(first, end) if first is not None else end
             payload = gates.payload[k]
             records.append(TaskRecord(
                 name=prefix + name, kind=GATE, lane="gates", start_ns=start + shift_ns,
                 end_ns=end + shift_ns, enqueue_ns=shift_ns, rank=rank,
                 status=("failed" if state == "failed" else
-                        "cancelled" if state == "pending" else "ok"),
+                        "cancelled" if late or state == "pending" else "ok"),
                 nbytes=(payload.numel() * payload.element_size()
                         if hasattr(payload, "element_size") else 0),
                 execution=execution,
