@@ -12,6 +12,7 @@ from pipeoff import sim as sim  # registers the "sim" backend
 from pipeoff._errors import (
     BudgetError,
     ConfigError,
+    GradientError,
     GraphError,
     PipeoffError,
     PlanMismatchError,
@@ -53,6 +54,7 @@ __all__ = [
     # errors
     "BudgetError",
     "ConfigError",
+    "GradientError",
     "GraphError",
     "PipeoffError",
     "PlanMismatchError",

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = ["PRIVATE_APIS", "TESTED", "PrivateAPI", "allreduce_discarded", "check_private_apis",
-           "cuda_sleep", "installed_version",
+           "backward_id", "compiled_autograd_active", "cuda_sleep", "fsdp_cpu_offload",
+           "fsdp_gradient_sync", "installed_version", "queue_backward_callback",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state", "is_compiling",
            "profiler_enabled", "recompile_with_hooks", "restore_stance",
@@ -71,6 +72,17 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "._fsdp_param_groups", "fsdp_sharded_params"),
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
                "._states_to_forward_prefetch", "fsdp_prefetch_states"),
+    PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
+               ".offload_policy",
+               "fsdp_cpu_offload: FullOffloadOptimizer refuses CPUOffloadPolicy"),
+    PrivateAPI("torch", "torch._C:_current_graph_task_id",
+               "backward_id: FullOffloadOptimizer tells one backward from the next"),
+    PrivateAPI("torch", "torch._C:_ImperativeEngine.queue_callback",
+               "queue_backward_callback: FullOffloadOptimizer sees each backward end"),
+    PrivateAPI("torch", "torch._dynamo.compiled_autograd:compiled_autograd_enabled",
+               "compiled_autograd_active: FullOffloadOptimizer refuses compiled autograd"),
+    PrivateAPI("torch", "torch._dynamo.compiled_autograd:in_compiled_autograd_region",
+               "compiled_autograd_active"),
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._comm_ctx",
                "fsdp_all_gather_streams"),
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:"
@@ -309,3 +321,48 @@ def fsdp_all_gather_streams(state: Any) -> tuple[Any, ...]:
     return tuple(s for s in (getattr(ctx, a, None) for a in ("all_gather_copy_in_stream",
                                                             "all_gather_stream"))
                  if s is not None)
+
+
+def fsdp_gradient_sync(module: Any) -> bool | None:
+    """Whether an FSDP2 module reduces gradients this backward
+    (``set_requires_gradient_sync``); ``None`` for a module FSDP2 does not manage."""
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError:
+        return None
+    groups = getattr(state, "_fsdp_param_groups", None) or []
+    if not groups:
+        return None
+    return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def fsdp_cpu_offload(module: Any) -> bool:
+    """Whether an FSDP2 module keeps its parameters under ``CPUOffloadPolicy``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError:
+        return False
+    return any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy)
+               for g in getattr(state, "_fsdp_param_groups", None) or [])
+
+
+def backward_id() -> int:
+    """The id of the autograd graph task running on this thread, or -1 outside a backward."""
+    return int(torch._C._current_graph_task_id())
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward running on this thread ends (as FSDP2 does)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd is on (it skips post-accumulate-grad hooks)."""
+    try:
+        from torch._dynamo import compiled_autograd as ca
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return bool(getattr(ca, "compiled_autograd_enabled", False)
+                or getattr(ca, "in_compiled_autograd_region", False))

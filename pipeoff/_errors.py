@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "ConfigError",
+    "GradientError",
     "GraphError",
     "PipeoffError",
     "PlanMismatchError",
@@ -62,6 +63,12 @@ class StepFailedError(PipeoffError, RuntimeError):
     compound that silently. Load a checkpoint (the model's and the optimizer's
     ``load_state_dict``) to go on.
     """
+
+
+class GradientError(PipeoffError, RuntimeError):
+    """Raised when a gradient reaches :class:`~pipeoff.optim.FullOffloadOptimizer` in a
+    form it cannot take: the wrong dtype or device, twice for one parameter in one
+    backward, or outside a backward."""
 
 
 class PlanMismatchError(PipeoffError, RuntimeError):

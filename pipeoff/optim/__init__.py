@@ -5,11 +5,13 @@ from __future__ import annotations
 from pipeoff.optim._check import OverlapReport, check_overlap
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
+from pipeoff.optim.full_offload import FullOffloadOptimizer
 from pipeoff.optim.offload import OffloadOptimizer
 
 __all__ = [
     # the optimizer
     "OffloadOptimizer",
+    "FullOffloadOptimizer",
     "ELEMENTWISE",
     # checking a model for overlap mode
     "OverlapReport",

@@ -246,7 +246,7 @@ _disabled: set[str] = set()
 MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
-    "host_task_event",
+    "host_task_event", "accumulate_dep", "micro_step_order",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -270,6 +270,10 @@ MUTATIONS = frozenset({
 * ``"gate_wait"``: a CUDA lane's wait on the event of a gate's payload.
 * ``"host_task_event"``: a CUDA lane's wait on the event a HOST task recorded on
   its thread's stream after its work (device work it enqueued).
+* ``"accumulate_dep"``: a full-offload step chunk's dependency on the last
+  accumulation of its parameters' gradients (set when the graph is built).
+* ``"micro_step_order"``: a full-offload micro-step's wait (the ``prev`` gate)
+  for the previous micro-step's accumulations and step.
 """
 
 

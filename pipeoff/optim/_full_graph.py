@@ -1,0 +1,180 @@
+"""The task graph of one full-offload micro-step: gradients in, and on the final one, the step.
+
+One builder serves :class:`~pipeoff.optim.FullOffloadOptimizer` (with work) and
+the simulator (shape-only, ``work=None``), so what the simulator predicts is
+the graph that runs.
+
+Per parameter, in the order a backward produces gradients (last parameter
+first), each piece of at most ``slot_bytes``:
+
+* ``d2h:{i}.{j}``: waits for the gate ``grad:{name}`` (opened by the
+  parameter's post-accumulate-grad hook) and copies the piece into a host slot;
+* ``acc:{i}.{j}``: on the ``accumulate`` host lane, folds the slot into the
+  FP32 accumulator (a widening copy for the first contribution, an add after).
+  It also waits for the gate ``prev``: the previous micro-step's execution
+  has finished (its accumulations, and a step still writing the masters).
+
+On the final micro-step, per chunk of whole parameters:
+
+* ``step:{k}`` on the ``host_step`` lane: after its parameters' last
+  accumulation (and ``norm`` when clipping, and the gate ``step`` when the
+  step waits for ``step()``), scales and steps the masters and casts them to
+  the compute dtype into a host buffer;
+* ``h2d:{k}``: copies that buffer into the device weights.
+
+``done`` (a null task) finishes after everything: the next micro-step's
+``prev`` gate opens on its completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeoff import testing
+from pipeoff.graph import TaskContext, TaskGraph, TaskKind
+from pipeoff.schedule import Schedule
+
+__all__ = ["FullParam", "FullWork", "micro_step_graph", "micro_step_schedule", "pieces"]
+
+ACCUMULATE_LANE = "accumulate"
+STEP_LANE = "host_step"
+
+
+@dataclass(frozen=True, slots=True)
+class FullParam:
+    """What the graph needs of one parameter: its name and sizes."""
+
+    name: str
+    """The parameter's name (gate names and errors)."""
+    numel: int
+    """Elements of its local shard."""
+    grad_itemsize: int
+    """Bytes per element of the gradient shipped to the host."""
+    weight_itemsize: int
+    """Bytes per element of the compute weights (the H2D copy)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FullWork:
+    """The work of each task kind; the graph binds the indices."""
+
+    d2h: Callable[[int, int, TaskContext], None]
+    accumulate: Callable[[int, int, TaskContext], None]
+    step: Callable[[int, TaskContext], None]
+    h2d: Callable[[int, TaskContext], None]
+    norm: Callable[[TaskContext], None]
+    allreduce: Callable[[TaskContext], None]
+
+
+def pieces(numel: int, itemsize: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` element ranges of at most ``slot_bytes`` each (one empty
+    range for an empty parameter)."""
+    per = max(1, slot_bytes // max(1, itemsize))
+    if numel == 0:
+        return [(0, 0)]
+    return [(s, min(s + per, numel)) for s in range(0, numel, per)]
+
+
+def _bind2(fn: Callable[[int, int, TaskContext], None] | None, i: int,
+           j: int) -> Callable[[TaskContext], None] | None:
+    return None if fn is None else (lambda ctx: fn(i, j, ctx))
+
+
+def _bind1(fn: Callable[[int, TaskContext], None] | None,
+           k: int) -> Callable[[TaskContext], None] | None:
+    return None if fn is None else (lambda ctx: fn(k, ctx))
+
+
+def micro_step_graph(
+    device: torch.device | str | None,
+    params: Sequence[FullParam],
+    chunks: Sequence[Sequence[int]],
+    *,
+    final: bool,
+    slot_bytes: int,
+    clip: bool = False,
+    allreduce: bool = False,
+    step_gate: bool = False,
+    work: FullWork | None = None,
+) -> TaskGraph:
+    """The graph of one micro-step (see the module docstring).
+
+    Args:
+        device: the device of the compute weights.
+        params: the parameters, in ``param_groups`` order.
+        chunks: per optimizer chunk, the indices of its parameters.
+        final: add the step (``norm``, ``step:{k}``, ``h2d:{k}``).
+        slot_bytes: most bytes of one host slot (a larger gradient ships in pieces).
+        clip: add ``norm`` (the global gradient norm) before every chunk.
+        allreduce: add ``norm_allreduce`` (the norm over ranks) after ``norm``.
+        step_gate: the chunks wait for the gate ``step`` (``step()`` opens it).
+        work: the callables, or ``None`` for a shape-only graph.
+    """
+    g = TaskGraph(device)
+    g.add_gate("prev")
+    if final and step_gate:
+        g.add_gate("step")
+    last_acc: dict[int, str] = {}
+    accs: list[str] = []
+    for i in reversed(range(len(params))):
+        p = params[i]
+        gate = g.add_gate(f"grad:{p.name}")
+        for j, (s, e) in enumerate(pieces(p.numel, p.grad_itemsize, slot_bytes)):
+            nbytes = (e - s) * p.grad_itemsize
+            bufs = [g.add_buffer(f"slot:{i}.{j}", nbytes, where="host")] if nbytes else []
+            d2h = g.add_task(f"d2h:{i}.{j}", TaskKind.D2H,
+                             _bind2(work.d2h if work else None, i, j),
+                             gates=[gate], buffers=bufs, nbytes=nbytes)
+            deps = [d2h]
+            if j > 0:
+                deps.append(f"acc:{i}.{j - 1}")
+            acc = g.add_task(f"acc:{i}.{j}", TaskKind.HOST,
+                             _bind2(work.accumulate if work else None, i, j),
+                             deps=deps, gates=[gate, "prev"], buffers=bufs,
+                             nbytes=(e - s) * 4, lane=ACCUMULATE_LANE)
+            accs.append(acc)
+            last_acc[i] = acc
+    ends = list(accs)
+    if final:
+        before_step: list[str] = []
+        if clip:
+            norm = g.add_task("norm", TaskKind.HOST, work.norm if work else None,
+                              deps=accs, lane=STEP_LANE, nbytes=4 * len(params))
+            before_step = [norm]
+            if allreduce:
+                before_step = [g.add_task(
+                    "norm_allreduce", TaskKind.ALLREDUCE, work.allreduce if work else None,
+                    deps=[norm], nbytes=4)]
+        for k, chunk in enumerate(chunks):
+            wbytes = sum(_aligned(params[i].numel * params[i].weight_itemsize) for i in chunk)
+            bufs = [g.add_buffer(f"w:{k}", wbytes, where="host")] if wbytes else []
+            deps = list(before_step)
+            if not testing.disabled("accumulate_dep"):
+                # Hazard: stepping a parameter on a gradient sum its last
+                # accumulation has not finished writing.
+                deps += [last_acc[i] for i in chunk]
+            step = g.add_task(f"step:{k}", TaskKind.HOST, _bind1(work.step if work else None, k),
+                              deps=deps, gates=["step"] if step_gate else [], buffers=bufs,
+                              lane=STEP_LANE,
+                              nbytes=sum(params[i].numel for i in chunk) * 16)
+            h2d = g.add_task(f"h2d:{k}", TaskKind.H2D, _bind1(work.h2d if work else None, k),
+                             deps=[step], buffers=bufs, nbytes=wbytes)
+            ends += [step, h2d]
+    g.add_task("done", TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
+    return g
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 64, so that each parameter's slice of a buffer is aligned."""
+    return -(-nbytes // 64) * 64
+
+
+def micro_step_schedule(overlap: str, host_budget_bytes: int) -> Schedule:
+    """``overlap="none"``: the synchronous schedule (the reference); otherwise every
+    lane runs concurrently with host slots and weight buffers within the budget."""
+    if overlap == "none":
+        return Schedule.synchronous()
+    return Schedule.pipelined(host_budget_bytes=host_budget_bytes)

@@ -1,0 +1,614 @@
+"""FullOffloadOptimizer (issue 13): bitwise against the plain reference, lanes delayed,
+waits removed, failures, checkpoints, refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeoff
+from pipeoff import ConfigError, GradientError, StepFailedError, StepTimeoutError, testing
+from pipeoff.optim import FullOffloadOptimizer, _accumulate
+from pipeoff.staging import pools_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from full_reference import Reference  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+LANES = ("d2h", "accumulate", "host_step", "h2d")
+
+
+class Toy(torch.nn.Module):
+    """Tied embedding and head, a branch some micro-steps skip, an empty parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.l1 = torch.nn.Linear(8, 24)
+        self.l2 = torch.nn.Linear(24, 8)
+        self.side = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, idx: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        h = self.emb(idx)
+        h = self.l2(torch.relu(self.l1(h)))
+        if use_side:
+            h = h + self.side(h)
+        return self.head(h) + self.empty.sum()
+
+
+def make_model(seed: int = 0) -> Toy:
+    torch.manual_seed(seed)
+    return Toy().to(torch.bfloat16)
+
+
+def batches(steps: int, micro: int, side: str = "all", seed: int = 1) -> list[list[Any]]:
+    """Per step, per micro-step ``(idx, target, use_side)``. ``side``: ``"all"``,
+    ``"not_final"`` (no gradient for ``side`` in the final micro-step) or ``"never"``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for m in range(micro):
+            use = side == "all" or (side == "not_final" and m < micro - 1)
+            step.append((torch.randint(0, 11, (3, 5), generator=gen),
+                         torch.randint(0, 11, (3, 5), generator=gen), use))
+        out.append(step)
+    return out
+
+
+def loss_fn(model: torch.nn.Module, b: Any, scale: float = 1.0) -> torch.Tensor:
+    idx, tgt, use = b
+    logits = model(idx, use)
+    return F.cross_entropy(logits.float().reshape(-1, 11), tgt.reshape(-1)) * scale
+
+
+def train(opt: FullOffloadOptimizer, model: torch.nn.Module, data: list[list[Any]], *,
+          scale: float = 1.0, scheduler: Any = None) -> None:
+    for step in data:
+        for m, b in enumerate(step):
+            ctx = opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext()
+            with ctx:
+                loss_fn(model, b, scale).backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    opt.wait_for_step()
+
+
+def train_reference(ref: Reference, data: list[list[Any]], *, scale: float = 1.0,
+                    scheduler: Any = None) -> None:
+    for step in data:
+        for b in step:
+            ref.micro_step(lambda m, b=b: loss_fn(m, b, scale))
+        ref.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
+def assert_bitwise(model: torch.nn.Module, ref: Reference) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.model.parameters()):
+        assert same_bits(p, q), (
+            f"{name}: max diff {(p.detach().float() - q.detach().float()).abs().max()}")
+
+
+def differs(model: torch.nn.Module, ref: Reference) -> bool:
+    return any(not same_bits(p, q) for p, q in zip(model.parameters(), ref.model.parameters()))
+
+
+def build(model: torch.nn.Module, **kw: Any) -> FullOffloadOptimizer:
+    defaults = {"lr": 1e-2, "weight_decay": 0.1}
+    defaults.update(kw)
+    return FullOffloadOptimizer(model, torch.optim.AdamW, **defaults)
+
+
+def reference(model: torch.nn.Module, **kw: Any) -> Reference:
+    defaults: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    defaults.update(kw)
+    return Reference(model, torch.optim.AdamW, **defaults)
+
+
+# -- exactness ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("micro", [1, 2, 3, 5])
+@pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+def test_bitwise_equal_to_the_reference(accumulate: str, overlap: str, micro: int) -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, accumulate=accumulate, overlap=overlap)
+    data = batches(3, micro)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    # The host state is the reference optimizer's, bit for bit.
+    sd = opt.state_dict()["state"]
+    ref_params = [ref.masters[id(p)] for p in ref.params]
+    for k, m in enumerate(ref_params):
+        if m not in ref.opt.state:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(sd[k][key], ref.opt.state[m][key]), key
+        assert same_bits(sd[k]["master"], m)
+        assert float(sd[k]["step"]) == float(ref.opt.state[m]["step"])
+
+
+@pytest.mark.parametrize("side", ["not_final", "never"])
+@pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+def test_parameters_without_a_gradient_in_some_micro_steps(accumulate: str, overlap: str,
+                                                           side: str) -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, accumulate=accumulate, overlap=overlap)
+    data = batches(3, 3, side=side)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    if side == "never":  # never stepped, as torch skips a parameter without a gradient
+        assert same_bits(model.side.weight, make_model().side.weight)
+
+
+def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    first = [model.emb.weight, model.l1.weight, model.l1.bias]
+    ids = {id(p) for p in first}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [{"params": first}, {"params": rest, "lr": 3e-3, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+def test_two_groups_a_scheduler_amsgrad_and_a_loss_scale(accumulate: str, overlap: str) -> None:
+    model = make_model()
+    ref = Reference(model, torch.optim.AdamW, groups=_groups, lr=1e-2, weight_decay=0.1,
+                    amsgrad=True)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=_groups(model),
+                               accumulate=accumulate, overlap=overlap, lr=1e-2,
+                               weight_decay=0.1, amsgrad=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    data = batches(4, 3)
+    train(opt, model, data, scale=1 / 3, scheduler=sched)
+    train_reference(ref, data, scale=1 / 3, scheduler=ref_sched)
+    assert_bitwise(model, ref)
+    assert opt.param_groups[1]["lr"] == ref.opt.param_groups[1]["lr"] == 3e-3 / 16
+
+
+@pytest.mark.parametrize("optimizer", ["fused_adamw", "sgd_momentum"])
+def test_other_kernels(optimizer: str) -> None:
+    cls, kw = ((torch.optim.AdamW, {"lr": 1e-2, "fused": True}) if optimizer == "fused_adamw"
+               else (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}))
+    model = make_model()
+    ref = Reference(model, cls, **kw)
+    opt = FullOffloadOptimizer(model, cls, overlap="backward", **kw)
+    data = batches(3, 2)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+def test_clipping_matches_clip_grad_norm(accumulate: str, overlap: str) -> None:
+    model = make_model()
+    ref = reference(model, max_norm=0.05)
+    opt = build(model, accumulate=accumulate, overlap=overlap, max_norm=0.05)
+    data = batches(3, 3, side="not_final")
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    assert opt.grad_norm is not None and float(opt.grad_norm) > 0.05  # it did clip
+
+
+def test_clipping_is_refused_with_backward_overlap_and_says_why() -> None:
+    with pytest.raises(ConfigError, match="max_norm needs overlap='forward' or 'none'.*global"):
+        build(make_model(), overlap="backward", max_norm=1.0)
+
+
+class _Special(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_signed_zeros_subnormals_and_infinities_keep_their_bits() -> None:
+    tiny = torch.finfo(torch.bfloat16).tiny / 4  # a BF16 subnormal
+    micro = [
+        torch.tensor([-0.0, tiny, -tiny, 1.0, float("inf"), 0.0, -0.0, 2.0]),
+        torch.tensor([-0.0, tiny, tiny, -1.0, 1.0, -0.0, 0.0, float("-inf")]),
+    ]
+    for accumulate in ("cpu", "gpu"):
+        model = _Special()
+        ref = Reference(model, torch.optim.SGD, lr=1.0)
+        opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=1.0, accumulate=accumulate,
+                                   overlap="none")
+        for k, c in enumerate(micro):
+            ctx = opt.no_sync() if k == 0 else contextlib.nullcontext()
+            with ctx:
+                (model.w * c.to(torch.bfloat16)).sum().backward()
+            ref.micro_step(lambda m, c=c: (m.w * c.to(torch.bfloat16)).sum())
+        ref_acc = dict(ref.acc)
+        opt.step()
+        ref.step()
+        assert same_bits(opt._accs[0], ref_acc[id(ref.params[0])]), accumulate
+        assert same_bits(model.w, ref.model.w)
+    # The first contribution is copied: -0.0 stays -0.0 (0.0 + -0.0 would be +0.0).
+    acc = torch.empty(2)
+    _accumulate.fold(acc, torch.tensor([-0.0, tiny], dtype=torch.bfloat16), first=True)
+    assert torch.signbit(acc[0]) and acc[1].item() == pytest.approx(tiny)
+
+
+def test_flush_to_zero_is_refused() -> None:
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        with pytest.raises(ConfigError, match="flush-to-zero"):
+            build(make_model())
+    finally:
+        torch.set_flush_denormal(False)
+
+
+# -- waits: delayed lanes change no bit; removed waits do --------------------------------
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("overlap", ["backward", "forward"])
+def test_delayed_lanes_change_no_bit(lane: str, overlap: str) -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap=overlap, chunk_numel=200)
+    data = batches(3, 3)
+    with testing.delay_lane(lane, 0.01):
+        train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+def test_attached_backward_overlap_with_a_delayed_h2d_changes_no_bit() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="backward", chunk_numel=200)
+    opt.attach()
+    data = batches(3, 2)
+    with testing.delay_lane("h2d", 0.01):
+        train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+def test_a_step_that_does_not_wait_for_accumulation_is_wrong() -> None:
+    model = make_model()
+    ref = reference(model)
+    with testing.disable("accumulate_dep"):
+        opt = build(model, overlap="backward", chunk_numel=200)
+        data = batches(2, 2)
+        with testing.delay_lane("accumulate", 0.01):
+            train(opt, model, data)
+    train_reference(ref, data)
+    assert differs(model, ref)
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_micro_steps_that_do_not_wait_for_each_other_are_wrong(mutated: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)  # 4 pieces to fold
+    ref = Reference(model, torch.optim.SGD, lr=0.1)
+    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=0.1, overlap="none")
+    xs = [torch.randn(4, 1024).to(torch.bfloat16) for _ in range(3)]
+    off = testing.disable("micro_step_order") if mutated else contextlib.nullcontext()
+    with off, testing.hold_task("acc:.*") as release:
+        # Every micro-step's additions are held back, then released at once.
+        for k, x in enumerate(xs):
+            with opt.no_sync() if k < 2 else contextlib.nullcontext():
+                model(x).float().square().mean().backward()
+        release.set()
+        opt.step()
+    opt.zero_grad()
+    for x in xs:
+        ref.micro_step(lambda m, x=x: m(x).float().square().mean())
+    ref.step()
+    assert (not same_bits(model.weight, ref.model.weight)) == mutated
+
+
+# -- memory ------------------------------------------------------------------------------
+
+def test_the_slot_ring_stays_within_its_budget_and_allocates_nothing_after_the_first_step(
+) -> None:
+    model = make_model()
+    opt = build(model, overlap="backward", slot_bytes=256, slots=2, chunk_numel=200)
+    assert opt.host_budget_bytes < 2 * 4 * sum(p.numel() for p in model.parameters())
+    pool = pools_for(torch.device("cpu")).host
+    data = batches(3, 2)
+    train(opt, model, data[:1])
+    after_first = pool.stats().allocations
+    peaks = []
+    for step in data[1:]:
+        train(opt, model, [step])
+        peaks.append(opt.last_trace.summary().peak_host_staging_bytes)
+    assert pool.stats().allocations == after_first
+    assert 0 < max(peaks) <= opt.host_budget_bytes
+
+
+def test_no_gradient_stays_on_the_parameters() -> None:
+    model = make_model()
+    opt = build(model, overlap="backward")
+    with opt.no_sync():
+        loss_fn(model, batches(1, 1)[0][0]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    opt.zero_grad()
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(accumulate: str,
+                                                         tmp_path: Path) -> None:
+    data = batches(4, 2)
+    whole = make_model()
+    opt = build(whole, accumulate=accumulate, params=_groups(whole))
+    train(opt, whole, data)
+
+    first = make_model()
+    opt1 = build(first, accumulate=accumulate, params=_groups(first))
+    train(opt1, first, data[:2])
+    opt1.param_groups[1]["lr"] = 3e-3  # unchanged value, but a group setting to restore
+    opt1.param_groups[0]["betas"] = (0.9, 0.999)
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, tmp_path / "ck.pt")
+
+    second = make_model(seed=5)  # other weights: the checkpoint must bring them back
+    opt2 = build(second, accumulate=accumulate, params=_groups(second), lr=0.5)
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    second.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[1]["lr"] == 3e-3
+    assert float(opt2.state_dict()["state"][0]["step"]) == 2.0  # loading never steps
+    train(opt2, second, data[2:])
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert same_bits(p, q)
+
+
+def test_loading_state_from_a_plain_optimizer_takes_masters_from_the_weights() -> None:
+    model = make_model()
+    plain = torch.optim.AdamW([p for p in model.parameters()], lr=1e-2)
+    opt = build(model)
+    opt.load_state_dict(plain.state_dict())  # no state yet: nothing to load, nothing stepped
+    assert opt.state_dict()["state"] == {}
+
+
+# -- failures ----------------------------------------------------------------------------
+
+def _micro_steps(opt: FullOffloadOptimizer, model: torch.nn.Module, step: Sequence[Any]) -> None:
+    for m, b in enumerate(step):
+        ctx = opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext()
+        with ctx:
+            loss_fn(model, b).backward()
+
+
+@pytest.mark.parametrize("task", ["acc:.*", "d2h:.*"])
+def test_a_failed_copy_or_add_makes_the_step_dirty_until_zero_grad(task: str) -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="none")
+    data = batches(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with testing.fail_work(task, RuntimeError("copy failed")):
+        _micro_steps(opt, model, data[0])
+        with pytest.raises(BaseException, match="copy failed|refuses until"):
+            opt.step()
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), before))  # nothing written
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    train(opt, model, data[1:])
+    train_reference(ref, data[1:])
+    assert_bitwise(model, ref)
+
+
+def test_a_failed_chunk_after_others_stepped_is_a_torn_step() -> None:
+    model = make_model()
+    opt = build(model, overlap="none", chunk_numel=200)
+    assert len(opt._chunks) > 2
+    data = batches(2, 1)
+    saved = (copy.deepcopy(model.state_dict()), opt.state_dict())
+    with testing.fail_work("step:1", RuntimeError("chunk failed")):
+        _micro_steps(opt, model, data[0])
+        with pytest.raises(RuntimeError, match="chunk failed") as info:
+            opt.step()
+    assert any("chunk(s) [0]" in n for n in info.value.__notes__)
+    opt.zero_grad()
+    with pytest.raises(StepFailedError, match="checkpoint"):
+        _micro_steps(opt, model, data[1])
+        opt.step()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    opt.zero_grad()
+    train(opt, model, data[1:])
+
+
+def test_a_failed_h2d_leaves_the_masters_as_the_truth() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="none", chunk_numel=200)
+    data = batches(2, 1)
+    last = len(opt._chunks) - 1  # every chunk has stepped its masters by then
+    with testing.fail_work(f"h2d:{last}", RuntimeError("h2d failed")):
+        _micro_steps(opt, model, data[0])
+        with pytest.raises(RuntimeError, match="h2d failed") as info:
+            opt.step()
+    assert any("refresh_device_weights" in n for n in info.value.__notes__)
+    opt.zero_grad()
+    with pytest.raises(StepFailedError, match="refresh_device_weights"):
+        opt.step()
+    opt.refresh_device_weights()
+    train_reference(ref, data[:1])
+    assert_bitwise(model, ref)
+    train(opt, model, data[1:])
+    train_reference(ref, data[1:])
+    assert_bitwise(model, ref)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed")
+
+
+def test_a_backward_that_raises_leaves_nothing_hanging() -> None:
+    model = make_model()
+    opt = build(model, overlap="none", timeout=30)
+    idx, _, _ = batches(1, 1)[0][0]
+    h = _Boom.apply(model.l1(model.emb(idx)).float()).sum()
+    loss = h + (model.side.weight.float() ** 2).sum()  # side's gradient lands first
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    train(opt, model, batches(1, 1))
+
+
+def test_a_gradient_that_never_comes_times_out_naming_the_parameter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    opt = build(model, overlap="none", timeout=0.5)
+    # As if autograd never called the end-of-backward callback.
+    monkeypatch.setattr(FullOffloadOptimizer, "_end_backward", lambda self, ms: None)
+    loss_fn(model, batches(1, 1, side="never")[0][0]).backward()
+    opt._micro = None
+    with pytest.raises(StepTimeoutError) as info:
+        opt.step()
+    assert "grad:side.weight" in info.value.pending_gates
+    monkeypatch.undo()
+    opt._abandon(opt._inflight[1], "test over")  # type: ignore[index]
+    with contextlib.suppress(BaseException):
+        opt.wait_for_step()
+
+
+def test_a_gradient_of_the_wrong_dtype_is_refused() -> None:
+    model = make_model()
+    model.l1.weight.grad_dtype = None  # torch would refuse the assignment below otherwise
+    model.l1.weight.register_post_accumulate_grad_hook(
+        lambda p: setattr(p, "grad", p.grad.float()))
+    opt = build(model)
+    with pytest.raises(GradientError, match="l1.weight.*torch.float32.*torch.bfloat16"):
+        loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.zero_grad()
+
+
+def test_a_second_gradient_in_one_backward_is_refused() -> None:
+    model = make_model()
+    opt = build(model)
+
+    def again(p: torch.Tensor) -> None:
+        p.grad = torch.ones_like(p)
+        opt._on_grad(p)
+
+    model.l2.bias.register_post_accumulate_grad_hook(again)
+    with pytest.raises(GradientError, match="second gradient for 'l2.bias'"):
+        loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.zero_grad()
+
+
+def test_a_hook_outside_a_backward_is_refused() -> None:
+    model = make_model()
+    opt = build(model)
+    model.l1.bias.grad = torch.ones_like(model.l1.bias)
+    with pytest.raises(GradientError, match="outside a backward"):
+        opt._on_grad(model.l1.bias)
+
+
+def test_a_second_final_backward_before_step_is_refused() -> None:
+    model = make_model()
+    opt = build(model, overlap="none")
+    b = batches(1, 1)[0][0]
+    loss_fn(model, b).backward()
+    with pytest.raises(GradientError, match="no_sync"):
+        loss_fn(model, b).backward()
+    opt.zero_grad()
+
+
+def test_param_groups_edited_after_the_final_backward_began_are_refused_under_backward_overlap(
+) -> None:
+    model = make_model()
+    opt = build(model, overlap="backward")
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(ConfigError, match="after the final backward began"):
+        opt.step()
+
+
+# -- refused configurations --------------------------------------------------------------
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"accumulate": "disk"}, "accumulate must be 'cpu' or 'gpu'"),
+    ({"overlap": "always"}, "overlap must be"),
+    ({"max_norm": -1.0}, "max_norm must be a positive"),
+    ({"slots": 0}, "slots must be an int >= 1"),
+    ({"chunk_numel": 0}, "chunk_numel"),
+    ({"timeout": 0}, "timeout"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"lr": -1.0}, "refused the hyperparameters.*learning rate"),
+])
+def test_bad_arguments_are_refused_by_name(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build(make_model(), **kw)
+
+
+def test_bad_parameters_are_refused_by_name() -> None:
+    model = make_model()
+    with pytest.raises(ConfigError, match="not in the model"):
+        build(model, params=[torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError, match="'l1.weight' is listed twice"):
+        build(model, params=[model.l1.weight, model.l1.weight])
+
+
+def test_a_non_elementwise_optimizer_and_a_closure_are_refused() -> None:
+    with pytest.raises(pipeoff.UnsupportedOptimizerError, match="element-wise"):
+        FullOffloadOptimizer(make_model(), torch.optim.LBFGS)
+    opt = build(make_model())
+    with pytest.raises(ConfigError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_compiled_autograd_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo import compiled_autograd
+
+    monkeypatch.setattr(compiled_autograd, "compiled_autograd_enabled", True)
+    with pytest.raises(ConfigError, match="compiled autograd"):
+        build(make_model())
+
+
+def test_num_threads_applies_to_the_host_lanes_only() -> None:
+    model = make_model()
+    opt = build(model, num_threads=1)
+    main = torch.get_num_threads()
+    train(opt, model, batches(1, 2))
+    assert torch.get_num_threads() == main
+
+
+@contextlib.contextmanager
+def _no_warnings() -> Iterator[None]:
+    yield
