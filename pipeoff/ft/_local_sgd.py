@@ -250,10 +250,38 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         # still writing (for callers of _perform_sync that bypass sync()).
         self._wait_for_optimizer()
         if not self._offload:
+            committed = self._original_sync()
+        else:
+            with torch.profiler.record_function("pipeoff::ft::local_sgd::perform_sync"):
+                committed = self._offloaded_sync()
+        refresh = getattr(self._local_optimizer, "refresh_masters", None)
+        if committed and callable(refresh):
+            # Hazard: an optimizer whose masters are the truth
+            # (pipeoff.optim.FullOffloadOptimizer) overwriting the averaged weights
+            # with its own, un-averaged masters at the next step.
+            refresh()
+
+    def _original_sync(self) -> bool:
+        """torchft's own averaging; whether the quorum committed."""
+        manager = self._manager
+        seen: dict[str, bool] = {}
+        real = manager.should_commit
+
+        def should_commit(*args: Any, **kwargs: Any) -> bool:
+            seen["commit"] = bool(real(*args, **kwargs))
+            return seen["commit"]
+
+        missing = object()
+        before = manager.__dict__.get("should_commit", missing)
+        manager.__dict__["should_commit"] = should_commit
+        try:
             super()._perform_sync()
-            return
-        with torch.profiler.record_function("pipeoff::ft::local_sgd::perform_sync"):
-            self._offloaded_sync()
+        finally:
+            if before is missing:
+                manager.__dict__.pop("should_commit", None)
+            else:
+                manager.__dict__["should_commit"] = before
+        return seen.get("commit", False)
 
     def _plan(self) -> tuple[Bucket, ...]:
         infos = []
@@ -275,7 +303,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         return plan_buckets(infos, limit=limit, per_parameter=self._per_parameter,
                             limit_name=limit_name)
 
-    def _offloaded_sync(self) -> None:
+    def _offloaded_sync(self) -> bool:
         params = list(self._model.parameters())
         buckets = self._plan()
         device = _local(params[0]).device if params else torch.device("cpu")
@@ -313,6 +341,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         finally:
             if ex is not None:
                 self.last_trace = ex.trace
+        return bool(commit.get("decided"))
 
     def _build_graph(
         self,

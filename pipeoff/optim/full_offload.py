@@ -1011,6 +1011,19 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 flat(_local(p), self._orders[i]).copy_(self._flat_masters[i])
         self._stale = None
 
+    def refresh_masters(self) -> None:
+        """Make every master the (widened) device weight, after something other than this
+        optimizer wrote the weights: a committed LocalSGD average (``pipeoff.ft.LocalSGD``
+        calls this itself), or ``model.load_state_dict`` without the optimizer's state.
+
+        Without it the next step would overwrite those weights with the old masters.
+        The masters' bits below the compute dtype's precision are lost.
+        """
+        self.wait_for_step()
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                self._flat_masters[i].copy_(flat(_local(p), self._orders[i]))
+
     # -- checkpoints -------------------------------------------------------------------
     def _state_entries(self) -> dict[torch.Tensor, dict[str, Any]]:
         out: dict[torch.Tensor, dict[str, Any]] = {}

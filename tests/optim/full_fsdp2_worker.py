@@ -1,0 +1,123 @@
+"""The body of the FullOffloadOptimizer FSDP2 test, run in each of two gloo processes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def make_model(dtype: torch.dtype) -> nn.Sequential:
+    g = torch.Generator().manual_seed(0)
+    # Linear(32, 3) and Linear(3, 5) shard unevenly over 2 ranks.
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3), nn.Linear(3, 5))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.to(dtype)
+
+
+def shard(m: nn.Sequential, mesh: Any) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    for i in (0, 2):
+        fully_shard(m[i], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def local(t: Any) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap: str,
+             fsdp_flag: bool) -> dict[str, Any]:
+    from pipeoff.optim import FullOffloadOptimizer
+
+    ref = shard(make_model(dtype), mesh)
+    mine = shard(make_model(dtype), mesh)
+    params = list(ref.parameters())
+    masters = [local(p).detach().float().clone() for p in params]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    opt = FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                               accumulate=accumulate, overlap=overlap)
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(3):
+        xs = [torch.randn(4, 16, generator=g).to(dtype) for _ in range(3)]
+        acc: dict[int, torch.Tensor] = {}
+        for k, x in enumerate(xs):
+            last = k == len(xs) - 1
+            # Reference: fold the local shards FSDP2 hands over in FP32 (each
+            # micro-step, or with its flag off only the final sum FSDP2 kept).
+            if fsdp_flag:
+                ref.set_requires_gradient_sync(last)  # type: ignore[operator]
+            ref(x).float().square().mean().backward()
+            for j, p in enumerate(params):
+                if p.grad is not None:
+                    gl = local(p.grad).float()
+                    acc[j] = acc[j] + gl if j in acc else gl.clone()
+                    p.grad = None
+            if fsdp_flag:
+                # FSDP2's own flag: without gradient sync FSDP2 keeps the unsharded
+                # sums itself and reduces them in the final backward.
+                mine.set_requires_gradient_sync(last)  # type: ignore[operator]
+                ctx: Any = contextlib.nullcontext()
+            else:
+                ctx = opt.no_sync() if not last else contextlib.nullcontext()
+            with ctx:
+                mine(x).float().square().mean().backward()
+        for j, m in enumerate(masters):
+            m.grad = acc.get(j)
+        ref_opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                local(p).copy_(m)
+                m.grad = None
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    same = all(torch.equal(local(a).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           local(b).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+               for a, b in zip(params, mine.parameters()))
+    sizes = [local(p).numel() for p in mine.parameters()]
+    return {"params_equal": same, "sizes": sizes}
+
+
+def refused_under_cpu_offload_policy(mesh: Any) -> str:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from pipeoff import ConfigError
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = make_model(torch.float32)
+    fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    try:
+        FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2)
+    except ConfigError as err:
+        return str(err)
+    return "not refused"
+
+
+def worker(rank: int, world: int, port: int, queue: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        out: dict[Any, Any] = {}
+        for case in [(torch.float32, "cpu", "backward", False),
+                     (torch.float32, "gpu", "forward", False),
+                     (torch.float32, "cpu", "none", True),
+                     (torch.bfloat16, "cpu", "backward", False)]:
+            try:
+                out[case] = run_case(rank, mesh, *case)
+            except Exception as err:  # reported to the test, named
+                out[case] = {"error": f"{type(err).__name__}: {err}"}
+        out["cpu_offload_policy"] = refused_under_cpu_offload_policy(mesh)
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
