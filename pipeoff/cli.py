@@ -160,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default="8b",
                      help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
     sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
-    sim.add_argument("--feature", choices=["optimizer", "local-sgd"], default="optimizer")
+    sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload"],
+                     default="optimizer")
     sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
     sim.add_argument("--replicas", type=int,

@@ -188,6 +188,9 @@ def test_compare_h200_predictions_have_the_expected_shape() -> None:
                                           cost)}
     assert sgd["pipelined"].time_ms < sgd["rfc"].time_ms
     assert sgd["pipelined"].peak_device_bytes <= 512 << 20 < sgd["original"].peak_device_bytes
+    full = {p.schedule: p for p in compare(shape, "full-offload", ("none", "pipelined"), cost)}
+    assert full["pipelined"].time_ms < full["none"].time_ms
+    assert full["pipelined"].peak_device_bytes == 0 and full["pipelined"].bound == "host"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

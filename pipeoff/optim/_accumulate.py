@@ -6,10 +6,10 @@ FP32 add is correctly rounded on CPU and GPU alike; and the first contribution
 is *copied*, never added to zero (``0.0 + -0.0`` is ``+0.0``). So a left fold
 in the same order gives the same bits wherever it runs, with flush-to-zero off.
 
-Work goes in cache-sized pieces: a mixed-dtype ``acc.add_(g_bf16)`` on a whole
-tensor first materializes an FP32 copy of the gradient in fresh memory (a
-quarter of the bandwidth floor on the machine measured); 256K-element pieces
-stay in cache.
+The add goes in cache-sized pieces: a mixed-dtype ``acc.add_(g_bf16)`` on a
+whole tensor first materializes an FP32 copy of the gradient in fresh memory
+(a quarter of the bandwidth floor on the machine measured); 256K-element
+pieces stay in cache.
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ def norm(acc: torch.Tensor) -> torch.Tensor:
 
 
 def cast_into(out: torch.Tensor, master: torch.Tensor) -> None:
-    """``out = master`` in ``out``'s dtype (round to nearest even), 1-D, in pieces."""
-    n = out.numel()
-    for s in range(0, max(n, 1), PIECE):
-        out[s:s + PIECE].copy_(master[s:s + PIECE])
+    """``out = master`` in ``out``'s dtype (round to nearest even), 1-D.
+
+    One whole-tensor copy: a narrowing ``copy_`` makes no temporary, and pieces
+    only add overhead (measured: 0.64 ms whole vs 0.82 ms in 256K pieces, 4M
+    elements, 2 threads).
+    """
+    out.copy_(master)
 
 
 def flush_to_zero() -> bool:

@@ -37,7 +37,8 @@ from pipeoff import testing
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
-__all__ = ["FullParam", "FullWork", "micro_step_graph", "micro_step_schedule", "pieces"]
+__all__ = ["FullParam", "FullWork", "host_budget", "micro_step_graph", "micro_step_schedule",
+           "pieces", "plan_chunks"]
 
 ACCUMULATE_LANE = "accumulate"
 STEP_LANE = "host_step"
@@ -67,6 +68,35 @@ class FullWork:
     h2d: Callable[[int, TaskContext], None]
     norm: Callable[[TaskContext], None]
     allreduce: Callable[[TaskContext], None]
+
+
+def plan_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
+    """Optimizer chunks of whole parameters, last parameter first (the order a
+    backward finishes them), of at most ``chunk_numel`` elements each (a larger
+    parameter is a chunk of its own)."""
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i in reversed(range(len(numels))):
+        if cur and n + numels[i] > chunk_numel:
+            chunks.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += numels[i]
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def host_budget(params: Sequence[FullParam], chunks: Sequence[Sequence[int]], *,
+                slot_bytes: int, slots: int) -> int:
+    """Host staging bytes a micro-step may hold: ``slots`` slots of at most
+    ``slot_bytes`` (or of the largest FP32 gradient, if smaller) and two chunks'
+    weight buffers."""
+    wmax = max((sum(_aligned(params[i].numel * params[i].weight_itemsize) for i in c)
+                for c in chunks), default=0)
+    slot = min(slot_bytes, max((p.numel * 4 for p in params), default=16))
+    return max(16, slots * max(slot, 16) + 2 * wmax)
 
 
 def pieces(numel: int, itemsize: int, slot_bytes: int) -> list[tuple[int, int]]:
@@ -159,7 +189,9 @@ def micro_step_graph(
             step = g.add_task(f"step:{k}", TaskKind.HOST, _bind1(work.step if work else None, k),
                               deps=deps, gates=["step"] if step_gate else [], buffers=bufs,
                               lane=STEP_LANE,
-                              nbytes=sum(params[i].numel for i in chunk) * 16)
+                              # One optimizer element per parameter (the cost
+                              # model charges host tasks per 4 bytes).
+                              nbytes=sum(params[i].numel for i in chunk) * 4)
             h2d = g.add_task(f"h2d:{k}", TaskKind.H2D, _bind1(work.h2d if work else None, k),
                              deps=[step], buffers=bufs, nbytes=wbytes)
             ends += [step, h2d]

@@ -32,9 +32,11 @@ from pipeoff.optim import _accumulate, _update
 from pipeoff.optim._full_graph import (
     FullParam,
     FullWork,
+    host_budget,
     micro_step_graph,
     micro_step_schedule,
     pieces,
+    plan_chunks,
 )
 from pipeoff.optim._tensors import flat, flat_like, host_alloc, memory_order, snapshot
 from pipeoff.optim._tensors import local as _local
@@ -425,7 +427,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._orders: list[tuple[int, ...]] = [_order(p) for p in params]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._pnames = [self._names[id(p)] for p in params]
-        self._chunks = self._plan_chunks()
+        self._chunks = plan_chunks([_local(p).numel() for p in params], self.chunk_numel)
         self._chunks_of = [(0,)] * len(params)
         for k, chunk in enumerate(self._chunks):
             for i in chunk:
@@ -436,31 +438,11 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                               for p in params]
         for i in range(len(params)):
             self._ensure_state(i, self.param_groups[self._group_of[i]])
-        wmax = max((sum(_local(self._params[i]).numel() * self._params[i].dtype.itemsize + 64
-                        for i in c) for c in self._chunks), default=0)
-        slot = min(self.slot_bytes, max((_local(p).numel() * 4 for p in self._params),
-                                        default=16))
-        self.host_budget_bytes = max(16, self.slots * max(slot, 16) + 2 * wmax)
+        self.host_budget_bytes = host_budget(self._full_params(None), self._chunks,
+                                             slot_bytes=self.slot_bytes, slots=self.slots)
         """Most bytes of host staging live at once: the slot ring and two chunks' weights."""
         graph, schedule = self._graph(final=True, itemsize=None, work=None)
         reserve_for(graph, schedule)
-
-    def _plan_chunks(self) -> list[list[int]]:
-        """Whole parameters, last first (the order a backward finishes them), up to
-        ``chunk_numel`` elements each."""
-        chunks: list[list[int]] = []
-        cur: list[int] = []
-        n = 0
-        for i in reversed(range(len(self._params))):
-            k = _local(self._params[i]).numel()
-            if cur and n + k > self.chunk_numel:
-                chunks.append(cur)
-                cur, n = [], 0
-            cur.append(i)
-            n += k
-        if cur:
-            chunks.append(cur)
-        return chunks
 
     def _ensure_state(self, i: int, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The per-element host state of parameter ``i`` for ``group``'s keys (allocated once)."""
@@ -653,17 +635,19 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
 
     def _graph(self, *, final: bool, itemsize: Mapping[int, int] | None,
                work: FullWork | None) -> tuple[Any, Any]:
-        params = [
-            FullParam(name=self._pnames[i], numel=_local(p).numel(),
-                      grad_itemsize=(itemsize or {}).get(i, p.dtype.itemsize),
-                      weight_itemsize=p.dtype.itemsize)
-            for i, p in enumerate(self._params)]
+        params = self._full_params(itemsize)
         allreduce = self.max_norm is not None and self._world() > 1
         graph = micro_step_graph(
             self.device, params, self._chunks, final=final, slot_bytes=self.slot_bytes,
             clip=self.max_norm is not None, allreduce=allreduce,
             step_gate=self.overlap != "backward", work=work)
         return graph, micro_step_schedule(self.overlap, self.host_budget_bytes)
+
+    def _full_params(self, itemsize: Mapping[int, int] | None) -> list[FullParam]:
+        return [FullParam(name=self._pnames[i], numel=_local(p).numel(),
+                          grad_itemsize=(itemsize or {}).get(i, p.dtype.itemsize),
+                          weight_itemsize=p.dtype.itemsize)
+                for i, p in enumerate(self._params)]
 
     def _world(self) -> int:
         import torch.distributed as dist

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pipeoff._errors import ConfigError
 from pipeoff.schedule import Schedule
 from pipeoff.sim._costmodel import CostModel
-from pipeoff.sim._workloads import ModelShape, local_sgd_graph, optimizer_graph
+from pipeoff.sim._workloads import (
+    ModelShape,
+    full_offload_graph,
+    full_offload_schedule,
+    local_sgd_graph,
+    optimizer_graph,
+)
 from pipeoff.trace import Trace
 
 __all__ = ["FEATURE_SCHEDULES", "Prediction", "compare", "critical_lane", "parse_bytes"]
@@ -16,9 +22,10 @@ __all__ = ["FEATURE_SCHEDULES", "Prediction", "compare", "critical_lane", "parse
 FEATURE_SCHEDULES = {
     "optimizer": ("single_pass", "sync_chunks", "pipelined"),
     "local-sgd": ("original", "rfc", "pipelined"),
+    "full-offload": ("none", "pipelined"),
 }
 _LANE_BOUND = {"h2d": "link", "d2h": "link", "compute": "compute", "comm": "comm",
-               "host": "host", "main": "serial"}
+               "host": "host", "main": "serial", "accumulate": "host", "host_step": "host"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
 
@@ -125,6 +132,9 @@ def compare(
                 graph = optimizer_graph(shape, chunk_bytes=chunk_bytes)
                 budget = device_budget_bytes or (prefetch + 1) * chunk_bytes
                 sched = Schedule.pipelined(device_budget_bytes=budget)
+        elif feature == "full-offload":
+            graph = full_offload_graph(shape)
+            sched = full_offload_schedule(shape, pipelined=name == "pipelined")
         else:
             if name == "original":
                 graph, sched = local_sgd_graph(shape, variant="original"), Schedule.pipelined()

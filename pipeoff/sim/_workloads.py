@@ -161,6 +161,36 @@ def optimizer_schedule(shape: ModelShape, *, chunk_bytes: int | None, prefetch: 
     return step_schedule(plan, prefetch)
 
 
+def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,
+                       slot_bytes: int = 64 << 20, clip: bool = False,
+                       compute_itemsize: int = 2) -> TaskGraph:
+    """The final micro-step of a ``FullOffloadOptimizer`` step, built by its own graph
+    builder, shape only: every gradient (BF16 by default) to the host, its last
+    add, the chunk steps and the weights back. The simulator opens every gate
+    at launch, so this is the host step once the backward has produced the
+    last gradient: the drain ``overlap="backward"`` hides behind the backward
+    and ``overlap="forward"`` behind the next forward."""
+    from pipeoff.optim._full_graph import FullParam, micro_step_graph, plan_chunks
+
+    params = [FullParam(name=name, numel=n, grad_itemsize=compute_itemsize,
+                        weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
+    chunks = plan_chunks([p.numel for p in params], chunk_numel)
+    return micro_step_graph(None, params, chunks, final=True, slot_bytes=slot_bytes, clip=clip)
+
+
+def full_offload_schedule(shape: ModelShape, *, pipelined: bool, chunk_numel: int = 16 << 20,
+                          slot_bytes: int = 64 << 20, slots: int = 4,
+                          compute_itemsize: int = 2) -> Schedule:
+    """The schedule ``FullOffloadOptimizer`` runs :func:`full_offload_graph` with."""
+    from pipeoff.optim._full_graph import FullParam, host_budget, plan_chunks
+
+    params = [FullParam(name=name, numel=n, grad_itemsize=compute_itemsize,
+                        weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
+    chunks = plan_chunks([p.numel for p in params], chunk_numel)
+    budget = host_budget(params, chunks, slot_bytes=slot_bytes, slots=slots)
+    return Schedule.pipelined(host_budget_bytes=budget) if pipelined else Schedule.synchronous()
+
+
 Variant = Literal["original", "rfc", "pipelined"]
 
 
