@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = ["PRIVATE_APIS", "TESTED", "PrivateAPI", "allreduce_discarded", "check_private_apis",
-           "backward_id", "compiled_autograd_active", "cuda_sleep", "fsdp_cpu_offload",
+           "backward_id", "compiled_autograd_active", "outer_backward_frame",
+           "outermost_backward_frame", "cuda_sleep", "fsdp_cpu_offload",
            "fsdp_gradient_sync", "installed_version", "queue_backward_callback",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state", "is_compiling",
@@ -75,6 +76,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
                ".offload_policy",
                "fsdp_cpu_offload: FullOffloadOptimizer refuses CPUOffloadPolicy"),
+    PrivateAPI("torch", "torch.autograd.graph:_engine_run_backward",
+               "outer_backward_frame: a reentrant backward inside a backward"),
     PrivateAPI("torch", "torch._C:_current_graph_task_id",
                "backward_id: FullOffloadOptimizer tells one backward from the next"),
     PrivateAPI("torch", "torch._C:_ImperativeEngine.queue_callback",
@@ -366,3 +369,31 @@ def compiled_autograd_active() -> bool:
         return False
     return bool(getattr(ca, "compiled_autograd_enabled", False)
                 or getattr(ca, "in_compiled_autograd_region", False))
+
+
+def _engine_frames() -> list[Any]:
+    import sys
+
+    from torch.autograd import graph
+
+    code = graph._engine_run_backward.__code__
+    out = []
+    f: Any = sys._getframe(2)
+    while f is not None:
+        if f.f_code is code:
+            out.append(f)
+        f = f.f_back
+    return out
+
+
+def outermost_backward_frame() -> Any:
+    """The Python frame of the outermost backward running on this thread, or ``None``."""
+    frames = _engine_frames()
+    return frames[-1] if frames else None
+
+
+def outer_backward_frame() -> Any:
+    """If this runs inside a backward nested in another (a reentrant checkpoint's
+    recomputation), the outermost backward's frame; else ``None``."""
+    frames = _engine_frames()
+    return frames[-1] if len(frames) > 1 else None

@@ -396,3 +396,24 @@ def test_a_gate_holds_back_only_its_own_lane(gpu: Gpu) -> None:
     ex.wait("prep", timeout=30)
     ex.gate("grad").open(x)
     ex.wait(timeout=30)
+
+
+def test_a_device_error_surfacing_in_a_host_tasks_wait_fails_it_instead_of_hanging(
+        gpu: Gpu) -> None:
+    """A sticky device error reported at the synchronize a HOST task does on its
+    dependency (found by the full-offload tests: the task stayed pending forever)."""
+    if not gpu.simulated:
+        pytest.skip("needs a kernel that fails on purpose")
+    from pipeoff import _accel
+
+    def boom() -> None:
+        raise RuntimeError("device fault")
+
+    g = pipeoff.TaskGraph(gpu.device)
+    g.add_task("dev", pipeoff.TaskKind.D2H, lambda ctx: _accel.current().launch(ctx.stream, boom))
+    g.add_task("host", pipeoff.TaskKind.HOST, lambda ctx: None, deps=["dev"])
+    ex = pipeoff.execute(g)
+    with pytest.raises(RuntimeError, match="device fault"):
+        ex.wait(timeout=30)
+    assert ex.failed_task in ("dev", "host")
+    assert ex.events_for("host")[0].status in ("failed", "cancelled")

@@ -367,13 +367,21 @@ class CudaBackend:
         No lane stream is current here: work that enqueues device work (torchft's
         ``should_commit`` synchronizing) does so on this thread's current stream.
         """
-        for j in (*run.plan.waits[i], *state.extra_waits[i]):
-            run.wait_terminal(j)
-            if ((state.dispatched[j] or state.host_recorded[j])
-                    and not testing.disabled("host_sync")):
-                # Hazard: host work reading device results, or deciding on them,
-                # before the device work it follows has finished.
-                state.ends[j].synchronize()
+        try:
+            for j in (*run.plan.waits[i], *state.extra_waits[i]):
+                run.wait_terminal(j)
+                if ((state.dispatched[j] or state.host_recorded[j])
+                        and not testing.disabled("host_sync")):
+                    # Hazard: host work reading device results, or deciding on them,
+                    # before the device work it follows has finished.
+                    state.ends[j].synchronize()
+        except BaseException as err:  # a sticky device error surfacing in the wait
+            # The task fails (and its dependents are cancelled): left pending, it
+            # would hold every waiter on it forever.
+            run.fail(i, err)
+            if not run.terminal(i):
+                self._cancel(run, state, i)
+            return
 
         def record_end() -> None:
             # The host work may have enqueued device work on this thread's current

@@ -60,6 +60,22 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _root_cause(acc: _Accumulation, err: BaseException) -> BaseException:
+    """The failure of the earliest micro-step of ``acc`` that failed (a later one
+    fails only because it waited on it), or ``err``."""
+    for ms in acc.micro:
+        ex = ms.execution
+        if ex is not None and ex.done() and ex.exception is not None:
+            return ex.exception
+    return err
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) runs ``torch.compile``'d code."""
+    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
 def _order(p: torch.Tensor) -> tuple[int, ...]:
     order = memory_order(_local(p))
     assert order is not None  # checked by add_param_group
@@ -106,9 +122,22 @@ class _Micro:
     final: bool
     execution: Execution | None
     received: set[int] = dataclasses.field(default_factory=set)
-    payloads: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """Gradients shipped, kept alive until the execution is over."""
     ended: bool = False
+    deferred: Any = None
+    """The frame of the outermost backward, while the end callback of a reentrant
+    (inner) backward has fired but the outer one still runs."""
+
+
+class _Shipped:
+    """A gradient on its way to the host: the gate's payload. The copy drops the
+    tensor once it is issued, so the device memory is free while the execution
+    (which keeps its gates' payloads) lives on."""
+
+    __slots__ = ("dtype", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.dtype = tensor.dtype
 
 
 @dataclasses.dataclass(eq=False)
@@ -248,6 +277,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._refuse_environment()
+        # Hazard: a compile session that began before the first chunk's math
+        # (is_compiling() is process-wide) steering torch.optim into its
+        # compiled-code branches on a host lane.
+        _compat.eager_math()
         for m in model.modules():
             if _compat.fsdp_cpu_offload(m):
                 raise ConfigError(
@@ -255,6 +288,14 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     "parameters and gradients on the host (and copies them synchronously); "
                     "FullOffloadOptimizer needs the compute weights on the device: shard "
                     "without offload_policy")
+        for flag in ("capturable", "differentiable"):
+            if defaults.get(flag):
+                raise ConfigError(
+                    f"{flag}=True is not for FullOffloadOptimizer: the masters are stepped on "
+                    "the host, outside autograd and CUDA graphs")
+        if isinstance(params, torch.Tensor):
+            raise ConfigError("params must be an iterable of parameters or of param group "
+                              f"dicts, got a single tensor of shape {tuple(params.shape)}")
         try:
             probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         except (TypeError, ValueError) as err:
@@ -290,10 +331,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
+        self._warned_compiled = False
         self._waits = ForwardWaits(self.wait_for_step)
         self.last_trace: Any = None
-        self.grad_norm: torch.Tensor | None = None
-        """The total gradient norm of the last step (with ``max_norm``)."""
+        self._grad_norm: torch.Tensor | None = None
         self._params: list[torch.Tensor] = []
         self._masters: list[torch.Tensor] = []
         self._accs: list[torch.Tensor] = []
@@ -340,6 +381,12 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 raise ConfigError("add_param_group() between a backward and step(): call it "
                                   "after step() and zero_grad()")
         group = dict(param_group)
+        if "params" not in group:
+            raise ConfigError("a param group needs a 'params' entry (its parameters), got keys "
+                              f"{sorted(group)}")
+        for flag in ("capturable", "differentiable"):
+            if group.get(flag):
+                raise ConfigError(f"param group: {flag}=True is not for FullOffloadOptimizer")
         ps = group["params"]
         group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -364,8 +411,6 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             if not p.dtype.is_floating_point or memory_order(_local(p)) is None:
                 raise ConfigError(f"parameter {name!r} must be a dense floating-point tensor, "
                                   f"got {p.dtype} with strides {_local(p).stride()}")
-            if not p.requires_grad:
-                raise ConfigError(f"parameter {name!r} does not require grad")
         before = list(self.param_groups)
         super().add_param_group(group)
         if not self._building:
@@ -424,6 +469,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._scalars: list[dict[str, Any]] = scalars
         self._present: list[tuple[str, ...]] = present
         self._pidx = {id(p): i for i, p in enumerate(params)}
+        self._indexed = self._fingerprint()
         self._orders: list[tuple[int, ...]] = [_order(p) for p in params]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._pnames = [self._names[id(p)] for p in params]
@@ -435,7 +481,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                              for p in params]
+                              for p in params if p.requires_grad]
         for i in range(len(params)):
             self._ensure_state(i, self.param_groups[self._group_of[i]])
         self.host_budget_bytes = host_budget(self._full_params(None), self._chunks,
@@ -471,6 +517,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Mark the backwards inside as non-final micro-steps (the convention of DDP's
         ``no_sync()``): their gradients are accumulated and nothing steps."""
+        self._settle_deferred()
         self._no_sync += 1
         try:
             yield
@@ -517,8 +564,35 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         flag = _compat.fsdp_gradient_sync(unwrap(self.model))
         return flag is not False
 
+    def _fingerprint(self) -> tuple[tuple[tuple[int, bool], ...], ...]:
+        return tuple(tuple((id(p), p.requires_grad) for p in g["params"])
+                     for g in self.param_groups)
+
+    def _follow_param_groups(self) -> None:
+        """The live ``param_groups`` are the truth: parameters removed from, added to or
+        moved between groups in place are picked up between steps."""
+        if self._fingerprint() == self._indexed:
+            return
+        if self._acc_state is not None:
+            raise ConfigError(
+                "param_groups' parameters changed in the middle of gradient accumulation "
+                "(between a backward and step()); change them after step() and zero_grad()")
+        seen: set[int] = set()
+        for g in self.param_groups:
+            for q in g["params"]:
+                name = self._names.get(id(q))
+                if name is None:
+                    raise ConfigError(f"param_groups holds a tensor of shape {tuple(q.shape)} "
+                                      "that is not a parameter of the model")
+                if id(q) in seen:
+                    raise ConfigError(f"parameter {name!r} is listed twice in param_groups")
+                seen.add(id(q))
+        self._index_params()
+
     def _on_grad(self, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook of every parameter: ship the gradient."""
+        if self._acc_state is None and self._micro is None:
+            self._follow_param_groups()  # the first gradient of a step
         i = self._pidx.get(id(p))
         if i is None:
             return
@@ -544,16 +618,27 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             p.grad = None  # dropped: step() refuses until zero_grad()
             return
         ms = self._micro
+        if ms is not None and ms.deferred is not None:
+            if _compat.outermost_backward_frame() is ms.deferred:
+                # Still the backward whose inner (reentrant) part ended: end the
+                # micro-step when this, its outer graph task, ends.
+                ms.deferred = None
+                outer = ms
+                _compat.queue_backward_callback(lambda: self._end_backward(outer))
+            else:
+                self._end_backward(ms, force=True)  # that backward is over
+                ms = self._micro
         # A backward inside a backward (a reentrant checkpoint's recomputation)
-        # has a graph task of its own; its gradients belong to the outer one,
-        # whose end callback ends the micro-step.
+        # has a graph task of its own; its gradients belong to the outer one.
         if ms is None or ms.ended:
             ms = self._begin_micro(bwd)
         if i in ms.received:
             err = GradientError(
-                f"a second gradient for {name!r} in one backward (a reentrant checkpoint, "
-                "or autograd.backward called on a graph twice?): FullOffloadOptimizer "
-                "takes one gradient per parameter per backward")
+                f"a second gradient for {name!r} in one backward: it is used both inside "
+                "and outside a reentrant checkpoint (torch.utils.checkpoint with "
+                "use_reentrant=True runs a backward of its own), or its hook ran twice. "
+                "FullOffloadOptimizer takes one gradient per parameter per backward; use "
+                "use_reentrant=False (torch's recommended setting)")
             self._fail_current(err)
             raise err
         ms.received.add(i)
@@ -572,13 +657,12 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 else:
                     s.add_(payload)
                 return
-            s = sums.get(i)
+            s = sums.pop(i, None)
             if s is not None:
                 s.add_(payload)
                 payload = s
         assert ms.execution is not None
-        ms.payloads.append(payload)
-        ms.execution.gate(self._gate(i)).open(payload)
+        ms.execution.gate(self._gate(i)).open(_Shipped(payload))
 
     def _gate(self, i: int) -> str:
         return f"grad:{self._pnames[i]}"
@@ -623,13 +707,21 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         graph, schedule = self._graph(final=ms.final, itemsize=itemsize, work=work)
         ex = execute(graph, schedule)
         prev = self._prev
-        if prev is None or prev.done() or testing.disabled("micro_step_order"):
-            ex.gate("prev").close()
-        else:
-            # Hazard: folding into accumulators (or stepping masters) that the
-            # previous micro-step's execution, or a step still in flight, is
-            # still reading or writing.
-            ex.gate("prev").open(None, event=prev.events_for("done")[0])
+        try:
+            if prev is None or prev.done() or testing.disabled("micro_step_order"):
+                ex.gate("prev").close()
+            else:
+                # Hazard: folding into accumulators (or stepping masters) that the
+                # previous micro-step's execution, or a step still in flight, is
+                # still reading or writing.
+                ex.gate("prev").open(None, event=prev.events_for("done")[0])
+        except BaseException as err:
+            # The previous execution failed meanwhile: this one must not wait on
+            # gates nobody will open.
+            for name in graph.gates:
+                if ex.gate(name).state == "pending":
+                    ex.gate(name).fail(err)
+            raise
         self._prev = ex
         return ex
 
@@ -656,12 +748,25 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             return 1
         return int(dist.get_world_size(self.process_group))
 
-    def _end_backward(self, ms: _Micro) -> None:
-        """Autograd's end-of-backward callback: settle the gates no gradient opened."""
-        if self._micro is ms:
-            self._micro = None
+    def _end_backward(self, ms: _Micro, *, force: bool = False) -> None:
+        """Autograd's end-of-backward callback: settle the gates no gradient opened.
+
+        Under a reentrant checkpoint the first gradient may come from the backward
+        its recomputation runs *inside* the user's backward: the callback then
+        fires when that inner backward ends. The micro-step goes on until the
+        outer one ends (:meth:`_on_grad` queues a callback there, or the next
+        ``step()``, ``zero_grad()`` or backward settles it).
+        """
         if ms.ended:
             return
+        if not force:
+            outer = _compat.outer_backward_frame()
+            if outer is not None:
+                ms.deferred = outer
+                return
+        ms.deferred = None
+        if self._micro is ms:
+            self._micro = None
         ms.ended = True
         ex = ms.execution
         if ex is None:
@@ -671,12 +776,17 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             if i in ms.received:
                 continue
             gate = ex.gate(self._gate(i))
-            s = acc.device_sums.get(i) if (acc is not None and ms.final) else None
+            s = acc.device_sums.pop(i, None) if (acc is not None and ms.final) else None
             if s is not None:
-                ms.payloads.append(s)
-                gate.open(s)  # only non-final micro-steps had a gradient for it
+                gate.open(_Shipped(s))  # only non-final micro-steps had a gradient for it
             else:
                 gate.close()
+
+    def _settle_deferred(self) -> None:
+        """End a micro-step whose reentrant inner backward ended, once no backward runs."""
+        ms = self._micro
+        if ms is not None and ms.deferred is not None and _compat.backward_id() < 0:
+            self._end_backward(ms, force=True)
 
     def _fail_current(self, err: BaseException) -> None:
         ms = self._micro
@@ -714,13 +824,22 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         return pieces(_local(self._params[i]).numel(), itemsize, self.slot_bytes)[j]
 
     def _d2h(self, ms: _Micro, i: int, j: int, ctx: TaskContext) -> None:
-        g = ctx.gate(self._gate(i))
-        if g is None:
+        shipped = ctx.gate(self._gate(i))
+        if shipped is None:
             return
-        s, e = self._piece(i, j, g.dtype.itemsize)
+        g = shipped.tensor
+        assert g is not None
+        s, e = self._piece(i, j, shipped.dtype.itemsize)
         if e > s:
-            slot = ctx.buffer(f"slot:{i}.{j}", g.dtype)
+            slot = ctx.buffer(f"slot:{i}.{j}", shipped.dtype)
             slot.copy_(g[s:e], non_blocking=True)
+        if e == _local(self._params[i]).numel() or e == s:
+            if ctx.stream is not None and not testing.disabled("record_stream"):
+                # Hazard: the caching allocator handing the gradient's memory to
+                # the next allocation on the stream that made it while this
+                # lane's copy still reads it.
+                _accel.current().record_stream(g, ctx.stream)
+            shipped.tensor = None  # the last piece is issued: free it on the device
 
     def _fold(self, acc: _Accumulation, ms: _Micro, i: int, j: int, ctx: TaskContext) -> None:
         self._threads()
@@ -842,15 +961,38 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._refuse_environment()
         self.wait_for_step()
         self._check_usable()
+        self._follow_param_groups()
         acc = self._acc_state
         if acc is None:
             return None  # no gradient at all: nothing steps, as in torch
+        self._settle_deferred()
         if self._micro is not None:
-            self._abandon(self._micro, "step() was called before its backward finished")
-        for ms in acc.micro:
-            ex = ms.execution
-            if ex is not None and ex.done() and ex.exception is not None:
-                self._dirty = self._dirty or ex.exception
+            ms = self._micro
+            self._abandon(ms, "step() was called before its backward finished")
+            if ms.execution is not None:
+                with contextlib.suppress(BaseException):
+                    ms.execution.wait(timeout=self.timeout)
+        if self._dirty is not None or any(
+                ms.execution is not None and ms.execution.done()
+                and ms.execution.exception is not None for ms in acc.micro):
+            # Something failed: let every execution of this step settle, then say
+            # what the failure left (a final micro-step may have stepped chunks).
+            for ms in acc.micro:
+                ex = ms.execution
+                if ex is None:
+                    continue
+                self._abandon(ms, "an earlier failure of this step",
+                              GradientError("an earlier failure of this step"))
+                with contextlib.suppress(BaseException):
+                    ex.wait(timeout=self.timeout)
+                if ex.exception is not None:
+                    self._dirty = self._dirty or ex.exception
+                if ms.final and ex.done():
+                    self.last_trace = ex.trace
+                    cause = ex.exception or self._dirty
+                    assert cause is not None
+                    self._classify(ex, cause)
+            self._check_usable()
         if self._dirty is not None:
             raise StepFailedError(
                 "a gradient copy or accumulation of this step failed; step() refuses until "
@@ -876,6 +1018,17 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._acc_state = None
         asynchronous = self.overlap == "forward" or (
             self.overlap == "backward" and self._attached is not None)
+        if asynchronous and self._attached is None and _compiled(self.model):
+            # Hazard: compiled code reading weights the step still writes; it
+            # cannot wait per parameter, and only attach()'s hooks run in it.
+            if not self._warned_compiled:
+                self._warned_compiled = True
+                warnings.warn(
+                    "FullOffloadOptimizer: the model runs compiled code and the optimizer "
+                    "is not attached, so step() waits for the whole step (no overlap); call "
+                    "opt.attach(): its hooks run before every module, compiled or not",
+                    RuntimeWarning, stacklevel=2)
+            asynchronous = False
         if not asynchronous:
             self.wait_for_step()
             return None
@@ -884,6 +1037,50 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             fin.execution, tuple(f"h2d:{k}" for k in range(len(self._chunks))))
         self._waits.begin(wait_step, layout, sorted(acc.touched))  # type: ignore[arg-type]
         return None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm (before clipping) of the last ``step()``, as
+        ``clip_grad_norm_`` returns it: a 0-dim FP32 CPU tensor; ``None`` without
+        ``max_norm`` or before a step. Waits for the norm of a step in flight (not
+        for its chunks)."""
+        if self.max_norm is None:
+            return None
+        inflight = self._inflight
+        if inflight is not None:
+            acc, fin = inflight
+            assert fin.execution is not None
+            task = "norm_allreduce" if "norm_allreduce" in fin.execution.plan.order else "norm"
+            fin.execution.wait(task, timeout=self.timeout)
+            return acc.total_norm
+        return self._grad_norm
+
+    def _classify(self, ex: Execution, err: BaseException) -> None:
+        """Set the state a failed final execution leaves, and say so on ``err``:
+        nothing stepped (dirty: ``zero_grad()`` clears it), every chunk stepped but
+        a weight copy failed (stale: ``refresh_device_weights()``), or some chunks
+        stepped (torn: load a checkpoint)."""
+        stepped = [k for k in range(len(self._chunks))
+                   if ex.events_for(f"step:{k}")[0].status == "ok"]
+        if stepped and ex.exception is None:
+            # The execution ran to the end, but this step failed elsewhere (a
+            # gradient refused during the final backward): chunks stepped on it.
+            self._torn = (f"this step failed ({err}) after chunk(s) {stepped} had "
+                          "stepped their masters during the backward")
+            return
+        if not stepped:
+            self._dirty = err
+            err.add_note("pipeoff: no master was stepped; step() refuses until "
+                         "opt.zero_grad()")
+        elif len(stepped) == len(self._chunks):
+            self._stale = err
+            err.add_note("pipeoff: every master was stepped, but device weights were "
+                         "not all written; call opt.refresh_device_weights()")
+        else:
+            self._torn = (f"a step failed in {ex.failed_task!r} after chunk(s) "
+                          f"{stepped} had stepped their masters")
+            err.add_note(f"pipeoff: {self._torn}; later steps are refused until a "
+                         "checkpoint is loaded")
 
     def _launch_final_now(self, acc: _Accumulation) -> None:
         """``step()`` without a final backward: a final micro-step with no gradient of its own."""
@@ -926,26 +1123,15 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             self._inflight = None
             self._waits.end()
             self.last_trace = ex.trace
-            stepped = [k for k in range(len(self._chunks))
-                       if ex.events_for(f"step:{k}")[0].status == "ok"]
-            if not stepped:
-                self._dirty = err
-                err.add_note("pipeoff: no master was stepped; step() refuses until "
-                             "opt.zero_grad()")
-            elif len(stepped) == len(self._chunks):
-                self._stale = err
-                err.add_note("pipeoff: every master was stepped, but device weights were "
-                             "not all written; call opt.refresh_device_weights()")
-            else:
-                self._torn = (f"a step failed in {ex.failed_task!r} after chunk(s) "
-                              f"{stepped} had stepped their masters")
-                err.add_note(f"pipeoff: {self._torn}; later steps are refused until a "
-                             "checkpoint is loaded")
+            self._classify(ex, err)
+            root = _root_cause(acc, err)
+            if root is not err:
+                raise root from err
             raise
         self._inflight = None
         self._waits.end()
         self.last_trace = ex.trace
-        self.grad_norm = acc.total_norm
+        self._grad_norm = acc.total_norm
         acc.device_sums.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -956,6 +1142,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         ``zero_grad()`` without ``step()`` after it cannot skip that step (it
         warns); to skip steps (a non-finite loss), use ``overlap="forward"``.
         """
+        self._settle_deferred()
         acc = self._acc_state
         if acc is not None:
             if self._micro is not None:
@@ -974,13 +1161,19 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 acc = None
         if acc is not None:
             for ms in acc.micro:
-                if ms.execution is not None:
+                ex = ms.execution
+                if ex is not None:
                     # Discarded: a gate left pending (the step's, or a backward
                     # that never ended) would hold its lanes until the timeout.
                     self._abandon(ms, "zero_grad() discarded the micro-step",
                                   GradientError("zero_grad() discarded this micro-step"))
                     with contextlib.suppress(BaseException):
-                        ms.execution.wait(timeout=self.timeout)
+                        ex.wait(timeout=self.timeout)
+                    cause = ex.exception or self._dirty
+                    if ms.final and ex.done() and cause is not None:
+                        # Chunks that stepped before the failure make a torn step,
+                        # which zero_grad() does not clear.
+                        self._classify(ex, cause)
         self._acc_state = None
         self._dirty = None
         for p in self._params:

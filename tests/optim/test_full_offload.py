@@ -132,7 +132,7 @@ def reference(model: torch.nn.Module, **kw: Any) -> Reference:
 
 @pytest.mark.parametrize("micro", [1, 2, 3, 5])
 @pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
-@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 def test_bitwise_equal_to_the_reference(accumulate: str, overlap: str, micro: int) -> None:
     model = make_model()
     ref = reference(model)
@@ -155,7 +155,7 @@ def test_bitwise_equal_to_the_reference(accumulate: str, overlap: str, micro: in
 
 @pytest.mark.parametrize("side", ["not_final", "never"])
 @pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
-@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 def test_parameters_without_a_gradient_in_some_micro_steps(accumulate: str, overlap: str,
                                                            side: str) -> None:
     model = make_model()
@@ -177,7 +177,7 @@ def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
-@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 def test_two_groups_a_scheduler_amsgrad_and_a_loss_scale(accumulate: str, overlap: str) -> None:
     model = make_model()
     ref = Reference(model, torch.optim.AdamW, groups=_groups, lr=1e-2, weight_decay=0.1,
@@ -208,7 +208,7 @@ def test_other_kernels(optimizer: str) -> None:
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward"])
-@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 def test_clipping_matches_clip_grad_norm(accumulate: str, overlap: str) -> None:
     model = make_model()
     ref = reference(model, max_norm=0.05)
@@ -359,7 +359,7 @@ def test_no_gradient_stays_on_the_parameters() -> None:
 
 # -- checkpoints -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(accumulate: str,
                                                          tmp_path: Path) -> None:
     data = batches(4, 2)
@@ -471,8 +471,13 @@ class _Boom(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
+    delay = 0.0
+
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(_Boom.delay)  # lets the chunks whose gradients landed step first
         raise RuntimeError("backward failed")
 
 
@@ -612,3 +617,187 @@ def test_num_threads_applies_to_the_host_lanes_only() -> None:
 @contextlib.contextmanager
 def _no_warnings() -> Iterator[None]:
     yield
+
+
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
+def test_shipped_gradients_are_freed_once_copied(accumulate: str) -> None:
+    import gc
+    import weakref
+
+    model = make_model()
+    refs: list[Any] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: refs.append(weakref.ref(p.grad)))
+    opt = build(model, accumulate=accumulate, overlap="none")
+    data = batches(1, 3)[0]
+    for k, b in enumerate(data):
+        with opt.no_sync() if k < 2 else contextlib.nullcontext():
+            loss_fn(model, b).backward()
+        for ms in opt._acc_state.micro:  # type: ignore[union-attr]
+            if ms.execution is not None and not (ms.final and k == 2):
+                ms.execution.wait()
+        gc.collect()
+        if k < 2:  # copied to the host (cpu), or summed on the device (gpu): gone
+            assert refs and all(r() is None for r in refs), k
+    opt.step()
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not opt._inflight
+
+
+# -- found by a review that tried to break it (issue 13) ---------------------------------
+
+def test_a_final_backward_that_raises_after_chunks_stepped_is_a_torn_step() -> None:
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    model = torch.nn.Sequential(a, b).to(torch.bfloat16)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="backward", chunk_numel=1)
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    _Boom.delay = 0.3
+    try:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            # b's chunks step as its gradients land; then the raise, before a's.
+            b(_Boom.apply(a(x))).float().sum().backward()
+    finally:
+        _Boom.delay = 0.0
+    with pytest.raises(StepFailedError, match="checkpoint"):
+        opt.step()
+    opt.zero_grad()
+    with pytest.raises(StepFailedError, match="checkpoint"):
+        b(a(x)).float().sum().backward()
+        opt.step()
+
+
+def test_a_failed_chunk_under_backward_overlap_is_torn_not_dirty() -> None:
+    model = make_model()
+    opt = build(model, overlap="backward", chunk_numel=200)
+    with testing.fail_work("step:2", RuntimeError("chunk failed")):
+        _micro_steps(opt, model, batches(1, 1)[0])
+        with pytest.raises(RuntimeError, match="chunk failed|checkpoint") as info:
+            opt.step()
+    assert "checkpoint" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    opt.zero_grad()
+    with pytest.raises(StepFailedError, match="checkpoint"):
+        opt.step()
+
+
+def test_param_groups_edited_in_place_are_followed() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="none", lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).pow(2).sum().backward()
+        o.step()
+        o.zero_grad()
+        frozen = o.param_groups[0]["params"].pop(0)  # stop training layer 0's weight
+        o.add_param_group({"params": [o.param_groups[0]["params"].pop()], "lr": 0.01})
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+            frozen.grad = None
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert 0 not in opt.state_dict()["state"] or len(opt.state_dict()["state"]) == 3
+
+
+def test_param_groups_changed_in_the_middle_of_accumulation_are_refused() -> None:
+    model = make_model()
+    opt = build(model, overlap="none")
+    with opt.no_sync():
+        loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.param_groups[0]["params"].pop()
+    with pytest.raises(ConfigError, match="middle of gradient accumulation"):
+        opt.step()
+
+
+def test_a_reentrant_checkpoint_whose_recomputation_gives_the_first_gradient() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8)
+            self.block = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, self.emb(x), use_reentrant=True)
+
+    for overlap in ("none", "backward", "forward"):
+        torch.manual_seed(0)
+        model = M().to(torch.bfloat16)
+        ref = reference(model)
+        opt = build(model, overlap=overlap)
+        for k in range(3):
+            x = torch.tensor([[1, 2, 3]]) + k
+            for _ in range(2):
+                with opt.no_sync():
+                    model(x).float().pow(2).sum().backward()
+                ref.micro_step(lambda m, x=x: m(x).float().pow(2).sum())
+            model(x).float().pow(2).sum().backward()
+            ref.micro_step(lambda m, x=x: m(x).float().pow(2).sum())
+            opt.step()
+            opt.zero_grad()
+            ref.step()
+        opt.wait_for_step()
+        assert_bitwise(model, ref)
+
+
+def test_grad_norm_right_after_an_overlapped_step_is_that_steps() -> None:
+    model = make_model()
+    ref = reference(model, max_norm=1e9)
+    opt = build(model, overlap="forward", max_norm=1e9)
+    for step in batches(3, 1):
+        with testing.delay_lane("host_step", 0.01):
+            loss_fn(model, step[0]).backward()
+            opt.step()
+            norm = opt.grad_norm
+            opt.zero_grad()
+        ref.micro_step(lambda m, b=step[0]: loss_fn(m, b))
+        ref_norm = torch.nn.utils.get_total_norm(list(ref.acc.values()), foreach=False)
+        ref.step()
+        assert norm is not None and same_bits(norm, ref_norm)
+
+
+def test_capturable_differentiable_and_a_single_tensor_are_refused_frozen_is_not() -> None:
+    model = make_model()
+    with pytest.raises(ConfigError, match="capturable"):
+        build(model, capturable=True)
+    with pytest.raises(ConfigError, match="differentiable"):
+        build(model, differentiable=True)
+    with pytest.raises(ConfigError, match="single tensor"):
+        build(model, params=model.l1.weight)
+    model.side.requires_grad_(False)  # frozen parameters are accepted, as torch does
+    opt = build(model, params=list(model.parameters()))
+    train(opt, model, batches(1, 2))
+
+
+def test_a_compile_session_is_held_off_from_the_first_chunk() -> None:
+    from pipeoff import _compat
+
+    build(make_model())
+    assert _compat._session_patched  # before any chunk ran
+
+
+def test_an_unattached_compiled_model_waits_for_the_whole_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    cm, cref = torch.compile(model, backend="eager"), torch.compile(ref, backend="eager")
+    opt = FullOffloadOptimizer(cm, torch.optim.AdamW, overlap="forward", chunk_numel=40, lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="not attached"):
+        for s in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+            with testing.delay_lane("h2d", 0.05):
+                cm(x).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            cref(x).pow(2).sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,95 @@
+"""FullOffloadOptimizer's CUDA path (the D2H slot ring, gate events on the hook's stream,
+host lanes, H2D writes, forward waits on streams) on the simulated CUDA device, and on
+a real GPU where there is one: bitwise the reference, and a removed wait is a race."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gpu_device import Gpu  # type: ignore[import-not-found]
+from torch import nn
+
+import pipeoff.testing
+from pipeoff.optim import FullOffloadOptimizer
+from pipeoff.testing import DataRaceError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from full_reference import Reference  # noqa: E402
+
+
+def make_net(gpu: Gpu) -> nn.Module:
+    torch.manual_seed(0)
+    return gpu.module(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64),
+                                    nn.GELU(), nn.Linear(64, 8)).to(torch.bfloat16))
+
+
+def batches(gpu: Gpu, steps: int, micro: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [[gpu.tensor(torch.randn(16, 32, generator=g).to(torch.bfloat16))
+             for _ in range(micro)] for _ in range(steps)]
+
+
+def loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).float().pow(2).mean()
+
+
+def train(net: nn.Module, opt: FullOffloadOptimizer, data: list[list[torch.Tensor]]) -> None:
+    for step in data:
+        for k, x in enumerate(step):
+            with opt.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
+                loss(net, x).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+
+
+def reference(gpu: Gpu, data: list[list[torch.Tensor]], **kw: Any) -> Reference:
+    ref = Reference(make_net(gpu), torch.optim.AdamW, **kw)
+    for step in data:
+        for x in step:
+            ref.micro_step(lambda m, x=x: loss(m, x))
+        ref.step()
+    return ref
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
+def test_bitwise_equal_on_streams_with_slow_lanes(gpu: Gpu, accumulate: str,
+                                                 overlap: str) -> None:
+    data = batches(gpu, 3, 3)
+    kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    if overlap != "backward":
+        kw["max_norm"] = 0.05
+    ref = reference(gpu, data, **kw)
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, accumulate=accumulate, overlap=overlap,
+                               chunk_numel=3000, slot_bytes=4096, **kw)
+    opt.attach()
+    with pipeoff.testing.delay_lane("d2h", 0.002), pipeoff.testing.delay_lane("h2d", 0.002):
+        train(net, opt, data)
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+    state = opt.state_dict()["state"][0]
+    assert gpu.accel.is_pinned(state["master"]) and not gpu.accel.on_device(state["master"])
+
+
+@pytest.mark.parametrize("mechanism", ["gate_wait", "record_stream"])
+def test_a_removed_wait_is_a_race(gpu: Gpu, mechanism: str) -> None:
+    if not gpu.simulated:
+        pytest.skip("the simulated device names the race; a GPU may just be lucky")
+    data = batches(gpu, 2, 2)
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap="backward")
+    with pytest.raises(DataRaceError), pipeoff.testing.disable(mechanism):
+        with pipeoff.testing.delay_lane("d2h", 0.01):
+            train(net, opt, data)
+            # A new allocation on the hook's stream reuses a freed gradient's memory.
+            for _ in range(4):
+                torch.ones(64 * 64, dtype=torch.bfloat16).mul_(2)
+        gpu.synchronize()
