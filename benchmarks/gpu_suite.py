@@ -6,7 +6,8 @@ Finishes within about 9 minutes on an H200 and writes, under ``--out``:
 ``bandwidth.md``, ``gpu_checks.md`` (each promise of the simulated device,
 checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
 ``cuda_tests_sanitizer.txt`` (under ``TORCH_CUDA_SANITIZER=1``), ``optimizer.md`` (from
-``gpu_optimizer.py``), ``local_sgd_staging.md``, ``sim_vs_measured.md``,
+``gpu_optimizer.py``), ``full_offload.md`` (from ``gpu_full_offload.py``),
+``local_sgd_staging.md``, ``sim_vs_measured.md``,
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
 """
@@ -228,6 +229,11 @@ def main() -> int:
     log("5/7 GPU optimizer benchmark")
     sections.append("## Optimizer\n\n" + run_script(
         "gpu_optimizer.py", out, ["--quick"] if args.quick else [], timeout=180))
+
+    log("5b/7 GPU full-offload benchmark")
+    sections.append("## Full offload\n\n" + run_script(
+        "gpu_full_offload.py", out, ["--quick"] if args.quick else ["--micro", "1", "4", "8"],
+        timeout=330))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

@@ -46,3 +46,18 @@ def test_gpu_suite_local_sgd_graphs_run_on_cpu(tmp_path: Path) -> None:
     assert [r[0] for r in rows] == ["rfc", "pipelined"]
     assert rows[1][4] <= 2 * (1 << 14)
     assert (tmp_path / "traces" / "local_sgd_pipelined.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
+def test_gpu_full_offload_refuses_without_a_gpu() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_full_offload.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
+def test_full_offload_cpu_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_full_offload.py"),
+                          "--numel", "262144", "--params", "2", "--repeats", "1",
+                          "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "whole host step" in res.stdout and "naive / whole step" in res.stdout

@@ -34,7 +34,7 @@ def local(t: Any) -> torch.Tensor:
 
 
 def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap: str,
-             fsdp_flag: bool) -> dict[str, Any]:
+             fsdp_flag: bool, max_norm: float | None = None) -> dict[str, Any]:
     from pipeoff.optim import FullOffloadOptimizer
 
     ref = shard(make_model(dtype), mesh)
@@ -43,7 +43,8 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
     masters = [local(p).detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
     opt = FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                               accumulate=accumulate, overlap=overlap)
+                               accumulate=accumulate, overlap=overlap, max_norm=max_norm)
+    norms: list[tuple[float, float]] = []
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(3):
         xs = [torch.randn(4, 16, generator=g).to(dtype) for _ in range(3)]
@@ -71,19 +72,42 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                 mine(x).float().square().mean().backward()
         for j, m in enumerate(masters):
             m.grad = acc.get(j)
+        if max_norm is not None:
+            # The global norm over the ranks' shards: the norm of each local sum,
+            # the local total, then one all-reduced square.
+            local_total = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(m.grad, 2.0) for m in masters if m.grad is not None]),
+                2.0)
+            sq = local_total.double() ** 2
+            dist.all_reduce(sq)
+            total = sq.sqrt().float()
+            # torch's own clip_grad_norm_ over the DTensor gradients, for scale.
+            full = torch.nn.utils.get_total_norm(
+                [torch.distributed.tensor.DTensor.from_local(
+                    acc[j], p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                 for j, p in enumerate(params) if j in acc], foreach=False)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for m in masters:
+                if m.grad is not None:
+                    m.grad.mul_(coef)
+            norms.append((float(total), float(full.full_tensor())))
         ref_opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 local(p).copy_(m)
                 m.grad = None
         opt.step()
+        if max_norm is not None:
+            got = opt.grad_norm
+            assert got is not None
+            norms[-1] = (*norms[-1], float(got))  # type: ignore[assignment]
         opt.zero_grad()
     opt.wait_for_step()
     same = all(torch.equal(local(a).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            local(b).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
                for a, b in zip(params, mine.parameters()))
     sizes = [local(p).numel() for p in mine.parameters()]
-    return {"params_equal": same, "sizes": sizes}
+    return {"params_equal": same, "sizes": sizes, "norms": norms}
 
 
 def refused_under_cpu_offload_policy(mesh: Any) -> str:
@@ -112,7 +136,8 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         for case in [(torch.float32, "cpu", "backward", False),
                      (torch.float32, "gpu", "forward", False),
                      (torch.float32, "cpu", "none", True),
-                     (torch.bfloat16, "cpu", "backward", False)]:
+                     (torch.bfloat16, "cpu", "backward", False),
+                     (torch.float32, "cpu", "none", False, 0.05)]:
             try:
                 out[case] = run_case(rank, mesh, *case)
             except Exception as err:  # reported to the test, named
