@@ -328,7 +328,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._torn: str | None = None
         self._stale: BaseException | None = None
         self._no_sync = 0
-        self._hook_handles: list[Any] = []
+        self._hooked: dict[int, Any] = {}
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._warned_compiled = False
@@ -336,6 +336,11 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self.last_trace: Any = None
         self._grad_norm: torch.Tensor | None = None
         self._params: list[torch.Tensor] = []
+        self._retired: dict[int, tuple[Any, ...]] = {}
+        self._stepped: set[int] = set()
+        """``id()`` of the parameters stepped at least once (an optimizer without
+        per-parameter state, SGD without momentum, has no other trace of it)."""
+        self._versions: list[int] = []
         self._masters: list[torch.Tensor] = []
         self._accs: list[torch.Tensor] = []
         self._flat_masters: list[torch.Tensor] = []
@@ -426,13 +431,24 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         old = self._params
         keep = {id(p): i for i, p in enumerate(old)}
+        now = {id(p) for p in params}
+        for i, p in enumerate(old):
+            if id(p) not in now:
+                # Removed from param_groups: keep its master and state, as torch
+                # keeps opt.state[p], for when it comes back.
+                self._retired[id(p)] = (p, self._masters[i], self._accs[i],
+                                        self._flat_masters[i], self._flat_accs[i],
+                                        self._state[i], self._scalars[i], self._present[i])
         devices = {_local(p).device for p in params}
         if len(devices) > 1:
             raise ConfigError(f"parameters on several devices {sorted(map(str, devices))}; "
                               "FullOffloadOptimizer needs one device per rank")
         self.device = devices.pop() if devices else torch.device("cpu")
         pin = _accel.current().is_device(self.device)
-        new = [p for p in params if id(p) not in keep]
+        back = {id(p): self._retired.pop(id(p)) for p in params
+                if id(p) not in keep and id(p) in self._retired
+                and self._retired[id(p)][0] is p}
+        new = [p for p in params if id(p) not in keep and id(p) not in back]
         specs: list[Any] = []
         for p in new:
             loc = _local(p)
@@ -450,6 +466,16 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 state.append(self._state[i])
                 scalars.append(self._scalars[i])
                 present.append(self._present[i])
+                continue
+            if id(p) in back:
+                _, m, a, fm, fa, st, sc, pr = back[id(p)]
+                masters.append(m)
+                accs.append(a)
+                flat_m.append(fm)
+                flat_a.append(fa)
+                state.append(st)
+                scalars.append(sc)
+                present.append(pr)
                 continue
             m, a = made[id(p)]
             order = _order(p)
@@ -470,6 +496,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._present: list[tuple[str, ...]] = present
         self._pidx = {id(p): i for i, p in enumerate(params)}
         self._indexed = self._fingerprint()
+        self._versions = [_local(p)._version for p in params]
         self._orders: list[tuple[int, ...]] = [_order(p) for p in params]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._pnames = [self._names[id(p)] for p in params]
@@ -478,10 +505,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         for k, chunk in enumerate(self._chunks):
             for i in chunk:
                 self._chunks_of[i] = (k,)
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                              for p in params if p.requires_grad]
+        self._ensure_hooks()
         for i in range(len(params)):
             self._ensure_state(i, self.param_groups[self._group_of[i]])
         self.host_budget_bytes = host_budget(self._full_params(None), self._chunks,
@@ -489,6 +513,28 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         """Most bytes of host staging live at once: the slot ring and two chunks' weights."""
         graph, schedule = self._graph(final=True, itemsize=None, work=None)
         reserve_for(graph, schedule)
+
+    def _ensure_hooks(self) -> None:
+        """A post-accumulate-grad hook on every parameter of the model, once.
+
+        Hooks stay: a parameter removed from ``param_groups`` is ignored by its
+        hook (its gradient stays in ``.grad``, as with torch), and one added back,
+        or unfrozen, is taken in at once. (A hook registered for the first time
+        during a backward does not fire in it: in-place edits are noticed at the
+        first gradient of the next backward.) A frozen parameter gets its hook
+        with ``requires_grad`` switched on for the call.
+        """
+        for p in self.model.parameters():
+            if id(p) in self._hooked:
+                continue
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            try:
+                self._hooked[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
 
     def _ensure_state(self, i: int, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The per-element host state of parameter ``i`` for ``group``'s keys (allocated once)."""
@@ -564,6 +610,55 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         flag = _compat.fsdp_gradient_sync(unwrap(self.model))
         return flag is not False
 
+    def _quiesce(self) -> None:
+        """Wait for every write to masters and weights: the step in flight, and under
+        ``overlap="backward"`` the chunks a final backward started before ``step()``."""
+        self.wait_for_step()
+        acc = self._acc_state
+        fin = acc.final if acc is not None else None
+        if fin is not None and fin.execution is not None and self.overlap == "backward":
+            ex = fin.execution
+            self._settle_deferred()
+            if not fin.ended:
+                return  # inside that backward: nothing more can be waited for here
+            with contextlib.suppress(BaseException):
+                ex.wait(timeout=self.timeout)
+            if ex.exception is not None:
+                assert acc is not None
+                self._acc_state = None
+                self.last_trace = ex.trace
+                self._classify(ex, _root_cause(acc, ex.exception))
+
+    def _accel_sync(self) -> None:
+        if _accel.current().is_device(self.device):
+            _accel.current().synchronize(self.device)
+
+    def _adopt_external_writes(self) -> None:
+        """Weights written by something else since this optimizer last wrote them
+        (``model.load_state_dict``, an initializer) become the masters, unless they
+        hold exactly the masters' cast (a checkpoint of this very state)."""
+        changed = [i for i, p in enumerate(self._params)
+                   if _local(p)._version != self._versions[i]]
+        if not changed:
+            return
+        self.wait_for_step()  # our own writes first
+        self._accel_sync()
+        with torch.no_grad():
+            for i in changed:
+                loc = _local(self._params[i])
+                w = flat(loc, self._orders[i]).to("cpu", copy=True)
+                m = self._flat_masters[i]
+                if not torch.equal(w.view(torch.uint8), m.to(w.dtype).view(torch.uint8)):
+                    m.copy_(w)
+                self._versions[i] = loc._version
+
+    def _sync_with_model(self) -> None:
+        """At the start of a step: adopt outside writes to the weights, then follow
+        in-place edits of ``param_groups``."""
+        if self._acc_state is None:
+            self._adopt_external_writes()
+        self._follow_param_groups()
+
     def _fingerprint(self) -> tuple[tuple[tuple[int, bool], ...], ...]:
         return tuple(tuple((id(p), p.requires_grad) for p in g["params"])
                      for g in self.param_groups)
@@ -592,7 +687,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         """The post-accumulate-grad hook of every parameter: ship the gradient."""
         if self._acc_state is None and self._micro is None:
-            self._follow_param_groups()  # the first gradient of a step
+            self._sync_with_model()  # the first gradient of a step
         i = self._pidx.get(id(p))
         if i is None:
             return
@@ -908,6 +1003,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         for i in idx:
             self._scalars[i] = scalars[i]
             self._present[i] = _update.state_keys(self._probe, hyper[self._group_of[i]])
+            self._stepped.add(id(self._params[i]))
         if idx:
             w = ctx.buffer(f"w:{k}")
             for i, off, n, dtype in self._weight_slices(k):
@@ -930,8 +1026,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         w = ctx.buffer(f"w:{k}")
         for i, off, n, dtype in self._weight_slices(k):
             if acc.counts[i] > 0 and n:
-                dst = flat(_local(self._params[i]), self._orders[i])
-                dst.copy_(w[off:off + n * dtype.itemsize].view(dtype), non_blocking=True)
+                loc = _local(self._params[i])
+                flat(loc, self._orders[i]).copy_(w[off:off + n * dtype.itemsize].view(dtype),
+                                                 non_blocking=True)
+                self._versions[i] = loc._version  # our own write, not an external one
 
     # -- stepping ----------------------------------------------------------------------
     def _capture_hyper(self) -> list[dict[str, Any]]:
@@ -961,7 +1059,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._refuse_environment()
         self.wait_for_step()
         self._check_usable()
-        self._follow_param_groups()
+        self._sync_with_model()
         acc = self._acc_state
         if acc is None:
             return None  # no gradient at all: nothing steps, as in torch
@@ -1182,30 +1280,49 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
     def refresh_device_weights(self) -> None:
         """Write every device weight from its master (the truth), e.g. after a failed copy."""
         with contextlib.suppress(BaseException):
-            self.wait_for_step()
+            self._quiesce()
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                flat(_local(p), self._orders[i]).copy_(self._flat_masters[i])
+                loc = _local(p)
+                flat(loc, self._orders[i]).copy_(self._flat_masters[i])
+                self._versions[i] = loc._version
         self._stale = None
+
+    def _discard_accumulation(self) -> None:
+        acc = self._acc_state
+        if acc is not None:
+            for ms in acc.micro:
+                if ms.execution is not None:
+                    self._abandon(ms, "discarded", GradientError("discarded"))
+                    with contextlib.suppress(BaseException):
+                        ms.execution.wait(timeout=self.timeout)
+        self._acc_state = None
+        self._micro = None
+        self._dirty = None
 
     def refresh_masters(self) -> None:
         """Make every master the (widened) device weight, after something other than this
-        optimizer wrote the weights: a committed LocalSGD average (``pipeoff.ft.LocalSGD``
-        calls this itself), or ``model.load_state_dict`` without the optimizer's state.
+        optimizer wrote the weights through ``.data`` (which bumps no version
+        counter): a committed LocalSGD average (``pipeoff.ft.LocalSGD`` calls this
+        itself). Other writes (``model.load_state_dict``) are noticed at the next
+        step without it.
 
         Without it the next step would overwrite those weights with the old masters.
         The masters' bits below the compute dtype's precision are lost.
         """
-        self.wait_for_step()
+        self._quiesce()
+        self._accel_sync()
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                self._flat_masters[i].copy_(flat(_local(p), self._orders[i]))
+                loc = _local(p)
+                self._flat_masters[i].copy_(flat(loc, self._orders[i]))
+                self._versions[i] = loc._version
 
     # -- checkpoints -------------------------------------------------------------------
     def _state_entries(self) -> dict[torch.Tensor, dict[str, Any]]:
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, p in enumerate(self._params):
-            if not self._scalars[i] and not self._present[i]:
+            if id(p) not in self._stepped and not self._scalars[i] and not self._present[i]:
                 continue
             entry: dict[str, Any] = dict(self._scalars[i])
             for key in self._present[i]:
@@ -1219,7 +1336,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         """Per parameter with a step, torch's state (host FP32 tensors) plus ``"master"``."""
         if getattr(self, "_building", True):
             return self.__dict__.setdefault("_base_state", {})
-        self.wait_for_step()
+        self._quiesce()
         import collections
 
         return collections.defaultdict(dict, self._state_entries())
@@ -1234,7 +1351,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         Raises:
             StepFailedError: the last step failed after stepping some masters.
         """
-        self.wait_for_step()
+        self._quiesce()
         if self._torn is not None:
             raise StepFailedError(f"{self._torn}; its state is partly stepped")
         entries = self._state_entries()
@@ -1258,7 +1375,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 state tensor of another size than its parameter.
         """
         with contextlib.suppress(BaseException):
-            self.wait_for_step()
+            self._quiesce()
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
                               f"'state' and 'param_groups'), got {type(state_dict).__name__}")
@@ -1287,7 +1404,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                         f"state {key!r} of {self._pnames[i]!r} has {_local(val).numel()} "
                         f"elements, the parameter {n}")
             plan.append((i, entry))
-        # Checked: now write.
+        # Checked: now write. Gradients accumulated so far belong to the state
+        # being replaced.
+        self._discard_accumulation()
+        self._accel_sync()
         for s, g in zip(saved_groups, self.param_groups):
             for k, v in s.items():
                 if k != "params":
@@ -1295,7 +1415,15 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         for i in range(len(self._params)):
             self._scalars[i] = {}
             self._present[i] = ()
+            self._stepped.discard(id(self._params[i]))
         with torch.no_grad():
+            # A parameter without an entry (never stepped: no gradient yet, or an
+            # optimizer without per-parameter state) has the model's weight as its
+            # master: load the model's state dict first.
+            entries = {i for i, _ in plan}
+            for i, p in enumerate(self._params):
+                if i not in entries:
+                    self._flat_masters[i].copy_(flat(_local(p), self._orders[i]))
             for i, entry in plan:
                 p = self._params[i]
                 order = self._orders[i]
@@ -1316,6 +1444,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                         self._scalars[i][key] = (val.detach().clone().cpu()
                                                  if isinstance(val, torch.Tensor) else val)
                 self._present[i] = tuple(keys)
+                self._stepped.add(id(p))
                 if "master" not in entry:
                     self._masters[i].copy_(_local(p))
         self._torn = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -801,3 +802,98 @@ def test_an_unattached_compiled_model_waits_for_the_whole_step() -> None:
             ref_opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+# -- found by a second review (issue 13) -------------------------------------------------
+
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_unused_branch"])
+def test_resume_without_per_parameter_state_is_bitwise(optimizer: str, model_first: bool,
+                                                       tmp_path: Path) -> None:
+    cls, kw = ((torch.optim.SGD, {"lr": 0.1}) if optimizer == "sgd"
+               else (torch.optim.AdamW, {"lr": 1e-2}))
+    side = "all" if optimizer == "sgd" else "never"  # `side` never has a gradient first
+    data = batches(2, 1, side=side) + batches(2, 1, side="all", seed=3)
+    whole = make_model()
+    opt = FullOffloadOptimizer(whole, cls, overlap="none", **kw)
+    train(opt, whole, data)
+    first = make_model()
+    opt1 = FullOffloadOptimizer(first, cls, overlap="none", **kw)
+    train(opt1, first, data[:2])
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, tmp_path / "ck.pt")
+    second = make_model(seed=5)
+    opt2 = FullOffloadOptimizer(second, cls, overlap="none", **kw)
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    if model_first:
+        second.load_state_dict(ck["model"])
+        opt2.load_state_dict(ck["opt"])
+    else:
+        opt2.load_state_dict(ck["opt"])
+        second.load_state_dict(ck["model"])  # adopted at the next step
+    train(opt2, second, data[2:])
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert same_bits(p, q)
+
+
+def test_weights_written_outside_the_optimizer_become_the_masters() -> None:
+    model = make_model()
+    opt = build(model, overlap="forward")
+    train(opt, model, batches(2, 1))
+    before = {k: e["master"].clone() for k, e in opt.state_dict()["state"].items()}
+    with torch.no_grad():
+        model.l1.weight.fill_(0.5)  # re-initialized by the user between steps
+    data = batches(1, 1, seed=9)
+    train(opt, model, data)
+    after = opt.state_dict()["state"]
+    k = [id(p) for p in model.parameters()].index(id(model.l1.weight))
+    # l1.weight stepped from 0.5, not from its old master ...
+    assert (after[k]["master"] - 0.5).abs().max() < 0.05
+    assert (before[k] - 0.5).abs().max() > 0.1
+    # ... and a checkpoint of this very state, loaded into the model, changes nothing.
+    ref_model = make_model()
+    ref_opt = build(ref_model, overlap="forward")
+    train(ref_opt, ref_model, batches(2, 1))
+    sd = copy.deepcopy(ref_model.state_dict())
+    ref_model.load_state_dict(sd)  # rewrites every weight with the same values
+    train(ref_opt, ref_model, data)
+    with torch.no_grad():
+        model2 = make_model()
+    opt2 = build(model2, overlap="forward")
+    train(opt2, model2, batches(2, 1) + [data[0]])
+    for p, q in zip(ref_model.parameters(), model2.parameters()):
+        assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("call", ["state_dict", "load_state_dict"])
+def test_checkpoints_between_the_final_backward_and_step_wait_for_its_chunks(call: str) -> None:
+    model = make_model()
+    opt = build(model, overlap="backward", chunk_numel=200)
+    train(opt, model, batches(1, 1))
+    # Deep copies: state dicts hold references to the live state, as torch's do.
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    with testing.delay_lane("host_step", 0.02):
+        loss_fn(model, batches(1, 1, seed=4)[0][0]).backward()  # chunks step now
+        if call == "state_dict":
+            steps = {float(e["step"]) for e in opt.state_dict()["state"].values()}
+            assert steps == {2.0}  # every chunk of that step, none half-done
+        else:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])  # a rollback: that step is discarded
+            time.sleep(0.1)
+            for (name, p), q in zip(model.named_parameters(), saved[0].values()):
+                assert same_bits(p, q), name
+            assert {float(e["step"]) for e in opt.state_dict()["state"].values()} == {1.0}
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_parameter_removed_and_put_back_keeps_its_state() -> None:
+    model = make_model()
+    opt = build(model, overlap="none")
+    train(opt, model, batches(1, 1))
+    w = opt.param_groups[0]["params"].pop(0)
+    train(opt, model, batches(1, 1, seed=2))
+    w.grad = None
+    opt.param_groups[0]["params"].insert(0, w)
+    train(opt, model, batches(1, 1, seed=3))
+    assert float(opt.state_dict()["state"][0]["step"]) == 2.0  # as torch keeps opt.state[p]
