@@ -338,6 +338,9 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = []
         self._retired: dict[int, tuple[Any, ...]] = {}
         self._stepped: set[int] = set()
+        self._outside_writes = 0
+        """Parameters found written outside the optimizer (tests: FSDP2 must not
+        trigger it every step, which would copy weights to the host)."""
         """``id()`` of the parameters stepped at least once (an optimizer without
         per-parameter state, SGD without momentum, has no other trace of it)."""
         self._versions: list[int] = []
@@ -641,6 +644,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                    if _local(p)._version != self._versions[i]]
         if not changed:
             return
+        self._outside_writes += len(changed)
         self.wait_for_step()  # our own writes first
         self._accel_sync()
         with torch.no_grad():

@@ -107,7 +107,8 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                            local(b).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
                for a, b in zip(params, mine.parameters()))
     sizes = [local(p).numel() for p in mine.parameters()]
-    return {"params_equal": same, "sizes": sizes, "norms": norms}
+    return {"params_equal": same, "sizes": sizes, "norms": norms,
+            "outside_writes": opt._outside_writes}
 
 
 def refused_under_cpu_offload_policy(mesh: Any) -> str:

@@ -142,6 +142,7 @@ def test_bitwise_equal_to_the_reference(accumulate: str, overlap: str, micro: in
     train(opt, model, data)
     train_reference(ref, data)
     assert_bitwise(model, ref)
+    assert opt._outside_writes == 0  # its own writes are never taken for outside ones
     # The host state is the reference optimizer's, bit for bit.
     sd = opt.state_dict()["state"]
     ref_params = [ref.masters[id(p)] for p in ref.params]

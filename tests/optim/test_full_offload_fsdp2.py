@@ -46,6 +46,7 @@ def test_bitwise_equal_under_fsdp2_with_uneven_shards(results: dict[int, dict[An
         r = results[rank][case]
         assert "error" not in r, r.get("error")
         assert r["params_equal"], rank
+        assert r["outside_writes"] == 0  # FSDP2 writes no sharded weight behind our back
     # Linear(32, 3) and Linear(3, 5): the two ranks hold different numbers of elements.
     assert results[0][case]["sizes"] != results[1][case]["sizes"]
 
