@@ -1116,6 +1116,13 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     "hyperparameters (an LR scheduler's step()) after opt.step()")
         else:
             fin.execution.gate("step").open(hyper)
+            if "norm_allreduce" in fin.execution.plan.order:
+                # Hazard: the lane's all-reduce of the norm and the caller's next
+                # collectives (FSDP2's all-gathers in the next forward) issued on
+                # one process group from two threads, in an order that may differ
+                # between ranks. The norm is known once the backward is over.
+                with contextlib.suppress(BaseException):
+                    fin.execution.wait("norm_allreduce", timeout=self.timeout)
         self._inflight = (acc, fin)
         self._acc_state = None
         asynchronous = self.overlap == "forward" or (

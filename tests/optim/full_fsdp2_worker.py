@@ -81,16 +81,18 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
             sq = local_total.double() ** 2
             dist.all_reduce(sq)
             total = sq.sqrt().float()
-            # torch's own clip_grad_norm_ over the DTensor gradients, for scale.
-            full = torch.nn.utils.get_total_norm(
-                [torch.distributed.tensor.DTensor.from_local(
-                    acc[j], p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                 for j, p in enumerate(params) if j in acc], foreach=False)
+            # The same norm in float64 from the elements, for scale. (torch's DTensor
+            # get_total_norm, a functional collective, hung now and then on gloo
+            # under load after a collective issued from another thread.)
+            sq64 = sum((acc[j].double() ** 2).sum() for j in acc)
+            assert isinstance(sq64, torch.Tensor)
+            dist.all_reduce(sq64)
+            full = sq64.sqrt()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for m in masters:
                 if m.grad is not None:
                     m.grad.mul_(coef)
-            norms.append((float(total), float(full.full_tensor())))
+            norms.append((float(total), float(full)))
         ref_opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
@@ -127,7 +129,13 @@ def refused_under_cpu_offload_policy(mesh: Any) -> str:
 
 
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
+    import faulthandler
+    import os
+
     from torch.distributed.device_mesh import init_device_mesh
+
+    if os.environ.get("PIPEOFF_DUMP_AFTER"):
+        faulthandler.dump_traceback_later(float(os.environ["PIPEOFF_DUMP_AFTER"]), exit=True)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -138,7 +146,8 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
                      (torch.float32, "gpu", "forward", False),
                      (torch.float32, "cpu", "none", True),
                      (torch.bfloat16, "cpu", "backward", False),
-                     (torch.float32, "cpu", "none", False, 0.05)]:
+                     (torch.float32, "cpu", "none", False, 0.05),
+                     (torch.float32, "gpu", "forward", False, 0.05)]:
             try:
                 out[case] = run_case(rank, mesh, *case)
             except Exception as err:  # reported to the test, named
