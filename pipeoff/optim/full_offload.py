@@ -118,7 +118,6 @@ class _Accumulation:
 class _Micro:
     """One backward (a micro-step) and the execution that takes its gradients in."""
 
-    backward: int
     final: bool
     execution: Execution | None
     received: set[int] = dataclasses.field(default_factory=set)
@@ -730,7 +729,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         # A backward inside a backward (a reentrant checkpoint's recomputation)
         # has a graph task of its own; its gradients belong to the outer one.
         if ms is None or ms.ended:
-            ms = self._begin_micro(bwd)
+            ms = self._begin_micro()
         if i in ms.received:
             err = GradientError(
                 f"a second gradient for {name!r} in one backward: it is used both inside "
@@ -766,7 +765,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
     def _gate(self, i: int) -> str:
         return f"grad:{self._pnames[i]}"
 
-    def _begin_micro(self, bwd: int) -> _Micro:
+    def _begin_micro(self) -> _Micro:
         """The first gradient of a backward: launch its execution."""
         acc = self._acc_state
         if acc is None:
@@ -779,7 +778,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 "micro-steps in opt.no_sync()")
             self._dirty = err
             raise err
-        ms = _Micro(backward=bwd, final=final, execution=None)
+        ms = _Micro(final=final, execution=None)
         if final:
             acc.final = ms
             if self.overlap == "backward":
@@ -1193,7 +1192,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
 
     def _launch_final_now(self, acc: _Accumulation) -> None:
         """``step()`` without a final backward: a final micro-step with no gradient of its own."""
-        ms = _Micro(backward=-1, final=True, execution=None)
+        ms = _Micro(final=True, execution=None)
         acc.final = ms
         if self.overlap == "backward":
             acc.hyper = self._capture_hyper()

@@ -4,32 +4,17 @@ plain AdamW on FP32 copies of the local shards."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import full_fsdp2_worker  # type: ignore[import-not-found]
 import pytest
 import torch
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict[Any, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(full_fsdp2_worker.worker, args=(2, free_port(), queue), nprocs=2, join=True)
-    out = {}
-    while not queue.empty():
-        rank, res = queue.get()
-        out[rank] = res
-    assert sorted(out) == [0, 1]
-    return out
+    return run_two_ranks(full_fsdp2_worker.worker)
 
 
 @pytest.mark.parametrize("case", [

@@ -1,0 +1,28 @@
+"""Run a worker in two gloo processes (``mp.spawn``) and collect what each rank reports."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_two_ranks(worker: Callable[..., None]) -> dict[int, Any]:
+    """``worker(rank, world, port, queue)`` puts ``(rank, result)`` on ``queue``;
+    returns ``{rank: result}`` for ranks 0 and 1."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(2, free_port(), queue), nprocs=2, join=True)
+    out = {}
+    while not queue.empty():
+        rank, res = queue.get()
+        out[rank] = res
+    assert sorted(out) == [0, 1]
+    return out
