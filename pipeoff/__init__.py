@@ -19,6 +19,8 @@ from pipeoff._errors import (
     StepFailedError,
     StepTimeoutError,
     TraceFormatError,
+    TransferRefusedError,
+    TransferTornError,
     UnsupportedOptimizerError,
 )
 from pipeoff.execution import Completion, Execution, Gate
@@ -61,5 +63,7 @@ __all__ = [
     "StepFailedError",
     "StepTimeoutError",
     "TraceFormatError",
+    "TransferRefusedError",
+    "TransferTornError",
     "UnsupportedOptimizerError",
 ]

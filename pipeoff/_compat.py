@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["PRIVATE_APIS", "TESTED", "PrivateAPI", "allreduce_discarded", "check_private_apis",
            "backward_id", "compiled_autograd_active", "outer_backward_frame",
-           "outermost_backward_frame", "cuda_sleep", "fsdp_cpu_offload",
+           "outermost_backward_frame", "cuda_sleep", "dtensor_box", "fsdp_cpu_offload",
            "fsdp_gradient_sync", "installed_version", "queue_backward_callback",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state", "is_compiling",
@@ -67,6 +67,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.utils._python_dispatch:TorchDispatchMode",
                "pipeoff.testing's simulated CUDA device checks every access"),
     PrivateAPI("torch", "torch.utils._pytree:tree_flatten", "pipeoff.testing (the same)"),
+    PrivateAPI("torch", "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+               "dtensor_box: the box of the global index space a DTensor shard holds "
+               "(pipeoff.transfer.LiveTensor.from_dtensor)"),
     PrivateAPI("torch", "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
                "fsdp_state: FSDP2 forward waits"),
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
@@ -397,3 +400,13 @@ def outer_backward_frame() -> Any:
     recomputation), the outermost backward's frame; else ``None``."""
     frames = _engine_frames()
     return frames[-1] if len(frames) > 1 else None
+
+
+def dtensor_box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)``: the box of ``dt``'s global index space that this rank's
+    local tensor holds (any mesh, ``Shard`` and ``Replicate`` placements)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh,
+                                                           dt.placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)

@@ -11,6 +11,8 @@ __all__ = [
     "PlanMismatchError",
     "StepTimeoutError",
     "TraceFormatError",
+    "TransferRefusedError",
+    "TransferTornError",
     "UnsupportedOptimizerError",
 ]
 
@@ -77,3 +79,57 @@ class PlanMismatchError(PipeoffError, RuntimeError):
 
 class TraceFormatError(PipeoffError, ValueError):
     """Raised when a file is not valid JSON or not a trace that pipeoff wrote."""
+
+
+class TransferRefusedError(PipeoffError, RuntimeError):
+    """Raised by :class:`~pipeoff.transfer.StateTransfer` on every rank, identically,
+    when its preflight refuses the transfer: nothing has been written or staged.
+
+    ``problems`` lists every ``(rank, key, reason)`` found, in rank order;
+    ``rank``, ``key`` and ``reason`` are the first of them.
+    """
+
+    def __init__(self, problems: tuple[tuple[int, str, str], ...]) -> None:
+        self.problems = tuple(problems)
+        self.rank, self.key, self.reason = self.problems[0]
+        shown = "; ".join(f"rank {r}, key {k!r}: {why}" for r, k, why in self.problems[:6])
+        more = (f"; and {len(self.problems) - 6} more problem(s)"
+                if len(self.problems) > 6 else "")
+        super().__init__(f"state transfer refused before any target was written: {shown}{more}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.problems,))
+
+
+class TransferTornError(PipeoffError, RuntimeError):
+    """Raised by :class:`~pipeoff.transfer.StateTransfer` on every rank, identically,
+    when a task failed after the preflight: some targets were written and others
+    not. There is no rollback (write into scratch targets and swap on success).
+
+    ``written`` maps each rank to the rounds whose targets it wrote in full,
+    ``partial`` to the rounds it wrote in part, ``faults`` to the first failure
+    it saw (``"task: error"``, only ranks that failed), and ``keys`` lists the
+    keys whose targets may have changed on some rank.
+    """
+
+    def __init__(self, written: dict[int, tuple[int, ...]], partial: dict[int, tuple[int, ...]],
+                 faults: dict[int, str], keys: tuple[str, ...], note: str = "") -> None:
+        self.written = dict(written)
+        self.partial = dict(partial)
+        self.faults = dict(faults)
+        self.keys = tuple(keys)
+        where = "; ".join(f"rank {r}: {f}" for r, f in sorted(self.faults.items()))
+        rounds = "; ".join(
+            f"rank {r} wrote rounds {list(self.written.get(r, ()))}"
+            + (f" and part of {list(self.partial[r])}" if self.partial.get(r) else "")
+            for r in sorted(set(self.written) | set(self.partial)))
+        shown = ", ".join(repr(k) for k in self.keys[:8])
+        more = f" and {len(self.keys) - 8} more" if len(self.keys) > 8 else ""
+        super().__init__(
+            f"state transfer torn: {where or 'a rank failed'}. {rounds}. Targets of "
+            f"{len(self.keys)} key(s) may have changed: {shown}{more}. There is no rollback"
+            + (f". {note}" if note else ""))
+        self._note = note
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.written, self.partial, self.faults, self.keys, self._note))

@@ -154,6 +154,9 @@ class Execution:
         self._backend = backend
         self._trace: Trace | None = None
         self._finalized = False
+        self._translate: Any = None
+        """A feature's mapping of the first failure to what its callers see (a state
+        transfer's own failure becomes the torn error every rank raises)."""
 
     # -- waiting --------------------------------------------------------------
     def _index(self, task: str) -> int:
@@ -221,6 +224,9 @@ class Execution:
         err = self._run.error
         if err is not None:
             self._finalize()
+            shown = err if self._translate is None else self._translate(err)
+            if shown is not err:
+                raise shown from err
             raise err
 
     def _finalize(self) -> None:

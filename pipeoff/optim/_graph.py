@@ -57,6 +57,9 @@ class Step:
     updated: tuple[int, ...] = ()
     """The parameters (indices) the step updates, fixed at launch (``grads``
     shrinks on the lanes as chunks finish)."""
+    host_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Per updated parameter, the local host tensor of each per-element state key as
+    the step writes it (new state included, before it is committed)."""
 
 
 def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
@@ -137,6 +140,10 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
     cuda = _accel.current().is_device(layout.device)
     step = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
                 restore=restore, updated=tuple(grads))
+    for i in grads:
+        st = inner.state.get(params[i], {})
+        step.host_state[i] = {k: _local(st[k]) for k in present[i]}
+        step.host_state[i].update({k: _local(v) for k, v in new_state.get(i, {}).items()})
 
     def commit(i: int) -> None:
         # A parameter's state is committed in one go once all of it is written,

@@ -25,7 +25,7 @@ from pipeoff._errors import (
     StepFailedError,
     UnsupportedOptimizerError,
 )
-from pipeoff.execution import Execution
+from pipeoff.execution import Completion, Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
 from pipeoff.optim import _accumulate, _update
@@ -1241,6 +1241,48 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self.last_trace = ex.trace
         self._grad_norm = acc.total_norm
         acc.device_sums.clear()
+
+    def completion_for(self, param: torch.Tensor) -> tuple[Completion, ...]:
+        """The completions of the tasks of the step in flight that write ``param``'s
+        master, moments and device weight (empty if none does): a readiness for
+        :class:`~pipeoff.transfer.LiveTensor`, finer than :meth:`wait_for_step`.
+
+        Raises:
+            ConfigError: ``param`` is not one of this optimizer's parameters.
+        """
+        i = self._param_index(param)
+        inflight = self._inflight
+        if inflight is None or inflight[1].execution is None:
+            return ()
+        ex = inflight[1].execution
+        names = [n for k, chunk in enumerate(self._chunks) if i in chunk
+                 for n in (f"step:{k}", f"h2d:{k}") if n in ex._run.index]
+        return ex.events_for(names)
+
+    def live_state(self, param: torch.Tensor,
+                   key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:
+        """The host tensor of ``param``'s FP32 ``"master"`` or per-element state ``key``
+        (``"exp_avg"``, ...) and its :meth:`completion_for`; used by
+        :meth:`pipeoff.transfer.LiveTensor.from_optimizer`. Does not wait.
+
+        Raises:
+            ConfigError: ``param`` is not a parameter of this optimizer, or it has no
+                state ``key`` (yet: moments exist from the first ``step()`` on).
+        """
+        i = self._param_index(param)
+        host = self._masters[i] if key == "master" else self._state[i].get(key)
+        if host is None:
+            raise ConfigError(
+                f"parameter {i} has no state {key!r} (it has 'master' and "
+                f"{sorted(self._state[i])}; moments exist from the first step() on)")
+        return host, self.completion_for(param)
+
+    def _param_index(self, param: torch.Tensor) -> int:
+        for i, p in enumerate(self._params):
+            if p is param:
+                return i
+        raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
+                          "this optimizer (compare by identity)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (and a failed accumulation); ``param.grad``

@@ -13,7 +13,7 @@ import torch
 
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError, StepFailedError
-from pipeoff.execution import Execution
+from pipeoff.execution import Completion, Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
 from pipeoff.optim._layout import Layout, build_layout, fingerprint
@@ -444,6 +444,56 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "partly stepped. Load a checkpoint (the model's and this optimizer's "
                 "load_state_dict) to go on."
             )
+
+    def completion_for(self, param: torch.Tensor) -> tuple[Completion, ...]:
+        """The completions of the tasks of the step in flight that write ``param`` and its
+        state (empty if none does): a readiness for
+        :class:`~pipeoff.transfer.LiveTensor`, finer than :meth:`wait_for_step`.
+
+        Raises:
+            ConfigError: ``param`` is not one of this optimizer's parameters.
+        """
+        i = self._param_index(param)
+        st = self._inflight
+        if st is None or i not in st.updated:
+            return ()
+        ex = st.execution
+        names = [n for c in self._layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")
+                 if n in ex._run.index]
+        return ex.events_for(names)
+
+    def live_state(self, param: torch.Tensor,
+                   key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:
+        """The local host tensor of ``param``'s per-element state ``key`` (the one a step in
+        flight is writing, new state included) and its :meth:`completion_for`; used by
+        :meth:`pipeoff.transfer.LiveTensor.from_optimizer`. Does not wait.
+
+        Raises:
+            ConfigError: ``param`` is not a parameter of this optimizer, or ``key`` is
+                not one of its per-element state tensors (scalar state such as
+                ``"step"`` is committed at the end of a step: read it after
+                :meth:`wait_for_step`).
+        """
+        i = self._param_index(param)
+        st = self._inflight
+        host = st.host_state.get(i, {}).get(key) if st is not None else None
+        if host is None:
+            value = self.inner.state.get(param, {}).get(key)
+            if isinstance(value, torch.Tensor) and key in self._layout.keys[i]:
+                host = _local(value)
+        if host is None:
+            raise ConfigError(
+                f"{_describe(i, param)} has no per-element state {key!r} "
+                f"(it has {sorted(self._layout.keys[i])}); scalar state such as 'step' is "
+                "committed when a step ends: read opt.state after wait_for_step()")
+        return host, self.completion_for(param)
+
+    def _param_index(self, param: torch.Tensor) -> int:
+        for i, p in enumerate(self._layout.params):
+            if p is param:
+                return i
+        raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
+                          "this optimizer (compare by identity)")
 
     @property
     def last_execution(self) -> Execution | None:

@@ -1,0 +1,107 @@
+"""StateTransfer across two real gloo processes: layouts, refusals, torn transfers, FSDP2.
+
+One spawn runs every case (``transfer_worker.py``); the tests below check what
+each rank reported, and that both ranks reported the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import transfer_worker  # type: ignore[import-not-found]
+from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict[int, dict[str, Any]]:
+    out = run_two_ranks(transfer_worker.worker)
+    for rank, res in out.items():
+        assert "crash" not in res, f"rank {rank}:\n{res['crash']}"
+    return out
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16", "cast", "tiny"])
+def test_replicated_targets_from_uneven_shards_are_bitwise(ranks: dict[int, Any],
+                                                           case: str) -> None:
+    for rank, res in ranks.items():
+        r = res[case]
+        assert all(r["bitwise"].values()), (rank, r["bitwise"])
+        # NaN in the sources' padding never reached a target, and the targets'
+        # padding keeps its sentinel.
+        assert all(r["padding"].values()), (rank, r["padding"])
+    assert ranks[0][case]["signature"] == ranks[1][case]["signature"]
+
+
+def test_a_128_byte_budget_splits_runs_into_rounds_and_peaks_stay_within_it(
+        ranks: dict[int, Any]) -> None:
+    for res in ranks.values():
+        tiny = res["tiny"]
+        assert tiny["rounds"] > 50  # (3, 1000) FP32 alone is 12,000 bytes
+        host, device = tiny["peak"]
+        assert 0 < host <= 128
+        assert device <= 128
+
+
+def test_resharding_matches_dtensor(ranks: dict[int, Any]) -> None:
+    for rank, res in ranks.items():
+        assert res["reshard"] == {"shard0_to_shard1": True, "two_to_one": True,
+                                  "one_to_two": True}, rank
+
+
+REFUSALS = {
+    "unavailable": (1, "unavailable"),
+    "dtype_mismatch": (0, "no cast is declared"),
+    "gap_and_overlap": (1, "overlaps"),
+    "not_pinned": (0, "declared pinned"),
+    "budget_too_small": (0, "less than one"),
+    "extra_key": (1, "no source on any rank"),
+    "failed_readiness": (1, "readiness completion"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refusals_are_raised_identically_on_every_rank_before_any_write(
+        ranks: dict[int, Any], name: str) -> None:
+    rank, words = REFUSALS[name]
+    got = {r: res["refusals"][name] for r, res in ranks.items()}
+    assert got[0]["error"] is not None, got
+    assert got[0]["error"] == got[1]["error"], got
+    assert got[0]["problems"] == got[1]["problems"]
+    assert got[0]["problems"][0][0] == rank, got[0]["problems"]
+    assert words in got[0]["error"], got[0]["error"]
+    assert got[0]["sentinel"] and got[1]["sentinel"]
+
+
+def test_the_gap_and_the_overlap_are_both_named(ranks: dict[int, Any]) -> None:
+    err = ranks[0]["refusals"]["gap_and_overlap"]["error"]
+    assert "[2:3, 0:7]" in err  # the overlap: row 2
+
+
+def test_a_fault_in_one_ranks_unpack_is_torn_on_both_ranks_and_nothing_hangs(
+        ranks: dict[int, Any]) -> None:
+    a, b = ranks[0]["torn"], ranks[1]["torn"]
+    assert a["error"] == b["error"] == "TransferTornError"
+    assert a["written"] == b["written"] and a["partial"] == b["partial"]
+    assert a["faults"] == b["faults"] and list(a["faults"]) == [1]
+    failed = int(a["faults"][1].split(":")[0].removeprefix("unpack"))
+    assert a["message"] == b["message"]
+    # Rank 1 failed inside that round's unpack (after its first copy): partly written.
+    assert failed in a["partial"][1] and failed not in a["written"][1], a
+    assert a["written"][0] and a["keys"] == ("w",)
+    assert b["cause"] == "RuntimeError" and a["cause"] == "NoneType"
+    assert a["seconds"] < 20 and b["seconds"] < 20  # well under the 30 s group timeout
+    assert a["second"] and b["second"]
+
+
+def test_delayed_lanes_do_not_change_a_bit(ranks: dict[int, Any]) -> None:
+    for res in ranks.values():
+        assert all(res["delays"].values()), res["delays"]
+
+
+def test_full_offload_masters_broadcast_as_bf16_replicated_weights(
+        ranks: dict[int, Any]) -> None:
+    for res in ranks.values():
+        assert res["full_offload"] and all(res["full_offload"].values()), res["full_offload"]
