@@ -146,6 +146,8 @@ class TaskContext:
     failed: BaseException | None = None
     """The execution's first failure when this task started (``must_run`` tasks run
     after one), else ``None``."""
+    failed_task: str | None = None
+    """The name of the task (or gate) that raised :attr:`failed`."""
     gates: Mapping[str, Any] = field(default_factory=dict)
     """The payloads of the task's gates by name: what ``open(payload)`` gave, or
     ``None`` for a gate closed empty."""

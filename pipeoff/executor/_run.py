@@ -327,7 +327,7 @@ class Run:
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,
-                                      failed=self.error,
+                                      failed=self.error, failed_task=self.error_task,
                                       gates=self.gates.payloads(self.task_gates[i]))
                     with (testing.failing_work(task.name, lane, self.hooks) if self.hooks
                           else contextlib.nullcontext()):

@@ -349,6 +349,7 @@ class CudaBackend:
             if task.work is not None:
                 name = f"pipeoff::{task.kind.value}::{task.name}"
                 ctx.failed = run.error
+                ctx.failed_task = run.error_task
                 with state.accel.range(name), torch.profiler.record_function(name), (
                         testing.failing_work(task.name, lane, run.hooks) if run.hooks
                         else contextlib.nullcontext()):

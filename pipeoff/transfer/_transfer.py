@@ -39,7 +39,6 @@ class _State:
     started: dict[int, set[str]] = field(default_factory=dict)
     finished: dict[int, set[str]] = field(default_factory=dict)
     torn: TransferTornError | None = None
-    execution: Execution | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, task: str, err: BaseException) -> None:
@@ -350,9 +349,7 @@ class StateTransfer:
                 return
             fault = state.fault
             if fault is None and ctx.failed is not None:
-                ex = state.execution
-                fault = (ex.failed_task if ex is not None and ex.failed_task else "?",
-                         ctx.failed)
+                fault = (ctx.failed_task or "?", ctx.failed)
             written = sorted(r for r, names in state.writers.items()
                              if names and state.finished.get(r, set()) >= names)
             partial = sorted(r for r in state.started if r not in written)
@@ -408,7 +405,6 @@ class StateTransfer:
                                        host_budget_bytes=self.host_budget_bytes))
         self._running = True
         ex = execute(graph, schedule, backend="auto")
-        state.execution = ex
 
         def translate(err: BaseException) -> BaseException:
             # A rank's own failure is reported as the torn transfer it caused (the

@@ -105,3 +105,23 @@ def test_full_offload_masters_broadcast_as_bf16_replicated_weights(
         ranks: dict[int, Any]) -> None:
     for res in ranks.values():
         assert res["full_offload"] and all(res["full_offload"].values()), res["full_offload"]
+
+
+def test_both_wires_on_the_simulated_cuda_device(ranks: dict[int, Any]) -> None:
+    for rank, res in ranks.items():
+        for name, ok in res["simulated_cuda"].items():
+            assert ok is True, (rank, name, ok)
+
+
+@pytest.mark.parametrize("case", ["host,device,pinned,host_sync",
+                                  "device,pinned,device,cross_lane_wait"])
+def test_a_removed_wait_on_the_wire_path_is_a_race(case: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Host wire: the exchange reads the send buffer on the host after synchronizing the
+    # packs' device-to-host copies. Device wire: the exchange's stream waits for the
+    # packs' streams. Without it the device sees the race (and the peer is torn or
+    # times out); never a silent success.
+    monkeypatch.setenv("PIPEOFF_TEST_MUTATION", case)
+    seen = list(run_two_ranks(transfer_worker.mutation_worker).values())
+    assert "race" in seen, seen
+    assert True not in seen, seen

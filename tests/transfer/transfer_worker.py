@@ -6,6 +6,7 @@ compares across ranks; one spawn runs them all (a process start costs seconds).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -264,6 +265,67 @@ def case_full_offload_broadcast(rank: int, world: int, mesh: Any) -> dict[str, A
     return ok
 
 
+def _sim_transfer(rank: int, world: int, wire: str, src_res: str, dst_res: str,
+                  mutation: str | None) -> Any:
+    """One transfer on the simulated CUDA device: True if bitwise, ``"race"`` if the
+    device saw a race, else the error."""
+    import pipeoff.testing as pt
+    from pipeoff.testing import DataRaceError
+    from pipeoff.transfer import LiveTensor, StateTransfer, TransferTornError
+
+    full = _full((7, 33), torch.float32, seed=5)
+    off, size = _shard0(full, rank, world)
+    try:
+        with pt.simulated_cuda() as sim:
+            def mem(res: str, t: torch.Tensor) -> torch.Tensor:
+                if res == "device":
+                    return t.clone()
+                h = sim.host_empty(t.shape, t.dtype, pinned=res == "pinned")
+                h.copy_(t)
+                return h
+
+            src = mem(src_res, full[off[0]:off[0] + size[0]])
+            dst = mem(dst_res, torch.full((7, 33), SENTINEL))
+            t = StateTransfer({"w": LiveTensor(src, box=(off, size), global_shape=(7, 33))},
+                              {"w": LiveTensor(dst)}, host_budget_bytes=512,
+                              device_budget_bytes=512, wire=wire)  # type: ignore[arg-type]
+            with pt.disable(mutation) if mutation else contextlib.nullcontext():
+                with pt.delay_lane("d2h", 0.002), pt.delay_lane("h2d", 0.002):
+                    t.run()
+            sim.synchronize()
+            return torch.equal(dst.clone(), full)
+    except TransferTornError as err:
+        return "race" if isinstance(err.__cause__, DataRaceError) else repr(err)
+    except DataRaceError:
+        return "race"
+    except Exception as err:  # noqa: BLE001 - a peer's race: the group timed out
+        return repr(err)
+
+
+def case_simulated_cuda(rank: int, world: int) -> dict[str, Any]:
+    """Both wires on the simulated CUDA device, sources and targets in each memory."""
+    out = {}
+    for wire in ("host", "device"):
+        for src_res, dst_res in (("device", "pinned"), ("pinned", "device"),
+                                 ("pageable", "pageable"), ("device", "device")):
+            out[f"{wire}:{src_res}->{dst_res}"] = _sim_transfer(rank, world, wire, src_res,
+                                                                dst_res, None)
+    return out
+
+
+def mutation_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    """One transfer with a wait removed (``MUTATION`` in the environment): a rank that
+    sees the race may leave its peer in a collective until the group's timeout, so each
+    mutation runs in a process pair of its own, last."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    wire, src_res, dst_res, mutation = os.environ["PIPEOFF_TEST_MUTATION"].split(",")
+    queue.put((rank, _sim_transfer(rank, world, wire, src_res, dst_res, mutation)))
+    os._exit(0)  # no destroy: the group may be broken by the race
+
+
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -284,6 +346,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["torn"] = case_torn(rank, world)
         out["delays"] = case_delays(rank, world)
         out["full_offload"] = case_full_offload_broadcast(rank, world, mesh)
+        out["simulated_cuda"] = case_simulated_cuda(rank, world)
     except BaseException:
         out["crash"] = traceback.format_exc()
     queue.put((rank, out))

@@ -1,0 +1,324 @@
+"""StateTransfer in one process: layouts, residencies, refusals, faults, the optimizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pipeoff
+import pipeoff.testing as pt
+from pipeoff import ConfigError, TaskGraph, TaskKind, execute
+from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError, TransferTornError
+
+SHAPES = [(3, 1000), (5, 7), (1,), (0, 4), (4, 3, 2), ()]
+SENTINEL = -7.0
+
+
+def padded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+           residency: str | None = None) -> tuple[torch.Tensor, LiveTensor]:
+    storage = torch.full(tuple(s + 1 for s in shape), SENTINEL).to(dtype)
+    return storage, LiveTensor(storage, box=((0,) * len(shape), shape), global_shape=shape,
+                               residency=residency)
+
+
+def corner(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return t[tuple(slice(0, s) for s in shape)]
+
+
+def padding_kept(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    mask = torch.ones(t.shape, dtype=torch.bool)
+    mask[tuple(slice(0, s) for s in shape)] = False
+    return bool((t[mask].float() == SENTINEL).all())
+
+
+def fulls(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"t{k}": torch.randn(s, generator=g).to(dtype) for k, s in enumerate(SHAPES)}
+
+
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("budget", [128, 1 << 16])
+def test_every_shape_is_copied_bitwise_and_padding_is_kept(
+        src_dtype: torch.dtype, dst_dtype: torch.dtype, budget: int) -> None:
+    src = fulls(src_dtype)
+    tg = {k: padded(tuple(v.shape), dst_dtype, "device") for k, v in src.items()}
+    t = StateTransfer({k: LiveTensor(v) for k, v in src.items()},
+                      {k: lt for k, (_, lt) in tg.items()}, host_budget_bytes=budget,
+                      device_budget_bytes=budget,
+                      cast={"*": dst_dtype} if dst_dtype != src_dtype else None)
+    t.run()
+    for k, v in src.items():
+        assert torch.equal(corner(tg[k][0], tuple(v.shape)), v.to(dst_dtype)), k
+        assert padding_kept(tg[k][0], tuple(v.shape)), k
+    summary = t.last_trace.summary()  # type: ignore[union-attr]
+    assert summary.peak_host_staging_bytes <= budget
+    assert summary.peak_device_staging_bytes <= budget
+    assert t.last_plan is not None and (budget > 128 or len(t.last_plan.rounds) > 50)
+
+
+PAIRS = [("pageable", "pageable", "host"), ("pageable", "device", "h2d"),
+         ("device", "pageable", "d2h"), ("device", "device", "d2d")]
+
+
+@pytest.mark.parametrize(("src_res", "dst_res", "lane"), PAIRS)
+def test_every_residency_pair_on_the_cpu_stand_in(src_res: str, dst_res: str, lane: str) -> None:
+    full = torch.randn(9, 13)
+    storage, dst = padded((9, 13), residency=dst_res)
+    t = StateTransfer({"w": LiveTensor(full, residency=src_res)}, {"w": dst},
+                      host_budget_bytes=256, device_budget_bytes=256)
+    t.run()
+    assert torch.equal(corner(storage, (9, 13)), full)
+    lanes = {r.lane for r in t.last_trace.tasks if r.name.startswith("copy")}  # type: ignore[union-attr]
+    assert lanes == {lane}
+
+
+@pytest.mark.parametrize("lane", ["host", "h2d", "d2h", "d2d"])
+def test_delayed_lanes_do_not_change_a_bit(lane: str) -> None:
+    src = fulls()
+    for res in ("device", "pageable"):
+        tg = {k: padded(tuple(v.shape), residency=res) for k, v in src.items()}
+        with pt.delay_lane(lane, 0.002):
+            StateTransfer({k: LiveTensor(v, residency="device" if res == "pageable" else None)
+                           for k, v in src.items()}, {k: lt for k, (_, lt) in tg.items()},
+                          host_budget_bytes=512).run()
+        for k, v in src.items():
+            assert torch.equal(corner(tg[k][0], tuple(v.shape)), v), (lane, res, k)
+
+
+def test_the_synchronous_schedule_is_the_degenerate_case() -> None:
+    src = fulls()
+    out = {}
+    for schedule in ("synchronous", "pipelined"):
+        tg = {k: padded(tuple(v.shape)) for k, v in src.items()}
+        t = StateTransfer({k: LiveTensor(v) for k, v in src.items()},
+                          {k: lt for k, (_, lt) in tg.items()}, host_budget_bytes=256,
+                          schedule=schedule)  # type: ignore[arg-type]
+        t.run()
+        out[schedule] = {k: s.clone() for k, (s, _) in tg.items()}
+        assert t.last_execution is not None
+        assert t.last_execution.plan.schedule.kind == schedule
+    assert all(torch.equal(out["synchronous"][k], out["pipelined"][k]) for k in src)
+
+
+# -- refusals ---------------------------------------------------------------------------
+def failed_completion() -> Any:
+    g = TaskGraph()
+
+    def boom(ctx: Any) -> None:
+        raise RuntimeError("the step failed")
+
+    g.add_task("opt0", TaskKind.HOST, boom)
+    return execute(g).events_for("opt0")[0]
+
+
+def meta() -> LiveTensor:
+    return LiveTensor(torch.empty(5, 7, device="meta"))
+
+
+REFUSED = {
+    "none": (lambda: LiveTensor(None, global_shape=(5, 7), dtype=torch.float32), {},
+             "unavailable"),
+    "meta": (meta, {}, "meta tensor"),
+    "freed": (lambda: LiveTensor(_freed()), {}, "unavailable"),
+    "pinned": (lambda: LiveTensor(torch.randn(5, 7), residency="pinned"), {},
+               "declared pinned"),
+    "box": (lambda: LiveTensor(torch.randn(5, 7), box=((1, 0), (5, 7))), {},
+            "outside the global shape"),
+    "storage": (lambda: LiveTensor(torch.randn(4, 7), box=((0, 0), (5, 7)),
+                                   global_shape=(5, 7)), {}, "cannot hold"),
+    "readiness": (lambda: LiveTensor(torch.randn(5, 7), ready=failed_completion()), {},
+                  "readiness completion (task 'opt0' of another execution) failed"),
+    "budget": (lambda: LiveTensor(torch.randn(5, 7)), {"host_budget_bytes": 15},
+               "less than one"),
+    "dtype": (lambda: LiveTensor(torch.randn(5, 7).double()), {}, "no cast is declared"),
+}
+
+
+def _freed() -> torch.Tensor:
+    t = torch.randn(5, 7)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refusals_name_the_key_and_write_nothing(name: str) -> None:
+    make, kw, words = REFUSED[name]
+    target = torch.full((5, 7), SENTINEL)
+    t = StateTransfer({"w": make()}, {"w": LiveTensor(target)}, **kw)  # type: ignore[arg-type]
+    with pytest.raises(TransferRefusedError) as info:
+        t.run()
+    assert info.value.rank == 0 and info.value.key == "w"
+    assert words in str(info.value), str(info.value)
+    assert bool((target == SENTINEL).all())
+
+
+def test_an_extra_key_is_refused() -> None:
+    with pytest.raises(TransferRefusedError, match="'extra': a target with no source"):
+        StateTransfer({"w": LiveTensor(torch.ones(3))},
+                      {"w": LiveTensor(torch.zeros(3)),
+                       "extra": LiveTensor(torch.zeros(3))}).run()
+
+
+def test_a_second_launch_while_one_runs_is_refused() -> None:
+    src, dst = torch.randn(64), torch.zeros(64)
+    t = StateTransfer({"w": LiveTensor(src)}, {"w": LiveTensor(dst)}, host_budget_bytes=64)
+    with pt.hold_task("verdict") as release:
+        ex = t.launch()
+        with pytest.raises(TransferRefusedError, match="still running"):
+            t.launch()
+        release.set()
+        ex.wait()
+    t.run()
+    assert torch.equal(src, dst)
+
+
+# -- faults -----------------------------------------------------------------------------
+@pytest.mark.parametrize("after_ops", [0, None])
+def test_a_failed_copy_is_torn_and_a_second_transfer_succeeds(after_ops: int | None) -> None:
+    src = torch.randn(40, 8)
+    dst = torch.full((40, 8), SENTINEL)
+    t = StateTransfer({"w": LiveTensor(src)}, {"w": LiveTensor(dst, residency="device")},
+                      host_budget_bytes=256, schedule="synchronous")
+    with pt.fail_work("copy3:.*", after_ops=after_ops), pytest.raises(TransferTornError) as info:
+        t.run()
+    err = info.value
+    assert isinstance(err.__cause__, RuntimeError) and "injected" in str(err.__cause__)
+    assert list(err.faults) == [0] and err.faults[0].startswith("copy3:h2d")
+    assert err.written[0] == ((0, 1, 2, 3) if after_ops is None else (0, 1, 2))
+    assert err.partial.get(0, ()) == (() if after_ops is None else (3,))
+    assert err.keys == ("w",) and "There is no rollback" in str(err)
+    # Rounds after the fault were not written.
+    rows = len(t.last_plan.rounds[0][0].lo) and t.last_plan  # type: ignore[union-attr]
+    assert rows is not None and bool((dst[-1] == SENTINEL).all())
+    t.run()
+    assert torch.equal(dst, src)
+
+
+def test_launch_then_wait_raises_the_same_errors() -> None:
+    t = StateTransfer({"w": LiveTensor(torch.randn(8))}, {"w": LiveTensor(torch.zeros(8))})
+    with pt.fail_work("copy0:.*"):
+        ex = t.launch()
+        with pytest.raises(TransferTornError):
+            ex.wait()
+
+
+# -- arguments -------------------------------------------------------------------------
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"host_budget_bytes": 0}, "host_budget_bytes must be a positive int"),
+    ({"device_budget_bytes": 1.5}, "device_budget_bytes must be a positive int"),
+    ({"cast": {"*": "bf16"}}, "cast must be a dict of pattern"),
+    ({"wire": "nvlink"}, "wire must be"),
+    ({"schedule": "eager"}, "schedule must be"),
+    ({"process_group": object()}, "torch.distributed is not initialized"),
+])
+def test_bad_arguments_are_named(kw: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        StateTransfer({}, {}, **kw)
+
+
+def test_bad_tensors_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"sources\['w'\] must be a pipeoff.transfer"):
+        StateTransfer({"w": torch.zeros(3)}, {})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="box offsets must be a sequence"):
+        LiveTensor(torch.zeros(3), box=(0, 3))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="one offset and one size per dimension"):
+        LiveTensor(torch.zeros(3), box=((0, 0), (3, 1)))
+    with pytest.raises(ConfigError, match="residency must be one of"):
+        LiveTensor(torch.zeros(3), residency="swap")
+    with pytest.raises(ConfigError, match="ready must be"):
+        LiveTensor(torch.zeros(3), ready=object())
+    with pytest.raises(ConfigError, match="needs global_shape"):
+        LiveTensor(None)
+    with pytest.raises(ConfigError, match="from_optimizer"):
+        LiveTensor.from_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1),
+                                  torch.zeros(1), "exp_avg")
+
+
+def test_errors_are_pipeoff_errors() -> None:
+    assert issubclass(pipeoff.TransferRefusedError, pipeoff.PipeoffError)
+    assert issubclass(pipeoff.TransferTornError, RuntimeError)
+
+
+# -- the optimizers ----------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("readiness", [True, False])
+def test_a_transfer_started_right_after_an_overlap_step_reads_the_stepped_state(
+        readiness: bool) -> None:
+    from pipeoff.optim import OffloadOptimizer
+
+    m = _model()
+    opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1), mode="overlap",
+                           chunk_bytes=256)
+    names = dict(m.named_parameters())
+    for step in range(2):
+        m(torch.randn(3, 8)).sum().backward()
+        with pt.delay_lane("d2h", 0.03), pt.delay_lane("compute", 0.03):
+            opt.step()
+            src = {}
+            for n, p in names.items():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    lt = LiveTensor.from_optimizer(opt, p, k)
+                    src[f"{n}/{k}"] = lt if readiness else LiveTensor(lt.tensor)
+            tg = {k: torch.full_like(v.tensor, float("nan")) for k, v in src.items()}
+            StateTransfer(src, {k: LiveTensor(t) for k, t in tg.items()},
+                          host_budget_bytes=256).run()
+        opt.wait_for_step()
+        same = all(torch.equal(tg[f"{n}/{k}"], opt.state[p][k]) for n, p in names.items()
+                   for k in ("exp_avg", "exp_avg_sq"))
+        # Without the readiness the transfer reads state the step has not written yet
+        # (on the first step, not even allocated: NaN-free garbage or zeros).
+        assert same is readiness, step
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("readiness", [True, False])
+def test_full_offload_masters_to_bf16_targets_right_after_step(readiness: bool) -> None:
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = _model().to(torch.bfloat16)
+    opt = FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, overlap="forward")
+    names = dict(m.named_parameters())
+    rollout = {n: torch.full(tuple(p.shape), SENTINEL, dtype=torch.bfloat16)
+               for n, p in names.items()}
+    m(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()
+    with pt.delay_lane("host_step", 0.05):
+        opt.step()
+        src = {n: LiveTensor.from_optimizer(opt, p, "master") for n, p in names.items()}
+        if not readiness:
+            src = {n: LiveTensor(lt.tensor) for n, lt in src.items()}
+        StateTransfer(src, {n: LiveTensor(t) for n, t in rollout.items()},
+                      host_budget_bytes=512, cast={"*": torch.bfloat16}).run()
+    opt.wait_for_step()
+    same = all(torch.equal(rollout[n], opt.state[p]["master"].to(torch.bfloat16))
+               for n, p in names.items())
+    assert same is readiness
+    if readiness:
+        # The moments too, FP32 to FP32.
+        p = names["0.weight"]
+        assert LiveTensor.from_optimizer(opt, p, "exp_avg").tensor is not None
+        with pytest.raises(ConfigError, match="no state 'nope'"):
+            LiveTensor.from_optimizer(opt, p, "nope")
+
+
+def test_from_optimizer_refuses_scalar_state_and_strangers() -> None:
+    from pipeoff.optim import OffloadOptimizer
+
+    m = _model()
+    opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1), mode="overlap")
+    m(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    p = next(m.parameters())
+    with pytest.raises(ConfigError, match="scalar state such as 'step'"):
+        LiveTensor.from_optimizer(opt, p, "step")
+    with pytest.raises(ConfigError, match="not a parameter of this optimizer"):
+        opt.completion_for(torch.zeros(3))
+    opt.wait_for_step()
+    assert opt.completion_for(p) == ()
