@@ -197,17 +197,19 @@ def cast_for(key: str, casts: Sequence[tuple[str, torch.dtype]]) -> torch.dtype 
 
 def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence[Piece]], *,
                   capacity: Sequence[int],
-                  casts: Sequence[Sequence[tuple[str, torch.dtype]]] | None = None
-                  ) -> TransferPlan:
+                  casts: Sequence[Sequence[tuple[str, torch.dtype]]] | None = None,
+                  local_capacity: Sequence[int] | None = None) -> TransferPlan:
     """Plan the copy of every target box from the sources, in rounds.
 
     Args:
         sources: per rank, the pieces it holds.
         targets: per rank, the pieces it wants written.
         capacity: per rank, the most wire bytes (sent plus received, aligned) it
-            stages in one round; local runs count against it too, so rounds stay
-            bounded in bytes moved.
+            stages in one round.
         casts: per rank, its ``(pattern, dtype)`` casts for the keys it receives.
+        local_capacity: per rank, the most bytes of local runs (copied directly,
+            without staging) in one round; default ``capacity``. It only bounds
+            the bytes one task copies, so that rounds stay bounded in bytes moved.
 
     Returns:
         The plan, identical for identical arguments.
@@ -220,6 +222,7 @@ def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence
     """
     world = len(sources)
     casts = casts if casts is not None else [()] * world
+    local_cap = list(local_capacity) if local_capacity is not None else list(capacity)
     problems: list[tuple[int, str, str]] = []
     src_by_key: dict[str, list[tuple[int, Piece]]] = {}
     dst_by_key: dict[str, list[tuple[int, Piece]]] = {}
@@ -270,27 +273,35 @@ def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence
     segments: list[tuple[tuple[int, ...], ...]] = []
     cur: list[Run] = []
     seg = [[0] * world for _ in range(world)]
-    load = [0] * world
+    load = [0] * world  # wire bytes per rank in the open round
+    local = [0] * world  # local bytes per rank in the open round
 
     def close() -> None:
-        nonlocal cur, seg, load
+        nonlocal cur, seg, load, local
         if cur:
             rounds.append(tuple(cur))
             segments.append(tuple(tuple(row) for row in seg))
-        cur, seg, load = [], [[0] * world for _ in range(world)], [0] * world
+        cur, seg, load, local = [], [[0] * world for _ in range(world)], [0] * world, [0] * world
 
     for key, s, d, (lo, size), dtype in pairs:
-        # Half the smaller capacity: a run fits any round with room for it.
-        max_bytes = max(_align(dtype.itemsize), min(capacity[s], capacity[d]) // 2)
+        # Remote runs: half the smaller capacity, so that a run fits any round with room
+        # for it. Local runs: the whole local capacity (they stage nothing).
+        max_bytes = (local_cap[s] if s == d else min(capacity[s], capacity[d]) // 2)
+        max_bytes = max(_align(dtype.itemsize), max_bytes // ALIGN * ALIGN)
         for blo, bsz in _split(lo, size, max(1, max_bytes // dtype.itemsize)):
             b = _align(math.prod(bsz) * dtype.itemsize)
-            if load[s] + b > capacity[s] or (s != d and load[d] + b > capacity[d]):
+            if s == d:
+                if local[s] + b > local_cap[s]:
+                    close()
+                local[s] += b
+                cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
+                               offset=-1))
+                continue
+            if load[s] + b > capacity[s] or load[d] + b > capacity[d]:
                 close()
-            offset = -1
-            if s != d:
-                offset = seg[s][d]
-                seg[s][d] += b
-                load[d] += b
+            offset = seg[s][d]
+            seg[s][d] += b
+            load[d] += b
             load[s] += b
             cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
                            offset=offset))

@@ -212,6 +212,7 @@ class StateTransfer:
         # Half the budget per round: two rounds' staging fits, so they overlap.
         capacity = budget // 2 if budget // 2 >= ALIGN else budget
         return {"version": pipeoff.__version__, "wire": self.wire, "capacity": capacity,
+                "local_capacity": budget,
                 "casts": tuple(self.cast.items()), "src": src, "dst": dst,
                 "problems": problems}
 
@@ -228,7 +229,8 @@ class StateTransfer:
             try:
                 return plan_transfer([d["src"] for d in everyone], [d["dst"] for d in everyone],
                                      capacity=[d["capacity"] for d in everyone],
-                                     casts=[d["casts"] for d in everyone])
+                                     casts=[d["casts"] for d in everyone],
+                                     local_capacity=[d["local_capacity"] for d in everyone])
             except PlanRefusal as err:
                 problems = err.problems
             except Exception as err:  # noqa: BLE001 - the same on every rank: refused
