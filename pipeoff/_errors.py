@@ -121,14 +121,16 @@ class TransferTornError(PipeoffError, RuntimeError):
         where = "; ".join(f"rank {r}: {f}" for r, f in sorted(self.faults.items()))
         rounds = "; ".join(
             f"rank {r} wrote rounds {list(self.written.get(r, ()))}"
-            + (f" and part of {list(self.partial[r])}" if self.partial.get(r) else "")
+            + (f" and may have written part of {list(self.partial[r])}"
+               if self.partial.get(r) else "")
             for r in sorted(set(self.written) | set(self.partial)))
         shown = ", ".join(repr(k) for k in self.keys[:8])
         more = f" and {len(self.keys) - 8} more" if len(self.keys) > 8 else ""
-        super().__init__(
-            f"state transfer torn: {where or 'a rank failed'}. {rounds}. Targets of "
-            f"{len(self.keys)} key(s) may have changed: {shown}{more}. There is no rollback"
-            + (f". {note}" if note else ""))
+        changed = (f"Targets of {len(self.keys)} key(s) may have changed: {shown}{more}. "
+                   "There is no rollback" if self.keys else "No target was written")
+        super().__init__(f"state transfer torn: {where or 'a rank failed'}. "
+                         f"{rounds + '. ' if rounds else ''}{changed}"
+                         + (f". {note}" if note else ""))
         self._note = note
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -245,8 +245,13 @@ class Run:
         return new
 
     def views(self, i: int) -> dict[str, Any]:
+        """Task ``i``'s staging views. A buffer whose first user was cancelled (after a
+        failure) was never acquired: a ``must_run`` task that uses it later runs
+        without it (and must not need it: the run has failed)."""
         specs = self.graph.buffers
-        return {b: self.blocks[b].view(specs[b].nbytes) for b in self.tasks[i].buffers}
+        blocks = self.blocks
+        return {b: blocks[b].view(specs[b].nbytes) for b in self.tasks[i].buffers
+                if b in blocks}
 
     def release(self, i: int, ready: Any = None,
                 ready_of: Callable[[str], Any] | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -240,6 +240,16 @@ class LiveTensor:
             return f"declared {declared} host memory, but it is in device memory ({t.device})"
         return None
 
+    def target_problem(self) -> str | None:
+        """Why this piece cannot be written (beyond :meth:`problem`), or ``None``."""
+        if self.tensor is None:
+            return None
+        t = self.region(*self.box)  # type: ignore[misc]
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            return ("its memory overlaps itself (a stride of 0: an expand()ed view), so "
+                    "writing it is ambiguous")
+        return None
+
     def region(self, lo: Sequence[int], size: Sequence[int]) -> torch.Tensor:
         """The local view of the global box ``(lo, size)`` (which this piece holds)."""
         t = self.tensor
@@ -286,3 +296,64 @@ def readiness_problem(ready: Any) -> str | None:
             return (f"its readiness completion (task {getattr(r, 'task', '?')!r} of another "
                     f"execution) {status}: the data was never written")
     return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(storage, first byte, end byte)`` of the memory view ``t`` spans, or ``None``."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    start = int(t.storage_offset())
+    end = start + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().data_ptr(), start * t.element_size(), end * t.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def alias_problems(sources: Mapping[str, LiveTensor],
+                   targets: Mapping[str, LiveTensor]) -> list[tuple[str, str]]:
+    """Targets whose memory overlaps a source's or another target's on this rank.
+
+    Allowed: a source that *is* the target's view of the same box (an in-place
+    gather: the target keeps its own piece), and two keys' targets that are the
+    same view of the same box (tied weights). Anything else would read bytes that
+    a round already overwrote, or write the same bytes twice in an unknown order.
+    """
+    pieces: list[tuple[int, int, int, bool, str, LiveTensor, torch.Tensor]] = []
+    for is_target, group in ((False, sources), (True, targets)):
+        for key, lt in group.items():
+            if lt.tensor is None or lt.problem() is not None:
+                continue
+            view = lt.region(*lt.box)  # type: ignore[misc]
+            span = _span(view)
+            if span is not None:
+                pieces.append((*span, is_target, key, lt, view))
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    problems: list[tuple[str, str]] = []
+    active: list[tuple[int, int, int, bool, str, LiveTensor, torch.Tensor]] = []
+    for p in pieces:
+        active = [a for a in active if a[0] == p[0] and a[2] > p[1]]
+        for a in active:
+            if not (a[3] or p[3]):
+                continue  # two sources may share memory: both are only read
+            tgt, other = (a, p) if a[3] else (p, a)
+            if _aliased_ok(tgt[5], other[5], other[3]):
+                continue
+            what = "target" if other[3] else "source"
+            problems.append((tgt[4], f"its target memory overlaps the {what} of key "
+                                     f"{other[4]!r} (transfer through a separate tensor, or "
+                                     "give the target exactly the source's view of its box)"))
+        active.append(p)
+    return problems
+
+
+def _aliased_ok(target: LiveTensor, other: LiveTensor, other_is_target: bool) -> bool:
+    tbox, obox = target.box, other.box
+    assert tbox is not None and obox is not None
+    if other_is_target:
+        return tbox == obox and _same_view(target.region(*tbox), other.region(*obox))
+    inside = all(t0 <= o0 and o0 + on <= t0 + tn
+                 for t0, tn, o0, on in zip(tbox[0], tbox[1], obox[0], obox[1]))
+    return inside and _same_view(target.region(*obox), other.region(*obox))

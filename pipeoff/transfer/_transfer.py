@@ -17,10 +17,14 @@ from pipeoff.graph import TaskContext
 from pipeoff.schedule import Schedule
 from pipeoff.trace import Trace
 from pipeoff.transfer._graph import transfer_graph
-from pipeoff.transfer._live import LiveTensor, readiness_problem
+from pipeoff.transfer._live import LiveTensor, alias_problems, readiness_problem
 from pipeoff.transfer._plan import ALIGN, Piece, PlanRefusal, Run, TransferPlan, plan_transfer
 
 __all__ = ["StateTransfer"]
+
+_running_groups: set[int] = set()
+"""The process groups (by ``id``) with a transfer running."""
+_running_lock = threading.Lock()
 
 _HOST = ("pinned", "pageable")
 
@@ -157,7 +161,6 @@ class StateTransfer:
         self.last_plan: TransferPlan | None = None
         """The plan of the latest launch (identical on every rank)."""
         self.last_execution: Execution | None = None
-        self._running = False
 
     # -- the collective helpers ------------------------------------------------------
     @property
@@ -167,6 +170,12 @@ class StateTransfer:
     @property
     def world_size(self) -> int:
         return 1 if self.group is None else int(torch.distributed.get_world_size(self.group))
+
+    def _global(self, r: int) -> int:
+        """The global rank of group rank ``r`` (errors name global ranks)."""
+        if self.group is None:
+            return r
+        return int(torch.distributed.get_global_rank(self.group, r))
 
     def _gather(self, obj: Any) -> list[Any]:
         if self.group is None:
@@ -206,8 +215,11 @@ class StateTransfer:
                 assert lt.global_shape is not None and lt.box is not None and lt.dtype
                 out.append(Piece(key=key, global_shape=lt.global_shape, offsets=lt.box[0],
                                  sizes=lt.box[1], dtype=lt.dtype, replica=lt.replica))
-        if self._running:
-            problems.append(("*", "a launch of this transfer is still running"))
+        for key, lt in self.targets.items():
+            why = lt.target_problem()
+            if why is not None and lt.problem() is None:
+                problems.append((key, why))
+        problems += alias_problems(self.sources, self.targets)
         budget = self.host_budget_bytes if self.wire == "host" else self.device_budget_bytes
         # Half the budget per round: two rounds' staging fits, so they overlap.
         capacity = budget // 2 if budget // 2 >= ALIGN else budget
@@ -235,7 +247,9 @@ class StateTransfer:
                 problems = err.problems
             except Exception as err:  # noqa: BLE001 - the same on every rank: refused
                 problems = [(0, "*", f"planning raised {type(err).__name__}: {err}")]
-        raise TransferRefusedError(tuple(sorted(problems, key=lambda p: p[0])))
+        raise TransferRefusedError(tuple(sorted(((self._global(r), k, why)
+                                                 for r, k, why in problems),
+                                                key=lambda p: p[0])))
 
     def _preflight(self, plan: TransferPlan, state: _State) -> Any:
         def work(ctx: TaskContext) -> None:
@@ -262,7 +276,8 @@ class StateTransfer:
                                           f"{everyone[0][1]}"))
             if found:
                 state.refused = True
-                raise TransferRefusedError(tuple(found))
+                raise TransferRefusedError(tuple((self._global(r), k, why)
+                                                 for r, k, why in found))
         return work
 
     # -- the rounds ------------------------------------------------------------------
@@ -287,23 +302,10 @@ class StateTransfer:
                         state.started.setdefault(r, set()).add(name)
                 try:
                     wire = ctx.buffer(buffer) if buffer is not None else None
-                    for u in runs:
-                        if phase == "copy":
-                            dst = self.targets[u.key].region(u.lo, u.size)
-                            src = self.sources[u.key].region(u.lo, u.size)
-                        else:
-                            peer = u.dst if phase == "pack" else u.src
-                            assert wire is not None
-                            at = base[peer] + u.offset
-                            view = wire[at:at + u.nbytes].view(u.dtype).view(u.size)
-                            if phase == "pack":
-                                dst, src = view, self.sources[u.key].region(u.lo, u.size)
-                            else:
-                                dst, src = self.targets[u.key].region(u.lo, u.size), view
-                        # Asynchronous when one side is pinned host memory: the lane's
-                        # stream orders it before the tasks that follow (an exchange
-                        # synchronizes its start; Execution.wait() synchronizes all).
-                        dst.copy_(src, non_blocking=True)
+                    # Lanes have their own grad mode: a parameter as a source or target
+                    # must not record autograd history (or refuse an in-place write).
+                    with torch.no_grad():
+                        self._copy_runs(phase, runs, wire, base)
                 except BaseException as err:
                     state.record(name, err)
                     raise
@@ -312,6 +314,26 @@ class StateTransfer:
                         state.finished.setdefault(r, set()).add(name)
             return work
         return make
+
+    def _copy_runs(self, phase: str, runs: Sequence[Run], wire: torch.Tensor | None,
+                   base: list[int]) -> None:
+        for u in runs:
+            if phase == "copy":
+                dst = self.targets[u.key].region(u.lo, u.size)
+                src = self.sources[u.key].region(u.lo, u.size)
+            else:
+                peer = u.dst if phase == "pack" else u.src
+                assert wire is not None
+                at = base[peer] + u.offset
+                view = wire[at:at + u.nbytes].view(u.dtype).view(u.size)
+                if phase == "pack":
+                    dst, src = view, self.sources[u.key].region(u.lo, u.size)
+                else:
+                    dst, src = self.targets[u.key].region(u.lo, u.size), view
+            # Asynchronous when one side is pinned host memory: the lane's
+            # stream orders it before the tasks that follow (an exchange
+            # synchronizes its start; Execution.wait() synchronizes all).
+            dst.copy_(src, non_blocking=True)
 
     def _exchange(self, state: _State, plan: TransferPlan) -> Any:
         import torch.distributed as dist
@@ -373,7 +395,11 @@ class StateTransfer:
             keys = sorted({u.key for r in range(len(everyone))
                            for k in (*done.get(r, ()), *part.get(r, ()))
                            for u in plan.rounds[k] if u.dst == r})
-            state.torn = TransferTornError(done, part, faults, tuple(keys), note)
+            g = self._global
+            state.torn = TransferTornError({g(r): w for r, w in done.items()},
+                                           {g(r): p for r, p in part.items()},
+                                           {g(r): f for r, f in faults.items()}, tuple(keys),
+                                           note)
             raise state.torn
         return work
 
@@ -386,7 +412,30 @@ class StateTransfer:
 
         Raises:
             TransferRefusedError: the pieces cannot be transferred (on every rank).
+            ConfigError: a transfer on the same process group is still running
+                (raised locally, before any collective).
         """
+        if self.group is None:
+            return self._launch()  # no collectives: transfers of one process never clash
+        key = id(self.group)
+        with _running_lock:
+            if key in _running_groups:
+                # Checked before any collective: a second one on the group would
+                # interleave with the running transfer's own.
+                raise ConfigError(
+                    "a state transfer on this process group is still running; wait for its "
+                    "Execution first (or give concurrent transfers groups of their own)")
+            _running_groups.add(key)
+        try:
+            ex = self._launch()
+        except BaseException:
+            with _running_lock:
+                _running_groups.discard(key)
+            raise
+        ex._run.on_complete(lambda: _running_groups.discard(key))
+        return ex
+
+    def _launch(self) -> Execution:
         plan = self._plan()
         self.last_plan = plan
         rank = self.rank
@@ -405,7 +454,6 @@ class StateTransfer:
         schedule = (Schedule.synchronous() if self.schedule == "synchronous" else
                     Schedule.pipelined(device_budget_bytes=self.device_budget_bytes,
                                        host_budget_bytes=self.host_budget_bytes))
-        self._running = True
         ex = execute(graph, schedule, backend="auto")
 
         def translate(err: BaseException) -> BaseException:
@@ -414,12 +462,8 @@ class StateTransfer:
             return state.torn if state.torn is not None else err
 
         ex._translate = translate
-        ex._run.on_complete(self._done)
         self.last_execution = ex
         return ex
-
-    def _done(self) -> None:
-        self._running = False
 
     def run(self) -> None:
         """Run the transfer (collectively) and wait for it.

@@ -163,17 +163,53 @@ def test_an_extra_key_is_refused() -> None:
                        "extra": LiveTensor(torch.zeros(3))}).run()
 
 
-def test_a_second_launch_while_one_runs_is_refused() -> None:
-    src, dst = torch.randn(64), torch.zeros(64)
+def test_single_process_transfers_may_run_at_once() -> None:
+    # No collectives, so nothing to interleave: a second launch is not refused.
+    src, dst, dst2 = torch.randn(64), torch.zeros(64), torch.zeros(64)
     t = StateTransfer({"w": LiveTensor(src)}, {"w": LiveTensor(dst)}, host_budget_bytes=64)
+    t2 = StateTransfer({"w": LiveTensor(src)}, {"w": LiveTensor(dst2)}, host_budget_bytes=64)
     with pt.hold_task("verdict") as release:
         ex = t.launch()
-        with pytest.raises(TransferRefusedError, match="still running"):
-            t.launch()
+        ex2 = t2.launch()
         release.set()
         ex.wait()
-    t.run()
-    assert torch.equal(src, dst)
+        ex2.wait()
+    assert torch.equal(src, dst) and torch.equal(src, dst2)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda b: ({"w": LiveTensor(b[:8])}, {"w": LiveTensor(b[8:16])}), None),
+    (lambda b: ({"w": LiveTensor(b[:16])}, {"w": LiveTensor(b[8:24])}),
+     "overlaps the source of key 'w'"),
+    (lambda b: ({"a": LiveTensor(b[:8]), "b": LiveTensor(b[8:16])},
+                {"a": LiveTensor(b[16:24]), "b": LiveTensor(b[20:28])}),
+     "overlaps the target of key"),
+    (lambda b: ({"w": LiveTensor(b[:1])}, {"w": LiveTensor(b[1:2].expand(4), box=((0,), (1,)),
+                                                           global_shape=(1,))}), None),
+    (lambda b: ({"w": LiveTensor(b[:4])}, {"w": LiveTensor(b[8:9].expand(4))}),
+     "stride of 0"),
+])
+def test_targets_that_alias_memory_are_refused(make: Any, words: str | None) -> None:
+    buf = torch.arange(32, dtype=torch.float32)
+    src, dst = make(buf)
+    t = StateTransfer(src, dst, host_budget_bytes=32)
+    if words is None:
+        t.run()
+        return
+    before = buf.clone()
+    with pytest.raises(TransferRefusedError, match=words):
+        t.run()
+    assert torch.equal(buf, before)
+
+
+def test_parameters_as_sources_and_targets_record_no_autograd_history() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    q = torch.nn.Parameter(torch.zeros(4, 4))
+    plain = torch.zeros(4, 4)
+    StateTransfer({"p": LiveTensor(p), "q": LiveTensor(p.detach())},
+                  {"p": LiveTensor(q), "q": LiveTensor(plain)}).run()
+    assert torch.equal(q.detach(), p.detach()) and torch.equal(plain, p.detach())
+    assert q.grad_fn is None and not plain.requires_grad
 
 
 # -- faults -----------------------------------------------------------------------------

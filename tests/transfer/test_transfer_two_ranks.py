@@ -80,20 +80,33 @@ def test_the_gap_and_the_overlap_are_both_named(ranks: dict[int, Any]) -> None:
     assert "[2:3, 0:7]" in err  # the overlap: row 2
 
 
+@pytest.mark.parametrize(("case", "faulty"), [("torn", 1), ("torn_rank0", 0)])
 def test_a_fault_in_one_ranks_unpack_is_torn_on_both_ranks_and_nothing_hangs(
-        ranks: dict[int, Any]) -> None:
-    a, b = ranks[0]["torn"], ranks[1]["torn"]
+        ranks: dict[int, Any], case: str, faulty: int) -> None:
+    # Rank 0 still has packs to do after its first unpack: they are cancelled, and its
+    # exchanges still join the collectives (with the fault flag).
+    a, b = ranks[0][case], ranks[1][case]
     assert a["error"] == b["error"] == "TransferTornError"
     assert a["written"] == b["written"] and a["partial"] == b["partial"]
-    assert a["faults"] == b["faults"] and list(a["faults"]) == [1]
-    failed = int(a["faults"][1].split(":")[0].removeprefix("unpack"))
+    assert a["faults"] == b["faults"] and list(a["faults"]) == [faulty]
+    failed = int(a["faults"][faulty].split(":")[0].removeprefix("unpack"))
     assert a["message"] == b["message"]
-    # Rank 1 failed inside that round's unpack (after its first copy): partly written.
-    assert failed in a["partial"][1] and failed not in a["written"][1], a
-    assert a["written"][0] and a["keys"] == ("w",)
-    assert b["cause"] == "RuntimeError" and a["cause"] == "NoneType"
+    # The faulty rank failed inside that round's unpack (after its first copy).
+    assert failed in a["partial"][faulty] and failed not in a["written"].get(faulty, ()), a
+    assert a["keys"] == ("w",)
+    mine, peer = (a, b) if faulty == 0 else (b, a)
+    assert mine["cause"] == "RuntimeError" and peer["cause"] == "NoneType"
     assert a["seconds"] < 20 and b["seconds"] < 20  # well under the 30 s group timeout
     assert a["second"] and b["second"]
+
+
+def test_launching_twice_aliasing_parameters_and_global_ranks(ranks: dict[int, Any]) -> None:
+    for rank, res in ranks.items():
+        misc = res["misc"]
+        assert misc["second_launch"] is True and misc["first_done"], (rank, misc)
+        assert misc["inplace_reshard"] == (0, True), (rank, misc)
+        assert misc["inplace_gather"] and misc["parameters"], (rank, misc)
+    assert ranks[1]["misc"]["global_rank"] == 1
 
 
 def test_delayed_lanes_do_not_change_a_bit(ranks: dict[int, Any]) -> None:

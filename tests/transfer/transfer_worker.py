@@ -192,7 +192,7 @@ def case_refusals(rank: int, world: int) -> dict[str, Any]:
     return {name: _refusal(rank, world, make) for name, make in cases.items()}
 
 
-def case_torn(rank: int, world: int) -> dict[str, Any]:
+def case_torn(rank: int, world: int, faulty: int = 1) -> dict[str, Any]:
     import pipeoff.testing as pt
     from pipeoff.transfer import StateTransfer, TransferTornError
 
@@ -203,7 +203,7 @@ def case_torn(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     start = time.monotonic()
     try:
-        with pt.fail_work(r"unpack\d+:.*" if rank == 1 else "no such task", after_ops=0):
+        with pt.fail_work(r"unpack\d+:.*" if rank == faulty else "no such task", after_ops=0):
             t.run()
         out["error"] = None
     except TransferTornError as err:
@@ -213,6 +213,62 @@ def case_torn(rank: int, world: int) -> dict[str, Any]:
     out["seconds"] = time.monotonic() - start
     t.run()  # the same transfer again succeeds: staging was released, no rank is stuck
     out["second"] = torch.equal(_corner(storage, (6, 40)), full)
+    return out
+
+
+def case_misc(rank: int, world: int) -> dict[str, Any]:
+    from pipeoff import ConfigError
+    from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError
+
+    out: dict[str, Any] = {}
+    full = torch.arange(32, dtype=torch.float32).view(8, 4)
+    # A second launch on the same group while one runs: refused locally, before any
+    # collective (a second collective would interleave with the first's).
+    src = {"w": LiveTensor(full[rank * 4:rank * 4 + 4].clone(), box=((rank * 4, 0), (4, 4)),
+                           global_shape=(8, 4))}
+    dst = torch.zeros(8, 4)
+    t = StateTransfer(src, {"w": LiveTensor(dst)}, host_budget_bytes=64)
+    ex = t.launch()
+    try:
+        t.launch()
+        out["second_launch"] = None
+    except ConfigError as err:
+        out["second_launch"] = "still running" in str(err)
+    ex.wait()
+    out["first_done"] = torch.equal(dst, full)
+    # An in-place reshard (each rank's buffer receives the other half) would read bytes
+    # a round already overwrote: refused.
+    buf = full[rank * 4:rank * 4 + 4].clone()
+    other = 1 - rank
+    try:
+        StateTransfer({"w": LiveTensor(buf, box=((rank * 4, 0), (4, 4)), global_shape=(8, 4))},
+                      {"w": LiveTensor(buf, box=((other * 4, 0), (4, 4)),
+                                       global_shape=(8, 4))}, host_budget_bytes=64).run()
+        out["inplace_reshard"] = None
+    except TransferRefusedError as err:
+        out["inplace_reshard"] = (err.rank, "overlaps the source" in str(err))
+    # An in-place all-gather (the source is the target's own view of its box) is fine.
+    whole = torch.zeros(8, 4)
+    whole[rank * 4:rank * 4 + 4] = full[rank * 4:rank * 4 + 4]
+    StateTransfer({"w": LiveTensor(whole[rank * 4:rank * 4 + 4], box=((rank * 4, 0), (4, 4)),
+                                   global_shape=(8, 4))},
+                  {"w": LiveTensor(whole)}, host_budget_bytes=64).run()
+    out["inplace_gather"] = torch.equal(whole, full)
+    # Parameters as targets (a rollout model's weights) and as sources.
+    p = torch.nn.Parameter(torch.zeros(8, 4))
+    q = torch.nn.Parameter(full[rank * 4:rank * 4 + 4].clone())
+    StateTransfer({"w": LiveTensor(q, box=((rank * 4, 0), (4, 4)), global_shape=(8, 4))},
+                  {"w": LiveTensor(p)}, host_budget_bytes=64).run()
+    out["parameters"] = torch.equal(p.detach(), full) and p.grad_fn is None
+    # Errors name global ranks: rank 1 alone in a group of its own is group rank 0.
+    solo = dist.new_group([1])
+    if rank == 1:
+        try:
+            StateTransfer({"w": LiveTensor(torch.zeros(3))},
+                          {"w": LiveTensor(torch.zeros(3, dtype=torch.float64))},
+                          process_group=solo).run()
+        except TransferRefusedError as err:
+            out["global_rank"] = err.rank
     return out
 
 
@@ -344,6 +400,8 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["reshard"] = case_reshard(rank, world, mesh)
         out["refusals"] = case_refusals(rank, world)
         out["torn"] = case_torn(rank, world)
+        out["torn_rank0"] = case_torn(rank, world, faulty=0)
+        out["misc"] = case_misc(rank, world)
         out["delays"] = case_delays(rank, world)
         out["full_offload"] = case_full_offload_broadcast(rank, world, mesh)
         out["simulated_cuda"] = case_simulated_cuda(rank, world)
