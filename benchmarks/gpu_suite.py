@@ -2,11 +2,14 @@
 
     python benchmarks/gpu_suite.py --out gpu-results [--quick]
 
-Finishes within about 9 minutes on an H200 and writes, under ``--out``:
+Takes about 19 minutes on an H200 in full (more than one 10-minute call of a lent
+machine: run ``--quick``, about 5, or the ``gpu_*.py`` scripts one by one) and writes,
+under ``--out``:
 ``bandwidth.md``, ``gpu_checks.md`` (each promise of the simulated device,
 checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
 ``cuda_tests_sanitizer.txt`` (under ``TORCH_CUDA_SANITIZER=1``), ``optimizer.md`` (from
 ``gpu_optimizer.py``), ``full_offload.md`` (from ``gpu_full_offload.py``),
+``transfer.md`` (from ``gpu_transfer.py``),
 ``local_sgd_staging.md``, ``sim_vs_measured.md``,
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
@@ -234,6 +237,10 @@ def main() -> int:
     sections.append("## Full offload\n\n" + run_script(
         "gpu_full_offload.py", out, ["--quick"] if args.quick else ["--micro", "1", "4", "8"],
         timeout=330))
+
+    log("5c/7 GPU state-transfer benchmark")
+    sections.append("## State transfer\n\n" + run_script(
+        "gpu_transfer.py", out, ["--quick"] if args.quick else [], timeout=300))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default="8b",
                      help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
     sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
-    sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload"],
+    sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer"],
                      default="optimizer")
     sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
@@ -170,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefetch", "--lookahead", dest="prefetch", type=int, default=2,
                      help="optimizer chunks staged ahead (--lookahead: its old name)")
     sim.add_argument("--bucket-bytes", default="256MiB", help="LocalSGD bucket (%(default)s)")
-    sim.add_argument("--device-budget", help="device staging budget (default: from the above)")
+    sim.add_argument("--device-budget", help="device staging budget (default: from the above; "
+                     "for transfer, the bucket size)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")
     sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sim.set_defaults(fn=_cmd_simulate)

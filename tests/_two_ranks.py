@@ -15,14 +15,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_two_ranks(worker: Callable[..., None]) -> dict[int, Any]:
+def run_two_ranks(worker: Callable[..., None], world: int = 2) -> dict[int, Any]:
     """``worker(rank, world, port, queue)`` puts ``(rank, result)`` on ``queue``;
-    returns ``{rank: result}`` for ranks 0 and 1."""
+    returns ``{rank: result}`` for ranks ``0 .. world - 1`` (two by default)."""
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(2, free_port(), queue), nprocs=2, join=True)
+    mp.spawn(worker, args=(world, free_port(), queue), nprocs=world, join=True)
     out = {}
     while not queue.empty():
         rank, res = queue.get()
         out[rank] = res
-    assert sorted(out) == [0, 1]
+    assert sorted(out) == list(range(world))
     return out

@@ -61,3 +61,18 @@ def test_full_offload_cpu_benchmark_quick() -> None:
                           "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "whole host step" in res.stdout and "naive / whole step" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
+def test_gpu_transfer_refuses_without_a_gpu() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_transfer.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
+def test_transfer_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"),
+                          "--mib", "8", "--tensors", "4", "--budgets-mib", "1", "--repeats", "1",
+                          "--plan-tensors", "200"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "x raw copy_" in res.stdout and "plan of 200 tensors" in res.stdout

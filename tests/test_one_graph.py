@@ -73,3 +73,24 @@ def test_the_full_offload_step_simulated_is_the_step_that_runs() -> None:
     assert tasks(real) == tasks(simulated)
     assert real.host_budget_bytes == simulated.host_budget_bytes == opt.host_budget_bytes
     assert len({t.name for t in real.tasks if t.name.startswith("d2h:")}) > len(shape.global_shapes)
+
+
+def test_the_transfer_simulated_is_the_transfer_that_runs() -> None:
+    from pipeoff.sim._workloads import transfer_graph_shape
+    from pipeoff.transfer import LiveTensor, StateTransfer
+
+    shapes = (("a", (7, 5)), ("b", (3,)), ("c", (40, 9)))
+    shape = ModelShape(name="test", fsdp=1, global_shapes=shapes)
+    srcs = {n: LiveTensor(torch.randn(s)) for n, s in shapes}
+    dsts = {n: LiveTensor(torch.zeros(s, dtype=torch.bfloat16), residency="device")
+            for n, s in shapes}
+    t = StateTransfer(srcs, dsts, host_budget_bytes=256, device_budget_bytes=256, wire="device",
+                      cast={"*": torch.bfloat16})
+    t.run()
+    real = t.last_trace
+    assert real is not None
+    sim = pipeoff.execute(transfer_graph_shape(shape, budget_bytes=256),
+                          pipeoff.Schedule.pipelined(device_budget_bytes=256,
+                                                     host_budget_bytes=256),
+                          backend="sim").trace
+    assert structure(real) == structure(sim)

@@ -191,6 +191,11 @@ def test_compare_h200_predictions_have_the_expected_shape() -> None:
     full = {p.schedule: p for p in compare(shape, "full-offload", ("none", "pipelined"), cost)}
     assert full["pipelined"].time_ms < full["none"].time_ms
     assert full["pipelined"].peak_device_bytes == 0 and full["pipelined"].bound == "host"
+    small = model_shape("0.6b", fsdp=4)
+    xfer = {p.schedule: p for p in compare(small, "transfer", ("synchronous", "pipelined"),
+                                           cost, device_budget_bytes=64 << 20)}
+    assert xfer["pipelined"].time_ms < xfer["synchronous"].time_ms
+    assert 0 < xfer["pipelined"].peak_device_bytes <= 64 << 20
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -36,6 +36,9 @@ class SimBackend(HostBackend):
         """How long task ``i`` takes with nothing contending with it."""
         t = run.tasks[i]
         c = self.cost
+        if run.plan.lanes[i] == "d2d":
+            # A copy within device memory (a state transfer's): an HBM read and write.
+            return 2 * t.nbytes / (c.hbm_gbps * 1e9)
         if t.kind in _COPY:
             return t.nbytes / c.copy_rate(_COPY[t.kind], False) if t.nbytes else 0.0
         if t.kind is TaskKind.ALLREDUCE:
@@ -50,6 +53,8 @@ class SimBackend(HostBackend):
         kind = run.tasks[i].kind
         c = self.cost
         f = 1.0
+        if run.plan.lanes[i] == "d2d":
+            return f  # HBM: no share of the host link
         if kind in _COPY:
             other = TaskKind.D2H if kind is TaskKind.H2D else TaskKind.H2D
             if other in active_kinds:

@@ -14,6 +14,7 @@ from pipeoff.sim._workloads import (
     full_offload_schedule,
     local_sgd_graph,
     optimizer_graph,
+    transfer_graph_shape,
 )
 from pipeoff.trace import Trace
 
@@ -23,9 +24,11 @@ FEATURE_SCHEDULES = {
     "optimizer": ("single_pass", "sync_chunks", "pipelined"),
     "local-sgd": ("original", "rfc", "pipelined"),
     "full-offload": ("none", "pipelined"),
+    "transfer": ("synchronous", "pipelined"),
 }
 _LANE_BOUND = {"h2d": "link", "d2h": "link", "compute": "compute", "comm": "comm",
-               "host": "host", "main": "serial", "accumulate": "host", "host_step": "host"}
+               "host": "host", "main": "serial", "accumulate": "host", "host_step": "host",
+               "d2d": "hbm"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
 
@@ -135,6 +138,11 @@ def compare(
         elif feature == "full-offload":
             graph = full_offload_graph(shape)
             sched = full_offload_schedule(shape, pipelined=name == "pipelined")
+        elif feature == "transfer":
+            budget = device_budget_bytes or bucket_bytes
+            graph = transfer_graph_shape(shape, budget_bytes=budget)
+            sched = (Schedule.synchronous() if name == "synchronous" else
+                     Schedule.pipelined(device_budget_bytes=budget, host_budget_bytes=budget))
         else:
             if name == "original":
                 graph, sched = local_sgd_graph(shape, variant="original"), Schedule.pipelined()

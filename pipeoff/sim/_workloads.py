@@ -20,7 +20,8 @@ from pipeoff.graph import TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
 __all__ = ["MODEL_PRESETS", "ModelShape", "local_sgd_buckets", "local_sgd_graph",
-           "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule"]
+           "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule",
+           "transfer_graph_shape"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -249,3 +250,35 @@ def local_sgd_sync_graph(shape: ModelShape, *, per_parameter: bool, bucket_bytes
     return sync_graph(local_sgd_buckets(shape, per_parameter=per_parameter,
                                         bucket_bytes=bucket_bytes,
                                         bytes_per_elem=bytes_per_elem), None)
+
+
+def transfer_graph_shape(shape: ModelShape, *, budget_bytes: int, wire: str = "device",
+                         target_itemsize: int = 2, rank: int = 0) -> TaskGraph:
+    """Rank ``rank``'s part of an RL weight broadcast, built by ``StateTransfer``'s own
+    planner and graph builder, shape only: FP32 masters in pinned host memory, sharded
+    ``Shard(0)`` over ``shape.fsdp`` ranks, into replicated targets (BF16 by default) on
+    the device of every rank, with ``budget_bytes`` of staging on the wire's side."""
+    import torch
+
+    from pipeoff.transfer._graph import transfer_graph
+    from pipeoff.transfer._plan import ALIGN, Piece, plan_transfer
+
+    world = shape.fsdp
+    dtype = {2: torch.bfloat16, 4: torch.float32}[target_itemsize]
+    sources: list[list[Piece]] = [[] for _ in range(world)]
+    for name, gshape in shape.global_shapes:
+        rows = math.ceil(gshape[0] / world)
+        for r in range(world):
+            lo = min(r * rows, gshape[0])
+            size = min(rows, gshape[0] - lo)
+            sources[r].append(Piece(key=name, global_shape=gshape,
+                                    offsets=(lo,) + (0,) * (len(gshape) - 1),
+                                    sizes=(size,) + gshape[1:], dtype=torch.float32))
+    targets = [[Piece(key=name, global_shape=g, offsets=(0,) * len(g), sizes=g, dtype=dtype)
+                for name, g in shape.global_shapes] for _ in range(world)]
+    capacity = budget_bytes // 2 if budget_bytes // 2 >= ALIGN else budget_bytes
+    plan = plan_transfer(sources, targets, capacity=[capacity] * world,
+                         casts=[[("*", dtype)]] * world, local_capacity=[budget_bytes] * world)
+    names = {name: "host" for name, _ in shape.global_shapes}
+    return transfer_graph(plan, rank, src_where=names,
+                          dst_where=dict.fromkeys(names, "device"), wire=wire, device=None)

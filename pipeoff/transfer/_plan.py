@@ -247,13 +247,14 @@ def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence
     if problems:
         raise PlanRefusal(problems)
 
-    # Every (target box x source box) intersection, in a fixed order.
+    # Every (source box x target box) intersection, in a fixed order: a source box's
+    # destinations next to each other, so that the same region sent to several ranks
+    # (replicated targets) lands in one round and is packed once.
     pairs: list[tuple[str, int, int, Box, torch.dtype]] = []
     for key, grp in groups.items():
-        for d, t in dst_by_key[key]:
-            tbox = (t.offsets, t.sizes)
-            for box, holders in grp:
-                region = _intersect(box, tbox)
+        for box, holders in grp:
+            for d, t in dst_by_key[key]:
+                region = _intersect(box, (t.offsets, t.sizes))
                 if region is None:
                     continue
                 s = d if d in holders else holders[d % len(holders)]
@@ -283,28 +284,41 @@ def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence
             segments.append(tuple(tuple(row) for row in seg))
         cur, seg, load, local = [], [[0] * world for _ in range(world)], [0] * world, [0] * world
 
-    for key, s, d, (lo, size), dtype in pairs:
-        # Remote runs: half the smaller capacity, so that a run fits any round with room
-        # for it. Local runs: the whole local capacity (they stage nothing).
-        max_bytes = (local_cap[s] if s == d else min(capacity[s], capacity[d]) // 2)
-        max_bytes = max(_align(dtype.itemsize), max_bytes // ALIGN * ALIGN)
-        for blo, bsz in _split(lo, size, max(1, max_bytes // dtype.itemsize)):
-            b = _align(math.prod(bsz) * dtype.itemsize)
-            if s == d:
+    # The destinations of one source region (replicated targets share it), in order.
+    fans: dict[tuple[str, int, Box, torch.dtype], list[int]] = {}
+    for key, s, d, region, dtype in pairs:
+        fans.setdefault((key, s, region, dtype), []).append(d)
+    for (key, s, (lo, size), dtype), dests in fans.items():
+        item = _align(dtype.itemsize)
+        if s in dests:
+            # Local runs: the whole local capacity (they stage nothing).
+            per = max(item, local_cap[s] // ALIGN * ALIGN) // dtype.itemsize
+            for blo, bsz in _split(lo, size, max(1, per)):
+                b = _align(math.prod(bsz) * dtype.itemsize)
                 if local[s] + b > local_cap[s]:
                     close()
                 local[s] += b
-                cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
+                cur.append(Run(key=key, src=s, dst=s, lo=blo, size=bsz, dtype=dtype,
                                offset=-1))
-                continue
-            if load[s] + b > capacity[s] or load[d] + b > capacity[d]:
+        remote = [d for d in dests if d != s]
+        if not remote:
+            continue
+        # Remote runs: a piece and its copies for every destination fit in half the
+        # smallest capacity, so they share a round (and the piece is packed once).
+        cap = min(capacity[r] for r in (s, *remote)) // 2 // len(remote)
+        per = max(item, cap // ALIGN * ALIGN) // dtype.itemsize
+        for blo, bsz in _split(lo, size, max(1, per)):
+            b = _align(math.prod(bsz) * dtype.itemsize)
+            if (load[s] + b * len(remote) > capacity[s]
+                    or any(load[d] + b > capacity[d] for d in remote)):
                 close()
-            offset = seg[s][d]
-            seg[s][d] += b
-            load[d] += b
-            load[s] += b
-            cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
-                           offset=offset))
+            for d in remote:
+                offset = seg[s][d]
+                seg[s][d] += b
+                load[d] += b
+                load[s] += b
+                cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
+                               offset=offset))
     close()
     return TransferPlan(world=world, rounds=tuple(rounds), segments=tuple(segments))
 

@@ -317,6 +317,7 @@ class StateTransfer:
 
     def _copy_runs(self, phase: str, runs: Sequence[Run], wire: torch.Tensor | None,
                    base: list[int]) -> None:
+        packed: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
         for u in runs:
             if phase == "copy":
                 dst = self.targets[u.key].region(u.lo, u.size)
@@ -327,7 +328,13 @@ class StateTransfer:
                 at = base[peer] + u.offset
                 view = wire[at:at + u.nbytes].view(u.dtype).view(u.size)
                 if phase == "pack":
-                    dst, src = view, self.sources[u.key].region(u.lo, u.size)
+                    # The same region for several ranks (replicated targets) crosses
+                    # from its source once; the other copies are made on the wire's
+                    # side (in order on this task's stream).
+                    dst = view
+                    src = packed.setdefault((u.key, u.lo, u.size), view)
+                    if src is view:
+                        src = self.sources[u.key].region(u.lo, u.size)
                 else:
                     dst, src = self.targets[u.key].region(u.lo, u.size), view
             # Asynchronous when one side is pinned host memory: the lane's

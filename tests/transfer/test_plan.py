@@ -166,3 +166,13 @@ def test_ten_thousand_tensors_plan() -> None:
     dsts = [[whole(s, key=f"p{k}") for k, s in enumerate(shapes)], []]
     plan = plan_transfer(srcs, dsts, capacity=[8 << 20, 8 << 20])
     assert plan.nbytes == sum(math.prod(s) * 4 for s in shapes)
+
+
+def test_a_region_for_several_ranks_shares_a_round_so_it_is_packed_once() -> None:
+    shape = (7, 33)
+    srcs = [[piece((3 * r, 0), (min(3, 7 - 3 * r), 33), shape)] for r in range(3)]
+    plan = plan_transfer(srcs, [[whole(shape)] for _ in range(3)], capacity=[256] * 3)
+    for runs in plan.rounds:
+        remote = [(u.src, u.lo, u.size) for u in runs if u.src != u.dst]
+        # Every piece a rank sends goes to both of its peers in the same round.
+        assert all(remote.count(r) == 2 for r in remote), remote

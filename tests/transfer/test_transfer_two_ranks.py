@@ -138,3 +138,11 @@ def test_a_removed_wait_on_the_wire_path_is_a_race(case: str,
     seen = list(run_two_ranks(transfer_worker.mutation_worker).values())
     assert "race" in seen, seen
     assert True not in seen, seen
+
+
+def test_three_ranks_pack_a_region_sent_to_two_peers_once() -> None:
+    out = run_two_ranks(transfer_worker.three_rank_worker, world=3)
+    for rank, res in out.items():
+        assert "crash" not in res, f"rank {rank}:\n{res['crash']}"
+        assert all(res["host"]["bitwise"].values()) and all(res["host"]["padding"].values())
+        assert res["sim-host"] is True and res["sim-device"] is True, res

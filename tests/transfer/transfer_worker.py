@@ -409,3 +409,22 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["crash"] = traceback.format_exc()
     queue.put((rank, out))
     dist.destroy_process_group()
+
+
+def three_rank_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    """Replicated targets over three ranks: each source region goes to two peers and is
+    packed once (the second copy made on the wire's side), on both wires."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    out: dict[str, Any] = {}
+    try:
+        out["host"] = case_replicated(rank, world, torch.float32, torch.bfloat16, True, 512)
+        for wire in ("host", "device"):
+            out[f"sim-{wire}"] = _sim_transfer(rank, world, wire, "pinned", "device", None)
+    except BaseException:
+        out["crash"] = traceback.format_exc()
+    queue.put((rank, out))
+    dist.destroy_process_group()
