@@ -38,6 +38,7 @@ from pipeoff.optim._full_graph import (
     pieces,
     plan_chunks,
 )
+from pipeoff.optim._readers import Readers
 from pipeoff.optim._tensors import flat, flat_like, host_alloc, memory_order, snapshot
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
@@ -325,6 +326,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         micro-step's accumulations wait for it."""
         self._dirty: BaseException | None = None
         self._torn: str | None = None
+        self._readers = Readers()  # state transfers reading the host state
         self._stale: BaseException | None = None
         self._no_sync = 0
         self._hooked: dict[int, Any] = {}
@@ -783,6 +785,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             acc.final = ms
             if self.overlap == "backward":
                 acc.hyper = self._capture_hyper()
+        if final:
+            # The final micro-step's graph steps the masters and moments (under
+            # overlap="backward" during this backward): after running transfers.
+            self._readers.wait()
         if final or self.accumulate == "cpu":
             ms.execution = self._launch(acc, ms)
         acc.micro.append(ms)
@@ -1268,7 +1274,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: ``param`` is not a parameter of this optimizer, or it has no
                 state ``key`` (yet: moments exist from the first ``step()`` on).
+            StepFailedError: an earlier step failed after writing some masters.
         """
+        if self._torn is not None:
+            raise StepFailedError(f"{self._torn}; its state is partly stepped")
         i = self._param_index(param)
         host = self._masters[i] if key == "master" else self._state[i].get(key)
         if host is None:
@@ -1362,6 +1371,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         Without it the next step would overwrite those weights with the old masters.
         The masters' bits below the compute dtype's precision are lost.
         """
+        self._readers.wait()
         self._quiesce()
         self._accel_sync()
         with torch.no_grad():
@@ -1426,6 +1436,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             ConfigError: not an optimizer state dict, groups of other sizes, or a
                 state tensor of another size than its parameter.
         """
+        self._readers.wait()
         with contextlib.suppress(BaseException):
             self._quiesce()
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():

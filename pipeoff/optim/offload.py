@@ -18,6 +18,7 @@ from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
 from pipeoff.optim._layout import Layout, build_layout, fingerprint
 from pipeoff.optim._plan import ChunkPlan, verify_plan
+from pipeoff.optim._readers import Readers
 from pipeoff.optim._step_graph import chunk_tasks, step_graph, step_schedule
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import host_alloc, memory_order
@@ -200,6 +201,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
         self._torn: str | None = None  # why the parameters are partly stepped, if they are
+        self._readers = Readers()  # state transfers reading the host state
+        self._step_layout: Layout | None = None  # the layout of the step in flight
         self._hooks: list[Any] = []
         self._fsdp_root: Any = None  # set by attach() on an FSDP2 root
         self._model: torch.nn.Module | None = None
@@ -313,6 +316,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ValueError: torch's own checks (a group of another size).
         """
         self.wait_for_step()
+        self._readers.wait()
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
                               f"'state' and 'param_groups'), got {type(state_dict).__name__}")
@@ -453,12 +457,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: ``param`` is not one of this optimizer's parameters.
         """
-        i = self._param_index(param)
         st = self._inflight
+        # The step in flight indexes parameters by its own layout (param_groups may
+        # have been edited since, and a read of `plan` re-plans).
+        layout = self._step_layout if st is not None and self._step_layout else self._layout
+        i = self._param_index(param, layout)
         if st is None or i not in st.updated:
             return ()
         ex = st.execution
-        names = [n for c in self._layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")
+        names = [n for c in layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")
                  if n in ex._run.index]
         return ex.events_for(names)
 
@@ -473,23 +480,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 not one of its per-element state tensors (scalar state such as
                 ``"step"`` is committed at the end of a step: read it after
                 :meth:`wait_for_step`).
+            StepFailedError: an earlier step failed after writing some state.
         """
-        i = self._param_index(param)
+        self._check_not_torn("reading the optimizer state")
         st = self._inflight
+        layout = self._step_layout if st is not None and self._step_layout else self._layout
+        i = self._param_index(param, layout)
         host = st.host_state.get(i, {}).get(key) if st is not None else None
         if host is None:
             value = self.inner.state.get(param, {}).get(key)
-            if isinstance(value, torch.Tensor) and key in self._layout.keys[i]:
+            if isinstance(value, torch.Tensor) and key in layout.keys[i]:
                 host = _local(value)
         if host is None:
             raise ConfigError(
                 f"{_describe(i, param)} has no per-element state {key!r} "
-                f"(it has {sorted(self._layout.keys[i])}); scalar state such as 'step' is "
+                f"(it has {sorted(layout.keys[i])}); scalar state such as 'step' is "
                 "committed when a step ends: read opt.state after wait_for_step()")
         return host, self.completion_for(param)
 
-    def _param_index(self, param: torch.Tensor) -> int:
-        for i, p in enumerate(self._layout.params):
+    def _param_index(self, param: torch.Tensor, layout: Layout | None = None) -> int:
+        for i, p in enumerate((layout or self._layout).params):
             if p is param:
                 return i
         raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
@@ -617,6 +627,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         self.wait_for_step()
         self._check_not_torn("step()")
+        self._readers.wait()
         with torch.profiler.record_function("pipeoff::optim::step"):
             layout = self._current_layout()
             if self.mode == "single_pass":
@@ -624,6 +635,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                               lambda: self._offload_state(layout))
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
+            self._step_layout = layout
             st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
                                prefetch=self.prefetch, budget=self.device_budget_bytes,
                                reserved=lambda p, k: self._reserved.pop((id(p), k), None))

@@ -105,7 +105,7 @@ def _copies(g: TaskGraph, phase: str, r: int, runs: list[Run],
     for (kind, lane), group in by_lane.items():
         # A pack copies a region sent to several ranks from its source once (the rest
         # are copies on the wire's side): the bytes that cross are the distinct ones.
-        moved = ({(u.key, u.lo, u.size): u.nbytes for u in group} if phase == "pack" else
+        moved = ({(u.key, u.lo, u.size, u.dtype): u.nbytes for u in group} if phase == "pack" else
                  {i: u.nbytes for i, u in enumerate(group)})
         names.append(g.add_task(
             f"{phase}{r}:{lane}", kind, copy(phase, r, group, buffer) if copy else None,

@@ -78,6 +78,9 @@ class LiveTensor:
         ready: the readiness completion(s), or ``None`` (ready now).
         replica: see above.
         dtype: the element type, needed only with ``tensor=None``.
+        optimizer: the pipeoff optimizer whose host state ``tensor`` is (set by
+            :meth:`from_optimizer`): its next step waits for a transfer that
+            reads it.
 
     Raises:
         ConfigError: an argument of the wrong type, or a box of another rank
@@ -92,6 +95,7 @@ class LiveTensor:
     ready: Any = None
     replica: bool = False
     dtype: torch.dtype | None = None
+    optimizer: Any = None
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -179,6 +183,10 @@ class LiveTensor:
         parameter's (a DTensor's box). Works on
         :class:`~pipeoff.optim.OffloadOptimizer` and
         :class:`~pipeoff.optim.FullOffloadOptimizer`, without waiting for the step.
+        The optimizer's next step (and ``load_state_dict``) waits for a transfer
+        that reads it. It is a source only: to restore optimizer state, transfer
+        into plain tensors and ``load_state_dict`` them (scalar state such as
+        Adam's ``step`` is no tensor region: it travels in the state dict).
 
         Raises:
             ConfigError: not a pipeoff optimizer, or ``param`` has no such state.
@@ -192,8 +200,8 @@ class LiveTensor:
             offsets, sizes = _compat.dtensor_box(param)
             replica = any(p.is_replicate() for p in param.placements)  # type: ignore[attr-defined]
             return cls(host, box=(offsets, sizes), global_shape=tuple(param.shape),
-                       ready=ready, replica=replica)
-        return cls(host, ready=ready)
+                       ready=ready, replica=replica, optimizer=optimizer)
+        return cls(host, ready=ready, optimizer=optimizer)
 
     # -- what the preflight reads ----------------------------------------------------
     def resolved_residency(self) -> str:

@@ -143,6 +143,12 @@ class StateTransfer:
                  schedule: Literal["pipelined", "synchronous"] = "pipelined") -> None:
         self.sources = _check_tensors("sources", sources)
         self.targets = _check_tensors("targets", targets)
+        for key, lt in self.targets.items():
+            if lt.optimizer is not None:
+                raise ConfigError(
+                    f"targets[{key!r}] is an optimizer's state (LiveTensor.from_optimizer): "
+                    "the optimizer would not know its state changed. Transfer into plain "
+                    "tensors and load them with opt.load_state_dict(...)")
         self.host_budget_bytes = _check_budget("host_budget_bytes", host_budget_bytes)
         self.device_budget_bytes = _check_budget("device_budget_bytes", device_budget_bytes)
         if cast is None:
@@ -317,7 +323,7 @@ class StateTransfer:
 
     def _copy_runs(self, phase: str, runs: Sequence[Run], wire: torch.Tensor | None,
                    base: list[int]) -> None:
-        packed: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        packed: dict[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
         for u in runs:
             if phase == "copy":
                 dst = self.targets[u.key].region(u.lo, u.size)
@@ -332,7 +338,7 @@ class StateTransfer:
                     # from its source once; the other copies are made on the wire's
                     # side (in order on this task's stream).
                     dst = view
-                    src = packed.setdefault((u.key, u.lo, u.size), view)
+                    src = packed.setdefault((u.key, u.lo, u.size, u.dtype), view)
                     if src is view:
                         src = self.sources[u.key].region(u.lo, u.size)
                 else:
@@ -462,6 +468,9 @@ class StateTransfer:
                     Schedule.pipelined(device_budget_bytes=self.device_budget_bytes,
                                        host_budget_bytes=self.host_budget_bytes))
         ex = execute(graph, schedule, backend="auto")
+        for opt in {id(lt.optimizer): lt.optimizer for lt in self.sources.values()
+                    if lt.optimizer is not None}.values():
+            opt._readers.add(ex)  # its next step waits for this transfer
 
         def translate(err: BaseException) -> BaseException:
             # A rank's own failure is reported as the torn transfer it caused (the

@@ -370,3 +370,89 @@ def test_from_optimizer_refuses_scalar_state_and_strangers() -> None:
         opt.completion_for(torch.zeros(3))
     opt.wait_for_step()
     assert opt.completion_for(p) == ()
+
+
+@pytest.mark.parametrize("kind", ["offload", "full"])
+def test_the_next_step_waits_for_a_transfer_still_reading_the_state(kind: str) -> None:
+    import threading
+
+    from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+
+    dtype = torch.bfloat16 if kind == "full" else torch.float32
+    m = _model().to(dtype)
+    names = dict(m.named_parameters())
+    opt: Any
+    if kind == "full":
+        opt, key = FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, overlap="forward"), "master"
+    else:
+        opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1), mode="overlap")
+        key = "exp_avg"
+    m(torch.randn(3, 8).to(dtype)).float().sum().backward()
+    opt.step()
+    src = {n: LiveTensor.from_optimizer(opt, p, key) for n, p in names.items()}
+    tg = {n: torch.full(tuple(v.tensor.shape), float("nan")) for n, v in src.items()}
+    with pt.hold_task(r"copy\d+:.*") as release:
+        ex = StateTransfer(src, {n: LiveTensor(t) for n, t in tg.items()}).launch()
+        opt.wait_for_step()
+        ref = {n: opt.state[p][key].clone() for n, p in names.items()}
+        opt.zero_grad()
+        # The transfer is held: the next step (for full offload: its final backward,
+        # which launches the step) must wait for it rather than overwrite its sources.
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        m(torch.randn(3, 8).to(dtype)).float().sum().backward()
+        opt.step()
+        assert ex.done()
+        opt.wait_for_step()
+        timer.join()
+    ex.wait()
+    assert all(torch.equal(tg[n], ref[n]) for n in names)
+    assert not all(torch.equal(tg[n], opt.state[p][key]) for n, p in names.items())
+
+
+def test_optimizer_state_is_a_source_only_and_a_torn_optimizer_refuses_it() -> None:
+    from pipeoff.optim import OffloadOptimizer
+
+    m = _model()
+    opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1), mode="overlap",
+                           chunk_bytes=256)
+    m(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    p = next(m.parameters())
+    lt = LiveTensor.from_optimizer(opt, p, "exp_avg")
+    with pytest.raises(ConfigError, match="optimizer's state"):
+        StateTransfer({"w": LiveTensor(torch.zeros_like(lt.tensor))}, {"w": lt})
+    opt.wait_for_step()
+    opt.zero_grad()
+    m(torch.randn(3, 8)).sum().backward()
+    with pt.fail_work(r"opt3"):
+        opt.step()
+        with pytest.raises(RuntimeError):
+            opt.wait_for_step()
+    with pytest.raises(pipeoff.StepFailedError):
+        LiveTensor.from_optimizer(opt, p, "exp_avg")
+
+
+def test_from_optimizer_maps_through_the_layout_of_the_step_in_flight() -> None:
+    from pipeoff.optim import OffloadOptimizer
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(4, 4))
+    b = torch.nn.Parameter(torch.randn(4, 4))
+    opt = OffloadOptimizer(torch.optim.AdamW([a, b], lr=0.1), mode="overlap", chunk_bytes=64)
+    for step in range(2):
+        (a.sum() + (b * 3).sum()).backward()
+        with pt.delay_lane("compute", 0.03):
+            opt.step()
+            if step == 1:
+                group = opt.param_groups[0]["params"]
+                group[0], group[1] = group[1], group[0]  # edited in place
+                assert opt.plan is not None  # re-plans without waiting
+            src = {"a": LiveTensor.from_optimizer(opt, a, "exp_avg"),
+                   "b": LiveTensor.from_optimizer(opt, b, "exp_avg")}
+            tg = {k: torch.full((4, 4), float("nan")) for k in src}
+            StateTransfer(src, {k: LiveTensor(t) for k, t in tg.items()}).run()
+        opt.wait_for_step()
+        assert torch.equal(tg["a"], opt.state[a]["exp_avg"]), step
+        assert torch.equal(tg["b"], opt.state[b]["exp_avg"]), step
+        opt.zero_grad()

@@ -146,3 +146,4 @@ def test_three_ranks_pack_a_region_sent_to_two_peers_once() -> None:
         assert "crash" not in res, f"rank {rank}:\n{res['crash']}"
         assert all(res["host"]["bitwise"].values()) and all(res["host"]["padding"].values())
         assert res["sim-host"] is True and res["sim-device"] is True, res
+        assert res["mixed"] is True, (rank, res["mixed"])

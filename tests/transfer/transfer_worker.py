@@ -411,6 +411,21 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
     dist.destroy_process_group()
 
 
+def case_mixed_dtypes(rank: int) -> bool:
+    """Rank 0's FP32 tensor to a BF16 target (cast) on rank 1 and an FP32 one on rank 2:
+    the same region, packed once per dtype."""
+    from pipeoff.transfer import LiveTensor, StateTransfer
+
+    full = _full((6, 9), torch.float32, seed=7)
+    src = {"w": LiveTensor(full)} if rank == 0 else {}
+    dtype = torch.bfloat16 if rank == 1 else torch.float32
+    dst = torch.zeros(6, 9, dtype=dtype)
+    tgt = {"w": LiveTensor(dst)} if rank else {}
+    StateTransfer(src, tgt, host_budget_bytes=1024,
+                  cast={"w": torch.bfloat16} if rank == 1 else None).run()
+    return rank == 0 or torch.equal(dst, full.to(dtype))
+
+
 def three_rank_worker(rank: int, world: int, port: int, queue: Any) -> None:
     """Replicated targets over three ranks: each source region goes to two peers and is
     packed once (the second copy made on the wire's side), on both wires."""
@@ -424,6 +439,7 @@ def three_rank_worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["host"] = case_replicated(rank, world, torch.float32, torch.bfloat16, True, 512)
         for wire in ("host", "device"):
             out[f"sim-{wire}"] = _sim_transfer(rank, world, wire, "pinned", "device", None)
+        out["mixed"] = case_mixed_dtypes(rank)
     except BaseException:
         out["crash"] = traceback.format_exc()
     queue.put((rank, out))
