@@ -15,6 +15,7 @@ from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
 from pipeoff.schedule import Schedule
+from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
 from pipeoff.transfer._graph import transfer_graph
 from pipeoff.transfer._live import LiveTensor, alias_problems, readiness_problem
@@ -448,12 +449,40 @@ class StateTransfer:
         ex._run.on_complete(lambda: _running_groups.discard(key))
         return ex
 
+    def reserve(self) -> dict[str, int]:
+        """Allocate, collectively and ahead of time, the staging blocks a launch of this
+        transfer will use, so that running it allocates nothing (pinned allocation
+        stalls the device, and under NCCL can deadlock against peers in a collective).
+        Later transfers with the same plan reuse them.
+
+        Returns:
+            Bytes reserved, by ``"device"`` and ``"host"``.
+
+        Raises:
+            TransferRefusedError: the pieces cannot be transferred (on every rank).
+        """
+        plan = self._plan()
+        graph = transfer_graph(plan, self.rank, src_where=self._where(self.sources),
+                               dst_where=self._where(self.targets), wire=self.wire,
+                               device=self._device)
+        return reserve_for(graph, self._schedule())
+
+    @staticmethod
+    def _where(pieces: Mapping[str, LiveTensor]) -> dict[str, str]:
+        return {k: _where(lt.resolved_residency()) for k, lt in pieces.items()}
+
+    def _schedule(self) -> Schedule:
+        if self.schedule == "synchronous":
+            return Schedule.synchronous()
+        return Schedule.pipelined(device_budget_bytes=self.device_budget_bytes,
+                                  host_budget_bytes=self.host_budget_bytes)
+
     def _launch(self) -> Execution:
         plan = self._plan()
         self.last_plan = plan
         rank = self.rank
-        src_where = {k: _where(lt.resolved_residency()) for k, lt in self.sources.items()}
-        dst_where = {k: _where(lt.resolved_residency()) for k, lt in self.targets.items()}
+        src_where = self._where(self.sources)
+        dst_where = self._where(self.targets)
         state = _State(writers={})
         graph = transfer_graph(
             plan, rank, src_where=src_where, dst_where=dst_where, wire=self.wire,
@@ -464,10 +493,7 @@ class StateTransfer:
             m = re.match(r"(?:unpack|copy)(\d+):", name)
             if m:
                 state.writers.setdefault(int(m.group(1)), set()).add(name)
-        schedule = (Schedule.synchronous() if self.schedule == "synchronous" else
-                    Schedule.pipelined(device_budget_bytes=self.device_budget_bytes,
-                                       host_budget_bytes=self.host_budget_bytes))
-        ex = execute(graph, schedule, backend="auto")
+        ex = execute(graph, self._schedule(), backend="auto")
         for opt in {id(lt.optimizer): lt.optimizer for lt in self.sources.values()
                     if lt.optimizer is not None}.values():
             opt._readers.add(ex)  # its next step waits for this transfer

@@ -106,6 +106,7 @@ def test_launching_twice_aliasing_parameters_and_global_ranks(ranks: dict[int, A
         assert misc["second_launch"] is True and misc["first_done"], (rank, misc)
         assert misc["inplace_reshard"] == (0, True), (rank, misc)
         assert misc["inplace_gather"] and misc["parameters"], (rank, misc)
+        assert misc["reserved"] == (True, True), (rank, misc)
     assert ranks[1]["misc"]["global_rank"] == 1
 
 

@@ -260,6 +260,15 @@ def case_misc(rank: int, world: int) -> dict[str, Any]:
     StateTransfer({"w": LiveTensor(q, box=((rank * 4, 0), (4, 4)), global_shape=(8, 4))},
                   {"w": LiveTensor(p)}, host_budget_bytes=64).run()
     out["parameters"] = torch.equal(p.detach(), full) and p.grad_fn is None
+    # Staging reserved ahead (collectively): the transfer then allocates nothing.
+    from pipeoff.staging import host_pool
+
+    t = StateTransfer(src, {"w": LiveTensor(torch.zeros(8, 4))}, host_budget_bytes=96)
+    reserved = t.reserve()
+    before = host_pool().stats().allocations
+    t.run()
+    t.run()
+    out["reserved"] = (reserved["host"] > 0, host_pool().stats().allocations == before)
     # Errors name global ranks: rank 1 alone in a group of its own is group rank 0.
     solo = dist.new_group([1])
     if rank == 1:
