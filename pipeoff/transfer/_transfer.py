@@ -236,7 +236,16 @@ class StateTransfer:
                 "problems": problems}
 
     def _plan(self) -> TransferPlan:
-        mine = self._describe()
+        try:
+            mine = self._describe()
+        except Exception as err:  # noqa: BLE001 - told to every rank, not raised alone
+            import pipeoff
+
+            # Raising here alone would leave the peers waiting in the collective.
+            mine = {"version": pipeoff.__version__, "wire": self.wire, "capacity": ALIGN,
+                    "local_capacity": ALIGN, "casts": (), "src": [], "dst": [],
+                    "problems": [("*", f"describing its pieces raised "
+                                       f"{type(err).__name__}: {err}")]}
         everyone = self._gather(mine)
         problems = [(r, k, why) for r, d in enumerate(everyone) for k, why in d["problems"]]
         for r, d in enumerate(everyone):
@@ -367,6 +376,8 @@ class StateTransfer:
                 flag = torch.tensor([int(bad)], dtype=torch.int32, device=dev)
                 # Every rank joins, a failed one too, so that no peer waits in vain.
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                # A host read of the flag (on a device wire, it synchronizes the comm
+                # stream): every rank must take the same branch before the all-to-all.
                 if int(flag.item()):
                     state.aborted = True
                     return

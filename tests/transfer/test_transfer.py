@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from transfer_worker import SENTINEL, corner, padding_kept  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing as pt
@@ -13,7 +14,6 @@ from pipeoff import ConfigError, TaskGraph, TaskKind, execute
 from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError, TransferTornError
 
 SHAPES = [(3, 1000), (5, 7), (1,), (0, 4), (4, 3, 2), ()]
-SENTINEL = -7.0
 
 
 def padded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -21,16 +21,6 @@ def padded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
     storage = torch.full(tuple(s + 1 for s in shape), SENTINEL).to(dtype)
     return storage, LiveTensor(storage, box=((0,) * len(shape), shape), global_shape=shape,
                                residency=residency)
-
-
-def corner(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return t[tuple(slice(0, s) for s in shape)]
-
-
-def padding_kept(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    mask = torch.ones(t.shape, dtype=torch.bool)
-    mask[tuple(slice(0, s) for s in shape)] = False
-    return bool((t[mask].float() == SENTINEL).all())
 
 
 def fulls(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -456,3 +446,13 @@ def test_from_optimizer_maps_through_the_layout_of_the_step_in_flight() -> None:
         assert torch.equal(tg["a"], opt.state[a]["exp_avg"]), step
         assert torch.equal(tg["b"], opt.state[b]["exp_avg"]), step
         opt.zero_grad()
+
+
+def test_a_failure_describing_the_pieces_is_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Raised on one rank alone, it would leave the others in the preflight collective.
+    def boom(self: LiveTensor) -> None:
+        raise RuntimeError("an odd tensor")
+
+    monkeypatch.setattr(LiveTensor, "target_problem", boom)
+    with pytest.raises(TransferRefusedError, match="describing its pieces raised RuntimeError"):
+        StateTransfer({"w": LiveTensor(torch.ones(2))}, {"w": LiveTensor(torch.zeros(2))}).run()

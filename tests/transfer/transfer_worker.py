@@ -54,11 +54,11 @@ def _padded_target(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Te
     return storage, LiveTensor(storage, box=((0,) * len(shape), shape), global_shape=shape)
 
 
-def _corner(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def corner(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t[tuple(slice(0, s) for s in shape)]
 
 
-def _padding_kept(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+def padding_kept(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
     mask = torch.ones(t.shape, dtype=torch.bool)
     mask[tuple(slice(0, s) for s in shape)] = False
     return bool((t[mask].float() == SENTINEL).all())
@@ -77,9 +77,9 @@ def case_replicated(rank: int, world: int, src_dtype: torch.dtype, dst_dtype: to
     summary = t.last_trace.summary()  # type: ignore[union-attr]
     assert t.last_plan is not None
     return {
-        "bitwise": {k: torch.equal(_corner(tg[k][0], tuple(f.shape)), f.to(dst_dtype))
+        "bitwise": {k: torch.equal(corner(tg[k][0], tuple(f.shape)), f.to(dst_dtype))
                     for k, f in fulls.items()},
-        "padding": {k: _padding_kept(tg[k][0], tuple(f.shape)) for k, f in fulls.items()},
+        "padding": {k: padding_kept(tg[k][0], tuple(f.shape)) for k, f in fulls.items()},
         "rounds": len(t.last_plan.rounds),
         "peak": (summary.peak_host_staging_bytes, summary.peak_device_staging_bytes),
         "signature": t.last_plan.signature(),
@@ -212,7 +212,7 @@ def case_torn(rank: int, world: int, faulty: int = 1) -> dict[str, Any]:
                    cause=type(err.__cause__).__name__)
     out["seconds"] = time.monotonic() - start
     t.run()  # the same transfer again succeeds: staging was released, no rank is stuck
-    out["second"] = torch.equal(_corner(storage, (6, 40)), full)
+    out["second"] = torch.equal(corner(storage, (6, 40)), full)
     return out
 
 
