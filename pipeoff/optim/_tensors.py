@@ -78,6 +78,21 @@ def describe(i: int, p: torch.Tensor) -> str:
     return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype}, on {local(p).device})"
 
 
+def index_of(params: Sequence[torch.Tensor], param: torch.Tensor) -> int:
+    """The position of ``param`` in ``params``, by identity.
+
+    Raises:
+        ConfigError: it is not there.
+    """
+    for i, p in enumerate(params):
+        if p is param:
+            return i
+    from pipeoff._errors import ConfigError
+
+    raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
+                      "this optimizer (compare by identity)")
+
+
 def numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:

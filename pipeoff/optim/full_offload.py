@@ -39,7 +39,7 @@ from pipeoff.optim._full_graph import (
     plan_chunks,
 )
 from pipeoff.optim._readers import Readers
-from pipeoff.optim._tensors import flat, flat_like, host_alloc, memory_order, snapshot
+from pipeoff.optim._tensors import flat, flat_like, host_alloc, index_of, memory_order, snapshot
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.optim._waits import ForwardWaits
@@ -1256,7 +1256,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: ``param`` is not one of this optimizer's parameters.
         """
-        i = self._param_index(param)
+        i = index_of(self._params, param)
         inflight = self._inflight
         if inflight is None or inflight[1].execution is None:
             return ()
@@ -1278,20 +1278,13 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._torn is not None:
             raise StepFailedError(f"{self._torn}; its state is partly stepped")
-        i = self._param_index(param)
+        i = index_of(self._params, param)
         host = self._masters[i] if key == "master" else self._state[i].get(key)
         if host is None:
             raise ConfigError(
                 f"parameter {i} has no state {key!r} (it has 'master' and "
                 f"{sorted(self._state[i])}; moments exist from the first step() on)")
         return host, self.completion_for(param)
-
-    def _param_index(self, param: torch.Tensor) -> int:
-        for i, p in enumerate(self._params):
-            if p is param:
-                return i
-        raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
-                          "this optimizer (compare by identity)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (and a failed accumulation); ``param.grad``

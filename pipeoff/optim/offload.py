@@ -21,7 +21,7 @@ from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._step_graph import chunk_tasks, step_graph, step_schedule
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc, memory_order
+from pipeoff.optim._tensors import host_alloc, index_of, memory_order
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.optim._waits import ForwardWaits
@@ -461,7 +461,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # The step in flight indexes parameters by its own layout (param_groups may
         # have been edited since, and a read of `plan` re-plans).
         layout = self._step_layout if st is not None and self._step_layout else self._layout
-        i = self._param_index(param, layout)
+        i = index_of(layout.params, param)
         if st is None or i not in st.updated:
             return ()
         ex = st.execution
@@ -485,7 +485,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._check_not_torn("reading the optimizer state")
         st = self._inflight
         layout = self._step_layout if st is not None and self._step_layout else self._layout
-        i = self._param_index(param, layout)
+        i = index_of(layout.params, param)
         host = st.host_state.get(i, {}).get(key) if st is not None else None
         if host is None:
             value = self.inner.state.get(param, {}).get(key)
@@ -497,13 +497,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"(it has {sorted(layout.keys[i])}); scalar state such as 'step' is "
                 "committed when a step ends: read opt.state after wait_for_step()")
         return host, self.completion_for(param)
-
-    def _param_index(self, param: torch.Tensor, layout: Layout | None = None) -> int:
-        for i, p in enumerate((layout or self._layout).params):
-            if p is param:
-                return i
-        raise ConfigError(f"a tensor of shape {list(param.shape)} that is not a parameter of "
-                          "this optimizer (compare by identity)")
 
     @property
     def last_execution(self) -> Execution | None:

@@ -473,13 +473,13 @@ class StateTransfer:
             TransferRefusedError: the pieces cannot be transferred (on every rank).
         """
         plan = self._plan()
-        graph = transfer_graph(plan, self.rank, src_where=self._where(self.sources),
-                               dst_where=self._where(self.targets), wire=self.wire,
+        graph = transfer_graph(plan, self.rank, src_where=self._memory_of(self.sources),
+                               dst_where=self._memory_of(self.targets), wire=self.wire,
                                device=self._device)
         return reserve_for(graph, self._schedule())
 
     @staticmethod
-    def _where(pieces: Mapping[str, LiveTensor]) -> dict[str, str]:
+    def _memory_of(pieces: Mapping[str, LiveTensor]) -> dict[str, str]:
         return {k: _where(lt.resolved_residency()) for k, lt in pieces.items()}
 
     def _schedule(self) -> Schedule:
@@ -492,8 +492,8 @@ class StateTransfer:
         plan = self._plan()
         self.last_plan = plan
         rank = self.rank
-        src_where = self._where(self.sources)
-        dst_where = self._where(self.targets)
+        src_where = self._memory_of(self.sources)
+        dst_where = self._memory_of(self.targets)
         state = _State(writers={})
         graph = transfer_graph(
             plan, rank, src_where=src_where, dst_where=dst_where, wire=self.wire,

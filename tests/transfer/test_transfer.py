@@ -320,12 +320,13 @@ def test_full_offload_masters_to_bf16_targets_right_after_step(readiness: bool) 
     names = dict(m.named_parameters())
     rollout = {n: torch.full(tuple(p.shape), SENTINEL, dtype=torch.bfloat16)
                for n, p in names.items()}
-    m(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()
     # With readiness the transfer waits for the (late) step; without, the step is held
-    # until the transfer is done, so it reads the masters from before it.
+    # until the transfer is done, so it reads the masters from before it. (The final
+    # backward launches the step's execution, which takes the hooks installed then.)
     late = (pt.delay_lane("host_step", 0.05) if readiness
             else pt.hold_task("step:\\d+"))
     with late as release:
+        m(torch.randn(3, 8).to(torch.bfloat16)).float().sum().backward()
         opt.step()
         src = {n: LiveTensor.from_optimizer(opt, p, "master") for n, p in names.items()}
         if not readiness:
