@@ -26,6 +26,31 @@ _gated: weakref.WeakSet[Run] = weakref.WeakSet()
 """Executions in flight that have gates."""
 
 
+SIGNAL_CHECK_S = 0.05
+"""Longest slice of a main-thread wait (see :func:`wait_event`)."""
+
+
+def wait_event(ev: threading.Event, timeout: float | None) -> bool:
+    """``ev.wait(timeout)``; on the main thread, in slices of :data:`SIGNAL_CHECK_S`.
+
+    Hazard: Ctrl-C lost until the wait ends. CPython runs a signal's handler
+    when the blocking call it interrupted returns; a SIGINT that lands after
+    the waiting thread's last bytecode but before it blocks interrupts
+    nothing, and the ``KeyboardInterrupt`` would come only when the wait is
+    over (never, for a wait on a hung collective). A slice's end runs it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return ev.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = SIGNAL_CHECK_S if deadline is None else min(
+            SIGNAL_CHECK_S, deadline - time.monotonic())
+        if ev.wait(max(0.0, left)):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
 def abandon_gated(why: str) -> None:
     """Fail every execution in flight that waits on a gate nobody has opened."""
     for run in list(_gated):
@@ -115,7 +140,7 @@ class Run:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 return False
-            ev.wait(timeout)
+            wait_event(ev, timeout)
             if status[i] != PENDING:
                 return True
             # A stale wake-up from an earlier wait of this thread: wait again.
@@ -125,7 +150,7 @@ class Run:
         if self.all_done.is_set():
             return True
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self.all_done.wait(timeout)
+        return wait_event(self.all_done, timeout)
 
     @property
     def complete(self) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
+
+from pipeoff._lowlevel import settle
 
 __all__ = ["Readers"]
 
@@ -28,10 +29,18 @@ class Readers:
             self._running.append(execution)
 
     def wait(self) -> None:
+        """Block until every registered execution is done.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while waiting; the executions not yet done
+                stay registered, so the next :meth:`wait` waits for them.
+        """
         with self._lock:
-            running, self._running = self._running, []
+            running = list(self._running)
         for ex in running:
             # Hazard: the next step (or a load) overwriting host state that a
             # transfer launched after the previous step is still copying.
-            with contextlib.suppress(BaseException):
-                ex.wait()
+            settle(ex)  # its failure is the transfer's caller's to report
+            with self._lock:
+                if ex in self._running:
+                    self._running.remove(ex)

@@ -25,6 +25,7 @@ from pipeoff._errors import (
     StepFailedError,
     UnsupportedOptimizerError,
 )
+from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Completion, Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
@@ -625,13 +626,23 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             self._settle_deferred()
             if not fin.ended:
                 return  # inside that backward: nothing more can be waited for here
-            with contextlib.suppress(BaseException):
-                ex.wait(timeout=self.timeout)
+            settle(ex, timeout=self.timeout)  # its failure is classified below
             if ex.exception is not None:
                 assert acc is not None
                 self._acc_state = None
                 self.last_trace = ex.trace
                 self._classify(ex, _root_cause(acc, ex.exception))
+
+    def _quiesce_keeping_failures(self) -> None:
+        """:meth:`_quiesce`, without raising a failed step's error (its state, torn, stale
+        or dirty, is recorded and said by the next step); an interrupt is raised."""
+        try:
+            self.wait_for_step()
+        except BaseException:
+            if self._inflight is not None:
+                raise  # the wait was interrupted: the step is still in flight
+            # The step failed: wait_for_step() classified it.
+        self._quiesce()
 
     def _accel_sync(self) -> None:
         if _accel.current().is_device(self.device):
@@ -1077,8 +1088,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             ms = self._micro
             self._abandon(ms, "step() was called before its backward finished")
             if ms.execution is not None:
-                with contextlib.suppress(BaseException):
-                    ms.execution.wait(timeout=self.timeout)
+                settle(ms.execution, timeout=self.timeout)  # failed by _abandon
         if self._dirty is not None or any(
                 ms.execution is not None and ms.execution.done()
                 and ms.execution.exception is not None for ms in acc.micro):
@@ -1090,8 +1100,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     continue
                 self._abandon(ms, "an earlier failure of this step",
                               GradientError("an earlier failure of this step"))
-                with contextlib.suppress(BaseException):
-                    ex.wait(timeout=self.timeout)
+                settle(ex, timeout=self.timeout)  # its failure is classified below
                 if ex.exception is not None:
                     self._dirty = self._dirty or ex.exception
                 if ms.final and ex.done():
@@ -1121,13 +1130,6 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     "hyperparameters (an LR scheduler's step()) after opt.step()")
         else:
             fin.execution.gate("step").open(hyper)
-            if "norm_allreduce" in fin.execution.plan.order:
-                # Hazard: the lane's all-reduce of the norm and the caller's next
-                # collectives (FSDP2's all-gathers in the next forward) issued on
-                # one process group from two threads, in an order that may differ
-                # between ranks. The norm is known once the backward is over.
-                with contextlib.suppress(BaseException):
-                    fin.execution.wait("norm_allreduce", timeout=self.timeout)
         self._inflight = (acc, fin)
         self._acc_state = None
         asynchronous = self.overlap == "forward" or (
@@ -1144,12 +1146,34 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     RuntimeWarning, stacklevel=2)
             asynchronous = False
         if not asynchronous:
-            self.wait_for_step()
+            try:
+                self.wait_for_step()
+            except KeyboardInterrupt as err:
+                # A synchronous step is all or nothing for its caller: let it
+                # finish, then pass the interrupt on. (A second interrupt leaves
+                # it in flight; wait_for_step() ends it.)
+                self.wait_for_step()
+                err.add_note("pipeoff: the step completed before the interrupt was passed "
+                             "on; do not step again for the same gradients.")
+                raise
             return None
         layout = _WaitLayout(self._params, self._chunks_of, self.device)
         wait_step: Any = _WaitStep(
             fin.execution, tuple(f"h2d:{k}" for k in range(len(self._chunks))))
         self._waits.begin(wait_step, layout, sorted(acc.touched))  # type: ignore[arg-type]
+        if "norm_allreduce" in fin.execution.plan.order:
+            # Hazard: the lane's all-reduce of the norm and the caller's next
+            # collectives (FSDP2's all-gathers in the next forward) issued on
+            # one process group from two threads, in an order that may differ
+            # between ranks. The norm is known once the backward is over.
+            try:
+                settle(fin.execution, "norm_allreduce", timeout=self.timeout)
+            except BaseException as err:
+                err.add_note("pipeoff: interrupted while waiting for the clipping norm's "
+                             "all-reduce; the step goes on (the forward waits for its "
+                             "weights) and must not be repeated. Call wait_for_step() to "
+                             "wait for it.")
+                raise
         return None
 
     @property
@@ -1232,7 +1256,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         try:
             ex.wait(timeout=self.timeout)
         except BaseException as err:
-            if ex.exception is None:
+            if not is_failure_of(err, ex):
                 raise  # interrupted or timed out: still in flight
             self._inflight = None
             self._waits.end()
@@ -1319,8 +1343,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     # that never ended) would hold its lanes until the timeout.
                     self._abandon(ms, "zero_grad() discarded the micro-step",
                                   GradientError("zero_grad() discarded this micro-step"))
-                    with contextlib.suppress(BaseException):
-                        ex.wait(timeout=self.timeout)
+                    settle(ex, timeout=self.timeout)  # its failure is classified below
                     cause = ex.exception or self._dirty
                     if ms.final and ex.done() and cause is not None:
                         # Chunks that stepped before the failure make a torn step,
@@ -1333,8 +1356,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
 
     def refresh_device_weights(self) -> None:
         """Write every device weight from its master (the truth), e.g. after a failed copy."""
-        with contextlib.suppress(BaseException):
-            self._quiesce()
+        self._quiesce_keeping_failures()
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 loc = _local(p)
@@ -1348,8 +1370,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             for ms in acc.micro:
                 if ms.execution is not None:
                     self._abandon(ms, "discarded", GradientError("discarded"))
-                    with contextlib.suppress(BaseException):
-                        ms.execution.wait(timeout=self.timeout)
+                    settle(ms.execution, timeout=self.timeout)  # failed by _abandon
         self._acc_state = None
         self._micro = None
         self._dirty = None
@@ -1430,8 +1451,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                 state tensor of another size than its parameter.
         """
         self._readers.wait()
-        with contextlib.suppress(BaseException):
-            self._quiesce()
+        self._quiesce_keeping_failures()
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
                               f"'state' and 'param_groups'), got {type(state_dict).__name__}")

@@ -13,6 +13,7 @@ import torch
 
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError, StepFailedError
+from pipeoff._lowlevel import is_failure_of
 from pipeoff.execution import Completion, Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
@@ -403,7 +404,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         try:
             st.execution.wait()
         except BaseException as err:
-            if st.execution.exception is None:
+            if not is_failure_of(err, st.execution):
                 # The wait was interrupted (Ctrl-C), not the step: it is still in
                 # flight, and nothing has failed.
                 err.add_note("pipeoff: interrupted while waiting for the optimizer step in "

@@ -1,0 +1,376 @@
+"""Ctrl-C reaches the caller from every wait of the optimizers (a real SIGINT, delivered
+while the main thread blocks in that very wait), and the optimizer goes on afterwards
+as if the interrupted call had not been made."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pipeoff import GradientError, StepFailedError
+from pipeoff import testing as pt
+from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+from pipeoff.transfer import LiveTensor, StateTransfer
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+
+def _stack_of(ident: int) -> list[Any]:
+    """The frames of thread ``ident``, innermost first."""
+    out = []
+    f = sys._current_frames().get(ident)
+    while f is not None:
+        out.append(f)
+        f = f.f_back
+    return out
+
+
+def _waiting_in(stack: list[Any], where: tuple[str, ...]) -> Any:
+    """If the thread blocks in ``Execution.wait`` (or a Completion's wait) called from
+    ``where`` (function names, outermost first, each further in than the one before),
+    the frame of ``where[0]``; else ``None``."""
+    names = [f.f_code.co_name for f in stack]
+    if not any(f.f_code.co_filename.endswith("pipeoff/execution.py")
+               and f.f_code.co_name in ("wait", "synchronize") for f in stack):
+        return None
+    pos = len(names)
+    outer = None
+    for w in where:  # outermost first: search towards the innermost frame
+        found = [k for k in range(pos) if names[k] == w]
+        if not found:
+            return None
+        pos = max(found)
+        outer = stack[pos] if outer is None else outer
+    return outer
+
+
+@contextlib.contextmanager
+def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterator[None]:
+    """Deliver a real SIGINT to the main thread once it blocks in an execution's wait
+    called from ``where`` (function names, outermost first). Ordered by what the
+    main thread is doing, not by time: the watcher reads its stack.
+
+    ``release``: set it once the main thread, interrupted, blocks in such a wait again
+    at another line of ``where[0]`` (a step that finishes before passing the
+    interrupt on).
+    """
+    assert threading.current_thread() is threading.main_thread()
+    main = threading.main_thread().ident
+    assert main is not None
+    stop = threading.Event()
+    sent = threading.Event()
+
+    def watch() -> None:
+        line = None
+        while not stop.is_set():
+            frame = _waiting_in(_stack_of(main), where)
+            if frame is not None and line is None:
+                line = frame.f_lineno
+                signal.pthread_kill(main, signal.SIGINT)
+                sent.set()
+                if release is None:
+                    return
+            elif frame is not None and release is not None and frame.f_lineno != line:
+                release.set()
+                return
+            time.sleep(0.001)
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        signal.signal(signal.SIGINT, old)
+    assert sent.is_set(), f"the main thread never waited inside {where}"
+
+
+def interrupted(call: Callable[[], Any], *where: str) -> KeyboardInterrupt:
+    """Run ``call`` with a SIGINT delivered inside the wait ``where``; the interrupt it raised."""
+    with sigint_inside(*where), pytest.raises(KeyboardInterrupt) as info:
+        call()
+    names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert where[-1] in names, names  # raised out of that very wait
+    return info.value
+
+
+# -- a small model and its training ---------------------------------------------------------
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 4)).to(torch.bfloat16)
+
+
+def batch(k: int) -> torch.Tensor:
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+
+
+def backward(model: torch.nn.Module, k: int) -> None:
+    x = batch(k).to(next(model.parameters()).dtype)
+    model(x).float().pow(2).mean().backward()
+
+
+def train(opt: FullOffloadOptimizer, model: torch.nn.Module, steps: range) -> None:
+    for k in steps:
+        with opt.no_sync():
+            backward(model, 2 * k)
+        backward(model, 2 * k + 1)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+
+
+def build(model: torch.nn.Module, **kw: Any) -> FullOffloadOptimizer:
+    return FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **kw)
+
+
+def twins(**kw: Any) -> tuple[torch.nn.Module, FullOffloadOptimizer,
+                              torch.nn.Module, FullOffloadOptimizer]:
+    """A model and optimizer to interrupt, and an identical pair that is not interrupted."""
+    a = make_model()
+    b = copy.deepcopy(a)
+    return a, build(a, **kw), b, build(b, **kw)
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
+
+
+# -- FullOffloadOptimizer ------------------------------------------------------------------
+
+def test_zero_grad_waiting_for_a_discarded_micro_step() -> None:
+    model, opt, ref_model, ref = twins(overlap="none")
+    with pt.hold_task("acc:.*") as release:
+        with opt.no_sync():
+            backward(model, 0)
+        err = interrupted(opt.zero_grad, "zero_grad")
+        release.set()
+    assert isinstance(err, KeyboardInterrupt)
+    opt.zero_grad()  # the interrupted call, again: it completes
+    with ref.no_sync():
+        backward(ref_model, 0)
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, ref_model, ref = twins(overlap="none")
+    # As if autograd never called the end-of-backward callback.
+    monkeypatch.setattr(FullOffloadOptimizer, "_end_backward", lambda self, ms, **kw: None)
+    with pt.hold_task("acc:.*") as release:
+        backward(model, 0)
+        interrupted(opt.step, "step")
+        release.set()
+    monkeypatch.undo()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()  # the abandoned micro-step failed this step: refused until zero_grad()
+    opt.zero_grad()
+    backward(ref_model, 0)
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+def test_step_settling_the_executions_of_a_failed_accumulation() -> None:
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    w = model[0].weight
+    w.grad_dtype = None  # torch would refuse the float gradient below otherwise
+    wrong = threading.Event()
+    w.register_post_accumulate_grad_hook(  # before the optimizer's own hook
+        lambda p: setattr(p, "grad", p.grad.float()) if wrong.is_set() else None)
+    opt, ref = build(model, overlap="none"), build(ref_model, overlap="none")
+    with pt.hold_task("acc:.*") as release:
+        with opt.no_sync():
+            backward(model, 0)
+        wrong.set()  # the final backward hands over a gradient it refuses: the step failed
+        with pytest.raises(GradientError):
+            backward(model, 1)
+        wrong.clear()
+        interrupted(opt.step, "step")
+        release.set()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    with ref.no_sync():
+        backward(ref_model, 0)
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+@pytest.mark.parametrize("call", ["state_dict", "refresh_masters", "refresh_device_weights",
+                                  "load_state_dict"])
+def test_waiting_for_the_chunks_a_final_backward_started(call: str) -> None:
+    model, opt, ref_model, ref = twins(overlap="backward")
+    saved = opt.state_dict()
+    with pt.hold_task("h2d:.*") as release:
+        backward(model, 0)  # final: the chunks step during it; their copies are held
+        method = getattr(opt, call)
+        interrupted((lambda: method(saved)) if call == "load_state_dict" else method, call)
+        release.set()
+    opt.step()  # the step the backward ran is still this one's
+    opt.zero_grad()
+    backward(ref_model, 0)
+    ref.step()
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+@pytest.mark.parametrize("call", ["refresh_device_weights", "load_state_dict", "state_dict"])
+def test_waiting_for_a_step_in_flight(call: str) -> None:
+    model, opt, ref_model, ref = twins(overlap="forward")
+    saved = opt.state_dict()
+    with pt.hold_task("step:.*") as release:
+        backward(model, 0)
+        opt.step()  # returns at once; its chunks are held
+        method = getattr(opt, call)
+        interrupted((lambda: method(saved)) if call == "load_state_dict" else method, call)
+        release.set()
+    opt.wait_for_step()
+    opt.zero_grad()
+    backward(ref_model, 0)
+    ref.step()
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+def test_load_state_dict_discarding_an_accumulation() -> None:
+    model, opt, ref_model, ref = twins(overlap="none")
+    saved = opt.state_dict()
+    with pt.hold_task("acc:.*") as release:
+        with opt.no_sync():
+            backward(model, 0)
+        interrupted(lambda: opt.load_state_dict(saved), "load_state_dict",
+                    "_discard_accumulation")
+        release.set()
+    opt.load_state_dict(saved)
+    ref.load_state_dict(saved)
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+def test_a_synchronous_step_completes_before_the_interrupt_is_passed_on() -> None:
+    model, opt, ref_model, ref = twins(overlap="none")
+    with pt.hold_task("step:.*") as release:
+        backward(model, 0)
+        # Interrupted while the chunks are held; they are let go once step() waits again.
+        with sigint_inside("step", "wait_for_step", release=release), \
+                pytest.raises(KeyboardInterrupt) as info:
+            opt.step()
+    assert any("the step completed" in n for n in info.value.__notes__)
+    opt.zero_grad()
+    backward(ref_model, 0)
+    ref.step()
+    ref.zero_grad()
+    assert_same(model, ref_model)  # stepped once, fully
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+# -- state transfers reading an optimizer's state --------------------------------------------
+
+@pytest.mark.parametrize("kind", ["full", "offload"])
+def test_waiting_for_a_transfer_reading_the_state(kind: str) -> None:
+    model = make_model().float() if kind == "offload" else make_model()
+    if kind == "full":
+        opt: Any = build(model, overlap="none")
+        key, call = "master", "load_state_dict"
+    else:
+        opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="chunked")
+        key, call = "exp_avg", "step"
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    saved = opt.state_dict()
+    p = model[0].weight
+    target = torch.empty(p.shape, dtype=torch.float32)
+    with pt.hold_task("verdict") as release:
+        ex = StateTransfer({"s": LiveTensor.from_optimizer(opt, p, key)},
+                           {"s": LiveTensor(target)}).launch()
+        if call == "step":
+            backward(model, 1)
+        interrupted((lambda: opt.load_state_dict(saved)) if call == "load_state_dict"
+                    else opt.step, call, "wait")
+        assert not ex.done()
+        release.set()
+    ex.wait()
+    # The reader stays registered until it is done: the call, again, waits for it.
+    (opt.load_state_dict(saved) if call == "load_state_dict" else opt.step())
+
+
+# -- the clipping norm's all-reduce (two processes) ------------------------------------------
+
+def _norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out: dict[str, Any] = {}
+        model, opt, ref_model, ref = twins(overlap="forward", max_norm=0.05)
+        # Rank 0's all-reduce of the norm is held: its step() waits for it there.
+        late = pt.hold_task("norm_allreduce") if rank == 0 else contextlib.nullcontext()
+        with late as release:
+            backward(model, 10 * rank)
+            if rank == 0:
+                err = interrupted(opt.step, "step", "settle")
+                out["note"] = any("the step goes on" in n for n in err.__notes__)
+                release.set()
+            else:
+                opt.step()
+        opt.wait_for_step()
+        opt.zero_grad()
+        backward(ref_model, 10 * rank)
+        ref.step()
+        ref.zero_grad()
+        ref.wait_for_step()
+        out["norms"] = (float(opt.grad_norm), float(ref.grad_norm))  # type: ignore[arg-type]
+        out["same"] = all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                            ref_model.parameters()))
+        queue.put((rank, out))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        queue.put((rank, {"error": repr(err)}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_step_waiting_for_the_clipping_norms_all_reduce() -> None:
+    from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
+
+    res = run_two_ranks(_norm_worker)
+    for rank in (0, 1):
+        assert "error" not in res[rank], res[rank]
+        assert res[rank]["same"], rank
+        mine, ref = res[rank]["norms"]
+        assert mine == ref
+    assert res[0]["note"]
+    assert res[0]["norms"] == res[1]["norms"]  # one global norm
