@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from pipeoff._errors import ConfigError, StepTimeoutError
+from pipeoff.executor._tracing import trace_of
 from pipeoff.trace import Trace
 
 if TYPE_CHECKING:
@@ -154,9 +155,10 @@ class Execution:
         self._backend = backend
         self._trace: Trace | None = None
         self._finalized = False
-        self._translate: Any = None
+        self._translate: Callable[[BaseException], BaseException] | None = None
         """A feature's mapping of the first failure to what its callers see (a state
-        transfer's own failure becomes the torn error every rank raises)."""
+        transfer's own failure becomes the torn error every rank raises); set through
+        :func:`pipeoff._lowlevel.translate_failures`."""
 
     # -- waiting --------------------------------------------------------------
     def _index(self, task: str) -> int:
@@ -290,21 +292,6 @@ class Execution:
         """``perf_counter_ns`` at launch; the trace's times are relative to it."""
         return self._run.origin_ns
 
-    def _shifted_trace(self, prefix: str, shift_ns: int, execution: int = 0,
-                       deadline: float | None = None) -> Trace | None:
-        """The trace with task and buffer names prefixed and times shifted (for recorders);
-        ``None`` if the execution has not finished by ``deadline`` (``time.monotonic``)."""
-        run = self._run
-        if not run.wait_all(deadline) or not self._backend.synchronize_all(run, deadline):
-            return None
-        self._finalize()
-        self._backend.resolve_times(run)
-        return Trace.from_run(run, prefix=prefix, shift_ns=shift_ns, execution=execution)
-
-    def _pending_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The tasks still pending and the gates not yet opened."""
-        return self._run.pending(), self._run.gates.pending()
-
     @property
     def trace(self) -> Trace:
         """The trace of this execution; waits for it to finish, failed or not."""
@@ -314,7 +301,7 @@ class Execution:
         self._finalize()
         if self._trace is None:
             self._backend.resolve_times(run)
-            self._trace = Trace.from_run(run)
+            self._trace = trace_of(run)
         return self._trace
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _compat, _dist, testing
+from pipeoff import _accel, _compat, _dist, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.executor._gates import OPEN as GATE_OPEN
 from pipeoff.executor._gates import GateStates
@@ -90,7 +90,7 @@ class Run:
         """Per-run data of the backend (the CUDA events)."""
         self._index: dict[str, int] | None = None
         self._on_complete: list[Callable[[], None]] = []
-        self.hooks = testing.snapshot()
+        self.hooks = _faults.snapshot()
         """The test hooks (delays, injected failures) installed at launch."""
         self.retired: set[str] = set()
         """Buffers a task declared unsafe to reuse (a failed collective may still write
@@ -237,7 +237,7 @@ class Run:
             for k in ks:
                 ev = self.gates.event[k]
                 if (ev is not None and self.gates.state[k] == GATE_OPEN
-                        and not testing.disabled("gate_wait")):
+                        and not _faults.disabled("gate_wait")):
                     # Hazard: the host reading a payload that device work (the
                     # producer's stream, another execution) is still writing.
                     ev.synchronize()
@@ -338,7 +338,7 @@ class Run:
         if self.plan.acquire[i]:
             try:
                 for block in self.acquire(i):
-                    if block.ready is not None and not testing.disabled("block_fence"):
+                    if block.ready is not None and not _faults.disabled("block_fence"):
                         # Hazard: the host touching a pooled block that a CUDA
                         # execution released with its last copy still in flight.
                         block.ready.synchronize()
@@ -353,13 +353,13 @@ class Run:
         if work is not None or self.hooks:
             try:
                 if self.hooks:
-                    testing.run_hooks(task.name, lane, hooks=self.hooks)
+                    _faults.run_hooks(task.name, lane, hooks=self.hooks)
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,
                                       failed=self.error, failed_task=self.error_task,
                                       gates=self.gates.payloads(self.task_gates[i]))
-                    with (testing.failing_work(task.name, lane, self.hooks) if self.hooks
+                    with (_faults.failing_work(task.name, lane, self.hooks) if self.hooks
                           else contextlib.nullcontext()):
                         if _compat.profiler_enabled():
                             # The same task, visible inside a torch.profiler trace.

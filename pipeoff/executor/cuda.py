@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, testing
+from pipeoff import _accel, _faults
 from pipeoff.executor import threads
 from pipeoff.executor._run import CANCELLED, FAILED, OK, Run
 from pipeoff.graph import TaskContext, TaskKind
@@ -270,7 +270,7 @@ class CudaBackend:
         task = run.tasks[i]
         lane = run.plan.lanes[i]
         stream = state.streams[lane]
-        if first and not testing.disabled("base_wait"):
+        if first and not _faults.disabled("base_wait"):
             # Hazard: reading tensors the caller's stream is still producing.
             stream.wait_event(state.base)
         for j in (*run.plan.waits[i], *state.extra_waits[i]):
@@ -278,12 +278,12 @@ class CudaBackend:
             # then is its end event recorded, and can a stream wait on it.
             run.wait_terminal(j)
             if run.tasks[j].kind is TaskKind.HOST:
-                if state.host_recorded[j] and not testing.disabled("host_task_event"):
+                if state.host_recorded[j] and not _faults.disabled("host_task_event"):
                     # Hazard: device work the host task enqueued on its thread's
                     # stream (torchft's should_commit loading a healed state
                     # into the parameters) still running when this task writes.
                     stream.wait_event(state.ends[j])
-            elif state.dispatched[j] and not testing.disabled("cross_lane_wait"):
+            elif state.dispatched[j] and not _faults.disabled("cross_lane_wait"):
                 # Hazard: starting before a dependency (or the previous user of a
                 # buffer, or a budget release) on another lane has finished.
                 stream.wait_event(state.ends[j])
@@ -295,7 +295,7 @@ class CudaBackend:
             return
         for k in gates:
             ev = run.gates.event[k]
-            if ev is not None and not testing.disabled("gate_wait"):
+            if ev is not None and not _faults.disabled("gate_wait"):
                 # Hazard: reading a gate's payload that the producer's stream (or
                 # another execution) is still writing.
                 ev.wait(stream)
@@ -310,14 +310,14 @@ class CudaBackend:
             self._cancel(run, state, i)
             return
         for block in blocks:
-            if block.ready is not None and not testing.disabled("block_fence"):
+            if block.ready is not None and not _faults.disabled("block_fence"):
                 # Hazard: reusing a pooled block while its previous last user
                 # (another execution's stream work) may still read or write it.
                 stream.wait_event(block.ready)
         outcome = [OK]
         state.starts_t[i].record(stream)
         if run.hooks:
-            delay = testing.delay_for(task.name, lane, run.hooks)
+            delay = _faults.delay_for(task.name, lane, run.hooks)
             if delay:
                 accel.sleep(stream, delay)  # a GPU-side sleep: the stream is late
         # The context (the staging views) is made now: on the simulated device
@@ -345,13 +345,13 @@ class CudaBackend:
             return
         try:
             if run.hooks:
-                testing.run_hooks(task.name, lane, sleep=False, hooks=run.hooks)
+                _faults.run_hooks(task.name, lane, sleep=False, hooks=run.hooks)
             if task.work is not None:
                 name = f"pipeoff::{task.kind.value}::{task.name}"
                 ctx.failed = run.error
                 ctx.failed_task = run.error_task
                 with state.accel.range(name), torch.profiler.record_function(name), (
-                        testing.failing_work(task.name, lane, run.hooks) if run.hooks
+                        _faults.failing_work(task.name, lane, run.hooks) if run.hooks
                         else contextlib.nullcontext()):
                     result = run._call(i, task.work, ctx)
                 if result is not None:
@@ -372,7 +372,7 @@ class CudaBackend:
             for j in (*run.plan.waits[i], *state.extra_waits[i]):
                 run.wait_terminal(j)
                 if ((state.dispatched[j] or state.host_recorded[j])
-                        and not testing.disabled("host_sync")):
+                        and not _faults.disabled("host_sync")):
                     # Hazard: host work reading device results, or deciding on them,
                     # before the device work it follows has finished.
                     state.ends[j].synchronize()
@@ -424,7 +424,7 @@ class CudaBackend:
         return True
 
     def synchronize_all(self, run: Run, deadline: float | None) -> bool:
-        if testing.disabled("execution_sync"):
+        if _faults.disabled("execution_sync"):
             return True
         return all(self.synchronize(run, i, deadline) for i in range(run.n))
 

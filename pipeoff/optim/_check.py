@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pipeoff import testing
+from pipeoff import _faults
 from pipeoff._errors import ConfigError
 
 __all__ = ["OverlapReport", "check_overlap"]
@@ -149,7 +149,7 @@ def check_overlap(
         losses = []
         # A lane is FIFO: holding chunk k back holds back every later chunk too.
         delay = (contextlib.nullcontext() if late_from is None
-                 else testing.delay_task(f"opt{late_from}", delay_s))
+                 else _faults.delay_task(f"opt{late_from}", delay_s))
         with delay:
             for x in xs:
                 loss = loss_of(m, x)

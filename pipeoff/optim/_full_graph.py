@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeoff import testing
+from pipeoff import _faults
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
@@ -182,7 +182,7 @@ def micro_step_graph(
             wbytes = sum(_aligned(params[i].numel * params[i].weight_itemsize) for i in chunk)
             bufs = [g.add_buffer(f"w:{k}", wbytes, where="host")] if wbytes else []
             deps = list(before_step)
-            if not testing.disabled("accumulate_dep"):
+            if not _faults.disabled("accumulate_dep"):
                 # Hazard: stepping a parameter on a gradient sum its last
                 # accumulation has not finished writing.
                 deps += [last_acc[i] for i in chunk]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, testing
+from pipeoff import _accel, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
@@ -300,7 +300,7 @@ def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | N
             step.scalars[i] = sc
             step.restore.pop(i, None)
             g = step.grads.pop(i, None)
-            if g is not None and cuda and not testing.disabled("record_stream"):
+            if g is not None and cuda and not _faults.disabled("record_stream"):
                 # Hazard: the caching allocator handing this grad's memory to new
                 # work once the user drops it, while this lane still reads it.
                 _accel.current().record_stream(g, ctx.stream)

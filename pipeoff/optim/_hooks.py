@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _compat, testing
+from pipeoff import _accel, _compat, _faults
 from pipeoff.optim._waits import ForwardWaits
 
 __all__ = ["install", "unwrap"]
@@ -157,7 +157,7 @@ def _fsdp_wait(waits: ForwardWaits, module: Any, name: str) -> None:
     if waits.cuda:
         # The all-gathers read the shards on these streams, which do not
         # sync with the compute stream again after the root's pre-forward.
-        gathers = () if testing.disabled("fsdp_gather_wait") else (
+        gathers = () if _faults.disabled("fsdp_gather_wait") else (
             _compat.fsdp_all_gather_streams(state))
         streams = (_accel.current().current_stream(waits.device), *gathers)
     waits.on_module(module, mine, name, streams)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pipeoff import _accel, _compat, testing
+from pipeoff import _accel, _compat, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.trace import record_hook_wait
 
@@ -246,7 +246,7 @@ class ForwardWaits:
             self._refs = refs
             self._chunk_params = chunk_params
             self._last_hook = None
-        if pending and self.guard_enabled and not testing.disabled("read_guard"):
+        if pending and self.guard_enabled and not _faults.disabled("read_guard"):
             self._push_guard()
 
     def end(self) -> None:
@@ -421,7 +421,7 @@ class ForwardWaits:
             for comp in st.execution.events_for([st.opt_tasks[c] for c in todo]):
                 if streams:
                     for s in streams:
-                        if testing.disabled("hook_stream_wait"):
+                        if _faults.disabled("hook_stream_wait"):
                             continue
                         # Hazard: this stream (compute, or FSDP's all-gather copy-in)
                         # reading parameters the chunk is still writing.

@@ -18,14 +18,14 @@ from typing import Any, Literal
 
 import torch
 
-from pipeoff import _accel, _compat, testing
+from pipeoff import _accel, _compat, _faults
 from pipeoff._errors import (
     ConfigError,
     GradientError,
     StepFailedError,
     UnsupportedOptimizerError,
 )
-from pipeoff._lowlevel import is_failure_of, settle
+from pipeoff._lowlevel import completions, is_failure_of, settle
 from pipeoff.execution import Completion, Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
@@ -823,7 +823,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         ex = execute(graph, schedule)
         prev = self._prev
         try:
-            if prev is None or prev.done() or testing.disabled("micro_step_order"):
+            if prev is None or prev.done() or _faults.disabled("micro_step_order"):
                 ex.gate("prev").close()
             else:
                 # Hazard: folding into accumulators (or stepping masters) that the
@@ -949,7 +949,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
             slot = ctx.buffer(f"slot:{i}.{j}", shipped.dtype)
             slot.copy_(g[s:e], non_blocking=True)
         if e == _local(self._params[i]).numel() or e == s:
-            if ctx.stream is not None and not testing.disabled("record_stream"):
+            if ctx.stream is not None and not _faults.disabled("record_stream"):
                 # Hazard: the caching allocator handing the gradient's memory to
                 # the next allocation on the stream that made it while this
                 # lane's copy still reads it.
@@ -1285,9 +1285,8 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         if inflight is None or inflight[1].execution is None:
             return ()
         ex = inflight[1].execution
-        names = [n for k, chunk in enumerate(self._chunks) if i in chunk
-                 for n in (f"step:{k}", f"h2d:{k}") if n in ex._run.index]
-        return ex.events_for(names)
+        return completions(ex, [n for k, chunk in enumerate(self._chunks) if i in chunk
+                                for n in (f"step:{k}", f"h2d:{k}")])
 
     def live_state(self, param: torch.Tensor,
                    key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:

@@ -13,7 +13,7 @@ import torch
 
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError, StepFailedError
-from pipeoff._lowlevel import is_failure_of
+from pipeoff._lowlevel import completions, hook_wait_records, is_failure_of
 from pipeoff.execution import Completion, Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
@@ -27,8 +27,7 @@ from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
-from pipeoff.trace import TaskRecord, Trace
-from pipeoff.trace._trace import HOOK_WAIT
+from pipeoff.trace import Trace
 
 __all__ = ["OffloadOptimizer"]
 
@@ -466,9 +465,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if st is None or i not in st.updated:
             return ()
         ex = st.execution
-        names = [n for c in layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")
-                 if n in ex._run.index]
-        return ex.events_for(names)
+        return completions(ex, [n for c in layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")])
 
     def live_state(self, param: torch.Tensor,
                    key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:
@@ -511,13 +508,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if ex is None:
             return None
         trace = ex.trace
-        origin = ex.origin_ns
-        waits = tuple(
-            TaskRecord(name=n, kind=HOOK_WAIT, lane="forward hooks", start_ns=a - origin,
-                       end_ns=b - origin, enqueue_ns=a - origin,
-                       rank=trace.metadata.get("rank", 0))
-            for n, a, b in self._last_waits
-        )
+        waits = hook_wait_records(self._last_waits, ex.origin_ns, trace.metadata.get("rank", 0))
         return dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
 
     @property

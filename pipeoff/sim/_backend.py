@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from pipeoff import testing
+from pipeoff import _faults
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import OK, Run
 from pipeoff.graph import TaskKind
@@ -128,8 +128,8 @@ class SimBackend(HostBackend):
                     busy[lane] = i
                     head[lane] += 1
                     start[i] = now
-                    delay = (testing.delay_for(run.tasks[i].name, lane)
-                             if testing.installed() else 0.0)
+                    delay = (_faults.delay_for(run.tasks[i].name, lane)
+                             if _faults.installed() else 0.0)
                     if delay:
                         delay_left[i] = delay
                     work_left[i] = self.full_speed_seconds(run, i)

@@ -2,7 +2,8 @@
 
 Every executor consults these hooks before a task's work runs; an execution
 takes the hooks installed when it is launched. With nothing installed the
-check is one tuple test.
+check is one tuple test. The mechanism lives in the core (``pipeoff._faults``);
+this module is its public face, with the simulated CUDA device.
 
 Example::
 
@@ -17,292 +18,23 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import re
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
-from pipeoff._errors import ConfigError
+from pipeoff._faults import MUTATIONS as MUTATIONS
+from pipeoff._faults import (
+    delay_lane,
+    delay_task,
+    disable,
+    disabled,
+    fail_task,
+    fail_work,
+    hold_task,
+    installed,
+)
 
-__all__ = ["DataRaceError", "delay_lane", "delay_task", "disable", "disabled", "fail_task",
-           "fail_work", "hold_task", "installed", "simulated_cuda"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Hook:
-    lane: str | None
-    pattern: re.Pattern[str] | None
-    delay_s: float
-    error: BaseException | Callable[[], BaseException] | None
-    inside: bool = False
-    """The error is raised inside the work (:func:`fail_work`), not before it."""
-    after_ops: int | None = None
-    hold: threading.Event | None = None
-    """The task waits for this event before it runs (:func:`hold_task`)."""
-
-
-_lock = threading.Lock()
-_hooks: list[_Hook] = []
-
-
-def installed() -> bool:
-    """Whether any hook is installed (executors skip the lookup when not)."""
-    return bool(_hooks)
-
-
-def snapshot() -> tuple[_Hook, ...]:
-    """The hooks installed now. An execution takes them at launch: a delay or a
-    failure applies to the executions launched inside its ``with`` block."""
-    return tuple(_hooks)
-
-
-def _match(task_name: str, lane: str, hooks: tuple[_Hook, ...] | None = None) -> list[_Hook]:
-    return [
-        h for h in (tuple(_hooks) if hooks is None else hooks)
-        if (h.lane is None or h.lane == lane)
-        and (h.pattern is None or h.pattern.fullmatch(task_name))
-    ]
-
-
-def delay_for(task_name: str, lane: str, hooks: tuple[_Hook, ...] | None = None) -> float:
-    """Seconds of delay that the hooks (the installed ones by default) ask for this task."""
-    return sum(h.delay_s for h in _match(task_name, lane, hooks))
-
-
-def run_hooks(task_name: str, lane: str, *, sleep: bool = True,
-              hooks: tuple[_Hook, ...] | None = None) -> None:
-    """Apply the hooks for a task about to run: sleep, then maybe raise."""
-    matched = _match(task_name, lane, hooks)
-    for h in matched:
-        if h.hold is not None:
-            h.hold.wait()
-    delay = sum(h.delay_s for h in matched)
-    if delay and sleep:
-        time.sleep(delay)
-    for h in matched:
-        if h.error is not None and not h.inside:
-            raise h.error() if callable(h.error) else h.error
-
-
-@contextlib.contextmanager
-def failing_work(task_name: str, lane: str, hooks: tuple[_Hook, ...]) -> Iterator[None]:
-    """Around a task's work: raise the :func:`fail_work` error inside it, if one matches."""
-    hook = next((h for h in _match(task_name, lane, hooks) if h.inside), None)
-    if hook is None:
-        yield
-        return
-    err = hook.error() if callable(hook.error) else hook.error
-    assert err is not None
-    if hook.after_ops is None:
-        yield  # the work ran to the end (its side effects happened); then it fails
-        raise err
-    mode = _FailAfter(hook.after_ops, err)
-    with mode:
-        yield
-    if not mode.fired:
-        # Fewer torch calls than after_ops: fail once the work is done, rather
-        # than inject nothing.
-        raise err
-
-
-class _FailAfter:
-    """A ``TorchFunctionMode`` that raises at the torch call after the first ``n``."""
-
-    def __init__(self, n: int, err: BaseException) -> None:
-        from torch.overrides import TorchFunctionMode
-
-        outer = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                                   kwargs: Any = None) -> Any:
-                if outer.left == 0 and not outer.fired:
-                    outer.fired = True  # once: cleanup after it runs normally
-                    raise outer.err
-                outer.left -= 1
-                return func(*args, **(kwargs or {}))
-
-        self.left = n
-        self.err = err
-        self.fired = False
-        self.mode = _Mode()
-
-    def __enter__(self) -> None:
-        self.mode.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.mode.__exit__(*exc)
-
-
-@contextlib.contextmanager
-def _install(hook: _Hook) -> Iterator[None]:
-    with _lock:
-        _hooks.append(hook)
-    try:
-        yield
-    finally:
-        with _lock:
-            _hooks.remove(hook)
-
-
-def _seconds(value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"seconds must be a number >= 0, got {value!r}")
-    return float(value)
-
-
-def delay_lane(lane: str, seconds: float) -> contextlib.AbstractContextManager[None]:
-    """Delay every task on ``lane`` by ``seconds`` before it runs.
-
-    On CUDA lanes the delay is a GPU-side sleep on the lane's stream, so it
-    delays the stream, not the host.
-    """
-    return _install(_Hook(lane=lane, pattern=None, delay_s=_seconds(seconds), error=None))
-
-
-def delay_task(pattern: str, seconds: float) -> contextlib.AbstractContextManager[None]:
-    """Delay the tasks whose names fully match the regular expression ``pattern``."""
-    return _install(
-        _Hook(lane=None, pattern=re.compile(pattern), delay_s=_seconds(seconds), error=None)
-    )
-
-
-def fail_task(
-    pattern: str, error: BaseException | Callable[[], BaseException] | None = None
-) -> contextlib.AbstractContextManager[None]:
-    """Make the tasks whose names fully match ``pattern`` raise ``error`` instead of running.
-
-    ``error`` may be an exception or a factory of one; the default is a
-    ``RuntimeError`` naming the task pattern.
-    """
-    err = error if error is not None else RuntimeError(
-        f"pipeoff.testing: injected failure in {pattern!r}"
-    )
-    return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err))
-
-
-@contextlib.contextmanager
-def hold_task(pattern: str) -> Iterator[threading.Event]:
-    """Hold the tasks whose names fully match ``pattern`` until the event this yields
-    is set (at the latest when the block exits): tests order events this way
-    instead of racing a sleep against a delay.
-
-    On host lanes the task's thread waits; on a CUDA lane the thread that runs
-    its work does (on a GPU the lane's dispatch thread: later tasks of that lane
-    are not issued). An inline execution (a synchronous schedule without gates)
-    is refused: it runs inside ``execute()``, which could never return to release
-    it. The simulator runs no work and ignores it.
-
-    Example::
-
-        with pipeoff.testing.hold_task("opt3") as release:
-            opt.step()
-            assert not opt.last_execution.done()  # opt3 cannot have run
-            release.set()
-    """
-    event = threading.Event()
-    hook = _Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=None, hold=event)
-    with _install(hook):
-        try:
-            yield event
-        finally:
-            event.set()
-
-
-def fail_work(
-    pattern: str, error: BaseException | Callable[[], BaseException] | None = None, *,
-    after_ops: int | None = None,
-) -> contextlib.AbstractContextManager[None]:
-    """Make the work of the tasks whose names fully match ``pattern`` raise ``error``
-    *after it started*, unlike :func:`fail_task`, which raises before it runs.
-
-    Args:
-        pattern: a regular expression over task names.
-        error: an exception or a factory of one; default a ``RuntimeError``.
-        after_ops: raise at the torch function call that follows the first
-            ``after_ops`` ones (``0``: at the first), with their effects done,
-            once (later calls, cleanup, run normally); if the work makes no more
-            calls than that, raise when it returns. ``None`` (default): raise
-            once the work has returned, with all its effects done (a collective
-            issued, a buffer written). The simulator runs no work and ignores it.
-
-    Raises:
-        ConfigError: ``after_ops`` is not an int >= 0 or ``None``.
-    """
-    if after_ops is not None and (isinstance(after_ops, bool) or not isinstance(after_ops, int)
-                                  or after_ops < 0):
-        raise ConfigError(f"after_ops must be an int >= 0 or None, got {after_ops!r}")
-    err = error if error is not None else RuntimeError(
-        f"pipeoff.testing: injected failure inside the work of {pattern!r}"
-    )
-    return _install(_Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=err,
-                          inside=True, after_ops=after_ops))
-
-
-# -- mutation switches -----------------------------------------------------------------
-_disabled: set[str] = set()
-MUTATIONS = frozenset({
-    "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
-    "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
-    "host_task_event", "accumulate_dep", "micro_step_order",
-})
-"""The safety mechanisms a test can switch off, to show that a test fails without them:
-
-* ``"read_guard"``: the overlap optimizer's read guard (waits before eager reads
-  of parameters that a step in flight is still writing).
-* ``"base_wait"``: a CUDA lane's first ``wait_event`` on the caller's stream
-  (work the caller enqueued before the launch).
-* ``"cross_lane_wait"``: a CUDA task's ``wait_event`` on its dependencies on
-  other lanes.
-* ``"block_fence"``: the wait (a stream's ``wait_event``, or a host
-  ``synchronize``) on a reused staging block's previous last user.
-* ``"host_sync"``: a CUDA host task's ``synchronize`` on the device tasks it
-  depends on.
-* ``"execution_sync"``: ``Execution.wait()``'s ``synchronize`` of device work
-  before it returns.
-* ``"record_stream"``: the optimizer's ``record_stream`` on a gradient its lane
-  reads.
-* ``"hook_stream_wait"``: a forward hook's ``wait_event`` on CUDA streams.
-* ``"fsdp_gather_wait"``: the ``wait_event`` of an FSDP2 module's forward hook on
-  FSDP's all-gather streams (the current stream still waits).
-* ``"gate_wait"``: a CUDA lane's wait on the event of a gate's payload.
-* ``"host_task_event"``: a CUDA lane's wait on the event a HOST task recorded on
-  its thread's stream after its work (device work it enqueued).
-* ``"accumulate_dep"``: a full-offload step chunk's dependency on the last
-  accumulation of its parameters' gradients (set when the graph is built).
-* ``"micro_step_order"``: a full-offload micro-step's wait (the ``prev`` gate)
-  for the previous micro-step's accumulations and step.
-"""
-
-
-def disabled(name: str) -> bool:
-    """Whether the mechanism ``name`` is switched off by :func:`disable` (test-only)."""
-    return name in _disabled
-
-
-@contextlib.contextmanager
-def disable(*names: str) -> Iterator[None]:
-    """Switch off safety mechanisms (see :data:`MUTATIONS`) inside the block.
-
-    For tests only: a test that passes with a mechanism switched off proves
-    nothing about that mechanism.
-
-    Raises:
-        ConfigError: an unknown mechanism name.
-    """
-    unknown = sorted(set(names) - MUTATIONS)
-    if unknown:
-        raise ConfigError(f"unknown mechanism(s) {unknown}; known: {sorted(MUTATIONS)}")
-    with _lock:
-        added = set(names) - _disabled
-        _disabled.update(added)
-    try:
-        yield
-    finally:
-        with _lock:
-            _disabled.difference_update(added)
+__all__ = ["DataRaceError", "delay_lane", "delay_task", "disable", "disabled",
+           "fail_task", "fail_work", "hold_task", "installed", "simulated_cuda"]
 
 
 # -- the simulated CUDA device -----------------------------------------------------------

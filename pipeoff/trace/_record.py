@@ -10,8 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeoff import _dist
-from pipeoff.trace._trace import HOOK_WAIT, BufferRecord, TaskRecord, Trace
+from pipeoff import _dist, _lowlevel
+from pipeoff.trace._records import hook_wait_record
+from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution
@@ -53,11 +54,8 @@ class Recorder:
     def add_hook_wait(self, name: str, start_ns: int, end_ns: int, rank: int = 0) -> None:
         """Record that a forward hook blocked from ``start_ns`` to ``end_ns`` (perf_counter_ns)."""
         with self._lock:
-            self._spans.append(
-                TaskRecord(name=name, kind=HOOK_WAIT, lane="forward hooks",
-                           start_ns=start_ns - self.origin_ns, end_ns=end_ns - self.origin_ns,
-                           enqueue_ns=start_ns - self.origin_ns, rank=rank)
-            )
+            self._spans.append(hook_wait_record(name, start_ns, end_ns,
+                                                origin_ns=self.origin_ns, rank=rank))
 
     @property
     def trace(self) -> Trace:
@@ -76,11 +74,11 @@ class Recorder:
             # Waits for the execution; never raises a task's exception.
             # An execution waiting on a gate can only finish when code after the
             # region opens it: do not wait for that here.
-            gated = bool(ex._pending_names()[1])
-            tr = ex._shifted_trace(f"x{k}/", ex.origin_ns - self.origin_ns, execution=k,
-                                   deadline=time.monotonic() if gated else deadline)
+            gated = bool(_lowlevel.pending(ex)[1])
+            tr = _lowlevel.shifted_trace(ex, f"x{k}/", ex.origin_ns - self.origin_ns, k,
+                                         deadline=time.monotonic() if gated else deadline)
             if tr is None:
-                tasks_left, gates_left = ex._pending_names()
+                tasks_left, gates_left = _lowlevel.pending(ex)
                 warnings.warn(
                     f"pipeoff.trace.record: execution {k} had not finished when the trace was "
                     f"built ({len(tasks_left)} task(s) pending"

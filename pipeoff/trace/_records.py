@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["COMM_KINDS", "COMPUTE_KINDS", "COPY_KINDS", "GATE", "HOOK_WAIT", "MARKERS",
-           "BufferRecord", "Status", "TaskRecord", "staging_timeline"]
+           "BufferRecord", "Status", "TaskRecord", "hook_wait_record",
+           "staging_timeline"]
 
 Status = Literal["ok", "failed", "cancelled"]
 
@@ -70,6 +71,14 @@ COPY_KINDS = ("d2h", "h2d")
 COMPUTE_KINDS = ("optimizer_chunk",)
 COMM_KINDS = ("allreduce",)
 
+
+def hook_wait_record(name: str, start_ns: int, end_ns: int, *, origin_ns: int,
+                     rank: int) -> TaskRecord:
+    """The record of a forward hook that blocked from ``start_ns`` to ``end_ns``
+    (``perf_counter_ns``), on a timeline that starts at ``origin_ns``."""
+    return TaskRecord(name=name, kind=HOOK_WAIT, lane="forward hooks",
+                      start_ns=start_ns - origin_ns, end_ns=end_ns - origin_ns,
+                      enqueue_ns=start_ns - origin_ns, rank=rank)
 
 
 def staging_timeline(tasks: Iterable[TaskRecord],

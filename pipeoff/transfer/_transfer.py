@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from pipeoff import _lowlevel
 from pipeoff._errors import ConfigError, TransferRefusedError, TransferTornError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
@@ -457,7 +458,7 @@ class StateTransfer:
             with _running_lock:
                 _running_groups.discard(key)
             raise
-        ex._run.on_complete(lambda: _running_groups.discard(key))
+        _lowlevel.on_complete(ex, lambda: _running_groups.discard(key))
         return ex
 
     def reserve(self) -> dict[str, int]:
@@ -514,7 +515,7 @@ class StateTransfer:
             # same error on every rank), with the failure as its cause.
             return state.torn if state.torn is not None else err
 
-        ex._translate = translate
+        _lowlevel.translate_failures(ex, translate)
         self.last_execution = ex
         return ex
 

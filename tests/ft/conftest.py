@@ -31,7 +31,7 @@ def _every_pipelined_sync_stays_within_its_budget(
             trace = self.last_trace
             # A mutation test switches a wait off on purpose: the budget goes too.
             if (trace is not None and self.schedule == "pipelined"
-                    and not pipeoff.testing._disabled):
+                    and not pipeoff._faults.any_disabled()):
                 peak = trace.summary().peak_device_staging_bytes
                 peaks.append(peak)
                 assert trace.device_budget_bytes is not None, "a pipelined sync without a budget"
