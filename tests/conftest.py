@@ -4,7 +4,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gpu_device import Gpu
+
+from tests.gpu_device import Gpu
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -51,6 +51,7 @@ def test_errors_derive_from_pipeoff_error_and_builtins() -> None:
             assert obj.__doc__, n
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_import_pipeoff_does_not_import_integrations() -> None:
     code = (
         "import sys, pipeoff, pipeoff.trace, pipeoff.testing\n"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 def test_scheduler_benchmark_quick() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_scheduler.py"),
                           "--sizes", "200", "--repeats", "1"], capture_output=True, text=True,
@@ -20,6 +23,7 @@ def test_scheduler_benchmark_quick() -> None:
     assert "threads" in res.stdout and "us/task" in res.stdout
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_suite_refuses_without_a_gpu() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--out",
@@ -27,6 +31,7 @@ def test_gpu_suite_refuses_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_checks_refuse_without_a_gpu() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py")],
@@ -34,12 +39,18 @@ def test_gpu_checks_refuse_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` by its file path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}",
+                                                  ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gpu_suite_local_sgd_graphs_run_on_cpu(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_suite
-    finally:
-        sys.path.pop(0)
+    gpu_suite = load_benchmark("gpu_suite")
     (tmp_path / "traces").mkdir()
     rows = gpu_suite.local_sgd_staging(tmp_path, [1 << 12] * 6, bucket_bytes=1 << 14,
                                        device="cpu")
@@ -48,6 +59,7 @@ def test_gpu_suite_local_sgd_graphs_run_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "traces" / "local_sgd_pipelined.json").exists()
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_full_offload_refuses_without_a_gpu() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_full_offload.py")],
@@ -55,6 +67,7 @@ def test_gpu_full_offload_refuses_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 def test_full_offload_cpu_benchmark_quick() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_full_offload.py"),
                           "--numel", "262144", "--params", "2", "--repeats", "1",
@@ -63,6 +76,7 @@ def test_full_offload_cpu_benchmark_quick() -> None:
     assert "whole host step" in res.stdout and "naive / whole step" in res.stdout
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_transfer_refuses_without_a_gpu() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_transfer.py")],
@@ -70,6 +84,7 @@ def test_gpu_transfer_refuses_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 def test_transfer_benchmark_quick() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"),
                           "--mib", "8", "--tensors", "4", "--budgets-mib", "1", "--repeats", "1",

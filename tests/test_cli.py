@@ -22,6 +22,7 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
                           timeout=300)
 
 
+# About 10 s (it runs `pipeoff demo`): every test that uses it is marked slow.
 @pytest.fixture(scope="module")
 def demo_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
@@ -31,6 +32,7 @@ def demo_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "trace.json"
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_trace_summary(demo_trace: Path) -> None:
     res = run("trace", "summary", str(demo_trace))
     assert res.returncode == 0, res.stderr
@@ -40,6 +42,7 @@ def test_trace_summary(demo_trace: Path) -> None:
     assert data["tasks"] > 0 and 0 < data["efficiency"] <= 1.0
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 @pytest.mark.parametrize(
     ("content", "message"),
     [(None, "does not exist"), ("{oops", "not valid JSON"),
@@ -56,12 +59,14 @@ def test_bad_trace_files_exit_2_without_traceback(tmp_path: Path, content: str |
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_module_entry_point() -> None:
     res = subprocess.run([sys.executable, "-m", "pipeoff.cli", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and "demo" in res.stdout
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_trace_diff(demo_trace: Path) -> None:
     res = run("trace", "diff", str(demo_trace), str(demo_trace))
     assert res.returncode == 0, res.stderr
@@ -70,6 +75,7 @@ def test_trace_diff(demo_trace: Path) -> None:
     assert data["ratio_b_over_a"]["makespan ms"] == 1.0
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_trace_plot(demo_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "gantt.png"
     res = run("trace", "plot", str(demo_trace), "-o", str(out), "--arrows", "--width", "10")
@@ -81,12 +87,14 @@ def test_trace_plot(demo_trace: Path, tmp_path: Path) -> None:
     assert width == 1000 and 200 < height < 1000  # 10 inches at 100 dpi
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_trace_plot_bad_input(tmp_path: Path) -> None:
     res = run("trace", "plot", str(tmp_path / "nope.json"), "-o", str(tmp_path / "x.png"))
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_demo_without_torchft_says_how_to_install_it(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['torchft'] = None\n"  # makes `import torchft` fail
@@ -158,6 +166,7 @@ def test_bad_arguments_exit_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # reads demo_trace, made by running `pipeoff demo` (subprocess)
 def test_plot_output_path(tmp_path: Path, demo_trace: Path,
                           capsys: pytest.CaptureFixture[str]) -> None:
     from pipeoff.cli import main

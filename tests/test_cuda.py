@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing
 from pipeoff import Schedule, TaskGraph, TaskKind
 from pipeoff.executor.cuda import lane_stream
+from tests.gpu_device import Gpu
 
 
 def _mutated(gpu: Gpu, name: str, scenario: Callable[[], None]) -> None:

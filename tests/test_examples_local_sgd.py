@@ -10,6 +10,8 @@ import pytest
 
 import pipeoff
 
+pytestmark = pytest.mark.slow  # runs an example script (subprocess)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

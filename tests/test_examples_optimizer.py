@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an example script (subprocess)
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_overlap_optimizer.py"
 
 

@@ -7,12 +7,12 @@ import warnings
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing
 from pipeoff import ConfigError, Schedule, StepTimeoutError, TaskGraph, TaskKind
 from pipeoff.staging import StagingPool, pools_for
+from tests.gpu_device import Gpu
 
 
 def _live() -> int:

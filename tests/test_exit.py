@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a Python interpreter (subprocess)
+
 SCRIPT = textwrap.dedent(
     """
     import atexit, threading

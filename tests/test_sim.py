@@ -203,6 +203,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_simulate_cli(tmp_path: Path) -> None:
     res = _cli("simulate", "--model", "0.6b", "--fsdp", "2", "--feature", "local-sgd",
                "--trace-dir", str(tmp_path))
@@ -214,6 +215,7 @@ def test_simulate_cli(tmp_path: Path) -> None:
     assert data[0]["schedule"] == "pipelined" and data[0]["time_ms"] > 0
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 @pytest.mark.parametrize(
     ("args", "message"),
     [

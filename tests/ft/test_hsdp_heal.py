@@ -14,10 +14,11 @@ import socket
 import time
 from typing import Any
 
-import _hsdp_worker as hw  # type: ignore[import-not-found]
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+
+from tests.ft import _hsdp_worker as hw
 
 
 def _ports(n: int) -> list[int]:

@@ -11,7 +11,6 @@ from unittest.mock import MagicMock, create_autospec
 
 import pytest
 import torch
-from _replicas import ReplicaRun, make_model, run_replicas
 from torch import nn, optim
 from torchft.manager import Manager
 from torchft.work import _DummyWork
@@ -19,6 +18,7 @@ from torchft.work import _DummyWork
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
+from tests.ft._replicas import ReplicaRun, make_model, run_replicas
 
 OFF = {"offload_averaged_parameters_to_cpu": True}
 # The model has 16*32+32 + 32*8+8 + 8*3+3 = 835 float32 parameters (3340 bytes).
@@ -337,6 +337,7 @@ def test_flag_is_fifth_positional_argument() -> None:
     assert local_sgd.device_budget_bytes == 2 * pipeoff.ft.DEFAULT_BUCKET_BYTES
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_import_pipeoff_does_not_import_torchft() -> None:
     code = "import sys, pipeoff; assert 'torchft' not in sys.modules, 'torchft imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from _replicas import run_replicas  # type: ignore[import-not-found]
 from torch import nn, optim
 
 from pipeoff.optim import OffloadOptimizer
+from tests.ft._replicas import run_replicas
 
 PIPELINED = {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
              "bucket_bytes": 256, "device_budget_bytes": 512}

@@ -13,13 +13,13 @@ from unittest.mock import MagicMock, create_autospec
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 from torch import nn, optim
 from torchft.manager import Manager
 
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
+from tests.gpu_device import Gpu
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},

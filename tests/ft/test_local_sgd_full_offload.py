@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from _replicas import run_replicas
 
 from pipeoff.optim import FullOffloadOptimizer
+from tests.ft._replicas import run_replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
 

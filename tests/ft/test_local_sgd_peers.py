@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _replicas import ReplicaRun, run_replicas  # type: ignore[import-not-found]
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
+
+from tests.ft._replicas import ReplicaRun, run_replicas
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},

@@ -9,9 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _replicas import process_main
-from test_local_sgd import MODES
 from torchft.coordination import LighthouseServer
+
+from tests.ft._replicas import process_main
+from tests.ft.test_local_sgd import MODES
+
+pytestmark = pytest.mark.slow  # spawns replica processes and a Lighthouse
 
 
 @pytest.mark.timeout(240)

@@ -3,11 +3,10 @@ builder, run shape-only for the simulator)."""
 
 from __future__ import annotations
 
-from _replicas import make_model, run_replicas  # type: ignore[import-not-found]
-
 import pipeoff
 from pipeoff.sim._workloads import ModelShape, local_sgd_graph
 from pipeoff.trace import Trace
+from tests.ft._replicas import make_model, run_replicas
 
 
 def structure(trace: Trace) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[object, ...]]]:

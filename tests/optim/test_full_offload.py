@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,9 +18,7 @@ import pipeoff
 from pipeoff import ConfigError, GradientError, StepFailedError, StepTimeoutError, testing
 from pipeoff.optim import FullOffloadOptimizer, _accumulate
 from pipeoff.staging import pools_for
-
-sys.path.insert(0, str(Path(__file__).parent))
-from full_reference import Reference  # noqa: E402
+from tests.optim.full_reference import Reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
 

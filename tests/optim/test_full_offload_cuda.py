@@ -5,21 +5,17 @@ a real GPU where there is one: bitwise the reference, and a removed wait is a ra
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 from torch import nn
 
 import pipeoff.testing
 from pipeoff.optim import FullOffloadOptimizer
 from pipeoff.testing import DataRaceError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from full_reference import Reference  # noqa: E402
+from tests.gpu_device import Gpu
+from tests.optim.full_reference import Reference
 
 
 def make_net(gpu: Gpu) -> nn.Module:

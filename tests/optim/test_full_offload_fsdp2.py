@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import full_fsdp2_worker  # type: ignore[import-not-found]
 import pytest
 import torch
-from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
+
+from tests._two_ranks import run_two_ranks
+from tests.optim import full_fsdp2_worker
+
+pytestmark = pytest.mark.slow  # every test reads a module fixture that spawns two gloo processes
 
 
 @pytest.fixture(scope="module")

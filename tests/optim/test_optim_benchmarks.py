@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # each test runs a benchmark script (subprocess)
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 from torch import nn
 
 import pipeoff
 import pipeoff.testing
 from pipeoff.optim import OffloadOptimizer
+from tests.gpu_device import Gpu
 
 
 def make_net(gpu: Gpu) -> nn.Module:

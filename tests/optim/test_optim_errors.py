@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_offload import make_net  # type: ignore[import-not-found]
 from torch import nn
 
 import pipeoff
 from pipeoff.optim import OffloadOptimizer
+from tests.optim.test_offload import make_net
 
 
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import pipeoff.optim
 
 
@@ -16,6 +18,7 @@ def test_each_public_name_is_exported_once() -> None:
     assert not any(n.startswith("_") for n in names)
 
 
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
 def test_import_does_not_load_fsdp_or_torchft() -> None:
     code = (
         "import sys, pipeoff.optim\n"

@@ -6,11 +6,11 @@ import traceback
 
 import pytest
 import torch
-from test_offload import batches, make_net  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing
 from pipeoff.optim import OffloadOptimizer
+from tests.optim.test_offload import batches, make_net
 
 DELAY = 0.02  # per chunk on the compute lane: every chunk finishes well after step() returns
 
@@ -243,6 +243,7 @@ def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # about 9 s
 def test_parameters_read_without_calling_their_module_are_waited_for() -> None:
     """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
 

@@ -655,6 +655,7 @@ def _compiled(kind: str, m: nn.Module, opt: Any, backend: str) -> Callable[[Any]
     return fwd  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # torch.compile with aot_eager: 3-6 s each
 @pytest.mark.parametrize("kind", COMPILES)
 def test_torch_compile_reads_no_stale_parameter(kind: str) -> None:
     """Issue 9, input 6 and its siblings, on FunctionalTied (input 7's model), against

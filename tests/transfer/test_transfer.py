@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from transfer_worker import SENTINEL, corner, padding_kept  # type: ignore[import-not-found]
 
 import pipeoff
 import pipeoff.testing as pt
 from pipeoff import ConfigError, TaskGraph, TaskKind, execute
 from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError, TransferTornError
+from tests.transfer.transfer_worker import SENTINEL, corner, padding_kept
 
 SHAPES = [(3, 1000), (5, 7), (1,), (0, 4), (4, 3, 2), ()]
 

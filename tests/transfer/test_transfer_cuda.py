@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_device import Gpu  # type: ignore[import-not-found]
 
 import pipeoff.testing as pt
 from pipeoff.testing import DataRaceError
 from pipeoff.transfer import LiveTensor, StateTransfer, TransferTornError
+from tests.gpu_device import Gpu
 
 RESIDENCIES = ["device", "pinned", "pageable"]
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import transfer_worker  # type: ignore[import-not-found]
-from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
 
-pytestmark = pytest.mark.timeout(600)
+from tests._two_ranks import run_two_ranks
+from tests.transfer import transfer_worker
+
+# Every test spawns gloo processes (a module fixture, or its own run).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
