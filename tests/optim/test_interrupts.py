@@ -364,7 +364,7 @@ def _norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
 
 @pytest.mark.slow
 def test_step_waiting_for_the_clipping_norms_all_reduce() -> None:
-    from _two_ranks import run_two_ranks  # type: ignore[import-not-found]
+    from tests._two_ranks import run_two_ranks
 
     res = run_two_ranks(_norm_worker)
     for rank in (0, 1):
