@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
 
 __all__ = ["MUTATIONS", "any_disabled", "delay_for", "delay_lane", "delay_task", "disable",
            "disabled", "fail_task", "fail_work", "failing_work", "hold_task", "installed",
@@ -227,9 +228,7 @@ def fail_work(
     Raises:
         ConfigError: ``after_ops`` is not an int >= 0 or ``None``.
     """
-    if after_ops is not None and (isinstance(after_ops, bool) or not isinstance(after_ops, int)
-                                  or after_ops < 0):
-        raise ConfigError(f"after_ops must be an int >= 0 or None, got {after_ops!r}")
+    check_int("after_ops", after_ops, minimum=0, optional=True)
     err = error if error is not None else RuntimeError(
         f"pipeoff.testing: injected failure inside the work of {pattern!r}"
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeoff._errors import ConfigError, GraphError
+from pipeoff._validate import check_int
 
 if TYPE_CHECKING:
     import torch
@@ -88,10 +89,7 @@ class BufferSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"buffer name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes <= 0:
-            raise ConfigError(
-                f"buffer {self.name!r}: nbytes must be a positive int, got {self.nbytes!r}"
-            )
+        check_int(f"buffer {self.name!r}: nbytes", self.nbytes)
         if self.where not in _WHERE:
             raise ConfigError(
                 f"buffer {self.name!r}: where must be 'device' or 'host', got {self.where!r}"
@@ -296,8 +294,7 @@ class TaskGraph:
                 "on a lane; make it a plain function (to await an RPC inside it, use "
                 "anyio.from_thread.run or asyncio.run_coroutine_threadsafe). To await an "
                 "execution from async code, use Execution.wait_async()")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ConfigError(f"task {name!r}: nbytes must be an int >= 0, got {nbytes!r}")
+        check_int(f"task {name!r}: nbytes", nbytes, minimum=0)
         deps_t = (deps,) if isinstance(deps, str) else tuple(deps)
         bufs_t = (buffers,) if isinstance(buffers, str) else tuple(buffers)
         gates_t = () if not gates else (gates,) if isinstance(gates, str) else tuple(gates)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeoff._errors import BudgetError, ConfigError
+from pipeoff._validate import check_int
 from pipeoff.graph import TaskGraph, TaskKind, no_gc
 
 __all__ = ["DEFAULT_LANES", "Plan", "Schedule"]
@@ -31,13 +32,6 @@ DEFAULT_LANES: Mapping[TaskKind, str] = {
 
 SYNC_LANE = "main"
 _SEARCH_LIMIT = 200_000
-
-
-def _check_optional_positive(name: str, value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int or None, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,9 +58,9 @@ class Schedule:
             raise ConfigError(
                 f"Schedule kind must be 'synchronous' or 'pipelined', got {self.kind!r}"
             )
-        _check_optional_positive("device_budget_bytes", self.device_budget_bytes)
-        _check_optional_positive("host_budget_bytes", self.host_budget_bytes)
-        _check_optional_positive("max_in_flight", self.max_in_flight)
+        check_int("device_budget_bytes", self.device_budget_bytes, optional=True)
+        check_int("host_budget_bytes", self.host_budget_bytes, optional=True)
+        check_int("max_in_flight", self.max_in_flight, optional=True)
 
     @classmethod
     def synchronous(cls) -> Schedule:
@@ -98,7 +92,7 @@ class Schedule:
         if lookahead is not None:
             if max_in_flight is not None:
                 raise ConfigError("give max_in_flight (the new name of lookahead), not both")
-            _check_optional_positive("lookahead", lookahead)
+            check_int("lookahead", lookahead, optional=True)
             warnings.warn("Schedule.pipelined(lookahead=...) is now max_in_flight=...; "
                           "lookahead will be removed", FutureWarning, stacklevel=2)
             max_in_flight = lookahead

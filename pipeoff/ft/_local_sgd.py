@@ -12,6 +12,7 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
@@ -157,8 +158,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
         self._schedule_name = sched
         self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "synchronous"
-        budget = None if device_budget_bytes is None else _positive_int(
-            "device_budget_bytes", device_budget_bytes)
+        budget = None if device_budget_bytes is None else check_int(
+            "device_budget_bytes", device_budget_bytes, unit="bytes")
         bucket: int | None
         if bucket_bytes is None:
             # With only a budget given, buckets of half of it: two fit, so one
@@ -169,7 +170,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         elif bucket_bytes == _PER_PARAMETER:
             bucket = None
         else:
-            bucket = _positive_int("bucket_bytes", bucket_bytes, also="or 'per_parameter'")
+            bucket = check_int("bucket_bytes", bucket_bytes, unit="bytes",
+                               also="or 'per_parameter'")
         self._bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
             "bucket_bytes (device_budget_bytes // 2)")
         if budget is None and bucket is not None:
@@ -471,13 +473,6 @@ def _check_flag(value: Any) -> bool:
         raise ConfigError(
             f"offload_averaged_parameters_to_cpu must be True or False, got {value!r}"
         )
-    return value
-
-
-def _positive_int(name: str, value: Any, *, also: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        more = f" {also}" if also else ""
-        raise ConfigError(f"{name} must be a positive int (bytes){more}, got {value!r}")
     return value
 
 

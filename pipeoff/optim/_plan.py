@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeoff._errors import ConfigError, PlanMismatchError
+from pipeoff._validate import check_int
 
 __all__ = ["Chunk", "ChunkPlan", "ParamMeta", "Segment", "plan_chunks", "planned_numel"]
 
@@ -152,12 +153,8 @@ def plan_chunks(
     Raises:
         ConfigError: ``chunk_bytes`` or ``align`` is not a positive int.
     """
-    if chunk_bytes is not None and (
-        isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0
-    ):
-        raise ConfigError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
-    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
-        raise ConfigError(f"align must be a positive int, got {align!r}")
+    check_int("chunk_bytes", chunk_bytes, optional=True)
+    check_int("align", align)
     cap = math.inf if chunk_bytes is None else chunk_bytes
     chunks: list[Chunk] = []
     cur: list[Segment] = []

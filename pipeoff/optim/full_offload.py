@@ -26,6 +26,7 @@ from pipeoff._errors import (
     UnsupportedOptimizerError,
 )
 from pipeoff._lowlevel import completions, is_failure_of, settle
+from pipeoff._validate import check_int
 from pipeoff.execution import Completion, Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
@@ -55,11 +56,6 @@ DEFAULT_CHUNK_NUMEL = 16 << 20
 """Most elements per optimizer chunk (whole parameters; prime-rl's figure)."""
 DEFAULT_SLOT_BYTES = 64 << 20
 """Bytes of one pinned host slot a gradient travels through (a larger one goes in pieces)."""
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _root_cause(acc: _Accumulation, err: BaseException) -> BaseException:
@@ -270,11 +266,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
                     "gradient by the global norm, which is known only after the last "
                     "gradient of the backward has landed, so no chunk can step during "
                     "the backward (overlap='backward')")
-        _check_int("chunk_numel", chunk_numel, 1)
-        _check_int("slot_bytes", slot_bytes, 16)
-        _check_int("slots", slots, 1)
-        if num_threads is not None:
-            _check_int("num_threads", num_threads, 1)
+        check_int("chunk_numel", chunk_numel, as_bound=True)
+        check_int("slot_bytes", slot_bytes, minimum=16)
+        check_int("slots", slots, as_bound=True)
+        check_int("num_threads", num_threads, optional=True, as_bound=True)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._refuse_environment()

@@ -14,6 +14,7 @@ import torch
 from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff._lowlevel import completions, hook_wait_records, is_failure_of
+from pipeoff._validate import check_int
 from pipeoff.execution import Completion, Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
@@ -144,12 +145,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes
         if isinstance(chunk_bytes, _Default):
             chunk_bytes = DEFAULT_CHUNK_BYTES
-        if chunk_bytes is not None and (
-            isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0
-        ):
-            raise ConfigError(
-                f"chunk_bytes must be a positive int (bytes) or None, got {chunk_bytes!r}"
-            )
+        check_int("chunk_bytes", chunk_bytes, optional=True, unit="bytes")
         prefetch_name = "prefetch"
         if lookahead is not None:
             if prefetch is not None:
@@ -157,14 +153,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             warnings.warn("OffloadOptimizer(lookahead=...) is now prefetch=...; lookahead will "
                           "be removed", FutureWarning, stacklevel=2)
             prefetch, prefetch_name = lookahead, "lookahead"
-        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
-                                     or prefetch < 0):
-            raise ConfigError(f"{prefetch_name} must be an int >= 0, got {prefetch!r}")
+        check_int(prefetch_name, prefetch, minimum=0, optional=True)
         if device_budget_bytes is not None:
-            if (isinstance(device_budget_bytes, bool) or not isinstance(device_budget_bytes, int)
-                    or device_budget_bytes <= 0):
-                raise ConfigError(f"device_budget_bytes must be a positive int (bytes) or None, "
-                                  f"got {device_budget_bytes!r}")
+            check_int("device_budget_bytes", device_budget_bytes, unit="bytes", optional=True)
             if prefetch is not None:
                 raise ConfigError(
                     f"give {prefetch_name} or device_budget_bytes, not both (got "

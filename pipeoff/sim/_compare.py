@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
 from pipeoff.schedule import Schedule
 from pipeoff.sim._costmodel import CostModel
 from pipeoff.sim._workloads import (
@@ -113,8 +114,7 @@ def compare(
     known = FEATURE_SCHEDULES[feature]
     if not schedules:
         raise ConfigError(f"no schedule given; known for {feature}: {', '.join(known)}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
+    check_int("prefetch", prefetch, as_bound=True)
     if feature == "optimizer" and set(schedules) - {"single_pass"}:
         _check_pieces("chunk_bytes", chunk_bytes, shape)
     if feature == "local-sgd" and "pipelined" in schedules:

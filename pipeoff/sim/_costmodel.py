@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
 
 __all__ = ["CostModel"]
 
@@ -70,9 +71,7 @@ class CostModel:
             if getattr(self, factor) > 1:
                 raise ConfigError(
                     f"CostModel.{factor} must be in (0, 1], got {getattr(self, factor)!r}")
-        if self.participants < 1 or not isinstance(self.participants, int):
-            raise ConfigError(f"CostModel.participants must be an int >= 1, "
-                              f"got {self.participants!r}")
+        check_int("CostModel.participants", self.participants, as_bound=True)
 
     def allreduce_s(self, nbytes: int) -> float:
         n = self.participants

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
 from pipeoff.graph import TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
@@ -94,8 +95,7 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     Raises:
         ConfigError: unknown preset, unreadable file, or malformed shapes.
     """
-    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1:
-        raise ConfigError(f"fsdp must be an int >= 1, got {fsdp!r}")
+    check_int("fsdp", fsdp, as_bound=True)
     key = spec.lower()
     if key in MODEL_PRESETS:
         return ModelShape(name=key, global_shapes=tuple(MODEL_PRESETS[key].shapes()), fsdp=fsdp)

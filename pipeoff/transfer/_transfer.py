@@ -12,6 +12,7 @@ import torch
 
 from pipeoff import _lowlevel
 from pipeoff._errors import ConfigError, TransferRefusedError, TransferTornError
+from pipeoff._validate import check_int
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
@@ -55,12 +56,6 @@ class _State:
 
 def _where(residency: str) -> str:
     return "host" if residency in _HOST else "device"
-
-
-def _check_budget(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int (bytes), got {value!r}")
-    return value
 
 
 def _check_tensors(name: str, value: Any) -> dict[str, LiveTensor]:
@@ -151,8 +146,9 @@ class StateTransfer:
                     f"targets[{key!r}] is an optimizer's state (LiveTensor.from_optimizer): "
                     "the optimizer would not know its state changed. Transfer into plain "
                     "tensors and load them with opt.load_state_dict(...)")
-        self.host_budget_bytes = _check_budget("host_budget_bytes", host_budget_bytes)
-        self.device_budget_bytes = _check_budget("device_budget_bytes", device_budget_bytes)
+        self.host_budget_bytes = check_int("host_budget_bytes", host_budget_bytes, unit="bytes")
+        self.device_budget_bytes = check_int("device_budget_bytes", device_budget_bytes,
+                                             unit="bytes")
         if cast is None:
             cast = {}
         if not isinstance(cast, Mapping) or not all(
