@@ -19,14 +19,15 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PRIVATE_APIS", "TESTED", "PrivateAPI", "allreduce_discarded", "check_private_apis",
-           "backward_id", "compiled_autograd_active", "outer_backward_frame",
-           "outermost_backward_frame", "cuda_sleep", "dtensor_box", "fsdp_cpu_offload",
-           "fsdp_gradient_sync", "installed_version", "queue_backward_callback",
+__all__ = ["PRIVATE_APIS", "TESTED", "allreduce_discarded", "backward_id", "check_private_apis",
+           "compiled_autograd_active", "compiled_original", "cuda_sleep", "dtensor_box",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
-           "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state", "is_compiling",
-           "profiler_enabled", "recompile_with_hooks", "restore_stance",
-           "set_torch_function_stack", "torch_function_stack"]
+           "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states",
+           "fsdp_sharded_params", "fsdp_state", "hookless", "init_optimizer_hooks",
+           "installed_version", "is_compiling", "local_tensor", "outer_backward_frame",
+           "outermost_backward_frame", "PrivateAPI", "profiler_enabled",
+           "queue_backward_callback", "recompile_with_hooks", "restore_stance", "runs_compiled",
+           "set_torch_function_stack", "step_body", "torch_function_stack", "uncompiled_name"]
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.9", "2.13"),
@@ -95,6 +96,24 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "FSDPCommContext.all_gather_copy_in_stream", "fsdp_all_gather_streams"),
     PrivateAPI("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:"
                "FSDPCommContext.all_gather_stream", "fsdp_all_gather_streams"),
+    PrivateAPI("torch", "torch.optim.optimizer:Optimizer._patch_step_function",
+               "init_optimizer_hooks: OffloadOptimizer fires step hooks like any optimizer"),
+    PrivateAPI("torch", "torch.optim.optimizer:Optimizer.profile_hook_step",
+               "step_body: the wrapper _patch_step_function installs (marked hooked, "
+               "wrapping the class's step as __wrapped__)"),
+    *(PrivateAPI("torch", f"torch.optim.optimizer:Optimizer.{name}",
+                 "init_optimizer_hooks / hookless: the hook registries of an optimizer")
+      for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                   "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                   "_optimizer_load_state_dict_pre_hooks",
+                   "_optimizer_load_state_dict_post_hooks")),
+    PrivateAPI("torch", "torch.distributed.tensor:DTensor._local_tensor",
+               "local_tensor: the shard a DTensor holds, the very tensor (its identity is "
+               "what forward waits and the read guard key on)"),
+    PrivateAPI("torch", "torch._dynamo.eval_frame:OptimizedModule._orig_mod",
+               "compiled_original / runs_compiled: the module torch.compile wraps"),
+    PrivateAPI("torch", "torch.nn.modules.module:Module._compiled_call_impl",
+               "runs_compiled: a module compiled in place (module.compile())"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "allreduce_discarded: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
@@ -400,6 +419,62 @@ def outer_backward_frame() -> Any:
     recomputation), the outermost backward's frame; else ``None``."""
     frames = _engine_frames()
     return frames[-1] if len(frames) > 1 else None
+
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
+    """Give ``opt``, built without ``Optimizer.__init__``, torch's (empty) hook registries
+    and its class the step wrapper that fires them (``_patch_step_function``)."""
+    hookless(opt)
+    opt._patch_step_function()
+
+
+def hookless(opt: torch.optim.Optimizer) -> None:
+    """Give ``opt`` (built without ``__init__``) empty hook registries of its own."""
+    import collections
+
+    for name in _HOOK_DICTS:
+        opt.__dict__[name] = collections.OrderedDict()
+
+
+def step_body(cls: type[torch.optim.Optimizer]) -> Callable[..., Any]:
+    """The body of ``cls.step`` without the wrapper that fires the step hooks (and the
+    profiler range) around it, as ``_patch_step_function`` installed it."""
+    step = cls.step
+    if getattr(step, "hooked", False):
+        return step.__wrapped__  # type: ignore[attr-defined, no-any-return]
+    return step
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor object it holds, not a view), or ``t``."""
+    return getattr(t, "_local_tensor", t) if hasattr(t, "placements") else t
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, else ``module``."""
+    while isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        module = module._orig_mod  # type: ignore[assignment]
+    return module
+
+
+def uncompiled_name(name: str) -> str:
+    """A module or parameter name without the ``_orig_mod`` levels ``torch.compile``'s
+    wrappers add (``_orig_mod.layers.0`` -> ``layers.0``)."""
+    import re
+
+    return re.sub(r"(^|\.)_orig_mod(\.|$)", r"\1", name).strip(".")
+
+
+def runs_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) runs ``torch.compile``'d code: a wrapper
+    (``torch.compile(model)``) or a module compiled in place (``module.compile()``)."""
+    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
 
 
 def dtensor_box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -432,9 +432,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
 # -- tensor helpers -------------------------------------------------------------------
 def _local(p: torch.Tensor) -> torch.Tensor:
-    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage."""
-    data = p.data
-    return data.to_local() if isinstance(data, DTensor) else data
+    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
+    outside autograd."""
+    return _compat.local_tensor(p.data)
 
 
 def _write_back_rfc(param: nn.Parameter, flat: torch.Tensor) -> None:

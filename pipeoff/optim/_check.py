@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pipeoff import _faults
+from pipeoff import _compat, _faults
 from pipeoff._errors import ConfigError
 
 __all__ = ["OverlapReport", "check_overlap"]
@@ -195,9 +194,9 @@ def check_overlap(
         else:
             hi = mid - 1
     m = fresh()
-    root = type(getattr(m, "_orig_mod", m)).__name__
-    names = {id(p): _clean(n) for n, p in m.named_parameters()}
-    owners_of = {id(p): _clean(mn) or root for mn, mod in m.named_modules()
+    root = type(_compat.compiled_original(m)).__name__
+    names = {id(p): _compat.uncompiled_name(n) for n, p in m.named_parameters()}
+    owners_of = {id(p): _compat.uncompiled_name(mn) or root for mn, mod in m.named_modules()
                  for p in mod.parameters(recurse=False)}
     layout = OffloadOptimizer(make_optimizer(m), mode="chunked", chunk_bytes=chunk_bytes)
     idx = sorted({s.param for s in layout.plan.chunks[lo].segments})
@@ -219,7 +218,7 @@ class _Watch(TorchFunctionMode):
 
     def __init__(self, params: Sequence[torch.Tensor], stack: list[str]) -> None:
         super().__init__()
-        self.ids = {id(p) for p in params} | {id(getattr(p, "_local_tensor", p)) for p in params}
+        self.ids = {id(p) for p in params} | {id(_compat.local_tensor(p)) for p in params}
         self.ptrs = {_ptr(p) for p in params} - {0}
         self.stack = stack
         self.seen: list[str] = []
@@ -251,8 +250,8 @@ def _readers(model: torch.nn.Module, params: Sequence[torch.Tensor], batch: Any,
 
     from pipeoff import _compat
 
-    root = type(getattr(model, "_orig_mod", model)).__name__
-    names = {m: _clean(n) or root for n, m in model.named_modules()}
+    root = type(_compat.compiled_original(model)).__name__
+    names = {m: _compat.uncompiled_name(n) or root for n, m in model.named_modules()}
     stack: list[str] = []
     def enter(m: torch.nn.Module, args: Any) -> None:
         stack.append(names.get(m, type(m).__name__))
@@ -275,9 +274,6 @@ def _readers(model: torch.nn.Module, params: Sequence[torch.Tensor], batch: Any,
     return tuple(watch.seen)
 
 
-def _clean(name: str) -> str:
-    """A module or parameter name without ``torch.compile``'s ``_orig_mod`` levels."""
-    return re.sub(r"(^|\.)_orig_mod(\.|$)", r"\1", name).strip(".")
 
 
 def _factory(model: torch.nn.Module | Callable[[], torch.nn.Module]

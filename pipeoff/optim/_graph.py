@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _faults
+from pipeoff import _accel, _compat, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
@@ -210,11 +210,11 @@ def single_pass(layout: Layout, inner: torch.optim.Optimizer,
     # The wrapped optimizer's step without torch's hook wrapper: the step hooks
     # (global ones, and those on the OffloadOptimizer) already ran around
     # OffloadOptimizer.step, once, as in the other modes.
-    raw_step = getattr(type(inner).step, "__wrapped__", None)
+    raw_step = _compat.step_body(type(inner))
 
     def update(ctx: TaskContext) -> Any:
         with torch.enable_grad() if closure is not None else contextlib.nullcontext():
-            return raw_step(inner, closure) if raw_step is not None else inner.step(closure)
+            return raw_step(inner, closure)
 
     def d2h(ctx: TaskContext) -> None:
         for p, k, host, _ in moved:

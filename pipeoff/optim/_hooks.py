@@ -40,9 +40,7 @@ def _fsdp_module_type() -> type[torch.nn.Module] | None:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, else ``model``."""
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-        model = model._orig_mod  # type: ignore[assignment]
-    return model
+    return _compat.compiled_original(model)
 
 
 def install(waits: ForwardWaits, model: torch.nn.Module,
@@ -53,7 +51,7 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
     """
     root = unwrap(model)
     fsdp = _fsdp_module_type()
-    names = {m: _clean(n) or type(root).__name__ for n, m in root.named_modules()}
+    names = {m: _compat.uncompiled_name(n) or type(root).__name__ for n, m in root.named_modules()}
     plan: list[tuple[torch.nn.Module, Any, bool]] = []  # (module, hook, with_kwargs)
     plain = {id(p) for p in params}
     if fsdp is not None and any(isinstance(m, fsdp) for m in root.modules()):
@@ -86,8 +84,6 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
     return handles
 
 
-def _clean(name: str) -> str:
-    return name.replace("_orig_mod.", "").replace("._orig_mod", "")
 
 
 class _ForwardWait:

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from pipeoff import _compat
+
 __all__ = ["describe", "flat", "host_alloc", "local", "memory_order", "snapshot", "wrap_like"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself."""
-    return getattr(t, "_local_tensor", t) if hasattr(t, "placements") else t
+    return _compat.local_tensor(t)
 
 
 def wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

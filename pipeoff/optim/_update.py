@@ -53,16 +53,6 @@ ELEMENTWISE: Mapping[type[torch.optim.Optimizer], _Keys] = {
 gradient and state, by exact class, with the per-element state keys a param
 group gives them. Everything else in their state (``step``) is a scalar."""
 
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
-
-
 def check_elementwise(opt: torch.optim.Optimizer, mode: str) -> None:
     """Raise :class:`UnsupportedOptimizerError` unless ``opt`` can be stepped in chunks."""
     if type(opt) not in ELEMENTWISE:
@@ -89,8 +79,7 @@ def make_shadow(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shadow.__dict__["defaults"] = opt.defaults
     shadow.__dict__["state"] = collections.defaultdict(dict)
     shadow.__dict__["param_groups"] = []
-    for name in _HOOK_DICTS:
-        shadow.__dict__[name] = collections.OrderedDict()
+    _compat.hookless(shadow)
     return shadow
 
 
@@ -132,9 +121,8 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
             st.update({k: staged[k] for k in present})
             state[v] = st
     shadow.state = state
-    step = type(shadow).step
     # The class's step is wrapped by torch.optim's hook machinery; call the body.
-    body = step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+    body = _compat.step_body(type(shadow))
     try:
         # Hazard: torch.compile on another thread flipping torch.compiler.is_compiling()
         # (one process-wide flag) under these kernels, which then take their

@@ -220,14 +220,14 @@ class ForwardWaits:
         for i in written:
             p = layout.params[i]
             chunks = layout.chunks_of[i]
-            loc = getattr(p, "_local_tensor", p)
+            loc = _compat.local_tensor(p)
             # The chunks write the parameter and read its gradient: a reader of the
             # one and a writer of the other (zero_grad(set_to_none=False) on the
             # model, p.grad.zero_()) both wait.
             tensors = [p, loc]
             g = step.restore.get(i, (None, None))[1]
             if g is not None:
-                tensors += [g, getattr(g, "_local_tensor", g)]
+                tensors += [g, _compat.local_tensor(g)]
             for t in tensors:
                 pending[id(t)] = chunks
                 refs[id(t)] = weakref.ref(t)

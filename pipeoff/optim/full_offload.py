@@ -68,12 +68,6 @@ def _root_cause(acc: _Accumulation, err: BaseException) -> BaseException:
     return err
 
 
-def _compiled(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or a module in it) runs ``torch.compile``'d code."""
-    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
-
-
 def _order(p: torch.Tensor) -> tuple[int, ...]:
     order = memory_order(_local(p))
     assert order is not None  # checked by add_param_group
@@ -1129,7 +1123,7 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
         self._acc_state = None
         asynchronous = self.overlap == "forward" or (
             self.overlap == "backward" and self._attached is not None)
-        if asynchronous and self._attached is None and _compiled(self.model):
+        if asynchronous and self._attached is None and _compat.runs_compiled(self.model):
             # Hazard: compiled code reading weights the step still writes; it
             # cannot wait per parameter, and only attach()'s hooks run in it.
             if not self._warned_compiled:

@@ -185,9 +185,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ is not called (it wants parameters); set what the
         # base class's hooks, schedulers and repr need.
         self.defaults = optimizer.defaults
-        for name in _update._HOOK_DICTS:
-            setattr(self, name, collections.OrderedDict())
-        self._patch_step_function()
+        _compat.init_optimizer_hooks(self)
         self._inflight: Step | None = None
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
