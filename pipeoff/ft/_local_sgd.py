@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
 from pipeoff import _accel, _compat
+from pipeoff._contract import AsyncStep, MasterCopy
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
 from pipeoff.executor import execute
@@ -234,9 +235,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
     # -- the sync ------------------------------------------------------------------
     def _wait_for_optimizer(self) -> None:
-        wait = getattr(self._local_optimizer, "wait_for_step", None)
-        if callable(wait):
-            wait()
+        opt = self._local_optimizer
+        if isinstance(opt, AsyncStep):
+            opt.wait_for_step()
 
     def sync(self) -> None:
         # Hazard: a recovering peer reading parameters that an asynchronous
@@ -256,12 +257,12 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         else:
             with torch.profiler.record_function("pipeoff::ft::local_sgd::perform_sync"):
                 committed = self._offloaded_sync()
-        refresh = getattr(self._local_optimizer, "refresh_masters", None)
-        if committed and callable(refresh):
+        opt = self._local_optimizer
+        if committed and isinstance(opt, MasterCopy):
             # Hazard: an optimizer whose masters are the truth
             # (pipeoff.optim.FullOffloadOptimizer) overwriting the averaged weights
             # with its own, un-averaged masters at the next step.
-            refresh()
+            opt.refresh_masters()
 
     def _original_sync(self) -> bool:
         """torchft's own averaging; whether the quorum committed."""

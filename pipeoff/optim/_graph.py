@@ -23,7 +23,7 @@ from pipeoff.executor import execute
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim import _update
 from pipeoff.optim._layout import Layout
-from pipeoff.optim._step_graph import ChunkTasks, chunk_tasks, step_graph, step_schedule
+from pipeoff.optim._step_graph import ChunkTasks, offload_step
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import flat, flat_like, host_alloc
 from pipeoff.optim._tensors import local as _local
@@ -50,10 +50,6 @@ class Step:
     """Per parameter, the scalar state its last chunk produced, until committed."""
     written: set[int] = field(default_factory=set)
     """Chunks that have written parameters (a failure after that is torn)."""
-    waited: set[int] = field(default_factory=set)
-    """Chunks the forward waits have already waited for."""
-    hook_waits: list[tuple[str, int, int]] = field(default_factory=list)
-    """(name, start, end) of each forward wait, ``perf_counter_ns``."""
     updated: tuple[int, ...] = ()
     """The parameters (indices) the step updates, fixed at launch (``grads``
     shrinks on the lanes as chunks finish)."""
@@ -169,13 +165,13 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
                 _d2h_work(buf, segs, keys, hosts, params, done))
 
     local = [_local(p) for p in params]
-    chunks = chunk_tasks(plan, itemsize=[t.element_size() for t in local],
-                         nkeys=[len(k) for k in keys], local_numel=[t.numel() for t in local],
-                         present=[len(present.get(i, ())) for i in range(len(params))],
-                         updated=grads)
-    graph = step_graph(layout.device, chunks, work)
-    step.execution = execute(graph, step_schedule(plan, prefetch, budget))
-    step.opt_tasks = tuple(f"opt{c.index}" for c in chunks)
+    graph, schedule = offload_step(
+        layout.device, plan, itemsize=[t.element_size() for t in local],
+        nkeys=[len(k) for k in keys], local_numel=[t.numel() for t in local],
+        present=[len(present.get(i, ())) for i in range(len(params))], updated=grads,
+        prefetch=prefetch, budget=budget, work=work)
+    step.execution = execute(graph, schedule)
+    step.opt_tasks = tuple(f"opt{c.index}" for c in plan.chunks)
     return step
 
 
@@ -263,24 +259,14 @@ def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | N
         for s, lo, hi in segs:
             i = s.param
             p = flat(_local(params[i]).detach(), layout.orders[i])
-            gi = layout.group_of[i]
-            cg = groups.get(gi)
-            if cg is None:
-                cg = groups[gi] = _update.ChunkGroup(hyper=hyper[gi], params=[], grads=[],
-                                                     staged=[], present=[], scalars=[])
+            cg = _update.group_of(groups, hyper, layout.group_of[i])
             dtype = p.dtype
             if buf is not None:
                 staged = {key: _slot(ctx, buf, s, j, hi - lo, dtype)
                           for j, key in enumerate(keys[i])}
             else:  # a zero-byte chunk: only zero-element (or state-less) slices
                 staged = {key: p.new_empty(0) for key in keys[i]}
-            sc = {key: (v.clone() if isinstance(v, torch.Tensor) else v)
-                  for key, v in scalars[i].items()}
-            cg.params.append(p[lo:hi])  # type: ignore[attr-defined]
-            cg.grads.append(step.grads[i][lo:hi])  # type: ignore[attr-defined]
-            cg.staged.append(staged)  # type: ignore[attr-defined]
-            cg.present.append(present[i])  # type: ignore[attr-defined]
-            cg.scalars.append(sc)  # type: ignore[attr-defined]
+            sc = cg.add(p[lo:hi], step.grads[i][lo:hi], staged, present[i], scalars[i])
             if layout.last_chunk[i] == k:
                 mine.append((i, sc))
         # A chunk has written its parameters once any of their version counters

@@ -25,7 +25,7 @@ import torch
 from pipeoff import _accel, _compat, _faults
 from pipeoff.optim._waits import ForwardWaits
 
-__all__ = ["install", "unwrap"]
+__all__ = ["install", "set_post_optim_event", "unwrap"]
 
 
 def _fsdp_module_type() -> type[torch.nn.Module] | None:
@@ -157,3 +157,15 @@ def _fsdp_wait(waits: ForwardWaits, module: Any, name: str) -> None:
             _compat.fsdp_all_gather_streams(state))
         streams = (_accel.current().current_stream(waits.device), *gathers)
     waits.on_module(module, mine, name, streams)
+
+
+def set_post_optim_event(root: Any, device: torch.device) -> None:
+    """Give an FSDP2 root an event recorded now on ``device``'s current stream, to wait
+    for instead of the whole current stream (``FSDPModule.set_post_optim_event``)."""
+    accel = _accel.current()
+    ev = accel.new_event()
+    # Hazard: FSDP's all-gather streams waiting on compute enqueued after the
+    # step (a false dependency); the forward hooks carry the real ones.
+    # Recorded on the parameters' device, whichever device is current.
+    ev.record(accel.current_stream(device))
+    root.set_post_optim_event(ev)

@@ -17,7 +17,7 @@ from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim._plan import ChunkPlan, Segment
 from pipeoff.schedule import Schedule
 
-__all__ = ["ChunkTasks", "chunk_tasks", "step_graph", "step_schedule"]
+__all__ = ["ChunkTasks", "chunk_tasks", "offload_step", "step_graph", "step_schedule"]
 
 Work = Callable[[TaskContext], Any]
 
@@ -105,3 +105,18 @@ def step_schedule(plan: ChunkPlan, prefetch: int | None,
     if budget is None and plan.chunk_bytes is not None and plan.max_chunk_bytes:
         budget = ((2 if prefetch is None else prefetch) + 1) * plan.max_chunk_bytes
     return Schedule.pipelined(device_budget_bytes=budget)
+
+
+def offload_step(device: torch.device | str | None, plan: ChunkPlan, *,
+                 itemsize: Sequence[int], nkeys: Sequence[int], local_numel: Sequence[int],
+                 present: Sequence[int], updated: Container[int], prefetch: int | None,
+                 budget: int | None = None,
+                 work: Callable[[ChunkTasks, str | None], tuple[Work | None, Work | None,
+                                                                Work | None]] | None = None,
+                 ) -> tuple[TaskGraph, Schedule]:
+    """The graph and schedule of one offload-optimizer step: the one builder the
+    optimizer (``work`` given), its ``reserve()`` and the simulator (shape only) share.
+    Arguments as :func:`chunk_tasks`, :func:`step_graph` and :func:`step_schedule`."""
+    chunks = chunk_tasks(plan, itemsize=itemsize, nkeys=nkeys, local_numel=local_numel,
+                         present=present, updated=updated)
+    return step_graph(device, chunks, work), step_schedule(plan, prefetch, budget)

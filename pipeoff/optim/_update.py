@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from pipeoff import _compat
 from pipeoff._errors import UnsupportedOptimizerError
 
-__all__ = ["ELEMENTWISE", "ChunkGroup", "make_shadow", "state_keys", "step_chunk"]
+__all__ = ["ELEMENTWISE", "ChunkGroup", "group_of", "make_shadow", "state_keys", "step_chunk"]
 
 
 def _adam_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
@@ -89,16 +89,37 @@ class ChunkGroup:
 
     hyper: Mapping[str, Any]
     """The group's hyperparameters, captured at ``step()`` time."""
-    params: Sequence[torch.Tensor]
+    params: list[torch.Tensor] = field(default_factory=list)
     """Flat slice views of the parameters (local shards), updated in place."""
-    grads: Sequence[torch.Tensor]
+    grads: list[torch.Tensor] = field(default_factory=list)
     """The matching gradient slices."""
-    staged: Sequence[dict[str, torch.Tensor]]
+    staged: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per slice, its per-element state as views of the staging buffer."""
-    present: Sequence[tuple[str, ...]]
+    present: list[tuple[str, ...]] = field(default_factory=list)
     """Per slice, the per-element keys that exist already (the others are created)."""
-    scalars: Sequence[dict[str, Any]]
+    scalars: list[dict[str, Any]] = field(default_factory=list)
     """Per slice, the other state entries (``step``), private copies."""
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor, staged: dict[str, torch.Tensor],
+            present: tuple[str, ...], scalars: Mapping[str, Any]) -> dict[str, Any]:
+        """Add one slice; returns the private copy of ``scalars`` the step updates (the
+        caller commits it once the step has succeeded)."""
+        mine = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+        self.params.append(param)
+        self.grads.append(grad)
+        self.staged.append(staged)
+        self.present.append(present)
+        self.scalars.append(mine)
+        return mine
+
+
+def group_of(groups: dict[int, ChunkGroup], hyper: Sequence[Mapping[str, Any]],
+             gi: int) -> ChunkGroup:
+    """The :class:`ChunkGroup` of param group ``gi`` in ``groups`` (made on first use)."""
+    cg = groups.get(gi)
+    if cg is None:
+        cg = groups[gi] = ChunkGroup(hyper[gi])
+    return cg
 
 
 def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> None:

@@ -52,8 +52,7 @@ from pipeoff._errors import ConfigError
 from pipeoff.trace import record_hook_wait
 
 if TYPE_CHECKING:
-    from pipeoff.optim._graph import Step
-    from pipeoff.optim._layout import Layout
+    from pipeoff._contract import StepWrites
 
 __all__ = ["ForwardWaits"]
 
@@ -174,7 +173,12 @@ class ForwardWaits:
     def __init__(self, on_failure: Callable[[], None]) -> None:
         self._on_failure = on_failure
         self._lock = threading.Lock()
-        self.step: Step | None = None
+        self.step: StepWrites | None = None
+        """The step in flight: what it writes (the only thing read of an optimizer)."""
+        self._waited: set[int] = set()
+        """Chunks of the step in flight already waited for."""
+        self._hook_waits: list[tuple[str, int, int]] = []
+        """``(name, start, end)`` of each wait for the step in flight, ``perf_counter_ns``."""
         self.cuda = False
         self.device: torch.device | None = None
         self.pending: dict[int, tuple[int, ...]] = {}
@@ -208,24 +212,26 @@ class ForwardWaits:
         self._dependents: dict[int, list[int]] = {}
 
     # -- a step's life ----------------------------------------------------------------
-    def begin(self, step: Step, layout: Layout, written: Iterable[int]) -> None:
-        """Start waiting for ``step``: parameters ``written`` (indices) are pending.
+    def begin(self, writes: StepWrites) -> list[tuple[str, int, int]]:
+        """Start waiting for a step in flight: the parameters it writes are pending.
 
-        Pushes the read guard on the calling thread.
+        Pushes the read guard on the calling thread. Returns the list that the
+        step's waits are recorded in, ``(name, start, end)`` in ``perf_counter_ns``
+        (it grows as reads wait).
         """
-        chunk_params: list[list[int]] = [[] for _ in range(len(step.opt_tasks))]
+        chunk_params: list[list[int]] = [[] for _ in range(len(writes.write_tasks))]
         pending: dict[int, tuple[int, ...]] = {}
         storages: dict[int, int] = {}
         refs: dict[int, weakref.ref[torch.Tensor]] = {}
-        for i in written:
-            p = layout.params[i]
-            chunks = layout.chunks_of[i]
+        for i in writes.written:
+            p = writes.params[i]
+            chunks = writes.chunks_of[i]
             loc = _compat.local_tensor(p)
             # The chunks write the parameter and read its gradient: a reader of the
             # one and a writer of the other (zero_grad(set_to_none=False) on the
             # model, p.grad.zero_()) both wait.
             tensors = [p, loc]
-            g = step.restore.get(i, (None, None))[1]
+            g = writes.grad_of(i)
             if g is not None:
                 tensors += [g, _compat.local_tensor(g)]
             for t in tensors:
@@ -237,10 +243,13 @@ class ForwardWaits:
                 ptr = _storage_ptr(t)
                 if ptr:
                     storages[ptr] = id(t)
+        hook_waits: list[tuple[str, int, int]] = []
         with self._lock:
-            self.step = step
-            self.cuda = _accel.current().is_device(layout.device)
-            self.device = layout.device
+            self.step = writes
+            self._waited = set()
+            self._hook_waits = hook_waits
+            self.cuda = _accel.current().is_device(writes.device)
+            self.device = writes.device
             self.pending = pending
             self.storages = storages
             self._refs = refs
@@ -248,6 +257,7 @@ class ForwardWaits:
             self._last_hook = None
         if pending and self.guard_enabled and not _faults.disabled("read_guard"):
             self._push_guard()
+        return hook_waits
 
     def end(self) -> None:
         """The step is over (waited for, or failed): nothing is pending any more."""
@@ -407,7 +417,8 @@ class ForwardWaits:
             st = self.step
             if st is None:
                 return
-            todo = sorted({c for i in ids for c in self.pending.get(i, ())} - st.waited)
+            waited, hook_waits = self._waited, self._hook_waits  # this step's
+            todo = sorted({c for i in ids for c in self.pending.get(i, ())} - waited)
         if todo:
             if self.cuda and _accel.current().is_capturing():
                 raise ConfigError(
@@ -418,7 +429,7 @@ class ForwardWaits:
             if self.cuda and streams is None:
                 streams = (_accel.current().current_stream(self.device),)
             t0 = time.perf_counter_ns()
-            for comp in st.execution.events_for([st.opt_tasks[c] for c in todo]):
+            for comp in st.execution.events_for([st.write_tasks[c] for c in todo]):
                 if streams:
                     for s in streams:
                         if _faults.disabled("hook_stream_wait"):
@@ -430,14 +441,14 @@ class ForwardWaits:
                     comp.wait()  # host lanes: block until the chunk has written them
             t1 = time.perf_counter_ns()
             with self._lock:
-                st.waited.update(todo)
+                waited.update(todo)
                 for c in todo:
                     for pid in self._chunk_params[c] if c < len(self._chunk_params) else ():
                         chunks = self.pending.get(pid)
-                        if chunks is not None and st.waited.issuperset(chunks):
+                        if chunks is not None and waited.issuperset(chunks):
                             del self.pending[pid]
             label = f"hook_wait:{name}" if name else "hook_wait"
-            st.hook_waits.append((label, t0, t1))
+            hook_waits.append((label, t0, t1))
             record_hook_wait(label, t0, t1)
         if st.execution.exception is not None:
             self._on_failure()  # raises the chunk's failure here

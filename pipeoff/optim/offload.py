@@ -12,20 +12,28 @@ from typing import Any, Literal
 import torch
 
 from pipeoff import _accel, _compat
-from pipeoff._errors import ConfigError, StepFailedError
-from pipeoff._lowlevel import completions, hook_wait_records, is_failure_of
+from pipeoff._contract import Health, StepWrites
+from pipeoff._errors import ConfigError
+from pipeoff._lowlevel import hook_wait_records, is_failure_of
 from pipeoff._validate import check_int
-from pipeoff.execution import Completion, Execution
+from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
+from pipeoff.optim._hooks import set_post_optim_event
+from pipeoff.optim._host_state import (
+    check_loaded,
+    check_state_dtypes,
+    loaded_value,
+    offload_state,
+)
 from pipeoff.optim._layout import Layout, build_layout, fingerprint
+from pipeoff.optim._offloaded import Offloaded, check_in_model
 from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
-from pipeoff.optim._step_graph import chunk_tasks, step_graph, step_schedule
+from pipeoff.optim._step_graph import offload_step
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc, index_of, memory_order
+from pipeoff.optim._tensors import host_alloc, index_of
 from pipeoff.optim._tensors import local as _local
-from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
@@ -49,7 +57,7 @@ class _Default:
 _DEFAULT = _Default()
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     """Wraps an optimizer; keeps its state in (pinned) host memory and steps it in chunks.
 
     The flat parameter space is cut into chunks whose optimizer state is at most
@@ -189,12 +197,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._inflight: Step | None = None
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
-        self._torn: str | None = None  # why the parameters are partly stepped, if they are
+        self._health = Health()  # what a failed step left (torn: partly stepped)
         self._readers = Readers()  # state transfers reading the host state
         self._step_layout: Layout | None = None  # the layout of the step in flight
-        self._hooks: list[Any] = []
+        self._attach_handles: list[Any] = []  # attach()'s forward hooks
         self._fsdp_root: Any = None  # set by attach() on an FSDP2 root
-        self._model: torch.nn.Module | None = None
+        self._attached: torch.nn.Module | None = None
         self._waits = ForwardWaits(self.wait_for_step)
         self._waits.guard_enabled = read_guard
         self._reserve = reserve
@@ -203,7 +211,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """The signature of the plan whose staging blocks are reserved."""
         self._layout = build_layout(optimizer, chunked=self._chunked,
                                     chunk_bytes=chunk_bytes)
-        self._offload_state(self._layout)
+        offload_state(self.inner, self._layout, chunked=self._chunked, pin=self.pin_memory)
         if self._chunked:
             self.verify_plan()
             if reserve:
@@ -272,7 +280,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.inner.param_groups[:] = groups  # atomic: nothing was added
             raise
-        self._offload_state(layout)
+        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
         self._layout = layout
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -289,7 +297,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             StepFailedError: the last step failed after writing some parameters.
         """
         self.wait_for_step()
-        self._check_not_torn("state_dict()")
+        self._health.check("state_dict()")
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -334,7 +342,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 on_device = bool(group.get("fused") or group.get("capturable"))
                 keys = _update.state_keys(self.inner, group) if self._chunked else ()
                 for k, v in entry.items():
-                    _check_loaded(p, k, v, k in keys)
+                    check_loaded(p, k, v, k in keys)
                 entries.append((pid, p, entry, on_device, keys))
             # The loaded state is cast to each parameter's dtype: check the rest.
             layout = self._checked_layout(check_state=False)
@@ -347,27 +355,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 state[pid] = entry  # as torch does with ids it does not know
                 continue
             reuse = old_state.get(p, {})
-            state[p] = {k: self._loaded_value(p, k, v, on_device, k in keys, reuse.get(k))
+            state[p] = {k: loaded_value(p, k, v, step_on_device=on_device, element=k in keys,
+                                        old=reuse.get(k), reserved=self._reserved)
                         for k, v in entry.items()}
         self.inner.state = state
-        self._offload_state(layout)
+        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
         self._layout = layout
-        self._torn = None
-
-    def _loaded_value(self, p: torch.Tensor, key: str, value: Any, step_on_device: bool,
-                      element: bool, old: Any) -> Any:
-        """A loaded state value in host memory. A per-element one is copied into the host
-        tensor that already holds that state, or into a reserved one, where they fit:
-        loading then takes no second copy of the (pinned) state."""
-        if element and isinstance(value, torch.Tensor):
-            for dst in (old, self._reserved.pop((id(p), key), None)):
-                if (isinstance(dst, torch.Tensor) and not _accel.current().on_device(_local(dst))
-                        and _local(dst).shape == _local(p).shape
-                        and _local(dst).dtype == _local(p).dtype
-                        and memory_order(_local(dst)) == memory_order(_local(p))):
-                    _local(dst).copy_(_local(value).detach())
-                    return _wrap_like(p, _local(dst))
-        return _host_value(p, key, value, step_on_device, element)
+        self._health.torn = None
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has finished.
@@ -408,12 +402,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if written:
                 # The updates cannot be undone (that would need a copy of every
                 # parameter): refuse to compound them rather than train on silently.
-                self._torn = (
+                self._health.torn = (
                     f"a step failed in {failed!r} after chunk(s) "
                     f"{_ranges(written)} of {len(st.opt_tasks)} had written their parameters"
                 )
                 err.add_note(
-                    f"pipeoff: {self._torn}; the parameters and optimizer state are partly "
+                    f"pipeoff: {self._health.torn}; the parameters and optimizer state are partly "
                     "stepped. Load a checkpoint (model and optimizer load_state_dict) "
                     "before stepping again."
                 )
@@ -430,46 +424,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         st.restore.clear()
         self._waits.end()
 
-    def _check_not_torn(self, what: str) -> None:
-        if self._torn is not None:
-            raise StepFailedError(
-                f"{what} refused: {self._torn}, so the parameters and optimizer state are "
-                "partly stepped. Load a checkpoint (the model's and this optimizer's "
-                "load_state_dict) to go on."
-            )
-
-    def completion_for(self, param: torch.Tensor) -> tuple[Completion, ...]:
-        """The completions of the tasks of the step in flight that write ``param`` and its
-        state (empty if none does): a readiness for
-        :class:`~pipeoff.transfer.LiveTensor`, finer than :meth:`wait_for_step`.
-
-        Raises:
-            ConfigError: ``param`` is not one of this optimizer's parameters.
-        """
+    def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         st = self._inflight
         # The step in flight indexes parameters by its own layout (param_groups may
         # have been edited since, and a read of `plan` re-plans).
         layout = self._step_layout if st is not None and self._step_layout else self._layout
         i = index_of(layout.params, param)
         if st is None or i not in st.updated:
-            return ()
-        ex = st.execution
-        return completions(ex, [n for c in layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")])
+            return None, []
+        return st.execution, [n for c in layout.chunks_of[i] for n in (f"opt{c}", f"d2h{c}")]
 
-    def live_state(self, param: torch.Tensor,
-                   key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:
-        """The local host tensor of ``param``'s per-element state ``key`` (the one a step in
-        flight is writing, new state included) and its :meth:`completion_for`; used by
-        :meth:`pipeoff.transfer.LiveTensor.from_optimizer`. Does not wait.
-
-        Raises:
-            ConfigError: ``param`` is not a parameter of this optimizer, or ``key`` is
-                not one of its per-element state tensors (scalar state such as
-                ``"step"`` is committed at the end of a step: read it after
-                :meth:`wait_for_step`).
-            StepFailedError: an earlier step failed after writing some state.
-        """
-        self._check_not_torn("reading the optimizer state")
+    def _host_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        """The local host tensor of a per-element state ``key``; scalar state such as
+        ``"step"`` is committed at the end of a step: read it after :meth:`wait_for_step`."""
         st = self._inflight
         layout = self._step_layout if st is not None and self._step_layout else self._layout
         i = index_of(layout.params, param)
@@ -483,7 +450,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"{_describe(i, param)} has no per-element state {key!r} "
                 f"(it has {sorted(layout.keys[i])}); scalar state such as 'step' is "
                 "committed when a step ends: read opt.state after wait_for_step()")
-        return host, self.completion_for(param)
+        return host
+
+    def _stepped_params(self) -> tuple[torch.Tensor, ...]:
+        return self._current_layout().params
 
     @property
     def last_execution(self) -> Execution | None:
@@ -546,30 +516,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ConfigError: ``model`` is not a module, or some of the optimizer's
                 parameters are not in it.
         """
-        from pipeoff.optim._hooks import install, unwrap
-
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"attach() needs a torch.nn.Module, got {model!r}")
-        layout = self._current_layout()
-        self._check_in_model(layout, model)
-        self.wait_for_step()
-        handles = install(self._waits, model, layout.params)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = handles
-        self._model = model
-        root = unwrap(model)
+        super().attach(model)
+        root = _compat.compiled_original(model)
         self._fsdp_root = root if hasattr(root, "set_post_optim_event") else None
 
     def detach(self) -> None:
-        """Remove the forward hooks that :meth:`attach` installed."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._model = None
+        """Remove the forward hooks that :meth:`attach` installed (after the step in
+        flight)."""
+        super().detach()
         self._fsdp_root = None
-        self._waits.set_modules(torch.nn.Module(), [])
-        self._waits.attached = False
 
     # -- stepping -------------------------------------------------------------
     @torch.no_grad()
@@ -600,13 +555,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "once per chunk; call it before step(), or use mode='single_pass'"
             )
         self.wait_for_step()
-        self._check_not_torn("step()")
+        self._health.check("step()")
         self._readers.wait()
         with torch.profiler.record_function("pipeoff::optim::step"):
             layout = self._current_layout()
             if self.mode == "single_pass":
                 ex, loss = _graph.single_pass(layout, self.inner, closure,
-                                              lambda: self._offload_state(layout))
+                                              lambda: offload_state(self.inner, layout,
+                                                                    chunked=False,
+                                                                    pin=self.pin_memory))
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             self._step_layout = layout
@@ -615,7 +572,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                reserved=lambda p, k: self._reserved.pop((id(p), k), None))
             self._inflight = st
             self._last = st.execution
-            self._last_waits = st.hook_waits
+            self._last_waits = []
             if self.mode == "chunked":
                 try:
                     self.wait_for_step()  # the one host wait of a chunked step
@@ -628,9 +585,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                      "passed on; do not step again for the same gradients."]
                     raise
             else:
-                self._waits.begin(st, layout, st.updated)
+                restore = st.restore  # lanes shrink it as chunks finish: read by key
+
+                def grad_of(i: int) -> torch.Tensor | None:
+                    pg = restore.get(i)
+                    return None if pg is None else pg[1]
+
+                self._last_waits = self._waits.begin(StepWrites(
+                    execution=st.execution, write_tasks=st.opt_tasks, params=layout.params,
+                    chunks_of=layout.chunks_of, device=layout.device, written=st.updated,
+                    grad_of=grad_of))
                 if _accel.current().is_device(layout.device):
-                    self._set_post_optim_event()
+                    root = self._fsdp_root
+                    if root is not None:
+                        set_post_optim_event(root, self.device)
         return None
 
     def reserve(self) -> int:
@@ -656,14 +624,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         plan = layout.plan
         if plan is not None and self._staging_reserved != plan.signature():
             local = [_local(p) for p in layout.params]
-            n = len(local)
-            chunks = chunk_tasks(plan, itemsize=[t.element_size() for t in local],
-                                 nkeys=[len(k) for k in layout.keys],
-                                 local_numel=[t.numel() for t in local],
-                                 present=[len(k) for k in layout.keys], updated=range(n))
-            reserved = reserve_for(step_graph(layout.device, chunks),
-                                   step_schedule(plan, self.prefetch,
-                                                 self.device_budget_bytes))
+            reserved = reserve_for(*offload_step(
+                layout.device, plan, itemsize=[t.element_size() for t in local],
+                nkeys=[len(k) for k in layout.keys], local_numel=[t.numel() for t in local],
+                present=[len(k) for k in layout.keys], updated=range(len(local)),
+                prefetch=self.prefetch, budget=self.device_budget_bytes))
             staged = sum(reserved.values())
             self._staging_reserved = plan.signature()
         want = []
@@ -684,7 +649,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if sig == self._layout.signature:
             return self._layout
         layout = self._checked_layout(sig)
-        self._offload_state(layout)
+        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
         self._layout = layout
         self._waits.forget()  # learn the reads of the new parameters too
         return layout
@@ -693,108 +658,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         check_state: bool = True) -> Layout:
         layout = build_layout(self.inner, chunked=self._chunked, chunk_bytes=self.chunk_bytes,
                               signature=sig)
-        if self._model is not None:
-            self._check_in_model(layout, self._model)
+        if self._attached is not None:
+            check_in_model(layout.params, self._attached)
         if self._chunked and check_state:
-            self._check_state_dtypes(layout)
+            check_state_dtypes(self.inner, layout)
         return layout
-
-    def _check_state_dtypes(self, layout: Layout) -> None:
-        """Chunks stage state in the parameter's dtype: refuse state of another one."""
-        for i, p in enumerate(layout.params):
-            st = self.inner.state.get(p)
-            if not st:
-                continue
-            dtype = _local(p).dtype
-            for k in layout.keys[i]:
-                v = st.get(k)
-                if isinstance(v, torch.Tensor) and _local(v).dtype != dtype:
-                    raise ConfigError(
-                        f"{_describe(i, p)} has state {k!r} of dtype {_local(v).dtype}, not "
-                        f"its own {dtype} (the model's dtype changed after the optimizer made "
-                        "state: model.to(dtype)). torch mixes the two dtypes here or refuses, "
-                        "depending on the optimizer; a chunked step stages state in the "
-                        "parameter's dtype. Cast the state (save and load_state_dict, which "
-                        "casts it), or change the dtype before the first step"
-                    )
-
-    @staticmethod
-    def _check_in_model(layout: Layout, model: torch.nn.Module) -> None:
-        owned = {id(p) for p in model.parameters()}
-        for i, p in enumerate(layout.params):
-            if id(p) not in owned:
-                raise ConfigError(
-                    f"{_describe(i, p)} of the optimizer is not a parameter of the "
-                    f"{type(model).__name__} given to attach(), so its forward could not wait "
-                    "for it; attach the model whose parameters the optimizer updates, or "
-                    "detach() first"
-                )
-
-    def _offload_state(self, layout: Layout) -> None:
-        """Move per-element state that is not in host memory there (pinned, in the
-        parameter's memory order, so that chunks are flat slices of both)."""
-        todo: list[tuple[int, str, torch.Tensor]] = []
-        accel = _accel.current()
-        for i, p in enumerate(layout.params):
-            st = self.inner.state.get(p)
-            if not st:
-                continue
-            for k, v in st.items():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                loc = _local(v)
-                element = (k in layout.keys[i]) if self._chunked else (
-                    k != "step" and loc.shape == _local(p).shape)
-                if element and (accel.on_device(loc)
-                                or memory_order(loc) != layout.orders[i]
-                                or (self.pin_memory and not accel.is_pinned(loc))):
-                    todo.append((i, k, loc))
-        hosts = host_alloc([(t.shape, t.dtype, layout.orders[i]) for i, _, t in todo],
-                           self.pin_memory)
-        for (i, k, t), h in zip(todo, hosts):
-            h.copy_(t)
-            p = layout.params[i]
-            self.inner.state[p][k] = _wrap_like(p, h)
-
-    def _set_post_optim_event(self) -> None:
-        root = self._fsdp_root
-        if root is None:
-            return
-        accel = _accel.current()
-        ev = accel.new_event()
-        # Hazard: FSDP's all-gather streams waiting on compute enqueued after the
-        # step (a false dependency); the forward hooks carry the real ones.
-        # Recorded on the parameters' device, whichever device is current.
-        ev.record(accel.current_stream(self.device))
-        root.set_post_optim_event(ev)
-
-
-def _check_loaded(p: torch.Tensor, key: str, value: Any, element: bool) -> None:
-    """Raise :class:`ConfigError` for a per-element entry whose shape is not the parameter's."""
-    if element and isinstance(value, torch.Tensor) and _local(value).shape != _local(p).shape:
-        raise ConfigError(
-            f"state {key!r} of a parameter of shape {tuple(p.shape)} has (local) shape "
-            f"{tuple(_local(value).shape)}, not the parameter's {tuple(_local(p).shape)}: the "
-            "checkpoint does not belong to these parameters"
-        )
-
-
-def _host_value(p: torch.Tensor, key: str, value: Any, step_on_device: bool,
-                element: bool) -> Any:
-    """A loaded state value in host memory, with torch's dtype policy.
-
-    ``step`` follows torch: kept as it is, or a float32 tensor on the
-    parameter's device for fused and capturable optimizers.
-    """
-    if not isinstance(value, torch.Tensor):
-        return value
-    if key == "step":
-        return value.to(dtype=torch.float32, device=p.device) if step_on_device else value
-    local = _local(value).detach()
-    dtype = _local(p).dtype if p.is_floating_point() else local.dtype
-    local = local.to(device="cpu", dtype=dtype, copy=True)
-    return _wrap_like(p, local) if hasattr(value, "placements") else local
-
 
 def _ranges(ks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""

@@ -13,12 +13,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
 from pipeoff.graph import TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
+
+if TYPE_CHECKING:
+    from pipeoff.optim._full_offload._graph import MicroStepPlan
 
 __all__ = ["MODEL_PRESETS", "ModelShape", "local_sgd_buckets", "local_sgd_graph",
            "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule",
@@ -126,17 +129,10 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     return ModelShape(name=path.stem, global_shapes=tuple(shapes), fsdp=fsdp)
 
 
-def optimizer_graph(shape: ModelShape, *, chunk_bytes: int | None,
-                    state_bytes_per_elem: int = 8) -> TaskGraph:
-    """The offload optimizer's steady-state step (every parameter has a gradient and
-    its state), built by the optimizer's own graph builder, shape only.
-
-    fp32 parameters whose per-element state is ``state_bytes_per_elem`` bytes
-    (AdamW: 8, two fp32 tensors). ``chunk_bytes=None`` is one chunk holding all
-    the state (``single_pass``'s memory, the chunked path's tasks).
-    """
+def _optimizer_step(shape: ModelShape, *, chunk_bytes: int | None, prefetch: int,
+                    state_bytes_per_elem: int) -> tuple[TaskGraph, Schedule]:
     from pipeoff.optim._plan import ParamMeta, plan_chunks
-    from pipeoff.optim._step_graph import chunk_tasks, step_graph
+    from pipeoff.optim._step_graph import offload_step
 
     if state_bytes_per_elem % 4:
         raise ConfigError(f"state_bytes_per_elem must be a multiple of 4 (fp32 state tensors), "
@@ -146,20 +142,39 @@ def optimizer_graph(shape: ModelShape, *, chunk_bytes: int | None,
     plan = plan_chunks([ParamMeta(numel=n, itemsize=4, nkeys=nkeys, group=0) for n in numels],
                        chunk_bytes)
     count = len(numels)
-    chunks = chunk_tasks(plan, itemsize=[4] * count, nkeys=[nkeys] * count,
-                         local_numel=numels, present=[nkeys] * count, updated=range(count))
-    return step_graph(None, chunks)
+    return offload_step(None, plan, itemsize=[4] * count, nkeys=[nkeys] * count,
+                        local_numel=numels, present=[nkeys] * count, updated=range(count),
+                        prefetch=prefetch)
+
+
+def optimizer_graph(shape: ModelShape, *, chunk_bytes: int | None,
+                    state_bytes_per_elem: int = 8) -> TaskGraph:
+    """The offload optimizer's steady-state step (every parameter has a gradient and
+    its state), built by the optimizer's own graph builder, shape only.
+
+    fp32 parameters whose per-element state is ``state_bytes_per_elem`` bytes
+    (AdamW: 8, two fp32 tensors). ``chunk_bytes=None`` is one chunk holding all
+    the state (``single_pass``'s memory, the chunked path's tasks).
+    """
+    return _optimizer_step(shape, chunk_bytes=chunk_bytes, prefetch=1,
+                           state_bytes_per_elem=state_bytes_per_elem)[0]
 
 
 def optimizer_schedule(shape: ModelShape, *, chunk_bytes: int | None, prefetch: int = 1,
                        state_bytes_per_elem: int = 8) -> Schedule:
     """The schedule the optimizer would run :func:`optimizer_graph` with."""
-    from pipeoff.optim._plan import ParamMeta, plan_chunks
-    from pipeoff.optim._step_graph import step_schedule
+    return _optimizer_step(shape, chunk_bytes=chunk_bytes, prefetch=prefetch,
+                           state_bytes_per_elem=state_bytes_per_elem)[1]
 
-    plan = plan_chunks([ParamMeta(numel=n, itemsize=4, nkeys=state_bytes_per_elem // 4, group=0)
-                        for _, n in shape.local_numels], chunk_bytes)
-    return step_schedule(plan, prefetch)
+
+def _full_offload_plan(shape: ModelShape, *, chunk_numel: int, slot_bytes: int, slots: int,
+                       compute_itemsize: int) -> MicroStepPlan:
+    from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
+
+    params = [ParamSizes(name=name, numel=n, grad_itemsize=compute_itemsize,
+                         weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
+    return MicroStepPlan.build(params, chunk_numel=chunk_numel, slot_bytes=slot_bytes,
+                               slots=slots)
 
 
 def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,
@@ -171,25 +186,18 @@ def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,
     at launch, so this is the host step once the backward has produced the
     last gradient: the drain ``overlap="backward"`` hides behind the backward
     and ``overlap="forward"`` behind the next forward."""
-    from pipeoff.optim._full_graph import FullParam, micro_step_graph, plan_chunks
-
-    params = [FullParam(name=name, numel=n, grad_itemsize=compute_itemsize,
-                        weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
-    chunks = plan_chunks([p.numel for p in params], chunk_numel)
-    return micro_step_graph(None, params, chunks, final=True, slot_bytes=slot_bytes, clip=clip)
+    plan = _full_offload_plan(shape, chunk_numel=chunk_numel, slot_bytes=slot_bytes, slots=4,
+                              compute_itemsize=compute_itemsize)
+    return plan.graph(None, final=True, clip=clip)
 
 
 def full_offload_schedule(shape: ModelShape, *, pipelined: bool, chunk_numel: int = 16 << 20,
                           slot_bytes: int = 64 << 20, slots: int = 4,
                           compute_itemsize: int = 2) -> Schedule:
     """The schedule ``FullOffloadOptimizer`` runs :func:`full_offload_graph` with."""
-    from pipeoff.optim._full_graph import FullParam, host_budget, plan_chunks
-
-    params = [FullParam(name=name, numel=n, grad_itemsize=compute_itemsize,
-                        weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
-    chunks = plan_chunks([p.numel for p in params], chunk_numel)
-    budget = host_budget(params, chunks, slot_bytes=slot_bytes, slots=slots)
-    return Schedule.pipelined(host_budget_bytes=budget) if pipelined else Schedule.synchronous()
+    plan = _full_offload_plan(shape, chunk_numel=chunk_numel, slot_bytes=slot_bytes,
+                              slots=slots, compute_itemsize=compute_itemsize)
+    return plan.schedule("forward" if pipelined else "none")
 
 
 Variant = Literal["original", "rfc", "pipelined"]

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from pipeoff import _accel, _compat
+from pipeoff._contract import HostState
 from pipeoff._errors import ConfigError
 
 __all__ = ["RESIDENCIES", "LiveTensor", "Residency"]
@@ -95,7 +96,7 @@ class LiveTensor:
     ready: Any = None
     replica: bool = False
     dtype: torch.dtype | None = None
-    optimizer: Any = None
+    optimizer: HostState | None = None
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -191,11 +192,10 @@ class LiveTensor:
         Raises:
             ConfigError: not a pipeoff optimizer, or ``param`` has no such state.
         """
-        get = getattr(optimizer, "live_state", None)
-        if get is None:
+        if not isinstance(optimizer, HostState):
             raise ConfigError(f"from_optimizer() takes a pipeoff OffloadOptimizer or "
                               f"FullOffloadOptimizer, got {type(optimizer).__name__}")
-        host, ready = get(param, key)
+        host, ready = optimizer.live_state(param, key)
         if hasattr(param, "device_mesh"):
             offsets, sizes = _compat.dtensor_box(param)
             replica = any(p.is_replicate() for p in param.placements)  # type: ignore[attr-defined]

@@ -504,7 +504,7 @@ class StateTransfer:
         ex = execute(graph, self._schedule(), backend="auto")
         for opt in {id(lt.optimizer): lt.optimizer for lt in self.sources.values()
                     if lt.optimizer is not None}.values():
-            opt._readers.add(ex)  # its next step waits for this transfer
+            opt.add_reader(ex)  # its next step waits for this transfer
 
         def translate(err: BaseException) -> BaseException:
             # A rank's own failure is reported as the torn transfer it caused (the

@@ -110,7 +110,7 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                for a, b in zip(params, mine.parameters()))
     sizes = [local(p).numel() for p in mine.parameters()]
     return {"params_equal": same, "sizes": sizes, "norms": norms,
-            "outside_writes": opt._outside_writes}
+            "outside_writes": opt._registry.outside_writes}
 
 
 def refused_under_cpu_offload_policy(mesh: Any) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import pipeoff
 from pipeoff import ConfigError, GradientError, StepFailedError, StepTimeoutError, testing
 from pipeoff.optim import FullOffloadOptimizer, _accumulate
+from pipeoff.optim._full_offload._lifecycle import MicroSteps
 from pipeoff.staging import pools_for
 from tests.optim.full_reference import Reference
 
@@ -139,7 +140,7 @@ def test_bitwise_equal_to_the_reference(accumulate: str, overlap: str, micro: in
     train(opt, model, data)
     train_reference(ref, data)
     assert_bitwise(model, ref)
-    assert opt._outside_writes == 0  # its own writes are never taken for outside ones
+    assert opt._registry.outside_writes == 0  # its own writes are never taken for outside ones
     # The host state is the reference optimizer's, bit for bit.
     sd = opt.state_dict()["state"]
     ref_params = [ref.masters[id(p)] for p in ref.params]
@@ -249,7 +250,7 @@ def test_signed_zeros_subnormals_and_infinities_keep_their_bits() -> None:
         ref_acc = dict(ref.acc)
         opt.step()
         ref.step()
-        assert same_bits(opt._accs[0], ref_acc[id(ref.params[0])]), accumulate
+        assert same_bits(opt._registry[0].acc, ref_acc[id(ref.params[0])]), accumulate
         assert same_bits(model.w, ref.model.w)
     # The first contribution is copied: -0.0 stays -0.0 (0.0 + -0.0 would be +0.0).
     acc = torch.empty(2)
@@ -415,7 +416,7 @@ def test_a_failed_copy_or_add_makes_the_step_dirty_until_zero_grad(task: str) ->
 def test_a_failed_chunk_after_others_stepped_is_a_torn_step() -> None:
     model = make_model()
     opt = build(model, overlap="none", chunk_numel=200)
-    assert len(opt._chunks) > 2
+    assert len(opt._registry.plan.chunks) > 2
     data = batches(2, 1)
     saved = (copy.deepcopy(model.state_dict()), opt.state_dict())
     with testing.fail_work("step:1", RuntimeError("chunk failed")):
@@ -438,7 +439,7 @@ def test_a_failed_h2d_leaves_the_masters_as_the_truth() -> None:
     ref = reference(model)
     opt = build(model, overlap="none", chunk_numel=200)
     data = batches(2, 1)
-    last = len(opt._chunks) - 1  # every chunk has stepped its masters by then
+    last = len(opt._registry.plan.chunks) - 1  # every chunk has stepped its masters by then
     with testing.fail_work(f"h2d:{last}", RuntimeError("h2d failed")):
         _micro_steps(opt, model, data[0])
         with pytest.raises(RuntimeError, match="h2d failed") as info:
@@ -489,14 +490,14 @@ def test_a_gradient_that_never_comes_times_out_naming_the_parameter(
     model = make_model()
     opt = build(model, overlap="none", timeout=0.5)
     # As if autograd never called the end-of-backward callback.
-    monkeypatch.setattr(FullOffloadOptimizer, "_end_backward", lambda self, ms: None)
+    monkeypatch.setattr(MicroSteps, "end_backward", lambda self, ms, **kw: None)
     loss_fn(model, batches(1, 1, side="never")[0][0]).backward()
-    opt._micro = None
+    opt._micro_steps.micro = None
     with pytest.raises(StepTimeoutError) as info:
         opt.step()
     assert "grad:side.weight" in info.value.pending_gates
     monkeypatch.undo()
-    opt._abandon(opt._inflight[1], "test over")  # type: ignore[index]
+    opt._micro_steps.abandon(opt._inflight.final, "test over")  # type: ignore[union-attr, arg-type]
     with contextlib.suppress(BaseException):
         opt.wait_for_step()
 
@@ -518,7 +519,7 @@ def test_a_second_gradient_in_one_backward_is_refused() -> None:
 
     def again(p: torch.Tensor) -> None:
         p.grad = torch.ones_like(p)
-        opt._on_grad(p)
+        opt._micro_steps.on_grad(p)
 
     model.l2.bias.register_post_accumulate_grad_hook(again)
     with pytest.raises(GradientError, match="second gradient for 'l2.bias'"):
@@ -531,7 +532,7 @@ def test_a_hook_outside_a_backward_is_refused() -> None:
     opt = build(model)
     model.l1.bias.grad = torch.ones_like(model.l1.bias)
     with pytest.raises(GradientError, match="outside a backward"):
-        opt._on_grad(model.l1.bias)
+        opt._micro_steps.on_grad(model.l1.bias)
 
 
 def test_a_second_final_backward_before_step_is_refused() -> None:
@@ -622,7 +623,7 @@ def test_shipped_gradients_are_freed_once_copied(accumulate: str) -> None:
     for k, b in enumerate(data):
         with opt.no_sync() if k < 2 else contextlib.nullcontext():
             loss_fn(model, b).backward()
-        for ms in opt._acc_state.micro:  # type: ignore[union-attr]
+        for ms in opt._micro_steps.acc.micro:  # type: ignore[union-attr]
             if ms.execution is not None and not (ms.final and k == 2):
                 ms.execution.wait()
         gc.collect()

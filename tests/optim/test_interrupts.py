@@ -20,6 +20,7 @@ import torch
 from pipeoff import GradientError, StepFailedError
 from pipeoff import testing as pt
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+from pipeoff.optim._full_offload._lifecycle import MicroSteps
 from pipeoff.transfer import LiveTensor, StateTransfer
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
@@ -173,7 +174,7 @@ def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt, ref_model, ref = twins(overlap="none")
     # As if autograd never called the end-of-backward callback.
-    monkeypatch.setattr(FullOffloadOptimizer, "_end_backward", lambda self, ms, **kw: None)
+    monkeypatch.setattr(MicroSteps, "end_backward", lambda self, ms, **kw: None)
     with pt.hold_task("acc:.*") as release:
         backward(model, 0)
         interrupted(opt.step, "step")
@@ -264,8 +265,7 @@ def test_load_state_dict_discarding_an_accumulation() -> None:
     with pt.hold_task("acc:.*") as release:
         with opt.no_sync():
             backward(model, 0)
-        interrupted(lambda: opt.load_state_dict(saved), "load_state_dict",
-                    "_discard_accumulation")
+        interrupted(lambda: opt.load_state_dict(saved), "load_state_dict", "discard")
         release.set()
     opt.load_state_dict(saved)
     ref.load_state_dict(saved)

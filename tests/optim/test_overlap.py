@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -286,15 +288,14 @@ def test_a_slow_caller_still_waits_for_every_parameter(monkeypatch: pytest.Monke
     seen: list[int] = []
     real = _waits.ForwardWaits.begin
 
-    def slow_begin(self: _waits.ForwardWaits, step: object, layout: object,
-                   written: object) -> None:
+    def slow_begin(self: _waits.ForwardWaits, writes: Any) -> Any:
         def slowly() -> object:
-            for i in written:  # type: ignore[attr-defined]
+            for i in writes.written:
                 time.sleep(0.01)  # the chunks finish meanwhile
                 seen.append(i)
                 yield i
 
-        real(self, step, layout, slowly())  # type: ignore[arg-type]
+        return real(self, dataclasses.replace(writes, written=slowly()))
 
     monkeypatch.setattr(_waits.ForwardWaits, "begin", slow_begin)
     net = make_net()

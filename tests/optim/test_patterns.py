@@ -400,12 +400,12 @@ def test_a_refused_add_param_group_changes_nothing(bad: str) -> None:
     xs = batches(4)
     ref_losses, losses = run(ref, ref_opt, xs[:2]), run(mod, opt, xs[:2])
     groups = [dict(g) for g in opt.param_groups]
-    hooks = list(opt._hooks)
+    hooks = list(opt._attach_handles)
     with pytest.raises((pipeoff.ConfigError, ValueError)):
         opt.add_param_group(BAD_GROUPS[bad](mod))
     assert len(opt.param_groups) == len(groups) == 1
     assert opt.param_groups[0]["params"] == groups[0]["params"]
-    assert opt._hooks == hooks
+    assert opt._attach_handles == hooks
     # Training goes on with every forward wait in place: bitwise.
     ref_losses += run(ref, ref_opt, xs[2:])
     losses += run(mod, opt, xs[2:])

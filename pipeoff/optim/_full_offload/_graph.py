@@ -1,8 +1,8 @@
 """The task graph of one full-offload micro-step: gradients in, and on the final one, the step.
 
-One builder serves :class:`~pipeoff.optim.FullOffloadOptimizer` (with work) and
-the simulator (shape-only, ``work=None``), so what the simulator predicts is
-the graph that runs.
+One builder, :class:`MicroStepPlan`, serves :class:`~pipeoff.optim.FullOffloadOptimizer`
+(with work) and the simulator (shape-only, ``work=None``), so what the simulator
+predicts is the graph that runs.
 
 Per parameter, in the order a backward produces gradients (last parameter
 first), each piece of at most ``slot_bytes``:
@@ -28,7 +28,8 @@ On the final micro-step, per chunk of whole parameters:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +38,15 @@ from pipeoff import _faults
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
-__all__ = ["FullParam", "FullWork", "host_budget", "micro_step_graph", "micro_step_schedule",
-           "pieces", "plan_chunks"]
+__all__ = ["FullWork", "MicroStepPlan", "ParamSizes", "host_budget", "micro_step_graph",
+           "micro_step_schedule", "pieces", "whole_param_chunks"]
 
 ACCUMULATE_LANE = "accumulate"
 STEP_LANE = "host_step"
 
 
 @dataclass(frozen=True, slots=True)
-class FullParam:
+class ParamSizes:
     """What the graph needs of one parameter: its name and sizes."""
 
     name: str
@@ -70,10 +71,12 @@ class FullWork:
     allreduce: Callable[[TaskContext], None]
 
 
-def plan_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
+def whole_param_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
     """Optimizer chunks of whole parameters, last parameter first (the order a
     backward finishes them), of at most ``chunk_numel`` elements each (a larger
-    parameter is a chunk of its own)."""
+    parameter is a chunk of its own). (Unlike :func:`pipeoff.optim.plan_chunks`,
+    which cuts the flat parameter space of an :class:`OffloadOptimizer` into
+    slices by bytes of state.)"""
     chunks: list[list[int]] = []
     cur: list[int] = []
     n = 0
@@ -88,7 +91,7 @@ def plan_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
     return chunks
 
 
-def host_budget(params: Sequence[FullParam], chunks: Sequence[Sequence[int]], *,
+def host_budget(params: Sequence[ParamSizes], chunks: Sequence[Sequence[int]], *,
                 slot_bytes: int, slots: int) -> int:
     """Host staging bytes a micro-step may hold: ``slots`` slots of at most
     ``slot_bytes`` (or of the largest FP32 gradient, if smaller) and two chunks'
@@ -120,7 +123,7 @@ def _bind1(fn: Callable[[int, TaskContext], None] | None,
 
 def micro_step_graph(
     device: torch.device | str | None,
-    params: Sequence[FullParam],
+    params: Sequence[ParamSizes],
     chunks: Sequence[Sequence[int]],
     *,
     final: bool,
@@ -210,3 +213,56 @@ def micro_step_schedule(overlap: str, host_budget_bytes: int) -> Schedule:
     if overlap == "none":
         return Schedule.synchronous()
     return Schedule.pipelined(host_budget_bytes=host_budget_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroStepPlan:
+    """The shape of every micro-step of one set of parameters: the one builder of
+    their graphs and schedules, for the optimizer and the simulator alike."""
+
+    params: tuple[ParamSizes, ...]
+    """The parameters, in ``param_groups`` order."""
+    chunks: tuple[tuple[int, ...], ...]
+    """Per optimizer chunk, its parameters (:func:`whole_param_chunks`)."""
+    slot_bytes: int
+    """Most bytes of one host slot (a larger gradient ships in pieces)."""
+    host_budget_bytes: int
+    """Most bytes of host staging live at once (:func:`host_budget`)."""
+
+    @classmethod
+    def build(cls, params: Sequence[ParamSizes], *, chunk_numel: int, slot_bytes: int,
+              slots: int) -> MicroStepPlan:
+        """Chunks of at most ``chunk_numel`` elements, ``slots`` host slots of ``slot_bytes``."""
+        chunks = whole_param_chunks([p.numel for p in params], chunk_numel)
+        return cls(params=tuple(params), chunks=tuple(tuple(c) for c in chunks),
+                   slot_bytes=slot_bytes,
+                   host_budget_bytes=host_budget(params, chunks, slot_bytes=slot_bytes,
+                                                 slots=slots))
+
+    def chunks_of(self) -> tuple[tuple[int, ...], ...]:
+        """Per parameter, the chunk (one) that steps it."""
+        out: list[tuple[int, ...]] = [(0,)] * len(self.params)
+        for k, chunk in enumerate(self.chunks):
+            for i in chunk:
+                out[i] = (k,)
+        return tuple(out)
+
+    def graph(self, device: torch.device | str | None, *, final: bool, clip: bool = False,
+              allreduce: bool = False, step_gate: bool = False,
+              grad_itemsize: Mapping[int, int] | None = None,
+              work: FullWork | None = None) -> TaskGraph:
+        """The graph of one micro-step (:func:`micro_step_graph`); ``grad_itemsize``
+        overrides the bytes per gradient element of some parameters (the FP32 sums a
+        final micro-step ships under ``accumulate="gpu"``)."""
+        params = self.params
+        if grad_itemsize:
+            params = tuple(
+                dataclasses.replace(p, grad_itemsize=grad_itemsize.get(i, p.grad_itemsize))
+                for i, p in enumerate(params))
+        return micro_step_graph(device, params, self.chunks, final=final,
+                                slot_bytes=self.slot_bytes, clip=clip, allreduce=allreduce,
+                                step_gate=step_gate, work=work)
+
+    def schedule(self, overlap: str) -> Schedule:
+        """The schedule of every micro-step (:func:`micro_step_schedule`)."""
+        return micro_step_schedule(overlap, self.host_budget_bytes)

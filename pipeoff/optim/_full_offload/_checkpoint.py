@@ -1,0 +1,130 @@
+"""Checkpoint I/O of full offload: torch's optimizer state dict over the registry.
+
+Each parameter's entry is torch's (the optimizer's per-element state and its
+scalars) plus ``"master"``, the FP32 master, as host tensors (DTensors like
+the parameter under FSDP2). Loading checks everything before it writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipeoff._errors import ConfigError
+from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.optim._tensors import flat, flat_like, host_alloc, local, wrap_like
+
+__all__ = ["entries", "load", "pack", "plan_load"]
+
+Plan = list[tuple[int, Mapping[str, Any]]]
+"""Per parameter with a saved entry, its position and the entry."""
+
+
+def entries(registry: ParamRegistry) -> dict[torch.Tensor, dict[str, Any]]:
+    """Per parameter stepped at least once (or loaded with state), torch's state entry
+    plus ``"master"``."""
+    out: dict[torch.Tensor, dict[str, Any]] = {}
+    for rec in registry:
+        if not rec.stepped and not rec.scalars and not rec.present:
+            continue
+        p = rec.param
+        entry: dict[str, Any] = dict(rec.scalars)
+        for key in rec.present:
+            entry[key] = wrap_like(p, rec.state[key])
+        entry["master"] = wrap_like(p, rec.master)
+        out[p] = entry
+    return out
+
+
+def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """torch's optimizer state dict (parameters numbered in ``param_groups`` order)."""
+    state = entries(registry)
+    ids: dict[int, int] = {}
+    groups = []
+    for g in param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [ids.setdefault(id(p), len(ids)) for p in g["params"]]
+        groups.append(packed)
+    return {"state": {ids[id(p)]: v for p, v in state.items()}, "param_groups": groups}
+
+
+def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
+              state_dict: Any) -> Plan:
+    """Check ``state_dict`` against the live groups; what to load, by position.
+
+    Raises:
+        ConfigError: not an optimizer state dict, groups of other sizes, state for a
+            parameter no group lists, or a state tensor of another size than its
+            parameter.
+    """
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
+                          f"'state' and 'param_groups'), got {type(state_dict).__name__}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, param_groups)):
+        raise ConfigError(
+            "the state dict's param groups do not match this optimizer's: "
+            f"{[len(s['params']) for s in saved_groups]} parameters per group saved, "
+            f"{[len(g['params']) for g in param_groups]} here")
+    by_id = {}
+    for s, g in zip(saved_groups, param_groups):
+        for pid, p in zip(s["params"], g["params"]):
+            by_id[pid] = registry.position(p)
+    plan: Plan = []
+    for pid, entry in state_dict["state"].items():
+        i = by_id.get(pid)
+        if i is None:
+            raise ConfigError(f"the state dict has state for parameter {pid!r}, which no "
+                              "param group lists")
+        rec = registry[i]
+        for key, val in entry.items():
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and local(val).numel() != rec.numel:
+                raise ConfigError(
+                    f"state {key!r} of {rec.name!r} has {local(val).numel()} "
+                    f"elements, the parameter {rec.numel}")
+        plan.append((i, entry))
+    return plan
+
+
+def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
+         saved_groups: Sequence[Mapping[str, Any]], plan: Plan) -> None:
+    """Write a checked state dict: the groups' hyperparameters, each parameter's state
+    and master (a parameter without a saved master, or without an entry, takes the
+    model's weight as its master: load the model's state dict first). Does not write
+    the device weights."""
+    for s, g in zip(saved_groups, param_groups):
+        for k, v in s.items():
+            if k != "params":
+                g[k] = v
+    for rec in registry:
+        rec.forget_state()
+    with torch.no_grad():
+        loaded = {i for i, _ in plan}
+        for i, rec in enumerate(registry):
+            if i not in loaded:
+                rec.flat_master.copy_(flat(rec.local, rec.order))
+        for i, entry in plan:
+            rec = registry[i]
+            keys = []
+            st = rec.ensure_state(registry.state_keys(param_groups[rec.group]), registry.pin)
+            for key, val in entry.items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    src = flat_like(local(val), rec.order)
+                    if key == "master":
+                        rec.flat_master.copy_(src)
+                        continue
+                    if key not in st:
+                        st[key] = host_alloc([(rec.local.shape, torch.float32, rec.order)],
+                                             False)[0]
+                    flat(st[key], rec.order).copy_(src)
+                    keys.append(key)
+                else:
+                    rec.scalars[key] = (val.detach().clone().cpu()
+                                        if isinstance(val, torch.Tensor) else val)
+            rec.present = tuple(keys)
+            rec.stepped = True
+            if "master" not in entry:
+                rec.master.copy_(rec.local)

@@ -1,0 +1,172 @@
+"""The arguments of a :class:`~pipeoff.optim.FullOffloadOptimizer`, checked once."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from pipeoff import _compat
+from pipeoff._errors import ConfigError, UnsupportedOptimizerError
+from pipeoff._validate import check_int
+from pipeoff.optim import _accumulate, _update
+
+__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
+           "Overlap", "check_model", "refuse_environment"]
+
+Accumulate = Literal["cpu", "gpu"]
+Overlap = Literal["backward", "forward", "none"]
+
+DEFAULT_CHUNK_NUMEL = 16 << 20
+"""Most elements per optimizer chunk (whole parameters; prime-rl's figure)."""
+DEFAULT_SLOT_BYTES = 64 << 20
+"""Bytes of one pinned host slot a gradient travels through (a larger one goes in pieces)."""
+
+_FLAGS = ("capturable", "differentiable")
+"""Hyperparameters that cannot be on: the masters are stepped on the host."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FullOffloadConfig:
+    """How a :class:`~pipeoff.optim.FullOffloadOptimizer` runs (its constructor's arguments
+    but the model and the parameters). See the optimizer for each one's meaning.
+
+    Raises:
+        ConfigError: an argument is out of range; ``max_norm`` with
+            ``overlap="backward"``; ``capturable`` or ``differentiable`` on.
+        UnsupportedOptimizerError: ``optimizer_class`` is not element-wise.
+    """
+
+    optimizer_class: type[torch.optim.Optimizer]
+    """An element-wise ``torch.optim`` class (:data:`pipeoff.optim.ELEMENTWISE`)."""
+    accumulate: Accumulate = "cpu"
+    """Where non-final micro-steps' gradients are summed: ``"cpu"`` or ``"gpu"``."""
+    overlap: Overlap = "backward"
+    """What the host step hides behind: ``"backward"``, ``"forward"`` or ``"none"``."""
+    max_norm: float | None = None
+    """The global 2-norm gradients are clipped to, or ``None``."""
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    """Most elements in one optimizer chunk (whole parameters)."""
+    slot_bytes: int = DEFAULT_SLOT_BYTES
+    """Bytes of one pinned host slot."""
+    slots: int = 4
+    """Host slots in the ring."""
+    num_threads: int | None = None
+    """CPU threads of each host lane's kernels, or ``None`` (torch's default)."""
+    process_group: Any = None
+    """The group the clipping norm is all-reduced over (default: the world)."""
+    timeout: float = 600.0
+    """Seconds a wait for the step's work lasts before ``StepTimeoutError``."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The optimizer's hyperparameters (``lr``, ``weight_decay``...), read-only."""
+
+    def __post_init__(self) -> None:
+        cls = self.optimizer_class
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(
+                f"optimizer_class must be a torch.optim.Optimizer class such as "
+                f"torch.optim.AdamW, got {cls!r}")
+        if cls not in _update.ELEMENTWISE:
+            names = ", ".join(f"torch.optim.{t.__name__}" for t in _update.ELEMENTWISE)
+            raise UnsupportedOptimizerError(
+                f"FullOffloadOptimizer steps the masters in chunks, exact only for element-wise "
+                f"optimizers ({names}); {cls.__qualname__} is not one of them")
+        if self.accumulate not in ("cpu", "gpu"):
+            raise ConfigError(f"accumulate must be 'cpu' or 'gpu', got {self.accumulate!r}")
+        if self.overlap not in ("backward", "forward", "none"):
+            raise ConfigError(
+                f"overlap must be 'backward', 'forward' or 'none', got {self.overlap!r}")
+        max_norm = self.max_norm
+        if max_norm is not None:
+            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+                    max_norm > 0 and max_norm != float("inf")):
+                raise ConfigError(f"max_norm must be a positive finite float or None, "
+                                  f"got {max_norm!r}")
+            if self.overlap == "backward":
+                raise ConfigError(
+                    "max_norm needs overlap='forward' or 'none': clipping scales every "
+                    "gradient by the global norm, which is known only after the last "
+                    "gradient of the backward has landed, so no chunk can step during "
+                    "the backward (overlap='backward')")
+            object.__setattr__(self, "max_norm", float(max_norm))
+        check_int("chunk_numel", self.chunk_numel, as_bound=True)
+        check_int("slot_bytes", self.slot_bytes, minimum=16)
+        check_int("slots", self.slots, as_bound=True)
+        check_int("num_threads", self.num_threads, optional=True, as_bound=True)
+        timeout = self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        object.__setattr__(self, "timeout", float(timeout))
+        for flag in _FLAGS:
+            if self.defaults.get(flag):
+                raise ConfigError(
+                    f"{flag}=True is not for FullOffloadOptimizer: the masters are stepped on "
+                    "the host, outside autograd and CUDA graphs")
+        object.__setattr__(self, "defaults", types.MappingProxyType(dict(self.defaults)))
+
+    def probe(self, **group: Any) -> torch.optim.Optimizer:
+        """An optimizer of ``optimizer_class`` on a dummy parameter, with the defaults and
+        ``group``'s hyperparameters: it checks them, and its ``defaults`` and state keys
+        are the reference.
+
+        Raises:
+            ConfigError: the optimizer refused the hyperparameters.
+        """
+        for flag in _FLAGS:
+            if group.get(flag):
+                raise ConfigError(f"param group: {flag}=True is not for FullOffloadOptimizer")
+        hyper = {**self.defaults, **group}
+        try:
+            return self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
+        except (TypeError, ValueError) as err:
+            what = "hyperparameters" if not group else "group's hyperparameters"
+            raise ConfigError(f"{self.optimizer_class.__name__} refused the {what} "
+                              f"{group or dict(self.defaults)}: {err}") from None
+
+    @property
+    def clip(self) -> bool:
+        """Whether gradients are clipped (``max_norm`` is set)."""
+        return self.max_norm is not None
+
+    @property
+    def asynchronous_step(self) -> bool:
+        """Whether ``step()`` may return before the step is done, without ``attach()``."""
+        return self.overlap == "forward"
+
+
+def refuse_environment() -> None:
+    """Refuse what would make results differ from the reference, or gradients not come.
+
+    Raises:
+        ConfigError: flush-to-zero or compiled autograd is on.
+    """
+    if _accumulate.flush_to_zero():
+        raise ConfigError(
+            "flush-to-zero is on (torch.set_flush_denormal(True)): subnormal gradients "
+            "would become 0 on the host and results would differ from the reference; "
+            "call torch.set_flush_denormal(False)")
+    if _compat.compiled_autograd_active():
+        raise ConfigError(
+            "compiled autograd is on: it skips post-accumulate-grad hooks, so no "
+            "gradient would reach FullOffloadOptimizer; compile the model, not the "
+            "backward (torch._dynamo.config.compiled_autograd = False)")
+
+
+def check_model(model: Any) -> None:
+    """Refuse a model that is no module, or that FSDP2 keeps on the host.
+
+    Raises:
+        ConfigError: naming what was given.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {model!r}")
+    for m in model.modules():
+        if _compat.fsdp_cpu_offload(m):
+            raise ConfigError(
+                "the model is under FSDP2's CPUOffloadPolicy, which already keeps "
+                "parameters and gradients on the host (and copies them synchronously); "
+                "FullOffloadOptimizer needs the compute weights on the device: shard "
+                "without offload_policy")

@@ -1,0 +1,204 @@
+"""The work of a full-offload micro-step's tasks, which runs on pipeoff's lanes.
+
+Per parameter ``i`` and piece ``j`` of at most ``slot_bytes``: :meth:`LaneWork.d2h`
+copies a shipped gradient into a host slot, :meth:`LaneWork.fold` adds it into
+the FP32 accumulator. Per chunk ``k`` of the final micro-step:
+:meth:`LaneWork.step_chunk` steps the masters and casts them into a weight
+buffer, :meth:`LaneWork.h2d` copies that into the device weights. The math is
+``pipeoff.optim._accumulate`` and ``_update``; this module binds it to the
+registry's tensors.
+
+[Note: lane writes]
+The lanes write these fields; the caller's thread reads each only after the
+wait named:
+
+* ``Accumulation.counts[i]``, ``Accumulation.norms[i]`` (``acc:{i}.{j}``, the
+  ``accumulate`` lane): read by later tasks of the same execution (ordered by
+  the graph's dependencies), and by the next micro-step's lanes after its
+  ``prev`` gate (the previous execution's ``done``). The caller never reads
+  them.
+* ``Accumulation.total_norm``, ``.clip_coef`` (``norm``, ``norm_allreduce``):
+  the caller reads ``total_norm`` (``grad_norm``) after waiting for that task.
+* Host tensors (``OffloadedParam.acc``, ``.master``, ``.state``), ``.scalars``,
+  ``.present``, ``.stepped`` (``acc:``, ``step:``): the caller reads them
+  (``state_dict``, ``refresh_masters``, a transfer) after ``wait_for_step()``
+  or the completions of ``completion_for()``.
+* ``OffloadedParam.version`` (``h2d:{k}``, after its copy is issued): compared
+  with the weight's version counter at the next step, after ``wait_for_step()``.
+* ``Shipped.tensor`` (``d2h:``, set to ``None`` once the last piece's copy is
+  issued): no one else reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff import _accel, _faults
+from pipeoff.graph import TaskContext
+from pipeoff.optim import _accumulate, _update
+from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._graph import FullWork, pieces
+from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
+from pipeoff.optim._tensors import flat
+
+if TYPE_CHECKING:
+    from pipeoff.optim._full_offload._lifecycle import Accumulation, MicroStep
+
+__all__ = ["LaneWork", "gate_name"]
+
+
+def gate_name(rec: OffloadedParam) -> str:
+    """The gate a parameter's gradient opens."""
+    return f"grad:{rec.name}"
+
+
+class LaneWork:
+    """The work of each task kind of one micro-step's execution.
+
+    It holds the registry's parameters and chunk plan as they were at launch: a
+    later change of ``param_groups`` (between steps, while this one is still in
+    flight under ``overlap="forward"``) re-indexes the registry, not this.
+    """
+
+    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig) -> None:
+        self.params: Sequence[OffloadedParam] = tuple(registry.params)
+        self.groups = tuple(rec.group for rec in registry.params)
+        """Per parameter, its param group at launch (the index into a step's ``hyper``)."""
+        self.plan = registry.plan
+        self.config = config
+        self.probe = registry.probe
+        self.pin = registry.pin
+
+    def bind(self, acc: Accumulation, ms: MicroStep) -> FullWork:
+        """The work of one micro-step's graph."""
+        return FullWork(
+            d2h=lambda i, j, ctx: self.d2h(i, j, ctx),
+            accumulate=lambda i, j, ctx: self.fold(acc, ms, i, j, ctx),
+            step=lambda k, ctx: self.step_chunk(acc, k, ctx),
+            h2d=lambda k, ctx: self.h2d(acc, k, ctx),
+            norm=lambda ctx: self.norm(acc),
+            allreduce=lambda ctx: self.allreduce_norm(acc),
+        )
+
+    def _threads(self) -> None:
+        n = self.config.num_threads
+        if n is not None and torch.get_num_threads() != n:
+            torch.set_num_threads(n)  # per thread (OpenMP): this lane only
+
+    # -- gradients in ------------------------------------------------------------------
+    def d2h(self, i: int, j: int, ctx: TaskContext) -> None:
+        rec = self.params[i]
+        shipped = ctx.gate(gate_name(rec))
+        if shipped is None:
+            return
+        g = shipped.tensor
+        assert g is not None
+        s, e = pieces(rec.numel, shipped.dtype.itemsize, self.config.slot_bytes)[j]
+        if e > s:
+            slot = ctx.buffer(f"slot:{i}.{j}", shipped.dtype)
+            slot.copy_(g[s:e], non_blocking=True)
+        if e == rec.numel or e == s:
+            if ctx.stream is not None and not _faults.disabled("record_stream"):
+                # Hazard: the caching allocator handing the gradient's memory to
+                # the next allocation on the stream that made it while this
+                # lane's copy still reads it.
+                _accel.current().record_stream(g, ctx.stream)
+            shipped.tensor = None  # the last piece is issued: free it on the device
+
+    def fold(self, acc: Accumulation, ms: MicroStep, i: int, j: int, ctx: TaskContext) -> None:
+        self._threads()
+        rec = self.params[i]
+        g = ctx.gate(gate_name(rec))
+        size = g.dtype.itemsize if g is not None else rec.param.dtype.itemsize
+        parts = pieces(rec.numel, size, self.config.slot_bytes)
+        last = j == len(parts) - 1
+        if g is not None:
+            s, e = parts[j]
+            if e > s:
+                src = ctx.buffer(f"slot:{i}.{j}", g.dtype)
+                _accumulate.fold(rec.flat_acc[s:e], src, first=acc.counts[i] == 0)
+            if last:
+                acc.counts[i] += 1
+        if last and ms.final and self.config.clip and acc.counts[i] > 0:
+            acc.norms[i] = _accumulate.norm(rec.flat_acc)
+
+    # -- the clipping norm -------------------------------------------------------------
+    def norm(self, acc: Accumulation) -> None:
+        self._threads()
+        norms = [acc.norms[i] for i in range(len(self.params)) if acc.counts[i] > 0]
+        total = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms
+                 else torch.tensor(0.0))
+        self._set_clip(acc, total)
+
+    def _set_clip(self, acc: Accumulation, total: torch.Tensor) -> None:
+        assert self.config.max_norm is not None
+        acc.total_norm = total
+        # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
+        clip_coef = self.config.max_norm / (total + 1e-6)
+        acc.clip_coef = torch.clamp(clip_coef, max=1.0)
+
+    def allreduce_norm(self, acc: Accumulation) -> None:
+        import torch.distributed as dist
+
+        assert acc.total_norm is not None
+        sq = acc.total_norm.double() ** 2
+        dist.all_reduce(sq, group=self.config.process_group)
+        self._set_clip(acc, sq.sqrt().float())
+
+    # -- the step ----------------------------------------------------------------------
+    def step_chunk(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
+        self._threads()
+        hyper = ctx.gate("step") if self.config.overlap != "backward" else acc.hyper
+        assert hyper is not None
+        idx = [i for i in self.plan.chunks[k] if acc.counts[i] > 0]
+        groups: dict[int, _update.ChunkGroup] = {}
+        scalars: dict[int, dict[str, Any]] = {}
+        for i in idx:
+            rec = self.params[i]
+            if acc.clip_coef is not None:
+                rec.flat_acc.mul_(acc.clip_coef)
+            gi = self.groups[i]
+            keys = _update.state_keys(self.probe, hyper[gi])
+            st = rec.ensure_state(keys, self.pin)
+            scalars[i] = _update.group_of(groups, hyper, gi).add(
+                rec.flat_master, rec.flat_acc, {key: flat(st[key], rec.order) for key in keys},
+                tuple(key for key in rec.present if key in keys), rec.scalars)
+        if groups:
+            _update.step_chunk(_update.make_shadow(self.probe), list(groups.values()))
+        for i in idx:
+            rec = self.params[i]
+            rec.scalars = scalars[i]
+            rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
+            rec.stepped = True
+        if idx:
+            w = ctx.buffer(f"w:{k}")
+            for i, off, n, dtype in self.weight_slices(k):
+                if acc.counts[i] > 0 and n:
+                    _accumulate.cast_into(w[off:off + n * dtype.itemsize].view(dtype),
+                                          self.params[i].flat_master)
+
+    def weight_slices(self, k: int) -> Iterator[tuple[int, int, int, torch.dtype]]:
+        """``(i, byte offset, numel, dtype)`` of each weight in chunk ``k``'s buffer."""
+        off = 0
+        for i in self.plan.chunks[k]:
+            rec = self.params[i]
+            n = rec.numel
+            dtype = rec.param.dtype
+            yield i, off, n, dtype
+            off += -(-(n * dtype.itemsize) // 64) * 64
+
+    @torch.no_grad()
+    def h2d(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
+        if not any(acc.counts[i] > 0 for i in self.plan.chunks[k]):
+            return
+        w = ctx.buffer(f"w:{k}")
+        for i, off, n, dtype in self.weight_slices(k):
+            if acc.counts[i] > 0 and n:
+                rec = self.params[i]
+                loc = rec.local
+                flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
+                                           non_blocking=True)
+                rec.version = loc._version  # our own write, not an external one

@@ -1,0 +1,606 @@
+"""The micro-step lifecycle of full offload: gradients in from autograd's hooks, one
+execution per backward, and the transitions ``step()`` and ``zero_grad()`` drive.
+
+An :class:`Accumulation` is one optimizer step's gradients. Its phase:
+
+* ``ACCUMULATING``: the first gradient of a step arrived; each backward
+  (micro-step) launches an execution that folds its gradients into the host
+  accumulators (``accumulate="gpu"``: non-final ones sum on the device).
+* ``FINAL``: the final backward began (no ``no_sync()``, FSDP2 reducing), or
+  ``step()`` launched a final micro-step without gradients. Its execution also
+  steps the chunks: during the backward under ``overlap="backward"``, after
+  ``step()`` opens its ``step`` gate otherwise.
+* ``STEPPING``: handed to ``step()`` (:meth:`MicroSteps.hand_over`): in flight
+  until ``wait_for_step()``; the next step's accumulation may begin meanwhile
+  (its executions wait on a ``prev`` gate).
+* ``DONE``: waited for, stepped or failed. ``DISCARDED``: ``zero_grad()`` or
+  ``load_state_dict()`` dropped it.
+
+:class:`MicroSteps` holds the accumulation in progress (its phase is the
+lifecycle's, ``IDLE`` without one) and the hooks. Its state is written on the
+thread that runs the backward's hooks (the caller's on CPU; autograd's device
+thread on CUDA, while the caller is inside ``backward()``) and on the caller's
+thread between backwards; the lanes write only what ``[Note: lane writes]`` in
+``_lanes.py`` lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff import _compat, _faults
+from pipeoff._contract import Health
+from pipeoff._errors import GradientError
+from pipeoff._lowlevel import settle
+from pipeoff.execution import Execution
+from pipeoff.executor import execute
+from pipeoff.graph import TaskGraph
+from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._lanes import LaneWork, gate_name
+from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.optim._tensors import flat_like, index_of, local, snapshot
+from pipeoff.schedule import Schedule
+
+if TYPE_CHECKING:
+    from pipeoff.optim._readers import Readers
+
+__all__ = ["Accumulation", "MicroStep", "MicroSteps", "Phase", "Shipped", "capture_hyper",
+           "classify", "root_cause", "same_hyper", "writes_to"]
+
+
+class Phase(enum.Enum):
+    """Where an accumulation (and so the lifecycle) stands; see the module docstring."""
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    FINAL = "final"
+    STEPPING = "stepping"
+    DONE = "done"
+    DISCARDED = "discarded"
+
+
+class Shipped:
+    """A gradient on its way to the host: the gate's payload. The copy drops the
+    tensor once it is issued, so the device memory is free while the execution
+    (which keeps its gates' payloads) lives on."""
+
+    __slots__ = ("dtype", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.dtype = tensor.dtype
+
+
+@dataclasses.dataclass(eq=False)
+class MicroStep:
+    """One backward (a micro-step) and the execution that takes its gradients in."""
+
+    final: bool
+    execution: Execution | None = None
+    """``None`` for a non-final micro-step under ``accumulate="gpu"`` (it sums on the
+    device)."""
+    lanes: LaneWork | None = None
+    """The work its execution runs (the registry as it was at launch)."""
+    received: set[int] = dataclasses.field(default_factory=set)
+    """Parameters whose gradient this backward shipped."""
+    ended: bool = False
+    deferred: Any = None
+    """The frame of the outermost backward, while the end callback of a reentrant
+    (inner) backward has fired but the outer one still runs."""
+
+
+@dataclasses.dataclass(eq=False)
+class Accumulation:
+    """One optimizer step's gradient accumulation: its micro-steps and their sums."""
+
+    counts: list[int]
+    """Per parameter, the contributions folded into its host accumulator (lanes)."""
+    phase: Phase = Phase.ACCUMULATING
+    micro: list[MicroStep] = dataclasses.field(default_factory=list)
+    final: MicroStep | None = None
+    hyper: list[dict[str, Any]] | None = None
+    """The groups' hyperparameters the chunks use (captured when the final
+    backward began under ``overlap="backward"``, else by ``step()``)."""
+    touched: set[int] = dataclasses.field(default_factory=set)
+    """Parameters with a gradient in some micro-step (known on the caller's thread,
+    unlike ``counts``, which the accumulate lane writes)."""
+    device_sums: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """``accumulate="gpu"``: FP32 sums of the non-final micro-steps, by parameter."""
+    norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    total_norm: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
+
+    @property
+    def execution(self) -> Execution:
+        """The final micro-step's execution (the one that steps)."""
+        assert self.final is not None and self.final.execution is not None
+        return self.final.execution
+
+    def failed(self) -> bool:
+        """Whether an execution of its micro-steps has failed already."""
+        return any(ms.execution is not None and ms.execution.done()
+                   and ms.execution.exception is not None for ms in self.micro)
+
+
+def capture_hyper(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups' hyperparameters, copied so that later edits cannot change a step."""
+    return [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in param_groups]
+
+
+def same_hyper(a: Any, b: Any) -> bool:
+    """Whether two captures of hyperparameters are equal (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_hyper(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_hyper(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def root_cause(acc: Accumulation, err: BaseException) -> BaseException:
+    """The failure of the earliest micro-step of ``acc`` that failed (a later one
+    fails only because it waited on it), or ``err``."""
+    for ms in acc.micro:
+        ex = ms.execution
+        if ex is not None and ex.done() and ex.exception is not None:
+            return ex.exception
+    return err
+
+
+def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
+    """Set what a failed final execution leaves, and say so on ``err``: nothing stepped
+    (dirty: ``zero_grad()`` clears it), every chunk stepped but a weight copy failed
+    (stale: ``refresh_device_weights()``), or some chunks stepped (torn: load a
+    checkpoint)."""
+    ex = acc.execution
+    fin = acc.final
+    assert fin is not None and fin.lanes is not None
+    nchunks = len(fin.lanes.plan.chunks)
+    stepped = [k for k in range(nchunks) if ex.events_for(f"step:{k}")[0].status == "ok"]
+    if stepped and ex.exception is None:
+        # The execution ran to the end, but this step failed elsewhere (a
+        # gradient refused during the final backward): chunks stepped on it.
+        health.torn = (f"this step failed ({err}) after chunk(s) {stepped} had "
+                       "stepped their masters during the backward")
+        return
+    if not stepped:
+        health.dirty = err
+        err.add_note("pipeoff: no master was stepped; step() refuses until "
+                     "opt.zero_grad()")
+    elif len(stepped) == nchunks:
+        health.stale = err
+        err.add_note("pipeoff: every master was stepped, but device weights were "
+                     "not all written; call opt.refresh_device_weights()")
+    else:
+        health.torn = (f"a step failed in {ex.failed_task!r} after chunk(s) "
+                       f"{stepped} had stepped their masters")
+        err.add_note(f"pipeoff: {health.torn}; later steps are refused until a "
+                     "checkpoint is loaded")
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size(group))
+
+
+class MicroSteps:
+    """The micro-step lifecycle: the post-accumulate-grad hooks, one execution per
+    backward, the end of each backward, and the transitions of the accumulation.
+
+    Args:
+        registry: the parameters.
+        config: the optimizer's configuration.
+        health: what failed steps left (shared with the optimizer).
+        readers: transfers reading the host state: a final micro-step waits for them.
+        param_groups: the optimizer's live ``param_groups`` (read for hyperparameters).
+        on_first_gradient: called by the first gradient of a step, before it is taken
+            in (the optimizer follows the model and ``param_groups`` there).
+    """
+
+    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig, health: Health,
+                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]],
+                 on_first_gradient: Callable[[], None]) -> None:
+        self.registry = registry
+        self.config = config
+        self.health = health
+        self.readers = readers
+        self.param_groups = param_groups
+        self.on_first_gradient = on_first_gradient
+        # hook state: the thread running the backward's hooks, or the caller's
+        self.acc: Accumulation | None = None
+        """The accumulation in progress (``None``: ``IDLE``)."""
+        self.micro: MicroStep | None = None
+        """The micro-step whose backward is running (or whose end is deferred)."""
+        self.no_sync_depth = 0
+        self.grad_hooks: dict[int, Any] = {}
+        """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
+        # ordering between executions
+        self.prev: Execution | None = None
+        """The latest execution that writes accumulators or masters: the next
+        micro-step's accumulations wait for it (its ``prev`` gate)."""
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.IDLE if self.acc is None else self.acc.phase
+
+    # -- the graph -----------------------------------------------------------------------
+    def graph(self, *, final: bool, grad_itemsize: Mapping[int, int] | None = None,
+              lanes: LaneWork | None = None, acc: Accumulation | None = None,
+              ms: MicroStep | None = None) -> tuple[TaskGraph, Schedule]:
+        """The graph and schedule of a micro-step (shape-only without ``lanes``)."""
+        config = self.config
+        plan = self.registry.plan if lanes is None else lanes.plan
+        work = None
+        if lanes is not None:
+            assert acc is not None and ms is not None
+            work = lanes.bind(acc, ms)
+        graph = plan.graph(self.registry.device, final=final, clip=config.clip,
+                           allreduce=config.clip and _world(config.process_group) > 1,
+                           step_gate=config.overlap != "backward",
+                           grad_itemsize=grad_itemsize, work=work)
+        return graph, plan.schedule(config.overlap)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def ensure_hooks(self) -> None:
+        """A post-accumulate-grad hook on every parameter of the model, once.
+
+        Hooks stay: a parameter removed from ``param_groups`` is ignored by its
+        hook (its gradient stays in ``.grad``, as with torch), and one added back,
+        or unfrozen, is taken in at once. (A hook registered for the first time
+        during a backward does not fire in it: in-place edits are noticed at the
+        first gradient of the next backward.) A frozen parameter gets its hook
+        with ``requires_grad`` switched on for the call.
+        """
+        for p in self.registry.model.parameters():
+            if id(p) in self.grad_hooks:
+                continue
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            try:
+                self.grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(self.on_grad)
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of every parameter: ship the gradient."""
+        if self.acc is None and self.micro is None:
+            self.on_first_gradient()  # the first gradient of a step
+        i = self.registry.position(p)
+        if i is None:
+            return
+        name = self.registry[i].name
+        bwd = _compat.backward_id()
+        grad = p.grad
+        if grad is None:
+            return
+        if bwd < 0:
+            raise GradientError(
+                f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
+                "(a post-accumulate-grad hook called by hand?): gradients are taken in "
+                "only from loss.backward()")
+        loc = local(grad)
+        if grad.dtype != p.dtype or loc.device != local(p).device or loc.layout != torch.strided:
+            err = GradientError(
+                f"the gradient of {name!r} is {grad.dtype} on {loc.device} ({loc.layout}); "
+                f"FullOffloadOptimizer takes dense gradients of the parameter's dtype "
+                f"{p.dtype} on {local(p).device}")
+            self.fail_current(err)
+            raise err
+        if self.health.dirty is not None or self.health.torn is not None:
+            p.grad = None  # dropped: step() refuses until zero_grad()
+            return
+        ms = self.micro
+        if ms is not None and ms.deferred is not None:
+            if _compat.outermost_backward_frame() is ms.deferred:
+                # Still the backward whose inner (reentrant) part ended: end the
+                # micro-step when this, its outer graph task, ends.
+                ms.deferred = None
+                outer = ms
+                _compat.queue_backward_callback(lambda: self.end_backward(outer))
+            else:
+                self.end_backward(ms, force=True)  # that backward is over
+                ms = self.micro
+        # A backward inside a backward (a reentrant checkpoint's recomputation)
+        # has a graph task of its own; its gradients belong to the outer one.
+        if ms is None or ms.ended:
+            ms = self._begin()
+        if i in ms.received:
+            err = GradientError(
+                f"a second gradient for {name!r} in one backward: it is used both inside "
+                "and outside a reentrant checkpoint (torch.utils.checkpoint with "
+                "use_reentrant=True runs a backward of its own), or its hook ran twice. "
+                "FullOffloadOptimizer takes one gradient per parameter per backward; use "
+                "use_reentrant=False (torch's recommended setting)")
+            self.fail_current(err)
+            raise err
+        ms.received.add(i)
+        order = self.registry[i].order
+        payload = flat_like(loc, order)
+        p.grad = None
+        acc = self.acc
+        assert acc is not None
+        acc.touched.add(i)
+        if self.config.accumulate == "gpu":
+            sums = acc.device_sums
+            if not ms.final:
+                s = sums.get(i)
+                if s is None:
+                    sums[i] = payload.to(torch.float32, copy=True)  # the first: a copy
+                else:
+                    s.add_(payload)
+                return
+            s = sums.pop(i, None)
+            if s is not None:
+                s.add_(payload)
+                payload = s
+        assert ms.execution is not None
+        ms.execution.gate(gate_name(self.registry[i])).open(Shipped(payload))
+
+    def _fsdp_sync(self) -> bool:
+        flag = _compat.fsdp_gradient_sync(_compat.compiled_original(self.registry.model))
+        return flag is not False
+
+    def _begin(self) -> MicroStep:
+        """The first gradient of a backward: launch its execution."""
+        acc = self.acc
+        if acc is None:
+            acc = self.acc = Accumulation(counts=[0] * len(self.registry))
+        final = self.no_sync_depth == 0 and self._fsdp_sync()
+        if acc.final is not None:
+            err = GradientError(
+                "a backward after the final micro-step of this step, before step(): call "
+                "opt.step() and opt.zero_grad() between steps, and wrap the non-final "
+                "micro-steps in opt.no_sync()")
+            self.health.dirty = err
+            raise err
+        ms = MicroStep(final=final)
+        if final:
+            acc.final = ms
+            acc.phase = Phase.FINAL
+            if self.config.overlap == "backward":
+                acc.hyper = capture_hyper(self.param_groups())
+        if final or self.config.accumulate == "cpu":
+            ms.execution = self._launch(acc, ms)
+        acc.micro.append(ms)
+        self.micro = ms
+        _compat.queue_backward_callback(lambda: self.end_backward(ms))
+        return ms
+
+    def _launch(self, acc: Accumulation, ms: MicroStep) -> Execution:
+        if ms.final:
+            # Hazard: the final micro-step's graph steps the masters and moments
+            # (under overlap="backward" during this backward) while a transfer
+            # launched after the previous step still reads them.
+            self.readers.wait()
+        itemsize = None
+        if ms.final and self.config.accumulate == "gpu":
+            itemsize = {i: 4 for i in acc.device_sums}
+        ms.lanes = LaneWork(self.registry, self.config)
+        graph, schedule = self.graph(final=ms.final, grad_itemsize=itemsize, lanes=ms.lanes,
+                                     acc=acc, ms=ms)
+        ex = execute(graph, schedule)
+        prev = self.prev
+        try:
+            if prev is None or prev.done() or _faults.disabled("micro_step_order"):
+                ex.gate("prev").close()
+            else:
+                # Hazard: folding into accumulators (or stepping masters) that the
+                # previous micro-step's execution, or a step still in flight, is
+                # still reading or writing.
+                ex.gate("prev").open(None, event=prev.events_for("done")[0])
+        except BaseException as err:
+            # The previous execution failed meanwhile: this one must not wait on
+            # gates nobody will open.
+            for name in graph.gates:
+                if ex.gate(name).state == "pending":
+                    ex.gate(name).fail(err)
+            raise
+        self.prev = ex
+        return ex
+
+    # -- the end of a backward ---------------------------------------------------------------
+    def end_backward(self, ms: MicroStep, *, force: bool = False) -> None:
+        """Autograd's end-of-backward callback: settle the gates no gradient opened.
+
+        Under a reentrant checkpoint the first gradient may come from the backward
+        its recomputation runs *inside* the user's backward: the callback then
+        fires when that inner backward ends. The micro-step goes on until the
+        outer one ends (:meth:`on_grad` queues a callback there, or the next
+        ``step()``, ``zero_grad()`` or backward settles it).
+        """
+        if ms.ended:
+            return
+        if not force:
+            outer = _compat.outer_backward_frame()
+            if outer is not None:
+                ms.deferred = outer
+                return
+        ms.deferred = None
+        if self.micro is ms:
+            self.micro = None
+        ms.ended = True
+        ex = ms.execution
+        if ex is None:
+            return
+        acc = self.acc
+        for i, rec in enumerate(self.registry):
+            if i in ms.received:
+                continue
+            gate = ex.gate(gate_name(rec))
+            s = acc.device_sums.pop(i, None) if (acc is not None and ms.final) else None
+            if s is not None:
+                gate.open(Shipped(s))  # only non-final micro-steps had a gradient for it
+            else:
+                gate.close()
+
+    def settle_deferred(self) -> None:
+        """End a micro-step whose reentrant inner backward ended, once no backward runs."""
+        ms = self.micro
+        if ms is not None and ms.deferred is not None and _compat.backward_id() < 0:
+            self.end_backward(ms, force=True)
+
+    # -- failures --------------------------------------------------------------------------
+    def fail_current(self, err: BaseException) -> None:
+        """A gradient was refused: this step is lost (dirty) and its backward abandoned."""
+        ms = self.micro
+        self.health.dirty = err
+        if ms is not None:
+            self.abandon(ms, str(err), err)
+
+    def abandon(self, ms: MicroStep, why: str, err: BaseException | None = None) -> None:
+        """Fail what of a micro-step's execution still waits for a gate (a backward that
+        never ended, a step that will not come)."""
+        ms.ended = True
+        if self.micro is ms:
+            self.micro = None
+        if err is None:
+            err = GradientError(f"a micro-step was abandoned: {why}")
+            self.health.dirty = self.health.dirty or err
+        ex = ms.execution
+        if ex is None or ex.done():
+            return
+        names = [gate_name(rec) for rec in self.registry]
+        if ms.final and self.config.overlap != "backward":
+            names.append("step")
+        for name in names:
+            gate = ex.gate(name)
+            if gate.state == "pending":
+                gate.fail(err)
+
+    def close_open_backward(self, why: str) -> None:
+        """``step()`` during a backward (or with its end missed): abandon it and wait
+        for what of its execution runs."""
+        self.settle_deferred()
+        ms = self.micro
+        if ms is not None:
+            self.abandon(ms, why)
+            if ms.execution is not None:
+                settle(ms.execution, timeout=self.config.timeout)  # failed by abandon()
+
+    def settle_failure(self) -> Execution | None:
+        """A micro-step of the accumulation failed: let every execution settle, and say
+        what the failure left (a final micro-step may have stepped chunks). Returns the
+        final execution once it settled.
+
+        Raises:
+            KeyboardInterrupt: while waiting (the accumulation stays as it was).
+        """
+        acc = self.acc
+        assert acc is not None
+        settled = None
+        for ms in acc.micro:
+            ex = ms.execution
+            if ex is None:
+                continue
+            self.abandon(ms, "an earlier failure of this step",
+                         GradientError("an earlier failure of this step"))
+            settle(ex, timeout=self.config.timeout)  # its failure is classified below
+            if ex.exception is not None:
+                self.health.dirty = self.health.dirty or ex.exception
+            if ms.final and ex.done():
+                cause = ex.exception or self.health.dirty
+                assert cause is not None
+                classify(self.health, acc, cause)
+                settled = ex
+        return settled
+
+    def settle_final_backward(self) -> Execution | None:
+        """Under ``overlap="backward"``, wait for the chunks a final backward started
+        before ``step()``; if they failed, drop the accumulation (classified) and
+        return the execution."""
+        acc = self.acc
+        fin = acc.final if acc is not None else None
+        if acc is None or fin is None or fin.execution is None or (
+                self.config.overlap != "backward"):
+            return None
+        ex = fin.execution
+        self.settle_deferred()
+        if not fin.ended:
+            return None  # inside that backward: nothing more can be waited for here
+        settle(ex, timeout=self.config.timeout)  # its failure is classified below
+        if ex.exception is None:
+            return None
+        self.acc = None
+        acc.phase = Phase.DISCARDED
+        classify(self.health, acc, root_cause(acc, ex.exception))
+        return ex
+
+    # -- transitions step() and zero_grad() drive ---------------------------------------------
+    def hand_over(self, hyper: list[dict[str, Any]] | None) -> Accumulation:
+        """``step()``: the accumulation becomes the step in flight. Without a final
+        backward, a final micro-step with no gradient of its own is launched now; under
+        ``overlap="forward"`` or ``"none"`` its chunks may start (``hyper``)."""
+        acc = self.acc
+        assert acc is not None
+        if acc.final is None:
+            ms = MicroStep(final=True)
+            acc.final = ms
+            acc.phase = Phase.FINAL
+            if self.config.overlap == "backward":
+                acc.hyper = capture_hyper(self.param_groups())
+            ms.execution = self._launch(acc, ms)
+            acc.micro.append(ms)
+            self.end_backward(ms)
+        if self.config.overlap != "backward":
+            acc.execution.gate("step").open(hyper)
+        acc.phase = Phase.STEPPING
+        self.acc = None
+        return acc
+
+    def discard(self, why: str, *, classify_final: bool) -> None:
+        """Drop the accumulation: fail what of its executions waits for a gate, and wait
+        for them; with ``classify_final``, say what a final one that stepped chunks
+        before it failed left (a torn step, which this does not clear).
+
+        Raises:
+            KeyboardInterrupt: while waiting (the accumulation stays, to be discarded
+                again).
+        """
+        acc = self.acc
+        if acc is not None:
+            for ms in acc.micro:
+                ex = ms.execution
+                if ex is None:
+                    continue
+                # Discarded: a gate left pending (the step's, or a backward that
+                # never ended) would hold its lanes until the timeout.
+                self.abandon(ms, why, GradientError(why))
+                settle(ex, timeout=self.config.timeout)  # failed by abandon()
+                cause = ex.exception or self.health.dirty
+                if classify_final and ms.final and ex.done() and cause is not None:
+                    # Chunks that stepped before the failure make a torn step.
+                    classify(self.health, acc, cause)
+            acc.phase = Phase.DISCARDED
+        self.acc = None
+        self.micro = None
+        self.health.dirty = None
+
+
+def writes_to(acc: Accumulation | None, registry: ParamRegistry,
+              param: torch.Tensor) -> tuple[Execution | None, list[str]]:
+    """The execution of the step in flight ``acc`` and its tasks that write ``param``'s
+    master, moments and weight (by the step's own parameters and chunks:
+    ``param_groups`` may have been edited since); ``(None, [])`` without one.
+
+    Raises:
+        ConfigError: ``param`` is not one of the optimizer's parameters.
+    """
+    lanes = acc.final.lanes if acc is not None and acc.final is not None else None
+    if acc is None or lanes is None:
+        registry.index_of(param)  # raises for a stranger
+        return None, []
+    i = index_of([rec.param for rec in lanes.params], param)
+    return acc.execution, [n for k, chunk in enumerate(lanes.plan.chunks) if i in chunk
+                           for n in (f"step:{k}", f"h2d:{k}")]

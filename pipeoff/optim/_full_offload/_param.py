@@ -1,0 +1,313 @@
+"""One parameter's host side (:class:`OffloadedParam`) and the registry that follows
+``param_groups`` and the model (:class:`ParamRegistry`).
+
+The registry is the only owner of the parameters' host tensors; everything
+else addresses a parameter by its position in it (its order in
+``param_groups``, each parameter once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipeoff import _accel
+from pipeoff._errors import ConfigError
+from pipeoff.optim import _update
+from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
+from pipeoff.optim._tensors import flat, host_alloc, index_of, local, memory_order
+
+__all__ = ["OffloadedParam", "ParamRegistry"]
+
+
+class OffloadedParam:
+    """One parameter and its host state: the FP32 master, the FP32 gradient accumulator
+    and the optimizer's per-element state, each laid out in the parameter's memory
+    order (a flat view of each is a flat view of the others), pinned where an
+    accelerator is present.
+
+    Which thread writes what: see ``[Note: lane writes]`` in ``_lanes.py``.
+    """
+
+    __slots__ = ("acc", "flat_acc", "flat_master", "group", "master", "name", "order", "param",
+                 "present", "scalars", "state", "stepped", "version")
+
+    def __init__(self, param: torch.Tensor, name: str, master: torch.Tensor,
+                 acc: torch.Tensor) -> None:
+        order = memory_order(local(param))
+        assert order is not None  # checked by ParamRegistry.check_group
+        self.param = param
+        self.name = name
+        self.order: tuple[int, ...] = order
+        # Host tensors: the lanes write their elements, nobody swaps them.
+        self.master = master
+        self.acc = acc
+        self.flat_master = flat(master, order)
+        self.flat_acc = flat(acc, order)
+        self.state: dict[str, torch.Tensor] = {}
+        """Per-element state (``exp_avg``...), allocated once per key."""
+        # Bookkeeping of the step chunk that steps it (host_step lane).
+        self.scalars: dict[str, Any] = {}
+        """The other state entries (``step``)."""
+        self.present: tuple[str, ...] = ()
+        """The keys of ``state`` that hold the optimizer's state (a key allocated
+        ahead of the first step holds nothing yet)."""
+        self.stepped = False
+        """Stepped at least once (an optimizer without per-parameter state, SGD without
+        momentum, has no other trace of it)."""
+        # Bookkeeping of the caller's thread.
+        self.group = 0
+        """Index of its param group."""
+        self.version = local(param)._version
+        """The local weight's version counter after this optimizer's last write to it."""
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The device weight (its local shard)."""
+        return local(self.param)
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    def ensure_state(self, keys: Sequence[str], pin: bool) -> dict[str, torch.Tensor]:
+        """The per-element host state for ``keys`` (the missing ones allocated, zeroed)."""
+        missing = [k for k in keys if k not in self.state]
+        if missing:
+            made = host_alloc([(self.local.shape, torch.float32, self.order)] * len(missing),
+                              pin)
+            for k, t in zip(missing, made):
+                t.zero_()
+                self.state[k] = t
+        return self.state
+
+    def weight_from_master(self) -> None:
+        """Write the device weight from the master (cast to the weight's dtype)."""
+        loc = self.local
+        with torch.no_grad():
+            flat(loc, self.order).copy_(self.flat_master)
+        self.version = loc._version
+
+    def master_from_weight(self) -> None:
+        """Make the master the (widened) device weight."""
+        loc = self.local
+        with torch.no_grad():
+            self.flat_master.copy_(flat(loc, self.order))
+        self.version = loc._version
+
+    def forget_state(self) -> None:
+        """Drop the optimizer state's entries (its host tensors are kept for reuse)."""
+        self.scalars = {}
+        self.present = ()
+        self.stepped = False
+
+
+class ParamRegistry:
+    """The parameters of the live ``param_groups``, each an :class:`OffloadedParam`, in
+    order: host state for new ones, hooks' lookups, the chunk plan, and what follows
+    the model between steps (parameters moved between groups, weights written from
+    outside).
+
+    Written only on the caller's thread, between steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: FullOffloadConfig,
+                 probe: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.config = config
+        self.probe = probe
+        self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        """Every parameter of the model, by ``id()``, to its name."""
+        self.params: list[OffloadedParam] = []
+        self._by_id: dict[int, int] = {}
+        self._retired: dict[int, OffloadedParam] = {}
+        """Parameters removed from ``param_groups``: kept, as torch keeps ``opt.state[p]``,
+        for when they come back."""
+        self._fingerprint: tuple[Any, ...] = ()
+        self.device = torch.device("cpu")
+        self.plan = MicroStepPlan.build([], chunk_numel=config.chunk_numel,
+                                        slot_bytes=config.slot_bytes, slots=config.slots)
+        self.outside_writes = 0
+        """Parameters found written outside the optimizer (tests: FSDP2 must not trigger
+        it every step, which would copy weights to the host)."""
+
+    # -- lookups -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __iter__(self) -> Iterator[OffloadedParam]:
+        return iter(self.params)
+
+    def __getitem__(self, i: int) -> OffloadedParam:
+        return self.params[i]
+
+    def position(self, p: torch.Tensor) -> int | None:
+        """``p``'s position, or ``None`` if it is not in ``param_groups``."""
+        return self._by_id.get(id(p))
+
+    def index_of(self, p: torch.Tensor) -> int:
+        """``p``'s position.
+
+        Raises:
+            ConfigError: ``p`` is not one of the parameters.
+        """
+        return index_of(self.tensors(), p)
+
+    def host_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """``p``'s FP32 ``"master"`` or per-element state ``key`` (``"exp_avg"``...: they
+        exist from the first ``step()`` on).
+
+        Raises:
+            ConfigError: ``p`` is not one of the parameters, or has no such state.
+        """
+        i = self.index_of(p)
+        rec = self.params[i]
+        host = rec.master if key == "master" else rec.state.get(key)
+        if host is None:
+            raise ConfigError(
+                f"parameter {i} has no state {key!r} (it has 'master' and "
+                f"{sorted(rec.state)}; moments exist from the first step() on)")
+        return host
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [rec.param for rec in self.params]
+
+    @property
+    def pin(self) -> bool:
+        """Whether host state is pinned (an accelerator holds the weights)."""
+        return _accel.current().is_device(self.device)
+
+    def state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        """The per-element state keys the optimizer keeps for parameters of ``group``."""
+        return _update.state_keys(self.probe, group)
+
+    # -- following param_groups ------------------------------------------------------------
+    def check_group(self, param_group: Mapping[str, Any],
+                    param_groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """A new group, its ``params`` a list: refused if its hyperparameters are, or
+        its parameters are not the model's, listed twice, or not dense floating-point
+        tensors.
+
+        Raises:
+            ConfigError: naming the parameter or the hyperparameters.
+        """
+        group = dict(param_group)
+        if "params" not in group:
+            raise ConfigError("a param group needs a 'params' entry (its parameters), got keys "
+                              f"{sorted(group)}")
+        ps = group["params"]
+        params = group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        self.config.probe(**{k: v for k, v in group.items() if k != "params"})
+        seen = {id(p) for g in param_groups for p in g["params"]}
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise ConfigError(f"param groups hold tensors, got {p!r}")
+            name = self.names.get(id(p))
+            if name is None:
+                raise ConfigError(f"a parameter of shape {tuple(p.shape)} is not in the model "
+                                  "given to FullOffloadOptimizer")
+            if id(p) in seen:
+                raise ConfigError(f"parameter {name!r} is listed twice (a tied weight is one "
+                                  "parameter: list it once)")
+            seen.add(id(p))
+            if not p.dtype.is_floating_point or memory_order(local(p)) is None:
+                raise ConfigError(f"parameter {name!r} must be a dense floating-point tensor, "
+                                  f"got {p.dtype} with strides {local(p).stride()}")
+        return group
+
+    @staticmethod
+    def fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+        return tuple(tuple((id(p), p.requires_grad) for p in g["params"])
+                     for g in param_groups)
+
+    def changed(self, param_groups: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether ``param_groups``' parameters changed since they were indexed."""
+        return self.fingerprint(param_groups) != self._fingerprint
+
+    def check_groups(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Refuse groups edited in place to hold a tensor of another model, or one
+        parameter twice.
+
+        Raises:
+            ConfigError: naming the tensor.
+        """
+        seen: set[int] = set()
+        for g in param_groups:
+            for q in g["params"]:
+                name = self.names.get(id(q))
+                if name is None:
+                    raise ConfigError(f"param_groups holds a tensor of shape {tuple(q.shape)} "
+                                      "that is not a parameter of the model")
+                if id(q) in seen:
+                    raise ConfigError(f"parameter {name!r} is listed twice in param_groups")
+                seen.add(id(q))
+
+    def index(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Follow ``param_groups``: host state for new parameters (the master copied from
+        the weight: widening, exact), retired ones kept, returning ones restored, the
+        chunk plan redone.
+
+        Raises:
+            ConfigError: parameters on several devices.
+        """
+        tensors = [p for g in param_groups for p in g["params"]]
+        kept = {id(rec.param): rec for rec in self.params}
+        now = {id(p) for p in tensors}
+        devices = {local(p).device for p in tensors}
+        if len(devices) > 1:
+            raise ConfigError(f"parameters on several devices {sorted(map(str, devices))}; "
+                              "FullOffloadOptimizer needs one device per rank")
+        for rec in self.params:
+            if id(rec.param) not in now:
+                self._retired[id(rec.param)] = rec
+        self.device = devices.pop() if devices else torch.device("cpu")
+        back = {id(p): self._retired.pop(id(p)) for p in tensors
+                if id(p) not in kept and id(p) in self._retired
+                and self._retired[id(p)].param is p}
+        new = [p for p in tensors if id(p) not in kept and id(p) not in back]
+        specs: list[Any] = []
+        for p in new:
+            specs += [(local(p).shape, torch.float32, memory_order(local(p)))] * 2
+        made = host_alloc(specs, self.pin) if specs else []
+        fresh = {id(p): OffloadedParam(p, self.names[id(p)], made[2 * k], made[2 * k + 1])
+                 for k, p in enumerate(new)}
+        for rec in fresh.values():
+            with torch.no_grad():
+                rec.master.copy_(rec.local)  # widening: exact
+        params = [kept.get(id(p)) or back.get(id(p)) or fresh[id(p)] for p in tensors]
+        group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+        for rec, gi in zip(params, group_of):
+            rec.group = gi
+            rec.version = rec.local._version
+        self.params = params
+        self._by_id = {id(rec.param): i for i, rec in enumerate(params)}
+        self._fingerprint = self.fingerprint(param_groups)
+        self.plan = MicroStepPlan.build(
+            [ParamSizes(name=rec.name, numel=rec.numel, grad_itemsize=rec.param.dtype.itemsize,
+                        weight_itemsize=rec.param.dtype.itemsize) for rec in params],
+            chunk_numel=self.config.chunk_numel, slot_bytes=self.config.slot_bytes,
+            slots=self.config.slots)
+        for rec in params:
+            rec.ensure_state(self.state_keys(param_groups[rec.group]), self.pin)
+
+    # -- following the model ---------------------------------------------------------------
+    def written_from_outside(self) -> list[OffloadedParam]:
+        """Parameters whose weight something else wrote since this optimizer last did
+        (``model.load_state_dict``, an initializer: their version counters moved)."""
+        return [rec for rec in self.params if rec.local._version != rec.version]
+
+    def adopt(self, changed: Sequence[OffloadedParam]) -> None:
+        """Make the weights written from outside the masters, unless a weight holds
+        exactly its master's cast (a checkpoint of this very state)."""
+        self.outside_writes += len(changed)
+        with torch.no_grad():
+            for rec in changed:
+                loc = rec.local
+                w = flat(loc, rec.order).to("cpu", copy=True)
+                m = rec.flat_master
+                if not torch.equal(w.view(torch.uint8), m.to(w.dtype).view(torch.uint8)):
+                    m.copy_(w)
+                rec.version = loc._version

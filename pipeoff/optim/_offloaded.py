@@ -1,0 +1,151 @@
+"""What both optimizers share: the :class:`~pipeoff._contract.OffloadedOptimizer` surface.
+
+Readiness (``completion_for``, ``live_state``), the transfers reading the host
+state (``add_reader``), health and the forward hooks (``attach``, ``detach``)
+are written once here, over three questions each optimizer answers about
+itself: which tasks of its step in flight write a parameter, which host
+tensor holds a parameter's state, and which parameters it steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff._contract import Health
+from pipeoff._errors import ConfigError
+from pipeoff._lowlevel import completions
+from pipeoff.optim._tensors import describe
+
+if TYPE_CHECKING:
+    from pipeoff.execution import Completion, Execution
+    from pipeoff.optim._readers import Readers
+    from pipeoff.optim._waits import ForwardWaits
+
+__all__ = ["Offloaded", "check_in_model"]
+
+
+def check_in_model(params: Sequence[torch.Tensor], model: torch.nn.Module) -> None:
+    """Raise :class:`ConfigError` naming the first of ``params`` that ``model`` lacks."""
+    owned = {id(p) for p in model.parameters()}
+    for i, p in enumerate(params):
+        if id(p) not in owned:
+            raise ConfigError(
+                f"{describe(i, p)} of the optimizer is not a parameter of the "
+                f"{type(model).__name__} given to attach(), so its forward could not wait "
+                "for it; attach the model whose parameters the optimizer updates, or "
+                "detach() first")
+
+
+class Offloaded:
+    """Mixin of :class:`~pipeoff.optim.OffloadOptimizer` and
+    :class:`~pipeoff.optim.FullOffloadOptimizer`.
+
+    A subclass sets ``_health``, ``_readers``, ``_waits`` and ``_attach_handles``
+    and answers :meth:`_writes_to`, :meth:`_host_tensor` and :meth:`_stepped_params`.
+    """
+
+    _health: Health
+    _readers: Readers
+    _waits: ForwardWaits
+    _attach_handles: list[Any]
+    _attached: torch.nn.Module | None
+
+    # -- what a subclass answers ---------------------------------------------------------
+    def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
+        """The step in flight and the names of its tasks that write ``param``'s state
+        (and weight); ``(None, [])`` if none does.
+
+        Raises:
+            ConfigError: ``param`` is not one of the optimizer's parameters.
+        """
+        raise NotImplementedError
+
+    def _host_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        """The host tensor of ``param``'s state ``key`` (the one a step in flight writes).
+
+        Raises:
+            ConfigError: ``param`` is not a parameter, or has no such state.
+        """
+        raise NotImplementedError
+
+    def _stepped_params(self) -> Sequence[torch.Tensor]:
+        """The parameters the optimizer steps (those ``attach()`` hooks wait for)."""
+        raise NotImplementedError
+
+    def wait_for_step(self) -> None:
+        raise NotImplementedError
+
+    # -- the contract --------------------------------------------------------------------
+    @property
+    def health(self) -> Health:
+        """What a failed step left (torn state, lost gradients, stale weights)."""
+        return self._health
+
+    def add_reader(self, execution: Execution) -> None:
+        """Make the next write of the host state (a step, a load) wait for ``execution``
+        (a :class:`~pipeoff.transfer.StateTransfer` reading it)."""
+        self._readers.add(execution)
+
+    def completion_for(self, param: torch.Tensor) -> tuple[Completion, ...]:
+        """The completions of the tasks of the step in flight that write ``param``'s
+        state (and its weight), empty if none does: a readiness for
+        :class:`~pipeoff.transfer.LiveTensor`, finer than :meth:`wait_for_step`.
+
+        Raises:
+            ConfigError: ``param`` is not one of this optimizer's parameters.
+        """
+        execution, tasks = self._writes_to(param)
+        return () if execution is None else completions(execution, tasks)
+
+    def live_state(self, param: torch.Tensor,
+                   key: str) -> tuple[torch.Tensor, tuple[Completion, ...]]:
+        """The host tensor of ``param``'s state ``key`` (the one a step in flight is
+        writing, new state included) and its :meth:`completion_for`; used by
+        :meth:`pipeoff.transfer.LiveTensor.from_optimizer`. Does not wait.
+
+        Raises:
+            ConfigError: ``param`` is not a parameter of this optimizer, or it has no
+                state ``key``.
+            StepFailedError: an earlier step failed after writing some state.
+        """
+        self._health.check("reading the optimizer state", stale=False)
+        return self._host_tensor(param, key), self.completion_for(param)
+
+    # -- forward hooks -------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> None:
+        """Make ``model``'s forward wait, per module, for the parts of a step in flight
+        that write its parameters (see the optimizer's docs).
+
+        Either the hooks are all installed, or (on any error) the old ones stay. A
+        second call replaces the hooks.
+
+        Raises:
+            ConfigError: ``model`` is not a module, or some of the optimizer's
+                parameters are not in it.
+        """
+        from pipeoff.optim._hooks import install
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"attach() needs a torch.nn.Module, got {model!r}")
+        params = self._stepped_params()
+        check_in_model(params, model)
+        self.wait_for_step()
+        handles = install(self._waits, model, params)
+        for h in self._attach_handles:
+            h.remove()
+        self._attach_handles = handles
+        self._attached = model
+
+    def detach(self) -> None:
+        """Remove the forward hooks :meth:`attach` installed (after the step in flight:
+        compiled code reads the weights it writes with nothing else to wait)."""
+        self.wait_for_step()
+        for h in self._attach_handles:
+            h.remove()
+        self._attach_handles = []
+        self._attached = None
+        self._waits.set_modules(torch.nn.Module(), [])
+        self._waits.attached = False
