@@ -347,6 +347,64 @@ def test_full_offload_masters_to_bf16_targets_right_after_step(readiness: bool) 
             LiveTensor.from_optimizer(opt, p, "nope")
 
 
+def _release_when_waiting_for_readers(release: Any) -> Any:
+    """A thread that sets ``release`` once the main thread blocks in an optimizer's wait
+    for the transfers reading its state (ordered by the main thread's stack, not time)."""
+    import sys
+    import threading
+    import time
+
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        while not release.is_set():
+            f = sys._current_frames().get(main)
+            while f is not None:
+                if f.f_code.co_name == "wait" and f.f_code.co_filename.endswith("_readers.py"):
+                    release.set()
+                    return
+                f = f.f_back
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("final_backward", [True, False])
+def test_a_full_offload_step_waits_for_transfers_reading_its_masters(
+        final_backward: bool) -> None:
+    """The step after a transfer was launched waits for it before it steps the masters,
+    whether its final micro-step is a backward or step() launches it (every backward
+    under no_sync()): the transfer reads the masters from before the step."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = _model().to(torch.bfloat16)
+    opt = FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, overlap="none")
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    m(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    p = next(m.parameters())
+    before = opt.state[p]["master"].clone()
+    target = torch.full(tuple(p.shape), SENTINEL)
+    with pt.hold_task("preflight") as release:  # the transfer has read nothing yet
+        ex = StateTransfer({"m": LiveTensor.from_optimizer(opt, p, "master")},
+                           {"m": LiveTensor(target)}).launch()
+        watcher = _release_when_waiting_for_readers(release)
+        if final_backward:
+            m(x).float().sum().backward()  # the final backward waits (in its first hook)
+        else:
+            with opt.no_sync():
+                m(x).float().sum().backward()
+        opt.step()  # without a final backward, step() launches the final micro-step
+        assert release.is_set()
+    watcher.join()
+    ex.wait()
+    assert torch.equal(target, before)
+    assert not torch.equal(opt.state[p]["master"], before)  # it did step
+
+
 def test_from_optimizer_refuses_scalar_state_and_strangers() -> None:
     from pipeoff.optim import OffloadOptimizer
 
