@@ -78,6 +78,22 @@ class Offloaded:
     def wait_for_step(self) -> None:
         raise NotImplementedError
 
+    def _wait_synchronously(self) -> None:
+        """The one host wait of a synchronous step, which is all or nothing for its
+        caller: on Ctrl-C the step in flight finishes first, then the interrupt is passed
+        on. (A second interrupt leaves it in flight; ``wait_for_step()`` ends it.)
+
+        Raises:
+            KeyboardInterrupt: with a note that the step completed.
+        """
+        try:
+            self.wait_for_step()
+        except KeyboardInterrupt as err:
+            self.wait_for_step()
+            err.__notes__ = ["pipeoff: the step completed before the interrupt was passed "
+                             "on; do not step again for the same gradients."]
+            raise
+
     # -- the contract --------------------------------------------------------------------
     @property
     def health(self) -> Health:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pipeoff import _accel, _compat
-from pipeoff._contract import Health, StepWrites
+from pipeoff._contract import Health
 from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
@@ -342,24 +342,9 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 "hyperparameters of that moment (this step used those); change "
                 "hyperparameters (an LR scheduler's step()) after opt.step()")
         if not self._asynchronous():
-            try:
-                self.wait_for_step()
-            except KeyboardInterrupt as err:
-                # A synchronous step is all or nothing for its caller: let it
-                # finish, then pass the interrupt on. (A second interrupt leaves
-                # it in flight; wait_for_step() ends it.)
-                self.wait_for_step()
-                err.add_note("pipeoff: the step completed before the interrupt was passed "
-                             "on; do not step again for the same gradients.")
-                raise
+            self._wait_synchronously()
             return None
-        lanes = acc.final.lanes if acc.final is not None else None
-        assert lanes is not None
-        self._waits.begin(StepWrites(
-            execution=acc.execution, params=tuple(rec.param for rec in lanes.params),
-            write_tasks=tuple(f"h2d:{k}" for k in range(len(lanes.plan.chunks))),
-            chunks_of=lanes.plan.chunks_of(), device=self._registry.device,
-            written=tuple(sorted(acc.touched)), grad_of=lambda i: None))
+        self._waits.begin(acc.writes(self._registry.device))
         if "norm_allreduce" in acc.execution.plan.order:
             # Hazard: the lane's all-reduce of the norm and the caller's next
             # collectives (FSDP2's all-gathers in the next forward) issued on

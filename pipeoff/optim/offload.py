@@ -574,16 +574,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             self._last = st.execution
             self._last_waits = []
             if self.mode == "chunked":
-                try:
-                    self.wait_for_step()  # the one host wait of a chunked step
-                except KeyboardInterrupt as err:
-                    # A synchronous step is all or nothing for its caller: let the
-                    # chunks in flight finish, then pass the interrupt on. (A second
-                    # interrupt leaves the step in flight; wait_for_step() ends it.)
-                    self.wait_for_step()
-                    err.__notes__ = ["pipeoff: the step completed before the interrupt was "
-                                     "passed on; do not step again for the same gradients."]
-                    raise
+                self._wait_synchronously()  # the one host wait of a chunked step
             else:
                 restore = st.restore  # lanes shrink it as chunks finish: read by key
 

@@ -36,23 +36,23 @@ def _stack_of(ident: int) -> list[Any]:
     return out
 
 
-def _waiting_in(stack: list[Any], where: tuple[str, ...]) -> Any:
+def _waiting_in(stack: list[Any], where: tuple[str, ...]) -> tuple[int, ...] | None:
     """If the thread blocks in ``Execution.wait`` (or a Completion's wait) called from
     ``where`` (function names, outermost first, each further in than the one before),
-    the frame of ``where[0]``; else ``None``."""
+    the line each of those frames is at; else ``None``."""
     names = [f.f_code.co_name for f in stack]
     if not any(f.f_code.co_filename.endswith("pipeoff/execution.py")
                and f.f_code.co_name in ("wait", "synchronize") for f in stack):
         return None
     pos = len(names)
-    outer = None
+    lines = []
     for w in where:  # outermost first: search towards the innermost frame
         found = [k for k in range(pos) if names[k] == w]
         if not found:
             return None
         pos = max(found)
-        outer = stack[pos] if outer is None else outer
-    return outer
+        lines.append(stack[pos].f_lineno)
+    return tuple(lines)
 
 
 @contextlib.contextmanager
@@ -62,8 +62,8 @@ def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterat
     main thread is doing, not by time: the watcher reads its stack.
 
     ``release``: set it once the main thread, interrupted, blocks in such a wait again
-    at another line of ``where[0]`` (a step that finishes before passing the
-    interrupt on).
+    from other lines of ``where`` (a step that finishes before passing the interrupt
+    on).
     """
     assert threading.current_thread() is threading.main_thread()
     main = threading.main_thread().ident
@@ -74,14 +74,14 @@ def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterat
     def watch() -> None:
         line = None
         while not stop.is_set():
-            frame = _waiting_in(_stack_of(main), where)
-            if frame is not None and line is None:
-                line = frame.f_lineno
+            at = _waiting_in(_stack_of(main), where)
+            if at is not None and line is None:
+                line = at
                 signal.pthread_kill(main, signal.SIGINT)
                 sent.set()
                 if release is None:
                     return
-            elif frame is not None and release is not None and frame.f_lineno != line:
+            elif at is not None and release is not None and at != line:
                 release.set()
                 return
             time.sleep(0.001)
@@ -279,7 +279,7 @@ def test_a_synchronous_step_completes_before_the_interrupt_is_passed_on() -> Non
     with pt.hold_task("step:.*") as release:
         backward(model, 0)
         # Interrupted while the chunks are held; they are let go once step() waits again.
-        with sigint_inside("step", "wait_for_step", release=release), \
+        with sigint_inside("step", "_wait_synchronously", "wait_for_step", release=release), \
                 pytest.raises(KeyboardInterrupt) as info:
             opt.step()
     assert any("the step completed" in n for n in info.value.__notes__)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeoff import _compat, _faults
-from pipeoff._contract import Health
+from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import GradientError
 from pipeoff._lowlevel import settle
 from pipeoff.execution import Execution
@@ -120,6 +120,18 @@ class Accumulation:
         """The final micro-step's execution (the one that steps)."""
         assert self.final is not None and self.final.execution is not None
         return self.final.execution
+
+    def writes(self, device: torch.device) -> StepWrites:
+        """What its step writes, for the forward waits: per chunk, the weights its
+        ``h2d:{k}`` copies (of the parameters it has gradients for)."""
+        fin = self.final
+        assert fin is not None and fin.lanes is not None
+        plan = fin.lanes.plan
+        return StepWrites(
+            execution=self.execution, params=tuple(rec.param for rec in fin.lanes.params),
+            write_tasks=tuple(f"h2d:{k}" for k in range(len(plan.chunks))),
+            chunks_of=plan.chunks_of(), device=device, written=tuple(sorted(self.touched)),
+            grad_of=lambda i: None)
 
     def failed(self) -> bool:
         """Whether an execution of its micro-steps has failed already."""
