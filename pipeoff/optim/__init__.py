@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pipeoff.optim._check import OverlapReport, check_overlap
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
 from pipeoff.optim.full_offload import FullOffloadOptimizer
 from pipeoff.optim.offload import OffloadOptimizer
+
+if TYPE_CHECKING:
+    from pipeoff._contract import MasterCopy, OffloadedOptimizer
+
+    def _implements(a: OffloadOptimizer, b: FullOffloadOptimizer
+                    ) -> tuple[OffloadedOptimizer, OffloadedOptimizer, MasterCopy]:
+        """mypy checks that both optimizers implement the contract."""
+        return a, b, b
 
 __all__ = [
     # the optimizer
