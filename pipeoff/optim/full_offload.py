@@ -230,23 +230,27 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         reserve_for(*self._micro_steps.graph(final=True))
 
     def _sync_with_model(self) -> None:
-        """At the start of a step: adopt outside writes to the weights, then follow
-        in-place edits of ``param_groups``."""
-        registry = self._registry
+        """At the start of a step: follow in-place edits of ``param_groups``, then adopt
+        outside writes to the weights (of parameters back in the groups too)."""
+        self._follow_param_groups()
         if self._micro_steps.phase is Phase.IDLE:
-            changed = registry.written_from_outside()
+            changed = self._registry.written_from_outside()
             if changed:
                 self.wait_for_step()  # our own writes first
                 self._accel_sync()
-                registry.adopt(changed)
-        if registry.changed(self.param_groups):
-            if self._micro_steps.phase is not Phase.IDLE:
-                raise ConfigError(
-                    "param_groups' parameters changed in the middle of gradient accumulation "
-                    "(between a backward and step()); change them after step() and "
-                    "zero_grad()")
-            registry.check_groups(self.param_groups)
-            self._reindex()
+                self._registry.adopt(changed)
+
+    def _follow_param_groups(self) -> None:
+        """The live ``param_groups`` are the truth: parameters removed from, added to or
+        moved between groups in place are picked up (between steps)."""
+        if not self._registry.changed(self.param_groups):
+            return
+        if self._micro_steps.phase is not Phase.IDLE:
+            raise ConfigError(
+                "param_groups' parameters changed in the middle of gradient accumulation "
+                "(between a backward and step()); change them after step() and zero_grad()")
+        self._registry.check_groups(self.param_groups)
+        self._reindex()
 
     def _accel_sync(self) -> None:
         device = self._registry.device
@@ -428,7 +432,11 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.last_trace = acc.execution.trace
 
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
-        return writes_to(self._inflight, self._registry, param)
+        acc = self._inflight
+        micro = self._micro_steps
+        if acc is None and self.overlap == "backward" and micro.phase is Phase.FINAL:
+            acc = micro.acc  # its chunks step during the final backward, before step()
+        return writes_to(acc, self._registry, param)
 
     def _host_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return self._registry.host_tensor(param, key)
@@ -457,6 +465,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                     "overlap='backward' that backward has stepped already (the step is "
                     "kept); call step() to wait for it, or use overlap='forward' to be "
                     "able to skip a step", RuntimeWarning, stacklevel=2)
+                self.wait_for_step()  # the step before it (one step in flight at a time)
                 self._inflight = micro.hand_over(None)
                 self.wait_for_step()
         micro.discard("zero_grad() discarded the micro-step", classify_final=True)
@@ -527,6 +536,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """
         self._quiesce()
         self._health.check("state_dict()", stale=False)
+        self._follow_param_groups()
         return _checkpoint.pack(self._registry, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -541,6 +551,9 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """
         self._readers.wait()
         self._quiesce_keeping_failures()
+        self._micro_steps.settle_deferred()
+        if self._micro_steps.phase is Phase.IDLE:
+            self._follow_param_groups()
         plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict)
         # Checked: now write. Gradients accumulated so far belong to the state
         # being replaced.

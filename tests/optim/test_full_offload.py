@@ -423,7 +423,8 @@ def test_a_failed_chunk_after_others_stepped_is_a_torn_step() -> None:
         _micro_steps(opt, model, data[0])
         with pytest.raises(RuntimeError, match="chunk failed") as info:
             opt.step()
-    assert any("chunk(s) [0]" in n for n in info.value.__notes__)
+    # Chunk 1 too: the failure was injected after its work had stepped its masters.
+    assert any("chunk(s) [0, 1]" in n for n in info.value.__notes__)
     opt.zero_grad()
     with pytest.raises(StepFailedError, match="checkpoint"):
         _micro_steps(opt, model, data[1])
@@ -886,3 +887,184 @@ def test_a_parameter_removed_and_put_back_keeps_its_state() -> None:
     opt.param_groups[0]["params"].insert(0, w)
     train(opt, model, batches(1, 1, seed=3))
     assert float(opt.state_dict()["state"][0]["step"]) == 2.0  # as torch keeps opt.state[p]
+
+
+# -- found by a review that tried to break the split (issue 19) ---------------------------
+
+def test_readiness_of_a_parameter_added_while_a_step_is_in_flight() -> None:
+    """The step in flight does not write a parameter added to param_groups since: its
+    readiness is empty, not an error."""
+    model = make_model()
+    side = [model.side.weight, model.side.bias]
+    opt = build(model, overlap="forward",
+                params=[p for p in model.parameters() if all(p is not q for q in side)])
+    train(opt, model, batches(1, 1))
+    with testing.hold_task("done") as release:
+        b = batches(1, 2, seed=2)[0]
+        loss_fn(model, b[0]).backward()
+        opt.step()  # in flight: its last task is held
+        opt.zero_grad()
+        opt.param_groups[0]["params"].append(model.side.weight)
+        with opt.no_sync():
+            loss_fn(model, b[1]).backward()  # the registry follows the edit meanwhile
+        assert not opt._inflight.execution.done()  # type: ignore[union-attr]
+        assert opt.completion_for(model.side.weight) == ()
+        assert opt.live_state(model.side.weight, "master")[1] == ()
+        assert opt.completion_for(model.l1.weight)  # the step in flight writes it
+        release.set()
+    opt.wait_for_step()
+    opt.zero_grad()
+
+
+def test_zero_grad_after_a_final_backward_waits_for_the_step_before_it() -> None:
+    """Under overlap="backward" with attach(), step k is in flight when the next final
+    backward comes; a zero_grad() (skipping step k+1) waits for step k first: its late
+    failure is raised and classified, not lost with the training silently stopped."""
+    model = make_model()
+    side = [model.side.weight, model.side.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in side)]
+    # Chunks go last parameter first: side's come last on the host_step lane, alone
+    # (the root's own parameter, `empty`, must not share their chunk).
+    rest.append(rest.pop(0))
+    opt = build(model, overlap="backward", chunk_numel=72, params=side + rest)
+    last = len(opt._registry.plan.chunks) - 1
+    assert {opt._registry[i].name for i in opt._registry.plan.chunks[last]} == {
+        "side.weight", "side.bias"}
+    opt.attach()
+    train(opt, model, batches(1, 1))
+    with testing.hold_task(f"step:{last}") as release, \
+            testing.fail_task(f"step:{last}", RuntimeError("late chunk failure")):
+        b = batches(1, 2, seed=2)[0]
+        loss_fn(model, b[0]).backward()
+        opt.step()  # returns at once (attached); side's chunk is held
+        loss_fn(model, (b[1][0], b[1][1], False)).backward()  # reads every weight but side's
+        release.set()  # side's chunk fails now, after the forward
+        with pytest.warns(RuntimeWarning, match="has stepped already"), \
+                pytest.raises(RuntimeError, match="late chunk failure"):
+            opt.zero_grad()
+    with pytest.raises(StepFailedError, match="checkpoint"):
+        opt.step()  # a torn step is refused: no silent training on half-stepped masters
+
+
+def _remove(params: list[torch.Tensor], p: torch.Tensor) -> None:
+    params.pop(next(k for k, q in enumerate(params) if q is p))  # by identity
+
+
+def test_state_dict_follows_param_groups_edited_in_place() -> None:
+    model = make_model()
+    opt = build(model, overlap="none", params=[p for p in model.parameters()
+                                               if p is not model.side.bias])
+    train(opt, model, batches(1, 1))
+    _remove(opt.param_groups[0]["params"], model.l1.weight)
+    saved = opt.state_dict()
+    assert len(saved["param_groups"][0]["params"]) == len(opt.param_groups[0]["params"])
+    opt.load_state_dict(saved)
+    opt.param_groups[0]["params"].append(model.side.bias)
+    assert len(opt.state_dict()["param_groups"][0]["params"]) == len(
+        opt.param_groups[0]["params"])
+    train(opt, model, batches(1, 1, seed=2))
+
+
+def test_a_weight_written_while_its_parameter_was_out_of_the_groups_is_adopted() -> None:
+    model = make_model()
+    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=0.0, overlap="none")
+    train(opt, model, batches(1, 1))
+    w = model.l1.weight
+    _remove(opt.param_groups[0]["params"], w)
+    train(opt, model, batches(1, 1, seed=2))  # re-indexed without it
+    w.grad = None
+    with torch.no_grad():
+        w.fill_(0.25)  # re-initialized while out of the optimizer
+    opt.param_groups[0]["params"].insert(0, w)
+    train(opt, model, batches(1, 1, seed=3))  # lr 0: the weight stays its master
+    assert torch.equal(w, torch.full_like(w, 0.25))
+
+
+def test_readiness_between_the_final_backward_and_step_under_backward_overlap() -> None:
+    """The chunks of a final backward step the masters before step() is called: their
+    readiness says so (a transfer launched then waits for them)."""
+    model = make_model()
+    opt = build(model, overlap="backward")
+    train(opt, model, batches(1, 1))
+    with testing.hold_task("step:.*") as release:
+        loss_fn(model, batches(1, 1, seed=2)[0][0]).backward()  # final: chunks held
+        ready = opt.completion_for(model.l1.weight)
+        assert ready and not any(c.query() for c in ready)
+        release.set()
+    opt.step()
+    assert all(c.query() for c in ready)
+
+
+def test_a_transfer_between_the_final_backward_and_step_reads_the_masters_before_it() -> None:
+    """Under overlap="forward" the final micro-step is launched by the backward and steps
+    when step() opens its gate: step() first waits for transfers launched meanwhile."""
+    from pipeoff.transfer import LiveTensor, StateTransfer
+
+    model = make_model()
+    opt = build(model, overlap="forward")
+    train(opt, model, batches(1, 1))
+    p = model.l1.weight
+    before = opt.state[p]["master"].clone()
+    target = torch.empty_like(before)
+    from tests.transfer.test_transfer import _release_when_waiting_for_readers
+
+    with testing.hold_task("preflight") as release:  # the transfer reads nothing yet
+        loss_fn(model, batches(1, 1, seed=2)[0][0]).backward()  # final: waits for step()
+        ex = StateTransfer({"m": LiveTensor.from_optimizer(opt, p, "master")},
+                           {"m": LiveTensor(target)}).launch()
+        watcher = _release_when_waiting_for_readers(release)
+        opt.step()  # let go of the transfer only once step() waits for it
+        opt.wait_for_step()
+    watcher.join()
+    ex.wait()
+    assert torch.equal(target, before)
+    assert not torch.equal(opt.state[p]["master"], before)
+
+
+@pytest.mark.parametrize("where", ["after_the_step", "inside_the_step"])
+def test_a_chunk_that_fails_after_writing_masters_is_never_taken_for_clean(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step chunk that raises once its masters are stepped (in the cast) leaves every
+    master stepped: stale, fixed by refresh_device_weights(). One that raises inside the
+    optimizer's step leaves some masters stepped: torn. Never dirty, which zero_grad()
+    would clear and training would go on from half-stepped masters."""
+    from pipeoff.optim import _update
+
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="none")  # one chunk
+    data = batches(3, 1)
+    train(opt, model, data[:1])
+    train_reference(ref, data[:1])
+    if where == "after_the_step":
+        failing: Any = testing.fail_work("step:0", RuntimeError("chunk failed"))
+    else:
+        real = _update.step_chunk
+
+        def half(shadow: Any, groups: Any) -> None:  # steps one slice, then raises
+            g = groups[0]
+            one = _update.ChunkGroup(g.hyper)
+            one.add(g.params[0], g.grads[0], g.staged[0], g.present[0], g.scalars[0])
+            real(shadow, [one])
+            raise RuntimeError("chunk failed")
+
+        monkeypatch.setattr(_update, "step_chunk", half)
+        failing = contextlib.nullcontext()
+    with failing:
+        _micro_steps(opt, model, data[1])
+        with pytest.raises(RuntimeError, match="chunk failed"):
+            opt.step()
+    monkeypatch.undo()
+    if where == "after_the_step":
+        assert opt.health.stale is not None and opt.health.torn is None
+        opt.refresh_device_weights()
+        opt.zero_grad()
+        train_reference(ref, data[1:2])
+        train(opt, model, data[2:])
+        train_reference(ref, data[2:])
+        assert_bitwise(model, ref)
+    else:
+        assert opt.health.torn is not None and "while chunk(s) [0]" in opt.health.torn
+        opt.zero_grad()
+        with pytest.raises(StepFailedError, match="checkpoint"):
+            opt.step()

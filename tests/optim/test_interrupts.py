@@ -374,3 +374,52 @@ def test_step_waiting_for_the_clipping_norms_all_reduce() -> None:
         assert mine == ref
     assert res[0]["note"]
     assert res[0]["norms"] == res[1]["norms"]  # one global norm
+
+
+# -- a final micro-step waiting for a transfer reading the state ------------------------------
+
+def _transfer_reading(opt: FullOffloadOptimizer, model: torch.nn.Module) -> Any:
+    p = model[0].weight
+    return StateTransfer({"s": LiveTensor.from_optimizer(opt, p, "master")},
+                         {"s": LiveTensor(torch.empty(p.shape, dtype=torch.float32))})
+
+
+@pytest.mark.parametrize("overlap", ["backward", "forward"])
+def test_a_final_backward_waiting_for_a_transfer(overlap: str) -> None:
+    """Ctrl-C in the first gradient hook of a final backward, waiting for a transfer: the
+    backward raises it, and zero_grad() leaves the optimizer as if it never began."""
+    model, opt, ref_model, ref = twins(overlap=overlap)
+    train(opt, model, range(1))
+    train(ref, ref_model, range(1))
+    with pt.hold_task("verdict") as release:
+        ex = _transfer_reading(opt, model).launch()
+        interrupted(lambda: backward(model, 7), "on_grad", "_before_final", "wait")
+        release.set()
+    ex.wait()
+    opt.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_step_launching_the_final_micro_step_waiting_for_a_transfer(overlap: str) -> None:
+    """Ctrl-C while step() (every backward under no_sync()) waits for a transfer before it
+    launches the final micro-step: step() again then steps, once."""
+    model, opt, ref_model, ref = twins(overlap=overlap)
+    with pt.hold_task("verdict") as release:
+        ex = _transfer_reading(opt, model).launch()
+        with opt.no_sync():
+            backward(model, 0)
+        interrupted(opt.step, "step", "_before_final", "wait")
+        release.set()
+    ex.wait()
+    opt.step()
+    opt.zero_grad()
+    with ref.no_sync():
+        backward(ref_model, 0)
+    ref.step()
+    ref.zero_grad()
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)

@@ -19,6 +19,8 @@ wait named:
   them.
 * ``Accumulation.total_norm``, ``.clip_coef`` (``norm``, ``norm_allreduce``):
   the caller reads ``total_norm`` (``grad_norm``) after waiting for that task.
+* ``Accumulation.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
+  ``classify`` once the execution is done (waited for, or settled).
 * Host tensors (``OffloadedParam.acc``, ``.master``, ``.state``), ``.scalars``,
   ``.present``, ``.stepped`` (``acc:``, ``step:``): the caller reads them
   (``state_dict``, ``refresh_masters``, a transfer) after ``wait_for_step()``
@@ -166,19 +168,30 @@ class LaneWork:
             scalars[i] = _update.group_of(groups, hyper, gi).add(
                 rec.flat_master, rec.flat_acc, {key: flat(st[key], rec.order) for key in keys},
                 tuple(key for key in rec.present if key in keys), rec.scalars)
-        if groups:
-            _update.step_chunk(_update.make_shadow(self.probe), list(groups.values()))
+        # A chunk whose step raised after writing some masters leaves them partly
+        # stepped (torn): their version counters say whether it wrote any.
+        masters = [self.params[i].flat_master for i in idx]
+        versions = [m._version for m in masters]
+        try:
+            if groups:
+                _update.step_chunk(_update.make_shadow(self.probe), list(groups.values()))
+        except BaseException:
+            if any(m._version != v for m, v in zip(masters, versions)):
+                acc.torn_chunks.add(k)
+            raise
+        acc.stepped_chunks.add(k)
         for i in idx:
             rec = self.params[i]
             rec.scalars = scalars[i]
             rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
             rec.stepped = True
-        if idx:
+        cast = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
+                if acc.counts[i] > 0 and n]
+        if cast:  # (a chunk of empty parameters has no buffer)
             w = ctx.buffer(f"w:{k}")
-            for i, off, n, dtype in self.weight_slices(k):
-                if acc.counts[i] > 0 and n:
-                    _accumulate.cast_into(w[off:off + n * dtype.itemsize].view(dtype),
-                                          self.params[i].flat_master)
+            for i, off, n, dtype in cast:
+                _accumulate.cast_into(w[off:off + n * dtype.itemsize].view(dtype),
+                                      self.params[i].flat_master)
 
     def weight_slices(self, k: int) -> Iterator[tuple[int, int, int, torch.dtype]]:
         """``(i, byte offset, numel, dtype)`` of each weight in chunk ``k``'s buffer."""
@@ -192,13 +205,14 @@ class LaneWork:
 
     @torch.no_grad()
     def h2d(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
-        if not any(acc.counts[i] > 0 for i in self.plan.chunks[k]):
+        copies = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
+                  if acc.counts[i] > 0 and n]
+        if not copies:
             return
         w = ctx.buffer(f"w:{k}")
-        for i, off, n, dtype in self.weight_slices(k):
-            if acc.counts[i] > 0 and n:
-                rec = self.params[i]
-                loc = rec.local
-                flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
-                                           non_blocking=True)
-                rec.version = loc._version  # our own write, not an external one
+        for i, off, n, dtype in copies:
+            rec = self.params[i]
+            loc = rec.local
+            flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
+                                       non_blocking=True)
+            rec.version = loc._version  # our own write, not an external one

@@ -114,6 +114,10 @@ class Accumulation:
     norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     total_norm: torch.Tensor | None = None
     clip_coef: torch.Tensor | None = None
+    stepped_chunks: set[int] = dataclasses.field(default_factory=set)
+    """Chunks whose masters were all stepped (the host_step lane)."""
+    torn_chunks: set[int] = dataclasses.field(default_factory=set)
+    """Chunks whose step raised after writing some of their masters (the lane)."""
 
     @property
     def execution(self) -> Execution:
@@ -169,20 +173,28 @@ def root_cause(acc: Accumulation, err: BaseException) -> BaseException:
 def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
     """Set what a failed final execution leaves, and say so on ``err``: nothing stepped
     (dirty: ``zero_grad()`` clears it), every chunk stepped but a weight copy failed
-    (stale: ``refresh_device_weights()``), or some chunks stepped (torn: load a
-    checkpoint)."""
+    (stale: ``refresh_device_weights()``), or some chunks (or some masters of one)
+    stepped (torn: load a checkpoint). A chunk counts as stepped once its optimizer
+    step returned, even if its task failed afterwards (in the cast)."""
     ex = acc.execution
     fin = acc.final
     assert fin is not None and fin.lanes is not None
     nchunks = len(fin.lanes.plan.chunks)
-    stepped = [k for k in range(nchunks) if ex.events_for(f"step:{k}")[0].status == "ok"]
+    stepped = sorted({k for k in range(nchunks)
+                      if ex.events_for(f"step:{k}")[0].status == "ok"} | acc.stepped_chunks)
     if stepped and ex.exception is None:
         # The execution ran to the end, but this step failed elsewhere (a
         # gradient refused during the final backward): chunks stepped on it.
         health.torn = (f"this step failed ({err}) after chunk(s) {stepped} had "
                        "stepped their masters during the backward")
         return
-    if not stepped:
+    if acc.torn_chunks:
+        health.torn = (f"a step failed in {ex.failed_task!r} while chunk(s) "
+                       f"{sorted(acc.torn_chunks)} stepped their masters (chunk(s) {stepped} "
+                       "had stepped theirs)")
+        err.add_note(f"pipeoff: {health.torn}; later steps are refused until a "
+                     "checkpoint is loaded")
+    elif not stepped:
         health.dirty = err
         err.add_note("pipeoff: no master was stepped; step() refuses until "
                      "opt.zero_grad()")
@@ -379,23 +391,30 @@ class MicroSteps:
             raise err
         ms = MicroStep(final=final)
         if final:
-            acc.final = ms
-            acc.phase = Phase.FINAL
-            if self.config.overlap == "backward":
-                acc.hyper = capture_hyper(self.param_groups())
+            self._before_final(acc)
         if final or self.config.accumulate == "cpu":
             ms.execution = self._launch(acc, ms)
+        # Launched: only now does the accumulation hold the micro-step (an interrupt
+        # or a failure above leaves it as it was).
+        if final:
+            acc.final = ms
+            acc.phase = Phase.FINAL
         acc.micro.append(ms)
         self.micro = ms
         _compat.queue_backward_callback(lambda: self.end_backward(ms))
         return ms
 
+    def _before_final(self, acc: Accumulation) -> None:
+        """What a final micro-step needs before its launch: the transfers reading the
+        host state done, and under ``overlap="backward"`` the hyperparameters."""
+        # Hazard: the final micro-step's graph steps the masters and moments
+        # (under overlap="backward" during this backward) while a transfer
+        # launched after the previous step still reads them.
+        self.readers.wait()
+        if self.config.overlap == "backward":
+            acc.hyper = capture_hyper(self.param_groups())
+
     def _launch(self, acc: Accumulation, ms: MicroStep) -> Execution:
-        if ms.final:
-            # Hazard: the final micro-step's graph steps the masters and moments
-            # (under overlap="backward" during this backward) while a transfer
-            # launched after the previous step still reads them.
-            self.readers.wait()
         itemsize = None
         if ms.final and self.config.accumulate == "gpu":
             itemsize = {i: 4 for i in acc.device_sums}
@@ -558,13 +577,17 @@ class MicroSteps:
         assert acc is not None
         if acc.final is None:
             ms = MicroStep(final=True)
+            self._before_final(acc)
+            ms.execution = self._launch(acc, ms)
             acc.final = ms
             acc.phase = Phase.FINAL
-            if self.config.overlap == "backward":
-                acc.hyper = capture_hyper(self.param_groups())
-            ms.execution = self._launch(acc, ms)
             acc.micro.append(ms)
             self.end_backward(ms)
+        elif self.config.overlap != "backward":
+            # Hazard: the chunks stepping the masters while a transfer launched
+            # after the final backward began (its execution waits for this gate)
+            # still reads them.
+            self.readers.wait()
         if self.config.overlap != "backward":
             acc.execution.gate("step").open(hyper)
         acc.phase = Phase.STEPPING
@@ -610,9 +633,10 @@ def writes_to(acc: Accumulation | None, registry: ParamRegistry,
         ConfigError: ``param`` is not one of the optimizer's parameters.
     """
     lanes = acc.final.lanes if acc is not None and acc.final is not None else None
-    if acc is None or lanes is None:
+    held = [rec.param for rec in lanes.params] if lanes is not None else []
+    if acc is None or lanes is None or not any(p is param for p in held):
         registry.index_of(param)  # raises for a stranger
-        return None, []
-    i = index_of([rec.param for rec in lanes.params], param)
+        return None, []  # (added to param_groups since: the step does not write it)
+    i = index_of(held, param)
     return acc.execution, [n for k, chunk in enumerate(lanes.plan.chunks) if i in chunk
                            for n in (f"step:{k}", f"h2d:{k}")]

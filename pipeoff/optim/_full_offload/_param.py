@@ -8,6 +8,7 @@ else addresses a parameter by its position in it (its order in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,9 @@ from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
 from pipeoff.optim._tensors import flat, host_alloc, index_of, local, memory_order
 
 __all__ = ["OffloadedParam", "ParamRegistry"]
+
+_STATE_LOCK = threading.Lock()
+"""Makes an allocation of missing state keys one step (see ``ensure_state``)."""
 
 
 class OffloadedParam:
@@ -74,14 +78,23 @@ class OffloadedParam:
         return self.local.numel()
 
     def ensure_state(self, keys: Sequence[str], pin: bool) -> dict[str, torch.Tensor]:
-        """The per-element host state for ``keys`` (the missing ones allocated, zeroed)."""
-        missing = [k for k in keys if k not in self.state]
-        if missing:
-            made = host_alloc([(self.local.shape, torch.float32, self.order)] * len(missing),
-                              pin)
-            for k, t in zip(missing, made):
-                t.zero_()
-                self.state[k] = t
+        """The per-element host state for ``keys`` (the missing ones allocated, zeroed).
+
+        Called by a step chunk's lane and by the registry on the caller's thread (a
+        re-index while a step is in flight).
+        """
+        if all(k in self.state for k in keys):
+            return self.state
+        # Hazard: two threads each allocating a missing key, one replacing the
+        # tensor the other has already stepped into.
+        with _STATE_LOCK:
+            missing = [k for k in keys if k not in self.state]
+            if missing:
+                made = host_alloc(
+                    [(self.local.shape, torch.float32, self.order)] * len(missing), pin)
+                for k, t in zip(missing, made):
+                    t.zero_()
+                    self.state[k] = t
         return self.state
 
     def weight_from_master(self) -> None:
@@ -280,8 +293,7 @@ class ParamRegistry:
         params = [kept.get(id(p)) or back.get(id(p)) or fresh[id(p)] for p in tensors]
         group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
         for rec, gi in zip(params, group_of):
-            rec.group = gi
-            rec.version = rec.local._version
+            rec.group = gi  # (version: kept, so a write while it was out is adopted)
         self.params = params
         self._by_id = {id(rec.param): i for i, rec in enumerate(params)}
         self._fingerprint = self.fingerprint(param_groups)
