@@ -34,6 +34,23 @@ def _code_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def _offenders(pattern: re.Pattern[str], *, only: tuple[str, ...] = ("pipeoff/",),
+               skip: tuple[str, ...] = (), imports: bool = True) -> list[str]:
+    """``path:line: code`` of each code line (of the files under ``only``, but not
+    ``skip``) that ``pattern`` matches; ``imports=False`` ignores import lines."""
+    out = []
+    for rel, text in _sources():
+        if not rel.startswith(only) or rel in skip or rel.startswith(
+                tuple(s for s in skip if s.endswith("/"))):
+            continue
+        for n, code in _code_lines(text):
+            if not imports and code.lstrip().startswith(("from ", "import ")):
+                continue
+            if pattern.search(code):
+                out.append(f"{rel}:{n}: {code.strip()}")
+    return out
+
+
 def test_no_production_module_imports_pipeoff_testing() -> None:
     offenders = []
     for rel, text in _sources():
@@ -64,42 +81,23 @@ _FEATURES = ("pipeoff/optim/", "pipeoff/ft/", "pipeoff/transfer/")
 
 
 def test_features_reach_the_runtime_through_its_front_door_only() -> None:
-    offenders = []
-    for rel, text in _sources():
-        if rel in _RUNTIME or rel.startswith("pipeoff/executor/"):
-            continue
-        for n, code in _code_lines(text):
-            if not code.lstrip().startswith(("from ", "import ")) and _RUNTIME_PRIVATES.search(
-                    code):
-                offenders.append(f"{rel}:{n}: {code.strip()}")
+    offenders = _offenders(_RUNTIME_PRIVATES, skip=(*_RUNTIME, "pipeoff/executor/"),
+                           imports=False)
     assert not offenders, "\n".join(offenders)
 
 
 def test_features_import_no_private_module_of_the_core() -> None:
     """Features use the core's public names and its front door (``pipeoff._lowlevel``),
     never ``pipeoff.executor._x`` or ``pipeoff.trace._x``."""
-    pattern = re.compile(r"pipeoff\.(executor|trace)\._\w+")
-    offenders = []
-    for rel, text in _sources():
-        if not rel.startswith(_FEATURES):
-            continue
-        for n, code in _code_lines(text):
-            if pattern.search(code):
-                offenders.append(f"{rel}:{n}: {code.strip()}")
+    offenders = _offenders(re.compile(r"pipeoff\.(executor|trace)\._\w+"), only=_FEATURES)
     assert not offenders, "\n".join(offenders)
 
 
 def test_no_feature_reads_an_optimizers_privates() -> None:
     """What StateTransfer and LocalSGD need of an optimizer is its typed contract
-    (``pipeoff.optim._contract``), not its fields (``opt._readers``)."""
+    (``pipeoff._contract``), not its fields (``opt._readers``)."""
     pattern = re.compile(r"\b(opt|optimizer|lt\.optimizer|_local_optimizer)\._[a-z]\w*")
-    offenders = []
-    for rel, text in _sources():
-        if rel == "pipeoff/_compat.py":
-            continue
-        for n, code in _code_lines(text):
-            if pattern.search(code):
-                offenders.append(f"{rel}:{n}: {code.strip()}")
+    offenders = _offenders(pattern, skip=("pipeoff/_compat.py",))
     assert not offenders, "\n".join(offenders)
 
 
@@ -111,13 +109,7 @@ _UPSTREAM_PRIVATES = re.compile(
 
 
 def test_upstream_private_names_go_through_compat() -> None:
-    offenders = []
-    for rel, text in _sources():
-        if rel == "pipeoff/_compat.py" or rel.startswith("pipeoff/testing/"):
-            continue
-        for n, code in _code_lines(text):
-            if _UPSTREAM_PRIVATES.search(code):
-                offenders.append(f"{rel}:{n}: {code.strip()}")
+    offenders = _offenders(_UPSTREAM_PRIVATES, skip=("pipeoff/_compat.py", "pipeoff/testing/"))
     assert not offenders, "\n".join(offenders)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -22,37 +21,9 @@ from pipeoff import testing as pt
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from pipeoff.optim._full_offload._lifecycle import MicroSteps
 from pipeoff.transfer import LiveTensor, StateTransfer
+from tests._stacks import stack_of, waiting_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
-
-
-def _stack_of(ident: int) -> list[Any]:
-    """The frames of thread ``ident``, innermost first."""
-    out = []
-    f = sys._current_frames().get(ident)
-    while f is not None:
-        out.append(f)
-        f = f.f_back
-    return out
-
-
-def _waiting_in(stack: list[Any], where: tuple[str, ...]) -> tuple[int, ...] | None:
-    """If the thread blocks in ``Execution.wait`` (or a Completion's wait) called from
-    ``where`` (function names, outermost first, each further in than the one before),
-    the line each of those frames is at; else ``None``."""
-    names = [f.f_code.co_name for f in stack]
-    if not any(f.f_code.co_filename.endswith("pipeoff/execution.py")
-               and f.f_code.co_name in ("wait", "synchronize") for f in stack):
-        return None
-    pos = len(names)
-    lines = []
-    for w in where:  # outermost first: search towards the innermost frame
-        found = [k for k in range(pos) if names[k] == w]
-        if not found:
-            return None
-        pos = max(found)
-        lines.append(stack[pos].f_lineno)
-    return tuple(lines)
 
 
 @contextlib.contextmanager
@@ -74,7 +45,7 @@ def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterat
     def watch() -> None:
         line = None
         while not stop.is_set():
-            at = _waiting_in(_stack_of(main), where)
+            at = waiting_in(stack_of(main), where)
             if at is not None and line is None:
                 line = at
                 signal.pthread_kill(main, signal.SIGINT)
@@ -146,6 +117,25 @@ def twins(**kw: Any) -> tuple[torch.nn.Module, FullOffloadOptimizer,
     return a, build(a, **kw), b, build(b, **kw)
 
 
+def replay(opt: FullOffloadOptimizer, model: torch.nn.Module, *, final: bool,
+           step: bool) -> None:
+    """What the uninterrupted twin does with batch 0: one backward (final, or under
+    ``no_sync()``), ``step()`` or not, ``zero_grad()``."""
+    with contextlib.nullcontext() if final else opt.no_sync():
+        backward(model, 0)
+    if step:
+        opt.step()
+    opt.zero_grad()
+
+
+def goes_on_alike(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                  ref: FullOffloadOptimizer, ref_model: torch.nn.Module) -> None:
+    """Two more steps of both: the interrupted optimizer trains as its twin does."""
+    train(opt, model, range(1, 3))
+    train(ref, ref_model, range(1, 3))
+    assert_same(model, ref_model)
+
+
 def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
@@ -162,12 +152,8 @@ def test_zero_grad_waiting_for_a_discarded_micro_step() -> None:
         release.set()
     assert isinstance(err, KeyboardInterrupt)
     opt.zero_grad()  # the interrupted call, again: it completes
-    with ref.no_sync():
-        backward(ref_model, 0)
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    replay(ref, ref_model, final=False, step=False)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
@@ -183,11 +169,8 @@ def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
     with pytest.raises(StepFailedError, match="zero_grad"):
         opt.step()  # the abandoned micro-step failed this step: refused until zero_grad()
     opt.zero_grad()
-    backward(ref_model, 0)
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    replay(ref, ref_model, final=True, step=False)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 def test_step_settling_the_executions_of_a_failed_accumulation() -> None:
@@ -211,12 +194,8 @@ def test_step_settling_the_executions_of_a_failed_accumulation() -> None:
     with pytest.raises(StepFailedError, match="zero_grad"):
         opt.step()
     opt.zero_grad()
-    with ref.no_sync():
-        backward(ref_model, 0)
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    replay(ref, ref_model, final=False, step=False)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 @pytest.mark.parametrize("call", ["state_dict", "refresh_masters", "refresh_device_weights",
@@ -231,12 +210,8 @@ def test_waiting_for_the_chunks_a_final_backward_started(call: str) -> None:
         release.set()
     opt.step()  # the step the backward ran is still this one's
     opt.zero_grad()
-    backward(ref_model, 0)
-    ref.step()
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    replay(ref, ref_model, final=True, step=True)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 @pytest.mark.parametrize("call", ["refresh_device_weights", "load_state_dict", "state_dict"])
@@ -251,12 +226,8 @@ def test_waiting_for_a_step_in_flight(call: str) -> None:
         release.set()
     opt.wait_for_step()
     opt.zero_grad()
-    backward(ref_model, 0)
-    ref.step()
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    replay(ref, ref_model, final=True, step=True)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 def test_load_state_dict_discarding_an_accumulation() -> None:
@@ -269,9 +240,7 @@ def test_load_state_dict_discarding_an_accumulation() -> None:
         release.set()
     opt.load_state_dict(saved)
     ref.load_state_dict(saved)
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 def test_a_synchronous_step_completes_before_the_interrupt_is_passed_on() -> None:
@@ -284,13 +253,9 @@ def test_a_synchronous_step_completes_before_the_interrupt_is_passed_on() -> Non
             opt.step()
     assert any("the step completed" in n for n in info.value.__notes__)
     opt.zero_grad()
-    backward(ref_model, 0)
-    ref.step()
-    ref.zero_grad()
+    replay(ref, ref_model, final=True, step=True)
     assert_same(model, ref_model)  # stepped once, fully
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 # -- state transfers reading an optimizer's state --------------------------------------------
@@ -397,9 +362,7 @@ def test_a_final_backward_waiting_for_a_transfer(overlap: str) -> None:
         release.set()
     ex.wait()
     opt.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+    goes_on_alike(opt, model, ref, ref_model)
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
@@ -417,9 +380,5 @@ def test_step_launching_the_final_micro_step_waiting_for_a_transfer(overlap: str
     opt.step()
     opt.zero_grad()
     with ref.no_sync():
-        backward(ref_model, 0)
-    ref.step()
-    ref.zero_grad()
-    train(opt, model, range(1, 3))
-    train(ref, ref_model, range(1, 3))
-    assert_same(model, ref_model)
+        replay(ref, ref_model, final=True, step=True)
+    goes_on_alike(opt, model, ref, ref_model)

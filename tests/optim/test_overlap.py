@@ -305,3 +305,20 @@ def test_a_slow_caller_still_waits_for_every_parameter(monkeypatch: pytest.Monke
         opt.step()
     opt.wait_for_step()
     assert len(seen) == 2 * len(list(net.parameters()))
+
+
+def test_detach_waits_for_the_step_in_flight() -> None:
+    """Once attach()'s hooks are gone, compiled code (which the read guard does not see)
+    has nothing that waits for a step in flight: detach() lets it finish first."""
+    from tests._stacks import release_when_waiting
+
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode="overlap", chunk_bytes=256)
+    opt.attach(net)
+    with pipeoff.testing.hold_task("opt.*") as release:
+        net(batches(1)[0], 1).pow(2).mean().backward()
+        opt.step()  # returns at once; its chunks are held
+        watcher = release_when_waiting(release, "detach")  # let go once detach() waits
+        opt.detach()
+        assert opt.last_execution is not None and opt.last_execution.done()
+    watcher.join()

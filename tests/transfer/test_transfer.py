@@ -11,6 +11,7 @@ import pipeoff
 import pipeoff.testing as pt
 from pipeoff import ConfigError, TaskGraph, TaskKind, execute
 from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError, TransferTornError
+from tests._stacks import release_when_waiting
 from tests.transfer.transfer_worker import SENTINEL, corner, padding_kept
 
 SHAPES = [(3, 1000), (5, 7), (1,), (0, 4), (4, 3, 2), ()]
@@ -348,27 +349,8 @@ def test_full_offload_masters_to_bf16_targets_right_after_step(readiness: bool) 
 
 
 def _release_when_waiting_for_readers(release: Any) -> Any:
-    """A thread that sets ``release`` once the main thread blocks in an optimizer's wait
-    for the transfers reading its state (ordered by the main thread's stack, not time)."""
-    import sys
-    import threading
-    import time
-
-    main = threading.main_thread().ident
-
-    def watch() -> None:
-        while not release.is_set():
-            f = sys._current_frames().get(main)
-            while f is not None:
-                if f.f_code.co_name == "wait" and f.f_code.co_filename.endswith("_readers.py"):
-                    release.set()
-                    return
-                f = f.f_back
-            time.sleep(0.001)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
+    """Let the transfer go once an optimizer's write of its state waits for it."""
+    return release_when_waiting(release, "wait", "settle")  # Readers.wait -> settle
 
 
 @pytest.mark.parametrize("final_backward", [True, False])

@@ -131,12 +131,6 @@ class FullOffloadConfig:
         """Whether gradients are clipped (``max_norm`` is set)."""
         return self.max_norm is not None
 
-    @property
-    def asynchronous_step(self) -> bool:
-        """Whether ``step()`` may return before the step is done, without ``attach()``."""
-        return self.overlap == "forward"
-
-
 def refuse_environment() -> None:
     """Refuse what would make results differ from the reference, or gradients not come.
 

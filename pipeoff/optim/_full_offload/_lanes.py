@@ -67,12 +67,19 @@ class LaneWork:
 
     def __init__(self, registry: ParamRegistry, config: FullOffloadConfig) -> None:
         self.params: Sequence[OffloadedParam] = tuple(registry.params)
+        self.position = {id(rec.param): i for i, rec in enumerate(self.params)}
+        """Each parameter's position, by ``id()`` (check identity: ``position_of``)."""
         self.groups = tuple(rec.group for rec in registry.params)
         """Per parameter, its param group at launch (the index into a step's ``hyper``)."""
         self.plan = registry.plan
         self.config = config
         self.probe = registry.probe
         self.pin = registry.pin
+
+    def position_of(self, param: torch.Tensor) -> int | None:
+        """``param``'s position at launch, or ``None`` if it was not a parameter then."""
+        i = self.position.get(id(param))
+        return i if i is not None and self.params[i].param is param else None
 
     def bind(self, acc: Accumulation, ms: MicroStep) -> FullWork:
         """The work of one micro-step's graph."""

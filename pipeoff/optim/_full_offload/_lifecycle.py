@@ -43,7 +43,7 @@ from pipeoff.graph import TaskGraph
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._lanes import LaneWork, gate_name
 from pipeoff.optim._full_offload._param import ParamRegistry
-from pipeoff.optim._tensors import flat_like, index_of, local, snapshot
+from pipeoff.optim._tensors import flat_like, local, snapshot
 from pipeoff.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -633,10 +633,10 @@ def writes_to(acc: Accumulation | None, registry: ParamRegistry,
         ConfigError: ``param`` is not one of the optimizer's parameters.
     """
     lanes = acc.final.lanes if acc is not None and acc.final is not None else None
-    held = [rec.param for rec in lanes.params] if lanes is not None else []
-    if acc is None or lanes is None or not any(p is param for p in held):
+    i = lanes.position_of(param) if lanes is not None else None
+    if acc is None or i is None:
         registry.index_of(param)  # raises for a stranger
-        return None, []  # (added to param_groups since: the step does not write it)
-    i = index_of(held, param)
+        return None, []  # (or added to param_groups since: the step does not write it)
+    assert lanes is not None
     return acc.execution, [n for k, chunk in enumerate(lanes.plan.chunks) if i in chunk
                            for n in (f"step:{k}", f"h2d:{k}")]

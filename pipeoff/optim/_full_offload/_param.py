@@ -159,7 +159,8 @@ class ParamRegistry:
 
     def position(self, p: torch.Tensor) -> int | None:
         """``p``'s position, or ``None`` if it is not in ``param_groups``."""
-        return self._by_id.get(id(p))
+        i = self._by_id.get(id(p))
+        return i if i is not None and self.params[i].param is p else None
 
     def index_of(self, p: torch.Tensor) -> int:
         """``p``'s position.
@@ -167,7 +168,8 @@ class ParamRegistry:
         Raises:
             ConfigError: ``p`` is not one of the parameters.
         """
-        return index_of(self.tensors(), p)
+        i = self.position(p)
+        return index_of(self.tensors(), p) if i is None else i  # (the error names it)
 
     def host_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """``p``'s FP32 ``"master"`` or per-element state ``key`` (``"exp_avg"``...: they
