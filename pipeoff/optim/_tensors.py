@@ -10,7 +10,8 @@ import torch
 
 from pipeoff import _compat
 
-__all__ = ["describe", "flat", "host_alloc", "local", "memory_order", "snapshot", "wrap_like"]
+__all__ = ["describe", "flat", "host_alloc", "local", "memory_order", "relaid", "snapshot",
+           "wrap_like"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,25 @@ def flat_like(t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """``t``'s elements as a 1-D tensor in ``order`` (a view if its layout allows, else a copy)."""
     p = t.permute(tuple(order)) if list(order) != list(range(t.dim())) else t
     return p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
+
+
+def relaid(t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``t``'s memory seen with the strides of a tensor laid out in ``order``.
+
+    The same shape, dtype and storage, with the strides :func:`host_alloc` gives
+    that order; element values are *not* kept (each index now names another
+    byte). For host tensors allocated ahead that hold no values yet, when their
+    parameter's layout changed before they were used. ``t`` must be dense.
+    """
+    n = t.numel()
+    piece = t.as_strided((n,), (1,), t.storage_offset())
+    order = tuple(order)
+    if order == tuple(range(t.dim())):
+        return piece.view(t.shape)
+    inverse = [0] * len(order)
+    for k, d in enumerate(order):
+        inverse[d] = k
+    return piece.view([t.shape[d] for d in order]).permute(inverse)
 
 
 def snapshot(value: Any) -> Any:

@@ -32,7 +32,7 @@ from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._step_graph import offload_step
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc, index_of
+from pipeoff.optim._tensors import host_alloc, index_of, memory_order, relaid
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
@@ -77,9 +77,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     Modes:
         ``"single_pass"``: the legacy path: all state moves to the device, the
-        wrapped optimizer steps normally (any optimizer, closures allowed), and
-        the state moves back. ``"chunked"``: bounded chunks, one host wait per
-        step. ``"overlap"``: ``step()`` captures grads and hyperparameters,
+        wrapped optimizer steps normally (any optimizer; it calls the closure),
+        and the state moves back. ``"chunked"``: bounded chunks, one host wait
+        per step. ``"overlap"``: ``step()`` captures grads and hyperparameters,
         launches the chunks and returns; every read of a parameter waits for the
         chunks that write it (see ``docs/optimizer.md``, "What overlap mode needs
         from your model"), and :meth:`attach` makes each module's forward wait,
@@ -87,7 +87,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     The live ``param_groups`` are the truth: parameters added, removed or
     re-pointed in place, and a parameter whose layout changed (channels-last),
-    are picked up at the next step, which re-plans before writing anything.
+    are picked up at the next step, which re-plans before writing anything; a
+    changed layout re-lays that parameter's host state (values kept) in its new
+    memory order. ``step(closure)`` works in every mode, as in torch.
 
     Results are bitwise equal to stepping the wrapped optimizer directly.
 
@@ -209,9 +211,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}
         self._staging_reserved: tuple[int, ...] | None = None
         """The signature of the plan whose staging blocks are reserved."""
-        self._layout = build_layout(optimizer, chunked=self._chunked,
-                                    chunk_bytes=chunk_bytes)
-        offload_state(self.inner, self._layout, chunked=self._chunked, pin=self.pin_memory)
+        self._adopt(build_layout(optimizer, chunked=self._chunked, chunk_bytes=chunk_bytes))
         if self._chunked:
             self.verify_plan()
             if reserve:
@@ -280,8 +280,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         except BaseException:
             self.inner.param_groups[:] = groups  # atomic: nothing was added
             raise
-        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
-        self._layout = layout
+        self._adopt(layout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear grads. Setting them to ``None`` never waits; zeroing in place waits
@@ -359,8 +358,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                                         old=reuse.get(k), reserved=self._reserved)
                         for k, v in entry.items()}
         self.inner.state = state
-        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
-        self._layout = layout
+        self._adopt(layout)
         self._health.torn = None
 
     def wait_for_step(self) -> None:
@@ -533,13 +531,26 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
         Nothing is written unless every check passes.
 
+        Args:
+            closure: as in torch: a function that computes the loss and calls
+                ``backward()`` (PyTorch Lightning passes one). It runs once,
+                under ``torch.enable_grad()``, before the step is planned and
+                launched; in ``overlap`` mode its forward waits, per module, for
+                the previous step's chunks, as any forward does. In
+                ``single_pass`` the wrapped optimizer calls it (as often as it
+                wants: LBFGS).
+
+        Returns:
+            The closure's return value, or ``None`` without a closure.
+
         Raises:
-            ConfigError: a closure outside ``single_pass``, a sparse grad, a
-                grad on another device, or live param groups that are invalid
-                (a parameter on another device, not dense, listed twice, or
-                outside the attached model).
-            StepFailedError: an earlier step failed after writing parameters.
-            BaseException: the failure of the previous step in flight.
+            ConfigError: a sparse grad, a grad on another device, or live
+                param groups that are invalid (a parameter on another device,
+                not dense, listed twice, or outside the attached model).
+            StepFailedError: an earlier step failed after writing parameters
+                (before the closure runs).
+            BaseException: the failure of the previous step in flight; or
+                whatever the closure raised, and then nothing is stepped.
         """
         if torch.compiler.is_compiling():
             # Traced by Dynamo (torch.compile of a training step, or of step()
@@ -549,11 +560,16 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._step(closure)
 
     def _step(self, closure: Callable[[], float] | None) -> float | None:
-        if closure is not None and self.mode != "single_pass":
-            raise ConfigError(
-                f"step(closure) is not supported in mode={self.mode!r}: the closure would run "
-                "once per chunk; call it before step(), or use mode='single_pass'"
-            )
+        if closure is not None and self._chunked:
+            # As torch's element-wise optimizers do: the closure once, then the
+            # update of every parameter. The step in flight (overlap) is not
+            # waited for first: the closure's forward waits for the chunks of
+            # each module it reads, so it overlaps them like any forward.
+            self._health.check("step()")  # a torn optimizer runs no forward
+            with torch.enable_grad():
+                loss = closure()
+            self._step(None)
+            return loss
         self.wait_for_step()
         self._health.check("step()")
         self._readers.wait()
@@ -639,11 +655,28 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         sig = fingerprint(self.inner, self._chunked)
         if sig == self._layout.signature:
             return self._layout
-        layout = self._checked_layout(sig)
-        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
-        self._layout = layout
+        self._adopt(self._checked_layout(sig))
         self._waits.forget()  # learn the reads of the new parameters too
-        return layout
+        return self._layout
+
+    def _adopt(self, layout: Layout) -> None:
+        """Make ``layout`` the current one: existing host state, and host tensors
+        reserved ahead, follow each parameter's memory order (it changes under
+        ``model.to(memory_format=...)``; chunks are flat slices of both at once)."""
+        # State with values is copied into the new order (offload_state keeps
+        # each element's value); a reserved tensor holds none yet, so it is only
+        # re-strided, and one whose parameter changed shape or dtype is dropped.
+        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
+        for (pid, k), h in list(self._reserved.items()):
+            i = layout.index.get(pid)
+            if i is None or id(layout.params[i]) != pid:
+                continue  # not a parameter now; kept in case it comes back
+            loc = _local(layout.params[i])
+            if h.shape != loc.shape or h.dtype != loc.dtype:
+                del self._reserved[(pid, k)]
+            elif memory_order(h) != layout.orders[i]:
+                self._reserved[(pid, k)] = relaid(h, layout.orders[i])
+        self._layout = layout
 
     def _checked_layout(self, sig: tuple[Any, ...] | None = None, *,
                         check_state: bool = True) -> Layout:

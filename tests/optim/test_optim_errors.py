@@ -11,14 +11,6 @@ from pipeoff.optim import OffloadOptimizer
 from tests.optim.test_offload import make_net
 
 
-@pytest.mark.parametrize("mode", ["chunked", "overlap"])
-def test_closure_refused_in_chunked_modes(mode: str) -> None:
-    net = make_net()
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode=mode)
-    with pytest.raises(pipeoff.ConfigError, match="closure"):
-        opt.step(lambda: 0.0)
-
-
 def test_sparse_grads_refused() -> None:
     emb = nn.Embedding(10, 4, sparse=True)
     opt = OffloadOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), mode="chunked")
