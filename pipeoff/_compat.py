@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PRIVATE_APIS", "TESTED", "allreduce_discarded", "backward_id", "check_private_apis",
-           "compiled_autograd_active", "compiled_original", "cuda_sleep", "dtensor_box",
+__all__ = ["PRIVATE_APIS", "TESTED", "active_data_parallel", "allreduce_discarded",
+           "backward_id", "check_private_apis", "compiled_autograd_active",
+           "compiled_original", "cuda_sleep", "data_parallel", "ddp_gradient_sync",
+           "dtensor_box",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states",
            "fsdp_sharded_params", "fsdp_state", "hookless", "init_optimizer_hooks",
@@ -114,6 +116,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "compiled_original / runs_compiled: the module torch.compile wraps"),
     PrivateAPI("torch", "torch.nn.modules.module:Module._compiled_call_impl",
                "runs_compiled: a module compiled in place (module.compile())"),
+    PrivateAPI("torch", "torch.nn.parallel.distributed:DistributedDataParallel._active_ddp_module",
+               "active_data_parallel: a DDP wrapper put around a model after its "
+               "FullOffloadOptimizer was built (seen in the model's forward)"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "allreduce_discarded: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
@@ -359,6 +364,35 @@ def fsdp_gradient_sync(module: Any) -> bool | None:
     if not groups:
         return None
     return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
+def data_parallel(model: Any) -> Any:
+    """The ``DistributedDataParallel`` (torch's, or a subclass such as torchft's) that is
+    ``model`` or one of its modules, or ``None``."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            return m
+    return None
+
+
+def active_data_parallel() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running (it calls its module's
+    forward inside), or ``None``."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+def ddp_gradient_sync(ddp: Any) -> bool:
+    """Whether a ``DistributedDataParallel`` reduces gradients in this backward (not
+    inside its ``no_sync()``)."""
+    return bool(getattr(ddp, "require_backward_grad_sync", True))
 
 
 def fsdp_cpu_offload(module: Any) -> bool:

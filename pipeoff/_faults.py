@@ -241,7 +241,8 @@ _disabled: set[str] = set()
 MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
-    "host_task_event", "accumulate_dep", "micro_step_order",
+    "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
+    "adopt_waits_readers",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -269,6 +270,10 @@ MUTATIONS = frozenset({
   accumulation of its parameters' gradients (set when the graph is built).
 * ``"micro_step_order"``: a full-offload micro-step's wait (the ``prev`` gate)
   for the previous micro-step's accumulations and step.
+* ``"ddp_reduced"``: full offload under DDP taking ``param.grad`` only after
+  DDP's reducer wrote the reduced gradient (a callback queued behind DDP's).
+* ``"adopt_waits_readers"``: full offload's wait for the transfers reading the
+  masters before it adopts weights written from outside as masters.
 """
 
 

@@ -14,25 +14,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from pipeoff import _accel, _compat
+from pipeoff import _accel, _compat, _faults
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._config import (
-    DEFAULT_CHUNK_NUMEL,
     DEFAULT_SLOT_BYTES,
     Accumulate,
     FullOffloadConfig,
     Overlap,
+    check_max_norm,
     check_model,
+    chunk_numel_of,
     refuse_environment,
 )
 from pipeoff.optim._full_offload._lifecycle import (
@@ -127,9 +129,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         *,
         params: Iterable[Any] | None = None,
         accumulate: Accumulate = "cpu",
-        overlap: Overlap = "backward",
+        overlap: Overlap = "forward",
         max_norm: float | None = None,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: int | None = None,
+        chunk_bytes: int | None = None,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         slots: int = 4,
         num_threads: int | None = None,
@@ -138,6 +141,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         check_model(model)
+        chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
             optimizer_class=optimizer_class, accumulate=accumulate, overlap=overlap,
             max_norm=max_norm, chunk_numel=chunk_numel, slot_bytes=slot_bytes, slots=slots,
@@ -180,6 +184,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._warned_compiled = False
+        self._routed_clipping = False
+        """``pipeoff.integrations.hf.prepare_trainer`` routes a Trainer's clipping here."""
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         self._building = True
@@ -237,6 +243,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             changed = self._registry.written_from_outside()
             if changed:
                 self.wait_for_step()  # our own writes first
+                # Hazard: adopting the written weights as masters while a transfer
+                # launched after the last step still reads that step's masters.
+                if not _faults.disabled("adopt_waits_readers"):
+                    self._readers.wait()
                 self._accel_sync()
                 self._registry.adopt(changed)
 
@@ -297,16 +307,21 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._registry.tensors()
 
     # -- stepping ----------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Step on the accumulated gradients: wait for the chunks, or launch them and
         return (``overlap="forward"``, or ``"backward"`` after :meth:`attach`).
 
+        The gradients are those the backwards since the last step delivered, plus any
+        set by hand in ``param.grad`` (``torch.distributed.checkpoint`` creates state
+        that way). ``closure`` (Lightning's automatic optimization passes one) is
+        called once, with gradients enabled, before the step, and its result is
+        returned; its backward is a micro-step like any other.
+
         Raises:
-            ConfigError: a closure (the gradients come from hooks, not from a
-                re-evaluation); ``param_groups`` edited after the final backward
-                began under ``overlap="backward"``; compiled autograd or
-                flush-to-zero switched on.
+            ConfigError: ``param_groups`` edited after the final backward began under
+                ``overlap="backward"``; compiled autograd or flush-to-zero switched on.
+            GradientError: a gradient set by hand is not of the parameter's dtype and
+                device.
             StepFailedError: a gradient copy or add failed (``zero_grad()`` clears
                 it), an earlier step failed after writing some masters (load a
                 checkpoint), or the device weights are stale after a failed copy
@@ -315,16 +330,25 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             KeyboardInterrupt: Ctrl-C while waiting; a synchronous step completes
                 first, an asynchronous one goes on (see the exception's note).
         """
+        loss = None
         if closure is not None:
-            raise ConfigError("FullOffloadOptimizer.step() takes no closure: the gradients "
-                              "arrive from the backward's hooks, so a closure's backward "
-                              "cannot be re-run inside step()")
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        if not self._routed_clipping and "transformers.trainer" in sys.modules:
+            from pipeoff.optim._full_offload._trainers import warn_if_unrouted
+
+            warn_if_unrouted(self)
         refuse_environment()
         self.wait_for_step()
         self._health.check("step()")
         self._sync_with_model()
         micro = self._micro_steps
-        if micro.phase is Phase.IDLE:
+        if micro.phase is Phase.IDLE and not micro.begin_from_params():
             return None  # no gradient at all: nothing steps, as in torch
         micro.close_open_backward("step() was called before its backward finished")
         if self._health.dirty is not None or (micro.acc is not None and micro.acc.failed()):
@@ -337,7 +361,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 "a gradient copy or accumulation of this step failed; step() refuses until "
                 "opt.zero_grad() clears the accumulated gradients") from self._health.dirty
         hyper = capture_hyper(self.param_groups)
-        acc = self._inflight = micro.hand_over(hyper)
+        acc = micro.acc
+        assert acc is not None
+        max_norm = self.max_norm if acc.max_norm is None else acc.max_norm
+        acc = self._inflight = micro.hand_over(hyper, max_norm)
         if self.overlap == "backward" and not same_hyper(hyper, acc.hyper):
             self.wait_for_step()
             raise ConfigError(
@@ -350,10 +377,9 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             return None
         self._waits.begin(acc.writes(self._registry.device))
         if "norm_allreduce" in acc.execution.plan.order:
-            # Hazard: the lane's all-reduce of the norm and the caller's next
-            # collectives (FSDP2's all-gathers in the next forward) issued on
-            # one process group from two threads, in an order that may differ
-            # between ranks. The norm is known once the backward is over.
+            # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
+            # the caller's next collectives (FSDP2's all-gathers in the next
+            # forward) issued on one process group from two threads.
             try:
                 settle(acc.execution, "norm_allreduce", timeout=self.timeout)
             except BaseException as err:
@@ -384,19 +410,87 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """The total gradient norm (before clipping) of the last ``step()``, as
-        ``clip_grad_norm_`` returns it: a 0-dim FP32 CPU tensor; ``None`` without
-        ``max_norm`` or before a step. Waits for the norm of a step in flight (not
-        for its chunks)."""
-        if self.max_norm is None:
-            return None
+        """The total 2-norm of the gradients (before clipping), as
+        ``torch.nn.utils.clip_grad_norm_`` returns it: a 0-dim FP32 CPU tensor.
+
+        Between the last backward of a step and ``step()`` it is that step's norm:
+        reading it ends the accumulation (waiting for the norm, not for the step), so
+        a step can be skipped on a non-finite norm with ``zero_grad()`` instead of
+        ``step()``. Otherwise it is the last ``step()``'s. ``None`` before any step,
+        or under ``overlap="backward"`` before the final backward. Sharded parameters
+        (FSDP2, HSDP) sum their squares over the mesh dimensions they are sharded on.
+        """
+        if self._micro_steps.acc is not None:
+            return self._current_norm()
         acc = self._inflight
         if acc is not None:
-            ex = acc.execution
-            ex.wait("norm_allreduce" if "norm_allreduce" in ex.plan.order else "norm",
-                    timeout=self.timeout)
-            return acc.total_norm
+            return self._wait_norm(acc)
         return self._grad_norm
+
+    def _current_norm(self) -> torch.Tensor | None:
+        """The norm of the accumulation in progress, which it ends (or ``None``)."""
+        micro = self._micro_steps
+        acc = micro.finalize()
+        if acc is None:
+            return None
+        micro.reduce_norm(acc)
+        return self._wait_norm(acc)
+
+    def _wait_norm(self, acc: Accumulation) -> torch.Tensor | None:
+        ex = acc.execution
+        ex.wait("norm_allreduce" if "norm_allreduce" in ex.plan.order else "norm",
+                timeout=self.timeout)
+        return acc.total_norm
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip this step's gradients to the global 2-norm ``max_norm`` and return their
+        total norm, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        does for gradients in ``.grad`` (here they are on the host): the clipping
+        happens in the step. Call it after the last backward and before
+        ``step()``; it ends the accumulation. (FSDP1's ``clip_grad_norm_`` and
+        DeepSpeed's engine take the same place; ``pipeoff.integrations.hf`` routes
+        the HF Trainer's ``max_grad_norm`` here.)
+
+        Args:
+            max_norm: the norm to clip to (a positive float; ``inf``: only the norm), this
+                step only; the optimizer's ``max_norm`` applies to steps without this call.
+            norm_type: 2.0 only.
+            error_if_nonfinite: raise if the norm is ``nan`` or ``inf``.
+            foreach: ignored (accepted for torch's signature).
+
+        Returns:
+            The total norm before clipping, a 0-dim FP32 CPU tensor (0 without
+            gradients, as torch's).
+
+        Raises:
+            ConfigError: ``overlap="backward"`` (the chunks step during the backward,
+                before the norm is known), ``norm_type`` other than 2, or
+                ``max_norm`` not a positive finite number.
+            RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+        """
+        unbounded = isinstance(max_norm, (int, float)) and max_norm == float("inf")
+        if not unbounded:  # (inf: only the norm, as the HF Trainer asks to log it)
+            max_norm = check_max_norm(max_norm, self.overlap)
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"norm_type must be 2.0: FullOffloadOptimizer computes the "
+                              f"2-norm of the gradients, got {norm_type!r}")
+        if self._micro_steps.phase is Phase.IDLE:
+            return torch.tensor(0.0)
+        norm = self._current_norm()
+        acc = self._micro_steps.acc
+        if norm is None or acc is None:
+            return torch.tensor(0.0)
+        if not (unbounded and self.overlap == "backward"):
+            acc.max_norm = float(max_norm)  # (inf: scaled by 1.0, as torch does)
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from "
+                "`parameters` is non-finite, so it cannot be clipped. To disable this error "
+                "and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`")
+        return norm
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has written every weight.

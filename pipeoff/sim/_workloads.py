@@ -188,7 +188,7 @@ def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,
     and ``overlap="forward"`` behind the next forward."""
     plan = _full_offload_plan(shape, chunk_numel=chunk_numel, slot_bytes=slot_bytes, slots=4,
                               compute_itemsize=compute_itemsize)
-    return plan.graph(None, final=True, clip=clip)
+    return plan.graph(None, final=True, norm_first=clip)
 
 
 def full_offload_schedule(shape: ModelShape, *, pipelined: bool, chunk_numel: int = 16 << 20,

@@ -300,7 +300,10 @@ def _norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out: dict[str, Any] = {}
-        model, opt, ref_model, ref = twins(overlap="forward", max_norm=0.05)
+        # Each rank's parameters are its own shard here: the norm is summed over
+        # the group given.
+        model, opt, ref_model, ref = twins(overlap="forward", max_norm=0.05,
+                                           process_group=dist.group.WORLD)
         # Rank 0's all-reduce of the norm is held: its step() waits for it there.
         late = pt.hold_task("norm_allreduce") if rank == 0 else contextlib.nullcontext()
         with late as release:
@@ -356,6 +359,9 @@ def test_a_final_backward_waiting_for_a_transfer(overlap: str) -> None:
     model, opt, ref_model, ref = twins(overlap=overlap)
     train(opt, model, range(1))
     train(ref, ref_model, range(1))
+    if overlap == "forward":
+        with opt.no_sync():  # the protocol: the unmarked backward below is the final one
+            backward(model, 6)
     with pt.hold_task("verdict") as release:
         ex = _transfer_reading(opt, model).launch()
         interrupted(lambda: backward(model, 7), "on_grad", "_before_final", "wait")

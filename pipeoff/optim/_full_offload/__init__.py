@@ -11,6 +11,7 @@
 * ``_lanes``: the work that runs on lanes (``LaneWork``: d2h, fold, norm, step
   chunk, h2d), with the fields lanes write and what orders the caller's reads.
 * ``_checkpoint``: state dicts, as functions over the registry.
+* ``_trainers``: what it says when a trainer drives it unprepared (the HF Trainer).
 * ``_graph``: the task graph of a micro-step (``MicroStepPlan``), shared with the
   simulator.
 

@@ -16,10 +16,19 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import flat, flat_like, host_alloc, local, wrap_like
 
-__all__ = ["entries", "load", "pack", "plan_load"]
+__all__ = ["elementwise", "entries", "load", "pack", "plan_load"]
 
 Plan = list[tuple[int, Mapping[str, Any]]]
 """Per parameter with a saved entry, its position and the entry."""
+
+
+def elementwise(key: str, val: Any, keys: Sequence[str]) -> bool:
+    """Whether a saved entry is per-element state (a tensor the parameter's size) rather
+    than a scalar (``step``): by its key (the master, and the keys the optimizer
+    keeps per element; a 0-d parameter's are 0-d too), else by its shape."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    return key == "master" or key in keys or val.dim() > 0
 
 
 def entries(registry: ParamRegistry) -> dict[torch.Tensor, dict[str, Any]]:
@@ -80,8 +89,9 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
             raise ConfigError(f"the state dict has state for parameter {pid!r}, which no "
                               "param group lists")
         rec = registry[i]
+        keys = registry.state_keys(param_groups[rec.group])
         for key, val in entry.items():
-            if isinstance(val, torch.Tensor) and val.dim() > 0 and local(val).numel() != rec.numel:
+            if elementwise(key, val, keys) and local(val).numel() != rec.numel:
                 raise ConfigError(
                     f"state {key!r} of {rec.name!r} has {local(val).numel()} "
                     f"elements, the parameter {rec.numel}")
@@ -109,9 +119,10 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
         for i, entry in plan:
             rec = registry[i]
             keys = []
-            st = rec.ensure_state(registry.state_keys(param_groups[rec.group]), registry.pin)
+            keys_of_group = registry.state_keys(param_groups[rec.group])
+            st = rec.ensure_state(keys_of_group, registry.pin)
             for key, val in entry.items():
-                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                if elementwise(key, val, keys_of_group):
                     src = flat_like(local(val), rec.order)
                     if key == "master":
                         rec.flat_master.copy_(src)

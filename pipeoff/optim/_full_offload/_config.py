@@ -15,7 +15,7 @@ from pipeoff._validate import check_int
 from pipeoff.optim import _accumulate, _update
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
-           "Overlap", "check_model", "refuse_environment"]
+           "Overlap", "check_max_norm", "check_model", "chunk_numel_of", "refuse_environment"]
 
 Accumulate = Literal["cpu", "gpu"]
 Overlap = Literal["backward", "forward", "none"]
@@ -44,8 +44,8 @@ class FullOffloadConfig:
     """An element-wise ``torch.optim`` class (:data:`pipeoff.optim.ELEMENTWISE`)."""
     accumulate: Accumulate = "cpu"
     """Where non-final micro-steps' gradients are summed: ``"cpu"`` or ``"gpu"``."""
-    overlap: Overlap = "backward"
-    """What the host step hides behind: ``"backward"``, ``"forward"`` or ``"none"``."""
+    overlap: Overlap = "forward"
+    """What the host step hides behind: ``"forward"``, ``"backward"`` or ``"none"``."""
     max_norm: float | None = None
     """The global 2-norm gradients are clipped to, or ``None``."""
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
@@ -79,19 +79,8 @@ class FullOffloadConfig:
         if self.overlap not in ("backward", "forward", "none"):
             raise ConfigError(
                 f"overlap must be 'backward', 'forward' or 'none', got {self.overlap!r}")
-        max_norm = self.max_norm
-        if max_norm is not None:
-            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-                    max_norm > 0 and max_norm != float("inf")):
-                raise ConfigError(f"max_norm must be a positive finite float or None, "
-                                  f"got {max_norm!r}")
-            if self.overlap == "backward":
-                raise ConfigError(
-                    "max_norm needs overlap='forward' or 'none': clipping scales every "
-                    "gradient by the global norm, which is known only after the last "
-                    "gradient of the backward has landed, so no chunk can step during "
-                    "the backward (overlap='backward')")
-            object.__setattr__(self, "max_norm", float(max_norm))
+        if self.max_norm is not None:
+            object.__setattr__(self, "max_norm", check_max_norm(self.max_norm, self.overlap))
         check_int("chunk_numel", self.chunk_numel, as_bound=True)
         check_int("slot_bytes", self.slot_bytes, minimum=16)
         check_int("slots", self.slots, as_bound=True)
@@ -130,6 +119,41 @@ class FullOffloadConfig:
     def clip(self) -> bool:
         """Whether gradients are clipped (``max_norm`` is set)."""
         return self.max_norm is not None
+
+def check_max_norm(max_norm: Any, overlap: str, name: str = "max_norm") -> float:
+    """``max_norm`` as a float.
+
+    Raises:
+        ConfigError: not a positive finite number, or ``overlap="backward"`` (the
+            chunks step during the backward, before the global norm is known).
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+            max_norm > 0 and max_norm != float("inf")):
+        raise ConfigError(f"{name} must be a positive finite float, got {max_norm!r}")
+    if overlap == "backward":
+        raise ConfigError(
+            f"{name} needs overlap='forward' (the default) or 'none': clipping scales "
+            "every gradient by the global norm, which is known only after the last "
+            "gradient of the backward has landed, so no chunk can step during the "
+            "backward (overlap='backward')")
+    return float(max_norm)
+
+
+def chunk_numel_of(chunk_numel: Any, chunk_bytes: Any) -> int:
+    """The most elements of one optimizer chunk, from one of ``chunk_numel`` and
+    ``chunk_bytes`` (bytes of FP32 masters: 4 per element), or the default.
+
+    Raises:
+        ConfigError: both given, or one is not a positive integer.
+    """
+    if chunk_bytes is None:
+        return DEFAULT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
+    if chunk_numel is not None:
+        raise ConfigError(f"give chunk_numel or chunk_bytes, not both (got chunk_numel="
+                          f"{chunk_numel!r}, chunk_bytes={chunk_bytes!r})")
+    check_int("chunk_bytes", chunk_bytes, minimum=4, unit="bytes")
+    return int(chunk_bytes) // 4
+
 
 def refuse_environment() -> None:
     """Refuse what would make results differ from the reference, or gradients not come.

@@ -16,10 +16,12 @@ first), each piece of at most ``slot_bytes``:
 
 On the final micro-step, per chunk of whole parameters:
 
+* ``norm``: the global gradient norm (``norm_allreduce`` over ranks, when the
+  parameters are sharded, after the gate ``reduce``);
 * ``step:{k}`` on the ``host_step`` lane: after its parameters' last
-  accumulation (and ``norm`` when clipping, and the gate ``step`` when the
-  step waits for ``step()``), scales and steps the masters and casts them to
-  the compute dtype into a host buffer;
+  accumulation (and the norm, and the gate ``step``, when the step waits for
+  ``step()``), scales and steps the masters and casts them to the compute
+  dtype into a host buffer;
 * ``h2d:{k}``: copies that buffer into the device weights.
 
 ``done`` (a null task) finishes after everything: the next micro-step's
@@ -128,7 +130,7 @@ def micro_step_graph(
     *,
     final: bool,
     slot_bytes: int,
-    clip: bool = False,
+    norm_first: bool = False,
     allreduce: bool = False,
     step_gate: bool = False,
     work: FullWork | None = None,
@@ -141,8 +143,11 @@ def micro_step_graph(
         chunks: per optimizer chunk, the indices of its parameters.
         final: add the step (``norm``, ``step:{k}``, ``h2d:{k}``).
         slot_bytes: most bytes of one host slot (a larger gradient ships in pieces).
-        clip: add ``norm`` (the global gradient norm) before every chunk.
-        allreduce: add ``norm_allreduce`` (the norm over ranks) after ``norm``.
+        norm_first: every chunk waits for the global gradient norm (clipping may
+            need it); otherwise ``norm`` runs beside the chunks.
+        allreduce: add ``norm_allreduce`` (the norm over ranks) after ``norm``; it
+            waits for the gate ``reduce``, which the caller's thread opens (and then
+            waits for it) so that the collective is issued in program order.
         step_gate: the chunks wait for the gate ``step`` (``step()`` opens it).
         work: the callables, or ``None`` for a shape-only graph.
     """
@@ -172,15 +177,17 @@ def micro_step_graph(
             last_acc[i] = acc
     ends = list(accs)
     if final:
-        before_step: list[str] = []
-        if clip:
-            norm = g.add_task("norm", TaskKind.HOST, work.norm if work else None,
-                              deps=accs, lane=STEP_LANE, nbytes=4 * len(params))
-            before_step = [norm]
-            if allreduce:
-                before_step = [g.add_task(
-                    "norm_allreduce", TaskKind.ALLREDUCE, work.allreduce if work else None,
-                    deps=[norm], nbytes=4)]
+        norm = g.add_task("norm", TaskKind.HOST, work.norm if work else None,
+                          deps=accs, lane=STEP_LANE if norm_first else ACCUMULATE_LANE,
+                          nbytes=4 * len(params))
+        total = norm
+        if allreduce:
+            g.add_gate("reduce")
+            total = g.add_task("norm_allreduce", TaskKind.ALLREDUCE,
+                               work.allreduce if work else None, deps=[norm],
+                               gates=["reduce"], nbytes=4)
+        ends.append(total)
+        before_step = [total] if norm_first else []
         for k, chunk in enumerate(chunks):
             wbytes = sum(_aligned(params[i].numel * params[i].weight_itemsize) for i in chunk)
             bufs = [g.add_buffer(f"w:{k}", wbytes, where="host")] if wbytes else []
@@ -247,7 +254,7 @@ class MicroStepPlan:
                 out[i] = (k,)
         return tuple(out)
 
-    def graph(self, device: torch.device | str | None, *, final: bool, clip: bool = False,
+    def graph(self, device: torch.device | str | None, *, final: bool, norm_first: bool = False,
               allreduce: bool = False, step_gate: bool = False,
               grad_itemsize: Mapping[int, int] | None = None,
               work: FullWork | None = None) -> TaskGraph:
@@ -260,7 +267,8 @@ class MicroStepPlan:
                 dataclasses.replace(p, grad_itemsize=grad_itemsize.get(i, p.grad_itemsize))
                 for i, p in enumerate(params))
         return micro_step_graph(device, params, self.chunks, final=final,
-                                slot_bytes=self.slot_bytes, clip=clip, allreduce=allreduce,
+                                slot_bytes=self.slot_bytes, norm_first=norm_first,
+                                allreduce=allreduce,
                                 step_gate=step_gate, work=work)
 
     def schedule(self, overlap: str) -> Schedule:

@@ -17,8 +17,9 @@ wait named:
   the graph's dependencies), and by the next micro-step's lanes after its
   ``prev`` gate (the previous execution's ``done``). The caller never reads
   them.
-* ``Accumulation.total_norm``, ``.clip_coef`` (``norm``, ``norm_allreduce``):
-  the caller reads ``total_norm`` (``grad_norm``) after waiting for that task.
+* ``Accumulation.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``):
+  the caller reads ``total_norm`` (``grad_norm``) after waiting for the task
+  that sets it.
 * ``Accumulation.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
   ``classify`` once the execution is done (waited for, or settled).
 * Host tensors (``OffloadedParam.acc``, ``.master``, ``.state``), ``.scalars``,
@@ -72,6 +73,10 @@ class LaneWork:
         self.groups = tuple(rec.group for rec in registry.params)
         """Per parameter, its param group at launch (the index into a step's ``hyper``)."""
         self.plan = registry.plan
+        self.norm_groups = tuple(registry.norm_groups)
+        """Per parameter, the process groups its gradient's squared norm is summed over."""
+        self.all_norm_keys = tuple(dict.fromkeys(k for k in self.norm_groups if k))
+        """The distinct non-empty sets of groups, in order (the same on every rank)."""
         self.config = config
         self.probe = registry.probe
         self.pin = registry.pin
@@ -131,44 +136,65 @@ class LaneWork:
                 _accumulate.fold(rec.flat_acc[s:e], src, first=acc.counts[i] == 0)
             if last:
                 acc.counts[i] += 1
-        if last and ms.final and self.config.clip and acc.counts[i] > 0:
+        if last and ms.final and acc.counts[i] > 0:
             acc.norms[i] = _accumulate.norm(rec.flat_acc)
 
-    # -- the clipping norm -------------------------------------------------------------
+    # -- the gradient norm ---------------------------------------------------------------
     def norm(self, acc: Accumulation) -> None:
+        """Per set of groups the parameters are sharded over (one, usually), the 2-norm
+        of their gradients; the total when no rank holds another part of them."""
         self._threads()
-        norms = [acc.norms[i] for i in range(len(self.params)) if acc.counts[i] > 0]
-        total = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms
-                 else torch.tensor(0.0))
-        self._set_clip(acc, total)
-
-    def _set_clip(self, acc: Accumulation, total: torch.Tensor) -> None:
-        assert self.config.max_norm is not None
-        acc.total_norm = total
-        # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
-        clip_coef = self.config.max_norm / (total + 1e-6)
-        acc.clip_coef = torch.clamp(clip_coef, max=1.0)
+        keys: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for i in range(len(self.params)):
+            if acc.counts[i] > 0:
+                keys.setdefault(self.norm_groups[i], []).append(acc.norms[i])
+        partial = {key: torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                   for key, norms in keys.items()}
+        acc.partial_norms = partial
+        if not any(partial):  # nothing to reduce: the norm is this rank's
+            acc.total_norm = (next(iter(partial.values())) if len(partial) == 1
+                              else torch.tensor(0.0) if not partial
+                              else torch.linalg.vector_norm(torch.stack(list(partial.values())),
+                                                            2.0))
 
     def allreduce_norm(self, acc: Accumulation) -> None:
+        """The squared norms (float64) summed over the ranks that hold the other shards
+        of the same parameters: over the mesh dimensions they are sharded on."""
         import torch.distributed as dist
 
-        assert acc.total_norm is not None
-        sq = acc.total_norm.double() ** 2
-        dist.all_reduce(sq, group=self.config.process_group)
-        self._set_clip(acc, sq.sqrt().float())
+        mine = acc.partial_norms.get(())  # replicated parameters: every rank has it all
+        total = torch.zeros((), dtype=torch.float64) if mine is None else mine.double() ** 2
+        # Every rank issues the same collectives in the same order: one per
+        # group of every key any parameter may have (a rank without gradients
+        # for some parameters still joins, with zero).
+        for key in self.all_norm_keys:
+            t = acc.partial_norms.get(key)
+            sq = torch.zeros((), dtype=torch.float64) if t is None else t.double() ** 2
+            for group in key:
+                dist.all_reduce(sq, group=group)
+            total += sq
+        acc.total_norm = total.sqrt().float()
 
     # -- the step ----------------------------------------------------------------------
     def step_chunk(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
         self._threads()
-        hyper = ctx.gate("step") if self.config.overlap != "backward" else acc.hyper
+        if self.config.overlap != "backward":
+            hyper, max_norm = ctx.gate("step")
+        else:
+            hyper, max_norm = acc.hyper, None
         assert hyper is not None
+        clip_coef = None
+        if max_norm is not None:
+            assert acc.total_norm is not None
+            # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
+            clip_coef = torch.clamp(max_norm / (acc.total_norm + 1e-6), max=1.0)
         idx = [i for i in self.plan.chunks[k] if acc.counts[i] > 0]
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
         for i in idx:
             rec = self.params[i]
-            if acc.clip_coef is not None:
-                rec.flat_acc.mul_(acc.clip_coef)
+            if clip_coef is not None:
+                rec.flat_acc.mul_(clip_coef)
             gi = self.groups[i]
             keys = _update.state_keys(self.probe, hyper[gi])
             st = rec.ensure_state(keys, self.pin)

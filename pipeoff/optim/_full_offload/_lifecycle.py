@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeoff import _compat, _faults
 from pipeoff._contract import Health, StepWrites
@@ -112,8 +115,19 @@ class Accumulation:
     device_sums: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     """``accumulate="gpu"``: FP32 sums of the non-final micro-steps, by parameter."""
     norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    partial_norms: dict[tuple[Any, ...], torch.Tensor] = dataclasses.field(
+        default_factory=dict)
+    """Per set of process groups, the 2-norm of the gradients of the parameters sharded
+    over them (``norm``), before ``norm_allreduce``."""
     total_norm: torch.Tensor | None = None
-    clip_coef: torch.Tensor | None = None
+    marked: bool = False
+    """A micro-step of it was marked non-final (``no_sync()``, FSDP2's or DDP's
+    gradient sync off): the user follows the protocol, so an unmarked backward is
+    the final one. Otherwise, under ``overlap="forward"`` or ``"none"``, every
+    backward accumulates and ``step()`` (or a read of the norm) ends it."""
+    max_norm: float | None = None
+    """The clipping norm of this step, set by ``clip_grad_norm_()`` (else the
+    optimizer's ``max_norm``)."""
     stepped_chunks: set[int] = dataclasses.field(default_factory=set)
     """Chunks whose masters were all stepped (the host_step lane)."""
     torn_chunks: set[int] = dataclasses.field(default_factory=set)
@@ -209,12 +223,28 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
                      "checkpoint is loaded")
 
 
-def _world(group: Any) -> int:
-    import torch.distributed as dist
+_OWNERS: Any = WeakIdKeyDictionary()  # (torch's: keyed by identity, not tensor equality)
+"""Per parameter, the lifecycle (of the newest optimizer over it) that takes its
+gradients: an optimizer built to resume from another's ``state_dict()`` on the
+same model takes them over, and the old one's hooks let them be."""
 
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size(group))
+
+class _WrapperProbe:
+    """The model's forward pre-hook that notices a DDP wrapper (:meth:`MicroSteps.see_wrapper`).
+    A copy of the model (``copy.deepcopy``, an EMA) shares it instead of copying the
+    optimizer; the copy's forward is no business of it (the wrapper is checked to
+    wrap the very module)."""
+
+    def __init__(self, micro_steps: MicroSteps) -> None:
+        self.ref = weakref.ref(micro_steps)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        micro_steps = self.ref()
+        if micro_steps is not None and micro_steps.registry.model is module:
+            micro_steps.see_wrapper(module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WrapperProbe:
+        return self
 
 
 class MicroSteps:
@@ -246,6 +276,11 @@ class MicroSteps:
         self.micro: MicroStep | None = None
         """The micro-step whose backward is running (or whose end is deferred)."""
         self.no_sync_depth = 0
+        self.ddp: Any = _compat.data_parallel(registry.model)
+        """The ``DistributedDataParallel`` around the model, or ``None``. Under one, the
+        gradients stay in ``param.grad`` (the wrapper reduces and accumulates them
+        there) and a final micro-step takes them at the end of its backward."""
+        self._wrapper_probe: Any = None
         self.grad_hooks: dict[int, Any] = {}
         """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
         # ordering between executions
@@ -268,9 +303,10 @@ class MicroSteps:
         if lanes is not None:
             assert acc is not None and ms is not None
             work = lanes.bind(acc, ms)
-        graph = plan.graph(self.registry.device, final=final, clip=config.clip,
-                           allreduce=config.clip and _world(config.process_group) > 1,
-                           step_gate=config.overlap != "backward",
+        groups = self.registry.norm_groups if lanes is None else lanes.norm_groups
+        graph = plan.graph(self.registry.device, final=final,
+                           norm_first=config.overlap != "backward",
+                           allreduce=any(groups), step_gate=config.overlap != "backward",
                            grad_itemsize=grad_itemsize, work=work)
         return graph, plan.schedule(config.overlap)
 
@@ -285,6 +321,22 @@ class MicroSteps:
         first gradient of the next backward.) A frozen parameter gets its hook
         with ``requires_grad`` switched on for the call.
         """
+        if self._wrapper_probe is None:
+            self._wrapper_probe = self.registry.model.register_forward_pre_hook(
+                _WrapperProbe(self))
+        taken = []
+        for rec in self.registry:
+            before = _OWNERS.get(rec.param)
+            owner = before() if before is not None else None
+            if owner is not None and owner is not self:
+                taken.append(rec.name)
+            _OWNERS[rec.param] = weakref.ref(self)
+        if taken:
+            warnings.warn(
+                f"FullOffloadOptimizer: parameter(s) {taken[:4]}{'...' if len(taken) > 4 else ''} "
+                "belonged to another FullOffloadOptimizer, which no longer receives their "
+                "gradients (the newest optimizer of a parameter takes them; load the old "
+                "one's state_dict() into this one to resume)", RuntimeWarning, stacklevel=4)
         for p in self.registry.model.parameters():
             if id(p) in self.grad_hooks:
                 continue
@@ -297,8 +349,35 @@ class MicroSteps:
                 if frozen:
                     p.requires_grad_(False)
 
+    def see_wrapper(self, module: torch.nn.Module) -> None:
+        """The model's forward begins: a ``DistributedDataParallel`` put around the model
+        after the optimizer was built (as ``accelerate.prepare`` does) may run it."""
+        if self.ddp is None:
+            ddp = _compat.active_data_parallel()
+            if ddp is not None and any(q is module for q in ddp.modules()):
+                if self.acc is not None:
+                    raise GradientError(
+                        "the model was wrapped in DistributedDataParallel in the middle of "
+                        "gradient accumulation: wrap it before the first backward, or "
+                        "after step()")
+                self.ddp = ddp
+
+    def _explicitly_non_final(self) -> bool:
+        """Whether this backward is marked non-final: ``no_sync()``, or the wrapper does
+        not reduce gradients in it (FSDP2's ``set_requires_gradient_sync(False)``,
+        DDP's ``no_sync()``)."""
+        if self.no_sync_depth > 0:
+            return True
+        if _compat.fsdp_gradient_sync(_compat.compiled_original(self.registry.model)) is False:
+            return True
+        return self.ddp is not None and not _compat.ddp_gradient_sync(self.ddp)
+
     def on_grad(self, p: torch.Tensor) -> None:
-        """The post-accumulate-grad hook of every parameter: ship the gradient."""
+        """The post-accumulate-grad hook of every parameter: ship the gradient (under
+        DDP, leave it to the wrapper: the end of the backward takes it)."""
+        owner = _OWNERS.get(p)
+        if owner is None or owner() is not self:
+            return  # another (newer) optimizer's parameter, or none's
         if self.acc is None and self.micro is None:
             self.on_first_gradient()  # the first gradient of a step
         i = self.registry.position(p)
@@ -314,14 +393,17 @@ class MicroSteps:
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
                 "(a post-accumulate-grad hook called by hand?): gradients are taken in "
                 "only from loss.backward()")
-        loc = local(grad)
-        if grad.dtype != p.dtype or loc.device != local(p).device or loc.layout != torch.strided:
-            err = GradientError(
-                f"the gradient of {name!r} is {grad.dtype} on {loc.device} ({loc.layout}); "
-                f"FullOffloadOptimizer takes dense gradients of the parameter's dtype "
-                f"{p.dtype} on {local(p).device}")
+        if self.ddp is not None:
+            ms = self.micro
+            if ms is None or ms.ended:
+                ms = self._begin()
+            ms.received.add(i)
+            return
+        try:
+            payload = self._checked(self.registry[i], grad)
+        except GradientError as err:
             self.fail_current(err)
-            raise err
+            raise
         if self.health.dirty is not None or self.health.torn is not None:
             p.grad = None  # dropped: step() refuses until zero_grad()
             return
@@ -341,17 +423,15 @@ class MicroSteps:
         if ms is None or ms.ended:
             ms = self._begin()
         if i in ms.received:
-            err = GradientError(
+            twice = GradientError(
                 f"a second gradient for {name!r} in one backward: it is used both inside "
                 "and outside a reentrant checkpoint (torch.utils.checkpoint with "
                 "use_reentrant=True runs a backward of its own), or its hook ran twice. "
                 "FullOffloadOptimizer takes one gradient per parameter per backward; use "
                 "use_reentrant=False (torch's recommended setting)")
-            self.fail_current(err)
-            raise err
+            self.fail_current(twice)
+            raise twice
         ms.received.add(i)
-        order = self.registry[i].order
-        payload = flat_like(loc, order)
         p.grad = None
         acc = self.acc
         assert acc is not None
@@ -372,28 +452,23 @@ class MicroSteps:
         assert ms.execution is not None
         ms.execution.gate(gate_name(self.registry[i])).open(Shipped(payload))
 
-    def _fsdp_sync(self) -> bool:
-        flag = _compat.fsdp_gradient_sync(_compat.compiled_original(self.registry.model))
-        return flag is not False
-
     def _begin(self) -> MicroStep:
         """The first gradient of a backward: launch its execution."""
         acc = self.acc
         if acc is None:
             acc = self.acc = Accumulation(counts=[0] * len(self.registry))
-        final = self.no_sync_depth == 0 and self._fsdp_sync()
+        marked = self._explicitly_non_final()
+        final = not marked and (self.config.overlap == "backward" or acc.marked)
         if acc.final is not None:
-            err = GradientError(
-                "a backward after the final micro-step of this step, before step(): call "
-                "opt.step() and opt.zero_grad() between steps, and wrap the non-final "
-                "micro-steps in opt.no_sync()")
+            err = GradientError(self._after_final_message(acc))
             self.health.dirty = err
             raise err
         ms = MicroStep(final=final)
         if final:
             self._before_final(acc)
-        if final or self.config.accumulate == "cpu":
+        if final or (self.config.accumulate == "cpu" and self.ddp is None):
             ms.execution = self._launch(acc, ms)
+        acc.marked = acc.marked or marked
         # Launched: only now does the accumulation hold the micro-step (an interrupt
         # or a failure above leaves it as it was).
         if final:
@@ -403,6 +478,18 @@ class MicroSteps:
         self.micro = ms
         _compat.queue_backward_callback(lambda: self.end_backward(ms))
         return ms
+
+    def _after_final_message(self, acc: Accumulation) -> str:
+        if self.config.overlap == "backward":
+            return ("a backward after the final micro-step of this step, before step(): under "
+                    "overlap='backward' a backward outside opt.no_sync() steps the chunks "
+                    "while it runs, so it must be the last one; wrap the non-final "
+                    "micro-steps in opt.no_sync() (or the wrapper's no_sync()), or use "
+                    "overlap='forward', under which gradients accumulate until step()")
+        return ("a backward after the final micro-step of this step, before step(): the "
+                "micro-steps before it were marked non-final (no_sync()), or grad_norm / "
+                "clip_grad_norm_() ended the accumulation; call opt.step() and "
+                "opt.zero_grad() between steps")
 
     def _before_final(self, acc: Accumulation) -> None:
         """What a final micro-step needs before its launch: the transfers reading the
@@ -465,16 +552,62 @@ class MicroSteps:
         ex = ms.execution
         if ex is None:
             return
+        if (self.ddp is not None and ms.final and _compat.backward_id() >= 0
+                and not _faults.disabled("ddp_reduced")):
+            # Hazard: taking param.grad before DDP's reducer has written the
+            # reduced gradient into it: its finalize callback, queued during this
+            # backward after ours, runs after this one; a callback queued now
+            # runs after it.
+            _compat.queue_backward_callback(lambda: self.take_gradients(ms))
+        else:
+            self.take_gradients(ms)
+
+    def take_gradients(self, ms: MicroStep) -> None:
+        """Settle every gradient gate this backward's hooks did not open: a final
+        micro-step takes what ``param.grad`` holds (a wrapper's reduced gradient, one
+        set by hand) and the device sums of non-final ones; other gates close."""
+        ex = ms.execution
+        assert ex is not None
         acc = self.acc
         for i, rec in enumerate(self.registry):
-            if i in ms.received:
+            if i in ms.received and self.ddp is None:
                 continue
             gate = ex.gate(gate_name(rec))
             s = acc.device_sums.pop(i, None) if (acc is not None and ms.final) else None
-            if s is not None:
+            g = rec.param.grad if ms.final else None
+            if g is not None:
+                try:
+                    payload = self._checked(rec, g)
+                except GradientError as err:
+                    self.health.dirty = err
+                    self.abandon(ms, str(err), err)
+                    raise
+                rec.param.grad = None
+                if acc is not None:
+                    acc.touched.add(i)
+                if s is not None:
+                    s.add_(payload)
+                    payload = s
+                gate.open(Shipped(payload))
+            elif s is not None:
                 gate.open(Shipped(s))  # only non-final micro-steps had a gradient for it
             else:
                 gate.close()
+
+    def _checked(self, rec: Any, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` flat in ``rec``'s memory order.
+
+        Raises:
+            GradientError: not a dense gradient of the parameter's dtype and device.
+        """
+        p = rec.param
+        loc = local(grad)
+        if grad.dtype != p.dtype or loc.device != local(p).device or loc.layout != torch.strided:
+            raise GradientError(
+                f"the gradient of {rec.name!r} is {grad.dtype} on {loc.device} ({loc.layout}); "
+                f"FullOffloadOptimizer takes dense gradients of the parameter's dtype "
+                f"{p.dtype} on {local(p).device}")
+        return flat_like(loc, rec.order)
 
     def settle_deferred(self) -> None:
         """End a micro-step whose reentrant inner backward ended, once no backward runs."""
@@ -505,6 +638,8 @@ class MicroSteps:
         names = [gate_name(rec) for rec in self.registry]
         if ms.final and self.config.overlap != "backward":
             names.append("step")
+        if ms.final and "norm_allreduce" in ex.plan.order:
+            names.append("reduce")
         for name in names:
             gate = ex.gate(name)
             if gate.state == "pending":
@@ -560,6 +695,7 @@ class MicroSteps:
         self.settle_deferred()
         if not fin.ended:
             return None  # inside that backward: nothing more can be waited for here
+        self.reduce_norm(acc)
         settle(ex, timeout=self.config.timeout)  # its failure is classified below
         if ex.exception is None:
             return None
@@ -569,27 +705,74 @@ class MicroSteps:
         return ex
 
     # -- transitions step() and zero_grad() drive ---------------------------------------------
-    def hand_over(self, hyper: list[dict[str, Any]] | None) -> Accumulation:
+    def begin_from_params(self) -> bool:
+        """``step()`` with no gradient from a backward: gradients set by hand in
+        ``param.grad`` (as ``torch.distributed.checkpoint`` does to create state) are
+        this step's. Returns whether there were any."""
+        if not any(rec.param.grad is not None for rec in self.registry):
+            return False
+        self.acc = Accumulation(counts=[0] * len(self.registry))
+        return True
+
+    def finalize(self) -> Accumulation | None:
+        """End the accumulation (no backward may follow before ``step()``): launch a final
+        micro-step with no gradient of its own if no backward was the final one. Returns
+        it, or ``None`` if there is none (or, under ``overlap="backward"``, no final
+        backward: launching one would step)."""
+        acc = self.acc
+        if acc is None:
+            return None
+        self.settle_deferred()
+        if acc.final is None:
+            if self.micro is not None or self.config.overlap == "backward":
+                return None
+            self._launch_final(acc)
+        return acc
+
+    def _launch_final(self, acc: Accumulation) -> None:
+        """A final micro-step with no backward: its gradients are the sums so far, and
+        what ``param.grad`` holds."""
+        ms = MicroStep(final=True)
+        self._before_final(acc)
+        ms.execution = self._launch(acc, ms)
+        acc.final = ms
+        acc.phase = Phase.FINAL
+        acc.micro.append(ms)
+        self.end_backward(ms)
+
+    def reduce_norm(self, acc: Accumulation) -> None:
+        """Let the final execution all-reduce the norm (its gate ``reduce``): called on
+        the caller's thread, which then waits for it."""
+        # Hazard: the lane's all-reduce of the norm and the caller's own
+        # collectives (a loss all-reduce, FSDP2's all-gathers) issued on one
+        # process group from two threads, in an order that may differ between
+        # ranks: the caller opens it, then waits for it before going on.
+        fin = acc.final
+        if fin is None or fin.execution is None or (
+                "norm_allreduce" not in fin.execution.plan.order):
+            return
+        gate = fin.execution.gate("reduce")
+        if gate.state == "pending":
+            gate.open(None)
+
+    def hand_over(self, hyper: list[dict[str, Any]] | None,
+                  max_norm: float | None = None) -> Accumulation:
         """``step()``: the accumulation becomes the step in flight. Without a final
         backward, a final micro-step with no gradient of its own is launched now; under
-        ``overlap="forward"`` or ``"none"`` its chunks may start (``hyper``)."""
+        ``overlap="forward"`` or ``"none"`` its chunks may start (``hyper``, clipping to
+        ``max_norm``)."""
         acc = self.acc
         assert acc is not None
         if acc.final is None:
-            ms = MicroStep(final=True)
-            self._before_final(acc)
-            ms.execution = self._launch(acc, ms)
-            acc.final = ms
-            acc.phase = Phase.FINAL
-            acc.micro.append(ms)
-            self.end_backward(ms)
+            self._launch_final(acc)
         elif self.config.overlap != "backward":
             # Hazard: the chunks stepping the masters while a transfer launched
             # after the final backward began (its execution waits for this gate)
             # still reads them.
             self.readers.wait()
+        self.reduce_norm(acc)
         if self.config.overlap != "backward":
-            acc.execution.gate("step").open(hyper)
+            acc.execution.gate("step").open((hyper, max_norm))
         acc.phase = Phase.STEPPING
         self.acc = None
         return acc

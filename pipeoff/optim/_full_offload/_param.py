@@ -21,7 +21,7 @@ from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
 from pipeoff.optim._tensors import flat, host_alloc, index_of, local, memory_order
 
-__all__ = ["OffloadedParam", "ParamRegistry"]
+__all__ = ["OffloadedParam", "ParamRegistry", "norm_groups"]
 
 _STATE_LOCK = threading.Lock()
 """Makes an allocation of missing state keys one step (see ``ensure_state``)."""
@@ -118,6 +118,26 @@ class OffloadedParam:
         self.stepped = False
 
 
+def norm_groups(p: torch.Tensor, process_group: Any) -> tuple[Any, ...]:
+    """The process groups over which ``p``'s squared gradient norm is summed: the
+    groups of the mesh dimensions its placements shard it on (as DTensor's
+    ``clip_grad_norm_`` reduces; under HSDP the shard dimension, not the
+    replicas), or ``process_group`` if one is given; none for a parameter each
+    rank holds whole (DDP, a single process)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return ()
+    if process_group is not None:
+        return (process_group,) if dist.get_world_size(process_group) > 1 else ()
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return ()
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    return tuple(mesh.get_group(d) for d, pl in enumerate(placements)
+                 if pl.is_shard() and mesh.size(d) > 1)
+
+
 class ParamRegistry:
     """The parameters of the live ``param_groups``, each an :class:`OffloadedParam`, in
     order: host state for new ones, hooks' lookups, the chunk plan, and what follows
@@ -143,6 +163,8 @@ class ParamRegistry:
         self.device = torch.device("cpu")
         self.plan = MicroStepPlan.build([], chunk_numel=config.chunk_numel,
                                         slot_bytes=config.slot_bytes, slots=config.slots)
+        self.norm_groups: list[tuple[Any, ...]] = []
+        """Per parameter, :func:`norm_groups`."""
         self.outside_writes = 0
         """Parameters found written outside the optimizer (tests: FSDP2 must not trigger
         it every step, which would copy weights to the host)."""
@@ -297,6 +319,7 @@ class ParamRegistry:
         for rec, gi in zip(params, group_of):
             rec.group = gi  # (version: kept, so a write while it was out is adopted)
         self.params = params
+        self.norm_groups = [norm_groups(rec.param, self.config.process_group) for rec in params]
         self._by_id = {id(rec.param): i for i, rec in enumerate(params)}
         self._fingerprint = self.fingerprint(param_groups)
         self.plan = MicroStepPlan.build(

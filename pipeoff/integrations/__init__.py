@@ -1,0 +1,4 @@
+"""Glue for the trainers people run pipeoff's optimizers in; each module imports its
+trainer lazily (``pipeoff.integrations.hf``: the HF transformers ``Trainer``)."""
+
+__all__: list[str] = []
