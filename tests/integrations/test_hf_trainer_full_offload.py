@@ -1,0 +1,181 @@
+"""FullOffloadOptimizer inside Hugging Face's ``transformers.Trainer``.
+
+The Trainer (through accelerate) accumulates micro-batches without any
+``no_sync()`` in one process, clips with ``accelerator.clip_grad_norm_`` (or,
+with ``max_grad_norm=0``, asks it for the norm with ``max_norm=inf`` to log
+it), steps, drives an LR scheduler and zeroes grads with
+``model.zero_grad()``. Under full offload the gradients are on the host, so
+:func:`pipeoff.integrations.hf.prepare_trainer` routes that call to the
+optimizer. The right value is the same Trainer run with a plain
+``torch.optim.AdamW`` on the same FP32 model: weights, logged losses and logged
+``grad_norm`` equal bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeoff import ConfigError
+from pipeoff.integrations.hf import prepare_trainer
+from pipeoff.optim import FullOffloadOptimizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SEED = 1234
+STEPS = 3
+
+
+def tiny_llama() -> Any:
+    # initializer_range=0.1: gradient norms of 1.3 to 3.3, so max_grad_norm=1.0 clips.
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.1)
+    torch.manual_seed(SEED)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Fixed random sequences; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, n: int = 32, length: int = 16) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class KeepLogs(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+               **kwargs: Any) -> None:
+        if logs and "grad_norm" in logs:
+            self.steps.append((logs["loss"], logs["grad_norm"]))
+
+
+def trainer_for(model: Any, opt: torch.optim.Optimizer, out: Path, *, accumulation: int,
+                max_grad_norm: float) -> tuple[Any, KeepLogs]:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm,
+        max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=SEED,
+        data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True)
+    logs = KeepLogs()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   optimizers=(opt, None), callbacks=[logs])
+    trainer.remove_callback(transformers.PrinterCallback)
+    return trainer, logs
+
+
+def adamw(model: Any) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def full_offload(model: Any, **kw: Any) -> FullOffloadOptimizer:
+    return FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01,
+                                chunk_numel=2048, **kw)
+
+
+def check_equal(ref: Any, ref_opt: torch.optim.Optimizer, model: Any,
+                opt: FullOffloadOptimizer) -> None:
+    opt.wait_for_step()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    want, got = ref_opt.state_dict(), opt.state_dict()
+    assert want["param_groups"][0]["lr"] == got["param_groups"][0]["lr"]
+    params = list(model.parameters())
+    for i, entry in want["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(v, got["state"][i][k]), (i, k)
+        assert torch.equal(got["state"][i]["master"], params[i].detach()), i  # FP32 model
+
+
+@pytest.mark.parametrize(("accumulation", "max_grad_norm"), [(4, 1.0), (1, 1.0), (4, 0.0)])
+def test_trainer_with_full_offload_matches_adamw(accumulation: int, max_grad_norm: float,
+                                                 tmp_path: Path) -> None:
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    init = [p.detach().clone() for p in ref.parameters()]
+    ref_opt = adamw(ref)
+    opt = full_offload(model)  # overlap="forward", the default
+    want_trainer, want = trainer_for(ref, ref_opt, tmp_path / "ref", accumulation=accumulation,
+                                     max_grad_norm=max_grad_norm)
+    got_trainer, got = trainer_for(model, opt, tmp_path / "full", accumulation=accumulation,
+                                   max_grad_norm=max_grad_norm)
+    assert prepare_trainer(got_trainer) is got_trainer
+    want_out = want_trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got_out = got_trainer.train()
+    assert not [w for w in caught if "prepare_trainer" in str(w.message)]
+    assert want_out.global_step == got_out.global_step == STEPS
+    assert want_out.training_loss == got_out.training_loss
+    assert len(want.steps) == STEPS
+    assert got.steps == want.steps  # (loss, grad_norm) per step, exactly as floats
+    if max_grad_norm:  # the clipping was exercised: every step's norm was above it
+        assert all(norm > max_grad_norm for _, norm in want.steps), want.steps
+    check_equal(ref, ref_opt, model, opt)
+    assert not any(torch.equal(a, p) for a, p in zip(init, model.parameters()))
+
+
+def test_without_prepare_trainer_it_warns_and_logs_zero(tmp_path: Path) -> None:
+    model = tiny_llama()
+    opt = full_offload(model)
+    trainer, logs = trainer_for(model, opt, tmp_path, accumulation=4, max_grad_norm=1.0)
+    with pytest.warns(RuntimeWarning, match=r"prepare_trainer\(trainer\)") as caught:
+        trainer.train()
+    assert len([w for w in caught if "prepare_trainer" in str(w.message)]) == 1  # once
+    # What the warning is about: the Trainer's clip found no .grad and logged 0.
+    assert [norm for _, norm in logs.steps] == [0.0] * STEPS
+
+
+def test_overlap_backward_with_clipping_is_refused(tmp_path: Path) -> None:
+    model = tiny_llama()
+    opt = full_offload(model, overlap="backward")
+    trainer, _ = trainer_for(model, opt, tmp_path, accumulation=1, max_grad_norm=1.0)
+    clip = trainer.accelerator.clip_grad_norm_
+    with pytest.raises(ConfigError, match=r"overlap='backward'.*max_grad_norm=0"):
+        prepare_trainer(trainer)
+    assert trainer.accelerator.clip_grad_norm_ == clip  # nothing routed
+
+
+def test_overlap_backward_without_clipping_matches_adamw(tmp_path: Path) -> None:
+    # One micro-batch per step: in one process accelerate's no_sync() is a no-op,
+    # and overlap="backward" steps in every backward outside the optimizer's no_sync().
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    ref_opt = adamw(ref)
+    opt = full_offload(model, overlap="backward")
+    want_trainer, want = trainer_for(ref, ref_opt, tmp_path / "ref", accumulation=1,
+                                     max_grad_norm=0.0)
+    got_trainer, got = trainer_for(model, opt, tmp_path / "full", accumulation=1,
+                                   max_grad_norm=0.0)
+    prepare_trainer(got_trainer)
+    want_trainer.train()
+    got_trainer.train()
+    assert got.steps == want.steps and len(got.steps) == STEPS
+    check_equal(ref, ref_opt, model, opt)
+
+
+def test_prepare_trainer_leaves_other_optimizers_alone(tmp_path: Path) -> None:
+    model = tiny_llama()
+    trainer, _ = trainer_for(model, adamw(model), tmp_path, accumulation=1, max_grad_norm=1.0)
+    clip = trainer.accelerator.clip_grad_norm_
+    assert prepare_trainer(trainer) is trainer
+    assert trainer.accelerator.clip_grad_norm_ == clip
+    with pytest.raises(ConfigError, match="expects a transformers Trainer"):
+        prepare_trainer(object())
