@@ -44,9 +44,10 @@ def prepare_trainer(trainer: Any) -> Any:
     returned unchanged.
 
     Raises:
-        ConfigError: ``trainer`` is not a Trainer built with ``optimizers=(opt, ...)``,
-            or ``args.max_grad_norm > 0`` with ``overlap="backward"`` (the chunks
-            step during the backward, before the norm is known).
+        ConfigError: ``trainer`` is not a Trainer, or the optimizer has
+            ``overlap="backward"`` with ``args.max_grad_norm > 0`` (the chunks step
+            during the backward, before the norm is known) or with
+            ``gradient_accumulation_steps > 1`` (each backward would be final).
     """
     accelerator = getattr(trainer, "accelerator", None)
     if accelerator is None or not hasattr(trainer, "args"):
@@ -55,6 +56,13 @@ def prepare_trainer(trainer: Any) -> Any:
     opt = _full_offload_of(getattr(trainer, "optimizer", None))
     if opt is None:
         return trainer
+    accumulation = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
+    if accumulation > 1 and opt.overlap == "backward":
+        raise ConfigError(
+            f"gradient_accumulation_steps={accumulation} with overlap='backward': that "
+            "overlap steps during every backward not marked by no_sync(), and the Trainer "
+            "marks none in a single process; use overlap='forward' (the default), under "
+            "which gradients accumulate until step()")
     max_grad_norm = float(trainer.args.max_grad_norm or 0.0)
     if max_grad_norm > 0 and opt.overlap == "backward":
         raise ConfigError(
@@ -65,7 +73,7 @@ def prepare_trainer(trainer: Any) -> Any:
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
         return opt.clip_grad_norm_(max_norm, norm_type)
 
+    clip_grad_norm_.pipeoff_routes_to = opt  # type: ignore[attr-defined]
     accelerator.clip_grad_norm_ = clip_grad_norm_
-    opt._routed_clipping = True
     return trainer
 

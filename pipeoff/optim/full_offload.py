@@ -184,8 +184,6 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._warned_compiled = False
-        self._routed_clipping = False
-        """``pipeoff.integrations.hf.prepare_trainer`` routes a Trainer's clipping here."""
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         self._building = True
@@ -339,7 +337,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        if not self._routed_clipping and "transformers.trainer" in sys.modules:
+        if "transformers.trainer" in sys.modules:
             from pipeoff.optim._full_offload._trainers import warn_if_unrouted
 
             warn_if_unrouted(self)

@@ -221,7 +221,8 @@ def test_clipping_matches_clip_grad_norm(accumulate: str, overlap: str) -> None:
 
 
 def test_clipping_is_refused_with_backward_overlap_and_says_why() -> None:
-    with pytest.raises(ConfigError, match=r"max_norm needs overlap='forward' \(the default\) or 'none'.*global"):
+    with pytest.raises(ConfigError,
+                       match=r"max_norm needs overlap='forward' \(the default\) or 'none'.*global"):
         build(make_model(), overlap="backward", max_norm=1.0)
 
 

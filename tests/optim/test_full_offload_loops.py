@@ -447,3 +447,22 @@ def test_a_transfer_delivers_the_step_it_was_launched_after(write: str) -> None:
 def test_removing_the_readers_wait_of_an_adoption_delivers_the_loaded_weights() -> None:
     with testing.disable("adopt_waits_readers"), pytest.raises(AssertionError):
         test_a_transfer_delivers_the_step_it_was_launched_after("load_state_dict")
+
+
+# -- named parameters (torch 2.6+; torchtitan's checkpoints carry param_names) -----------------
+
+def test_named_parameters_are_accepted_as_torch_accepts_them() -> None:
+    model = make_model()
+    ref = reference(model)
+    named = [(n, p) for n, p in model.named_parameters()]
+    opt = build(model, params=named)
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in named]
+    data = batches(2, 1)
+    train_plainly(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    assert opt.state_dict()["param_groups"][0]["param_names"] == [n for n, _ in named]
+    other = make_model()
+    opt2 = build(other, params=[{"params": list(other.parameters()),
+                                 "param_names": [n for n, _ in named]}])
+    assert opt2.param_groups[0]["param_names"] == [n for n, _ in named]

@@ -174,7 +174,8 @@ def refuse_environment() -> None:
 
 
 def check_model(model: Any) -> None:
-    """Refuse a model that is no module, or that FSDP2 keeps on the host.
+    """Refuse a model that is no module, that FSDP2 keeps on the host, or that torchft's
+    PureDistributedDataParallel reduces from gradient hooks.
 
     Raises:
         ConfigError: naming what was given.
@@ -182,6 +183,13 @@ def check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {model!r}")
     for m in model.modules():
+        cls = type(m)
+        if cls.__name__ == "PureDistributedDataParallel" and cls.__module__.startswith("torchft"):
+            raise ConfigError(
+                "torchft's PureDistributedDataParallel all-reduces each gradient from its "
+                "own post-accumulate-grad hook, asynchronously, where full offload takes it: "
+                "use torchft.ddp.DistributedDataParallel (a DDP whose reduced gradient "
+                "FullOffloadOptimizer takes at the end of the backward)")
         if _compat.fsdp_cpu_offload(m):
             raise ConfigError(
                 "the model is under FSDP2's CPUOffloadPolicy, which already keeps "

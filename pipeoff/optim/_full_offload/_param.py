@@ -237,7 +237,12 @@ class ParamRegistry:
                               f"{sorted(group)}")
         ps = group["params"]
         params = group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        self.config.probe(**{k: v for k, v in group.items() if k != "params"})
+        if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):
+            # Named parameters (torch 2.6+): as torch does, names go to "param_names".
+            group["param_names"] = [name for name, _ in params]
+            params = group["params"] = [p for _, p in params]
+        self.config.probe(**{k: v for k, v in group.items()
+                             if k not in ("params", "param_names")})
         seen = {id(p) for g in param_groups for p in g["params"]}
         for p in params:
             if not isinstance(p, torch.Tensor):
