@@ -61,9 +61,14 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     Only ``model``'s compute weights stay on the device; the host holds 16
     bytes per parameter (AdamW: FP32 master, two moments, FP32 gradient sum),
-    pinned where an accelerator is present. Mark non-final micro-steps with
-    :meth:`no_sync` (or FSDP2's ``set_requires_gradient_sync(False)``); the
-    end of each backward is detected without a call.
+    pinned where an accelerator is present. Gradients accumulate until
+    ``step()``, as with any optimizer; marking non-final micro-steps with
+    :meth:`no_sync` (or FSDP2's ``set_requires_gradient_sync(False)``, DDP's
+    ``no_sync()``) lets the last backward also take the norm and, under
+    ``overlap="backward"``, step while it runs. The end of each backward is
+    detected without a call. Under DDP (torch's or torchft's, around the model
+    before or after this optimizer was built) the gradient stepped is the one
+    DDP reduced.
 
     * ``accumulate="cpu"`` (prime-rl's default): each gradient goes to the host
       as autograd finalizes it (``register_post_accumulate_grad_hook``),
@@ -72,19 +77,21 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
       released at once. ``accumulate="gpu"``: non-final micro-steps sum into
       an FP32 device accumulator (4 bytes per parameter, freed after each
       step), shipped once in the final backward.
-    * ``overlap="backward"``: a chunk steps on a host lane as soon as its
-      parameters' final gradients have landed, and its weights go back during
-      the backward; ``step()`` waits, or with :meth:`attach` returns at once.
-      The step uses the hyperparameters in ``param_groups`` when the final
-      backward began. ``overlap="forward"``: ``step()`` launches the chunks and
+    * ``overlap="forward"`` (the default): ``step()`` launches the chunks and
       returns; each module's forward waits for its weights (as
-      ``OffloadOptimizer(mode="overlap")``). ``overlap="none"``: the
-      synchronous schedule, the reference.
+      ``OffloadOptimizer(mode="overlap")``). ``overlap="backward"``: a chunk
+      steps on a host lane as soon as its parameters' final gradients have
+      landed, and its weights go back during the backward; ``step()`` waits, or
+      with :meth:`attach` returns at once. Every backward not marked non-final
+      steps, and the step uses the hyperparameters in ``param_groups`` when it
+      began. ``overlap="none"``: the synchronous schedule, the reference.
     * ``max_norm``: clip the global gradient norm as
       ``torch.nn.utils.clip_grad_norm_`` does (the norm of each parameter's
       sum is taken in its final accumulation, while hot in cache, then one
-      scalar, all-reduced over ``process_group``). Needs ``overlap="forward"``
-      or ``"none"``: no chunk may step before the norm of every gradient is known.
+      scalar, summed over the mesh dimensions the parameters are sharded on).
+      Needs ``overlap="forward"`` or ``"none"``: no chunk may step before the
+      norm of every gradient is known. :attr:`grad_norm` is computed always;
+      :meth:`clip_grad_norm_` clips one step.
 
     Results are bitwise those of the reference: per parameter the FP32 left
     fold of its micro-step gradients (each widened, the first copied, missing
@@ -95,12 +102,15 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         model: the module whose trainable parameters are optimized.
         optimizer_class: an element-wise ``torch.optim`` class (``AdamW``, ``Adam``,
             ``SGD``, ``Adagrad``, ``RMSprop``); ``fused=True`` uses torch's fused CPU kernel.
-        params: parameters or param groups (dicts), all of ``model``'s; default:
-            every parameter of ``model`` that requires grad.
+        params: parameters, named parameters or param groups (dicts), all of
+            ``model``'s; default: every parameter of ``model`` that requires grad.
         accumulate: ``"cpu"`` or ``"gpu"``.
-        overlap: ``"backward"``, ``"forward"`` or ``"none"``.
+        overlap: ``"forward"``, ``"backward"`` or ``"none"``.
         max_norm: clip gradients to this global 2-norm (a positive float), or ``None``.
-        chunk_numel: most elements in one optimizer chunk (whole parameters).
+        chunk_numel: most elements in one optimizer chunk (whole parameters; default
+            16 Mi).
+        chunk_bytes: or the most bytes of FP32 masters in one chunk (4 per element),
+            as ``OffloadOptimizer`` takes it; one of the two.
         slot_bytes: bytes of one pinned host slot (a gradient larger ships in pieces).
         slots: host slots in the ring; host staging is at most ``slots * slot_bytes``
             plus two chunks' weights.
@@ -108,17 +118,19 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             on that lane, which is per thread); ``None`` keeps torch's default
             (``OMP_NUM_THREADS``, else every core). Two host lanes (accumulate,
             step) run at once, beside the dataloader's workers.
-        process_group: the group over which the clipping norm is all-reduced
-            (default: the world when torch.distributed is initialized).
+        process_group: the group the squared gradient norm is summed over, for
+            parameters sharded by hand (default: the mesh dimensions each DTensor
+            parameter is sharded on; none for parameters every rank holds whole).
         timeout: seconds ``step()`` waits before raising ``StepTimeoutError``
             naming the gradients that never came.
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``...).
 
     Raises:
         ConfigError: an argument is out of range; a parameter is not in ``model``,
-            listed twice, not dense, or under FSDP2's ``CPUOffloadPolicy``;
-            ``max_norm`` with ``overlap="backward"``; flush-to-zero or compiled
-            autograd is on.
+            listed twice, not dense, or under FSDP2's ``CPUOffloadPolicy`` or
+            torchft's ``PureDistributedDataParallel``; ``max_norm`` with
+            ``overlap="backward"``; both ``chunk_numel`` and ``chunk_bytes``;
+            flush-to-zero or compiled autograd is on.
         UnsupportedOptimizerError: ``optimizer_class`` is not element-wise.
     """
 
@@ -419,26 +431,11 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         (FSDP2, HSDP) sum their squares over the mesh dimensions they are sharded on.
         """
         if self._micro_steps.acc is not None:
-            return self._current_norm()
+            return self._micro_steps.current_norm()
         acc = self._inflight
         if acc is not None:
-            return self._wait_norm(acc)
+            return acc.wait_norm(self.timeout)
         return self._grad_norm
-
-    def _current_norm(self) -> torch.Tensor | None:
-        """The norm of the accumulation in progress, which it ends (or ``None``)."""
-        micro = self._micro_steps
-        acc = micro.finalize()
-        if acc is None:
-            return None
-        micro.reduce_norm(acc)
-        return self._wait_norm(acc)
-
-    def _wait_norm(self, acc: Accumulation) -> torch.Tensor | None:
-        ex = acc.execution
-        ex.wait("norm_allreduce" if "norm_allreduce" in ex.plan.order else "norm",
-                timeout=self.timeout)
-        return acc.total_norm
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
@@ -476,7 +473,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                               f"2-norm of the gradients, got {norm_type!r}")
         if self._micro_steps.phase is Phase.IDLE:
             return torch.tensor(0.0)
-        norm = self._current_norm()
+        norm = self._micro_steps.current_norm()
         acc = self._micro_steps.acc
         if norm is None or acc is None:
             return torch.tensor(0.0)

@@ -466,3 +466,12 @@ def test_named_parameters_are_accepted_as_torch_accepts_them() -> None:
     opt2 = build(other, params=[{"params": list(other.parameters()),
                                  "param_names": [n for n, _ in named]}])
     assert opt2.param_groups[0]["param_names"] == [n for n, _ in named]
+
+
+def test_chunk_bytes_is_accepted_as_on_offload_optimizer() -> None:
+    opt = build(make_model(), chunk_bytes=256)
+    assert opt.chunk_numel == 64  # bytes of FP32 masters
+    with pytest.raises(ConfigError, match="give chunk_numel or chunk_bytes, not both"):
+        build(make_model(), chunk_bytes=256, chunk_numel=64)
+    with pytest.raises(ConfigError, match="chunk_bytes must be an int >= 4"):
+        build(make_model(), chunk_bytes=2)

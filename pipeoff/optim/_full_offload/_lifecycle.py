@@ -151,6 +151,13 @@ class Accumulation:
             chunks_of=plan.chunks_of(), device=device, written=tuple(sorted(self.touched)),
             grad_of=lambda i: None)
 
+    def wait_norm(self, timeout: float) -> torch.Tensor | None:
+        """The total gradient norm, once the final execution has computed it."""
+        ex = self.execution
+        ex.wait("norm_allreduce" if "norm_allreduce" in ex.plan.order else "norm",
+                timeout=timeout)
+        return self.total_norm
+
     def failed(self) -> bool:
         """Whether an execution of its micro-steps has failed already."""
         return any(ms.execution is not None and ms.execution.done()
@@ -739,6 +746,15 @@ class MicroSteps:
         acc.phase = Phase.FINAL
         acc.micro.append(ms)
         self.end_backward(ms)
+
+    def current_norm(self) -> torch.Tensor | None:
+        """The norm of the accumulation in progress, which it ends (:meth:`finalize`), or
+        ``None``. Waits for the norm, not for the step."""
+        acc = self.finalize()
+        if acc is None:
+            return None
+        self.reduce_norm(acc)
+        return acc.wait_norm(self.config.timeout)
 
     def reduce_norm(self, acc: Accumulation) -> None:
         """Let the final execution all-reduce the norm (its gate ``reduce``): called on
