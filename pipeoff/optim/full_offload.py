@@ -246,19 +246,41 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         reserve_for(*self._micro_steps.graph(final=True))
 
     def _sync_with_model(self) -> None:
-        """At the start of a step: follow in-place edits of ``param_groups``, then adopt
-        outside writes to the weights (of parameters back in the groups too)."""
+        """At the first gradient of a step and at ``step()``: follow in-place edits of
+        ``param_groups``, then adopt outside writes to the weights (of parameters back
+        in the groups too; a write between micro-steps, or after the last backward,
+        before the step's chunks begin).
+
+        Raises:
+            ConfigError: a weight written after the final backward began under
+                ``overlap="backward"`` (its chunks stepped from the masters already).
+        """
         self._follow_param_groups()
-        if self._micro_steps.phase is Phase.IDLE:
-            changed = self._registry.written_from_outside()
-            if changed:
-                self.wait_for_step()  # our own writes first
-                # Hazard: adopting the written weights as masters while a transfer
-                # launched after the last step still reads that step's masters.
-                if not _faults.disabled("adopt_waits_readers"):
-                    self._readers.wait()
-                self._accel_sync()
-                self._registry.adopt(changed)
+        acc = self._micro_steps.acc
+        late = self.overlap == "backward" and acc is not None and acc.final is not None
+        if late:
+            # The chunks stepping during that backward write the weights too: settle
+            # them first (a weight they are writing is not an outside write).
+            self._quiesce_keeping_failures()
+        changed = self._registry.written_from_outside()
+        lost = sorted(acc.overwritten) if late and acc is not None else []
+        if changed:
+            self.wait_for_step()  # our own writes first
+            # Hazard: adopting the written weights as masters while a transfer
+            # launched after the last step still reads that step's masters.
+            if not _faults.disabled("adopt_waits_readers"):
+                self._readers.wait()
+            self._accel_sync()
+            self._registry.adopt(changed)
+        if late and (changed or lost):
+            names = [rec.name for rec in changed] + [self._registry[i].name for i in lost
+                                                     if i < len(self._registry)]
+            raise ConfigError(
+                f"the weights of {names[:4]} were written after the final backward began: "
+                "under overlap='backward' its chunks step the masters and write the weights "
+                "during that backward, so either this step's update or the write is lost "
+                "(the weights and the masters agree). Write weights after step(), or use "
+                "overlap='forward'")
 
     def _follow_param_groups(self) -> None:
         """The live ``param_groups`` are the truth: parameters removed from, added to or
@@ -461,8 +483,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
         Raises:
             ConfigError: ``overlap="backward"`` (the chunks step during the backward,
-                before the norm is known), ``norm_type`` other than 2, or
-                ``max_norm`` not a positive finite number.
+                before the norm is known), ``norm_type`` other than 2, ``max_norm``
+                not a positive number, or a second call in one step.
             RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
         """
         unbounded = isinstance(max_norm, (int, float)) and max_norm == float("inf")
@@ -477,6 +499,11 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         acc = self._micro_steps.acc
         if norm is None or acc is None:
             return torch.tensor(0.0)
+        if acc.max_norm is not None:
+            raise ConfigError(
+                "clip_grad_norm_() was called twice in one step: the clipping happens in the "
+                "step, once (torch would clip the clipped gradients again); call it once "
+                "between the last backward and step()")
         if not (unbounded and self.overlap == "backward"):
             acc.max_norm = float(max_norm)  # (inf: scaled by 1.0, as torch does)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):

@@ -475,3 +475,77 @@ def test_chunk_bytes_is_accepted_as_on_offload_optimizer() -> None:
         build(make_model(), chunk_bytes=256, chunk_numel=64)
     with pytest.raises(ConfigError, match="chunk_bytes must be an int >= 4"):
         build(make_model(), chunk_bytes=2)
+
+
+# -- found by a review that tried to break it --------------------------------------------------
+
+@pytest.mark.parametrize("when", ["between_micro_steps", "before_step"])
+@pytest.mark.parametrize("overlap", ["forward", "none"])
+def test_a_weight_written_inside_the_accumulation_is_kept(overlap: str, when: str) -> None:
+    """Clamping or renormalizing a weight between micro-steps, or after the last
+    backward and before step(): the step starts from the written weight, as torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref_model = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        xs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+        for k, x in enumerate(xs):
+            for m in (model, ref_model):
+                m(x).pow(2).mean().backward()
+                if (when == "between_micro_steps" and k == 0) or (
+                        when == "before_step" and k == len(xs) - 1):
+                    with torch.no_grad():
+                        m.bias.add_(1.0)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert same_bits(p, q)
+
+
+def test_a_weight_written_after_a_final_backward_under_backward_overlap_is_refused() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="backward")
+    model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    with pytest.raises(ConfigError, match="written after the final backward began"):
+        opt.step()
+    kept = model.bias.detach().clone()
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # the write was adopted: later steps go on from it
+    opt.wait_for_step()
+    assert not torch.equal(model.bias, kept)
+
+
+def test_a_deleted_optimizer_lets_go_of_the_gradients() -> None:
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.wait_for_step()
+    del opt
+    gc.collect()
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not model._forward_pre_hooks  # its probe went with it
+
+
+def test_clip_grad_norm_twice_in_one_step_is_refused() -> None:
+    model = make_model()
+    opt = build(model)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.clip_grad_norm_(0.05)
+    with pytest.raises(ConfigError, match="called twice in one step"):
+        opt.clip_grad_norm_(0.1)
+    opt.zero_grad()

@@ -22,6 +22,8 @@ wait named:
   that sets it.
 * ``Accumulation.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
   ``classify`` once the execution is done (waited for, or settled).
+* ``Accumulation.overwritten`` (``h2d:{k}``): read by ``step()`` once the final
+  execution settled.
 * Host tensors (``OffloadedParam.acc``, ``.master``, ``.state``), ``.scalars``,
   ``.present``, ``.stepped`` (``acc:``, ``step:``): the caller reads them
   (``state_dict``, ``refresh_masters``, a transfer) after ``wait_for_step()``
@@ -246,6 +248,8 @@ class LaneWork:
         for i, off, n, dtype in copies:
             rec = self.params[i]
             loc = rec.local
+            if loc._version != rec.version:
+                acc.overwritten.add(i)  # written from outside since our last write
             flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
                                        non_blocking=True)
             rec.version = loc._version  # our own write, not an external one

@@ -132,6 +132,9 @@ class Accumulation:
     """Chunks whose masters were all stepped (the host_step lane)."""
     torn_chunks: set[int] = dataclasses.field(default_factory=set)
     """Chunks whose step raised after writing some of their masters (the lane)."""
+    overwritten: set[int] = dataclasses.field(default_factory=set)
+    """Parameters whose weight something else wrote after the last step and before
+    this step's ``h2d`` overwrote it (the lane; read after the execution settled)."""
 
     @property
     def execution(self) -> Execution:
@@ -236,6 +239,26 @@ gradients: an optimizer built to resume from another's ``state_dict()`` on the
 same model takes them over, and the old one's hooks let them be."""
 
 
+class _GradHook:
+    """A parameter's post-accumulate-grad hook: :meth:`MicroSteps.on_grad` while the
+    optimizer lives. It holds it weakly, so that a deleted optimizer lets go of the
+    model's gradients (its hooks are removed when it is collected)."""
+
+    def __init__(self, micro_steps: MicroSteps) -> None:
+        self.ref = weakref.ref(micro_steps)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        micro_steps = self.ref()
+        if micro_steps is not None:
+            micro_steps.on_grad(p)
+
+
+def _remove_hooks(handles: dict[int, Any], probe: list[Any]) -> None:
+    for handle in list(handles.values()) + probe:
+        handle.remove()
+    handles.clear()
+
+
 class _WrapperProbe:
     """The model's forward pre-hook that notices a DDP wrapper (:meth:`MicroSteps.see_wrapper`).
     A copy of the model (``copy.deepcopy``, an EMA) shares it instead of copying the
@@ -289,6 +312,8 @@ class MicroSteps:
         there) and a final micro-step takes them at the end of its backward."""
         self._wrapper_probe: Any = None
         self.grad_hooks: dict[int, Any] = {}
+        self._probe_handles: list[Any] = []
+        weakref.finalize(self, _remove_hooks, self.grad_hooks, self._probe_handles)
         """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
         # ordering between executions
         self.prev: Execution | None = None
@@ -331,6 +356,7 @@ class MicroSteps:
         if self._wrapper_probe is None:
             self._wrapper_probe = self.registry.model.register_forward_pre_hook(
                 _WrapperProbe(self))
+            self._probe_handles.append(self._wrapper_probe)
         taken = []
         for rec in self.registry:
             before = _OWNERS.get(rec.param)
@@ -351,7 +377,7 @@ class MicroSteps:
             if frozen:
                 p.requires_grad_(True)
             try:
-                self.grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(self.on_grad)
+                self.grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_GradHook(self))
             finally:
                 if frozen:
                     p.requires_grad_(False)
