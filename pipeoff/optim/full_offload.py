@@ -56,6 +56,14 @@ from pipeoff.staging import reserve_for
 __all__ = ["FullOffloadOptimizer"]
 
 
+def _late_write(names: list[str]) -> str:
+    return (f"the weights of {names[:4]} were written after the final backward began: "
+            "under overlap='backward' its chunks step the masters and write the weights "
+            "during that backward, so either this step's update or the write is lost (the "
+            "weights and the masters agree). Write weights after step(), or use "
+            "overlap='forward'")
+
+
 class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     """Full offload: FP32 masters, optimizer state and a gradient accumulator in host memory.
 
@@ -258,29 +266,25 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._follow_param_groups()
         acc = self._micro_steps.acc
         late = self.overlap == "backward" and acc is not None and acc.final is not None
-        if late:
-            # The chunks stepping during that backward write the weights too: settle
-            # them first (a weight they are writing is not an outside write).
-            self._quiesce_keeping_failures()
         changed = self._registry.written_from_outside()
-        lost = sorted(acc.overwritten) if late and acc is not None else []
-        if changed:
-            self.wait_for_step()  # our own writes first
-            # Hazard: adopting the written weights as masters while a transfer
-            # launched after the last step still reads that step's masters.
-            if not _faults.disabled("adopt_waits_readers"):
-                self._readers.wait()
-            self._accel_sync()
-            self._registry.adopt(changed)
-        if late and (changed or lost):
-            names = [rec.name for rec in changed] + [self._registry[i].name for i in lost
-                                                     if i < len(self._registry)]
-            raise ConfigError(
-                f"the weights of {names[:4]} were written after the final backward began: "
-                "under overlap='backward' its chunks step the masters and write the weights "
-                "during that backward, so either this step's update or the write is lost "
-                "(the weights and the masters agree). Write weights after step(), or use "
-                "overlap='forward'")
+        if late and changed:
+            # The chunks stepping during that backward write the weights too: a
+            # weight whose copy has not finished is not (yet) an outside write; the
+            # copy itself notices one that came before it (Accumulation.overwritten).
+            assert acc is not None
+            copied = acc.weights_copied()
+            changed = [rec for rec in changed if id(rec.param) in copied]
+        if not changed:
+            return
+        self.wait_for_step()  # our own writes first
+        # Hazard: adopting the written weights as masters while a transfer
+        # launched after the last step still reads that step's masters.
+        if not _faults.disabled("adopt_waits_readers"):
+            self._readers.wait()
+        self._accel_sync()
+        self._registry.adopt(changed)
+        if late:
+            raise ConfigError(_late_write([rec.name for rec in changed]))
 
     def _follow_param_groups(self) -> None:
         """The live ``param_groups`` are the truth: parameters removed from, added to or
@@ -520,6 +524,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         Raises:
             BaseException: the failure of a task of the step, with its traceback;
                 see :meth:`step` for what is refused afterwards.
+            ConfigError: under ``overlap="backward"``, a weight written after the final
+                backward began was overwritten by the step (the step is done).
             KeyboardInterrupt: Ctrl-C while waiting: the step is still in flight.
         """
         acc = self._inflight
@@ -540,6 +546,12 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._end_step(acc)
         self._grad_norm = acc.total_norm
         acc.device_sums.clear()
+        fin = acc.final
+        if acc.overwritten and fin is not None and fin.lanes is not None:
+            # The step's copy overwrote a weight written after the final backward began.
+            names = [fin.lanes.params[i].name for i in sorted(acc.overwritten)]
+            acc.overwritten.clear()
+            raise ConfigError(_late_write(names))
 
     def _end_step(self, acc: Accumulation) -> None:
         self._inflight = None

@@ -154,6 +154,19 @@ class Accumulation:
             chunks_of=plan.chunks_of(), device=device, written=tuple(sorted(self.touched)),
             grad_of=lambda i: None)
 
+    def weights_copied(self) -> set[int]:
+        """The ``id()`` of each parameter whose weight the final execution's ``h2d`` copy
+        has written (its version recorded)."""
+        fin = self.final
+        if fin is None or fin.execution is None or fin.lanes is None:
+            return set()
+        ex = fin.execution
+        out: set[int] = set()
+        for k, chunk in enumerate(fin.lanes.plan.chunks):
+            if ex.events_for(f"h2d:{k}")[0].status == "ok":
+                out.update(id(fin.lanes.params[i].param) for i in chunk)
+        return out
+
     def wait_norm(self, timeout: float) -> torch.Tensor | None:
         """The total gradient norm, once the final execution has computed it."""
         ex = self.execution
