@@ -153,6 +153,15 @@ def test_overlap_backward_with_clipping_is_refused(tmp_path: Path) -> None:
     assert trainer.accelerator.clip_grad_norm_ == clip  # nothing routed
 
 
+def test_overlap_backward_with_accumulation_is_refused(tmp_path: Path) -> None:
+    model = tiny_llama()
+    opt = full_offload(model, overlap="backward")
+    trainer, _ = trainer_for(model, opt, tmp_path, accumulation=4, max_grad_norm=0.0)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 with "
+                                          "overlap='backward'"):
+        prepare_trainer(trainer)
+
+
 def test_overlap_backward_without_clipping_matches_adamw(tmp_path: Path) -> None:
     # One micro-batch per step: in one process accelerate's no_sync() is a no-op,
     # and overlap="backward" steps in every backward outside the optimizer's no_sync().
