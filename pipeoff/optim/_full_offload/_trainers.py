@@ -27,6 +27,11 @@ def warn_if_unrouted(opt: Any) -> None:
     for _ in range(8):
         if frame is None:
             return
+        if frame.f_code.co_name != "_inner_training_loop":
+            # (Only the Trainer's loop: reading f_locals snapshots a frame's locals
+            # into a dict that lives as long as the frame, keeping them alive.)
+            frame = frame.f_back
+            continue
         me = frame.f_locals.get("self")
         if isinstance(me, trainer_cls):
             routed = getattr(getattr(me.accelerator, "clip_grad_norm_", None),
