@@ -417,3 +417,32 @@ def test_a_device_error_surfacing_in_a_host_tasks_wait_fails_it_instead_of_hangi
         ex.wait(timeout=30)
     assert ex.failed_task in ("dev", "host")
     assert ex.events_for("host")[0].status in ("failed", "cancelled")
+
+
+def test_a_host_task_reads_device_work_a_host_task_before_it_on_its_lane_enqueued(
+        gpu: Gpu) -> None:
+    """Two HOST tasks on one lane, the second depending on the first: the device work
+    the first enqueued on its thread's stream (a late copy to the host) is done
+    before the second reads its result on the host (issue 21: same-lane order
+    was left to the lane's FIFO, which orders the host sides only)."""
+
+    def scenario() -> None:
+        x = gpu.zeros(1 << 10)
+        x.fill_(5.0)
+        host = gpu.host(1 << 10)
+        seen: list[float] = []
+        accel = gpu.accel
+
+        def fetch(ctx: pipeoff.TaskContext) -> None:
+            stream = accel.current_stream(gpu.device)
+            accel.sleep(stream, 0.03)  # the copy is late on this thread's stream
+            host.copy_(x, non_blocking=True)
+
+        g = TaskGraph(device=gpu.device)
+        g.add_task("fetch", TaskKind.HOST, fetch, lane="bookkeeping")
+        g.add_task("decide", TaskKind.HOST, lambda ctx: seen.append(float(host.sum())),
+                   deps=["fetch"], lane="bookkeeping")
+        pipeoff.execute(g).wait()
+        assert seen == [5.0 * (1 << 10)]
+
+    _mutated(gpu, "host_sync", scenario)

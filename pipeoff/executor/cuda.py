@@ -153,20 +153,29 @@ def _clock(accel: _accel.Accelerator, device: torch.device) -> tuple[Any, int]:
 
 def _host_device_order(run: Run) -> list[tuple[int, ...]]:
     """Per task, the previous task of its lane that runs on the other side (a HOST task
-    on a host thread, a device task on a stream), which it must also wait for.
+    on a host thread, a device task on a stream), which it must also wait for; and
+    per HOST task, its HOST dependencies on its own lane (device work they enqueued).
 
     A plan leaves same-lane order to the lane's FIFO; on CUDA one lane name is both
     a host thread and a stream (a synchronous schedule puts every task on "main"),
     so that order has to be waited for explicitly between the two.
     """
     lanes = run.plan.lanes
+    index = {t.name: k for k, t in enumerate(run.tasks)}
     last: dict[str, tuple[int | None, int | None]] = {}
     out: list[tuple[int, ...]] = []
     for i, task in enumerate(run.tasks):
         host_last, dev_last = last.get(lanes[i], (None, None))
         is_host = task.kind is TaskKind.HOST
         other = dev_last if is_host else host_last
-        out.append(() if other is None else (other,))
+        waits: tuple[int, ...] = () if other is None else (other,)
+        if is_host:
+            # A HOST dependency on the same lane ran first on this thread (the
+            # lane's FIFO), but the device work it enqueued on the thread's
+            # stream may still run: its end event is synchronized like any.
+            waits += tuple(j for j in (index[d] for d in task.deps)
+                           if lanes[j] == lanes[i] and run.tasks[j].kind is TaskKind.HOST)
+        out.append(waits)
         last[lanes[i]] = (i, dev_last) if is_host else (host_last, i)
     return out
 
