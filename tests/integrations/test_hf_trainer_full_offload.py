@@ -24,36 +24,19 @@ import torch
 from pipeoff import ConfigError
 from pipeoff.integrations.hf import prepare_trainer
 from pipeoff.optim import FullOffloadOptimizer
+from tests.integrations import _hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SEED = 1234
+SEED = _hf.SEED
 STEPS = 3
 
 
 def tiny_llama() -> Any:
     # initializer_range=0.1: gradient norms of 1.3 to 3.3, so max_grad_norm=1.0 clips.
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        initializer_range=0.1)
-    torch.manual_seed(SEED)
-    return transformers.LlamaForCausalLM(config)
+    return _hf.tiny_llama(initializer_range=0.1)
 
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Fixed random sequences; labels are the inputs (the model shifts them)."""
-
-    def __init__(self, n: int = 32, length: int = 16) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(0, 64, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 class KeepLogs(transformers.TrainerCallback):  # type: ignore[misc]
@@ -75,7 +58,7 @@ def trainer_for(model: Any, opt: torch.optim.Optimizer, out: Path, *, accumulati
         report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=SEED,
         data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True)
     logs = KeepLogs()
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_hf.Tokens(32),
                                    optimizers=(opt, None), callbacks=[logs])
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer, logs

@@ -15,33 +15,17 @@ import pytest
 import torch
 
 from pipeoff.optim import OffloadOptimizer
+from tests.integrations import _hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SEED = 1234
+SEED = _hf.SEED
 
 
 def tiny_llama() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(SEED)
-    return transformers.LlamaForCausalLM(config)
+    return _hf.tiny_llama()
 
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Fixed random sequences; labels are the inputs (the model shifts them)."""
-
-    def __init__(self, n: int = 12, length: int = 16) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(0, 64, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 def train(model: Any, opt: torch.optim.Optimizer, out: Path) -> Any:
@@ -50,7 +34,7 @@ def train(model: Any, opt: torch.optim.Optimizer, out: Path) -> Any:
         max_grad_norm=1.0, max_steps=3, learning_rate=1e-2, lr_scheduler_type="linear",
         warmup_steps=1, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
         seed=SEED, data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_hf.Tokens(12),
                                    optimizers=(opt, None))
     return trainer.train()
 

@@ -23,6 +23,7 @@ def warn_if_unrouted(opt: Any) -> None:
     trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     if trainer_cls is None or opt in _SAID:
         return
+    _SAID.add(opt)  # looked at once: the caller of its first step() is its loop
     frame: Any = sys._getframe(1)
     for _ in range(8):
         if frame is None:
@@ -44,6 +45,5 @@ def warn_if_unrouted(opt: Any) -> None:
                     "offload, so it clips nothing (max_grad_norm) and logs grad_norm 0; "
                     "call prepare_trainer(trainer) before train()", RuntimeWarning,
                     stacklevel=2)
-            _SAID.add(opt)  # said once (or nothing to say)
             return
         frame = frame.f_back
