@@ -115,11 +115,6 @@ class FullOffloadConfig:
             raise ConfigError(f"{self.optimizer_class.__name__} refused the {what} "
                               f"{group or dict(self.defaults)}: {err}") from None
 
-    @property
-    def clip(self) -> bool:
-        """Whether gradients are clipped (``max_norm`` is set)."""
-        return self.max_norm is not None
-
 def check_max_norm(max_norm: Any, overlap: str, name: str = "max_norm") -> float:
     """``max_norm`` as a float.
 

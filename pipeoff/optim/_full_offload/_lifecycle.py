@@ -506,7 +506,7 @@ class MicroSteps:
         marked = self._explicitly_non_final()
         final = not marked and (self.config.overlap == "backward" or acc.marked)
         if acc.final is not None:
-            err = GradientError(self._after_final_message(acc))
+            err = GradientError(self._after_final_message())
             self.health.dirty = err
             raise err
         ms = MicroStep(final=final)
@@ -525,7 +525,7 @@ class MicroSteps:
         _compat.queue_backward_callback(lambda: self.end_backward(ms))
         return ms
 
-    def _after_final_message(self, acc: Accumulation) -> str:
+    def _after_final_message(self) -> str:
         if self.config.overlap == "backward":
             return ("a backward after the final micro-step of this step, before step(): under "
                     "overlap='backward' a backward outside opt.no_sync() steps the chunks "
