@@ -28,14 +28,18 @@ import torch
 
 from pipeoff import _compat
 
-__all__ = ["Accelerator", "Cuda", "current", "use"]
+__all__ = ["TORCH_CUDA", "Accelerator", "Cuda", "CudaRuntime", "current", "use"]
 
 
 class Accelerator(Protocol):
     """What pipeoff needs from an accelerator runtime."""
 
     name: str
-    """``"cuda"``, or ``"cuda-sim"`` for the simulated device."""
+    """``"cuda"``."""
+
+    @property
+    def device_type(self) -> str:
+        """The ``torch.device`` type of device memory (``"cpu"`` on the simulated device)."""
 
     def available(self) -> bool:
         """Whether a device is usable here."""
@@ -103,23 +107,150 @@ class Accelerator(Protocol):
 _SLEEP_CYCLES_PER_S = 1.98e9  # torch.cuda._sleep spins in clock cycles; ~H200 boost clock
 
 
-class Cuda:
-    """:class:`Accelerator` over ``torch.cuda``."""
+class CudaRuntime(Protocol):
+    """The torch and CUDA runtime entry points :class:`Cuda` calls, and nothing more.
 
-    name = "cuda"
+    :class:`Cuda` holds one: :data:`TORCH_CUDA` (``torch.cuda`` itself) on a
+    GPU, or the simulated device's (:func:`pipeoff.testing.simulated_cuda`), so
+    that the same :class:`Cuda` code, which stream is current for a launch,
+    what ``record_stream`` and ``synchronize`` reach, how streams and pinned
+    memory are made, runs in CI and on a GPU, and its mistakes are races there.
+    Names follow ``torch.cuda``'s where it has one.
+    """
 
-    def available(self) -> bool:
+    device_type: str
+    """The ``torch.device`` type of device memory: ``"cuda"`` (``"cpu"`` simulated)."""
+
+    def is_available(self) -> bool: ...
+    def current_device(self) -> int: ...
+    def current_stream(self, device: torch.device | None) -> Any: ...
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]: ...
+    def Event(self, enable_timing: bool, blocking: bool) -> Any: ...  # noqa: N802
+    def Stream(self, device: torch.device, priority: int) -> Any: ...  # noqa: N802
+    def ExternalStream(self, stream_ptr: int, device: torch.device) -> Any: ...  # noqa: N802
+    def synchronize(self, device: torch.device | None) -> None: ...
+    def is_current_stream_capturing(self) -> bool: ...
+    def cudart(self) -> Any:
+        """``torch.cuda.cudart()``: ``cudaHostRegister`` / ``cudaHostUnregister``."""
+    def libcudart(self) -> Any:
+        """The CUDA runtime library (``ctypes``; ``cudaStreamCreateWithPriority``), or
+        ``None`` when it cannot be loaded."""
+    def sleep(self, cycles: int) -> None:
+        """Spin the current stream (``torch.cuda._sleep``)."""
+    def range_push(self, name: str) -> None: ...
+    def range_pop(self) -> None: ...
+    def label_stream(self, stream: Any, name: str) -> None:
+        """Name ``stream`` where the runtime can (the simulated device's messages)."""
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """``t.record_stream(stream)``."""
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """``t.is_pinned()``."""
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in device memory (``t.device.type == "cuda"``)."""
+    def empty(self, shape: Any, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        """``torch.empty(shape, dtype=dtype, pin_memory=pin_memory)``."""
+    def host_thread(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered by pipeoff's threads around host work (nothing on CUDA)."""
+
+
+class _TorchCuda:
+    """:class:`CudaRuntime` as ``torch.cuda`` (looked up at each call)."""
+
+    device_type = "cuda"
+
+    def is_available(self) -> bool:
         return torch.cuda.is_available()
 
-    def is_device(self, device: torch.device) -> bool:
-        return device.type == "cuda"
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def current_stream(self, device: torch.device | None) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(device)
+
+    def Event(self, enable_timing: bool, blocking: bool) -> Any:  # noqa: N802
+        return torch.cuda.Event(enable_timing=enable_timing, blocking=blocking)
+
+    def Stream(self, device: torch.device, priority: int) -> Any:  # noqa: N802
+        return torch.cuda.Stream(device=device, priority=priority)
+
+    def ExternalStream(self, stream_ptr: int, device: torch.device) -> Any:  # noqa: N802
+        return torch.cuda.ExternalStream(stream_ptr, device=device)
+
+    def synchronize(self, device: torch.device | None) -> None:
+        torch.cuda.synchronize(device)
+
+    def is_current_stream_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def cudart(self) -> Any:
+        return torch.cuda.cudart()
+
+    def libcudart(self) -> Any:
+        return _cudart_library() or None
+
+    def sleep(self, cycles: int) -> None:
+        _compat.cuda_sleep(cycles)
+
+    def range_push(self, name: str) -> None:
+        torch.cuda.nvtx.range_push(name)
+
+    def range_pop(self) -> None:
+        torch.cuda.nvtx.range_pop()
+
+    def label_stream(self, stream: Any, name: str) -> None:
+        pass  # CUDA streams have no names
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
 
     def on_device(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda"
 
+    def empty(self, shape: Any, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    def host_thread(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+TORCH_CUDA: CudaRuntime = _TorchCuda()
+"""The real CUDA runtime, through ``torch.cuda``."""
+
+
+class Cuda:
+    """:class:`Accelerator` over a :class:`CudaRuntime` (``torch.cuda`` by default)."""
+
+    name = "cuda"
+
+    def __init__(self, runtime: CudaRuntime | None = None) -> None:
+        self.runtime: CudaRuntime = TORCH_CUDA if runtime is None else runtime
+
+    @property
+    def device_type(self) -> str:
+        return self.runtime.device_type
+
+    def available(self) -> bool:
+        return self.runtime.is_available()
+
+    def is_device(self, device: torch.device) -> bool:
+        return device.type == self.runtime.device_type
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return self.runtime.on_device(t)
+
     def normalize(self, device: torch.device) -> torch.device:
         if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", self.runtime.current_device())
         return device
 
     def host_empty(self, shape: Any, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
@@ -130,18 +261,18 @@ class Cuda:
         (seconds for tens of GB); ``OffloadOptimizer(reserve=True)`` pays it at
         construction."""
         if not (pinned and self.available()):
-            return torch.empty(shape, dtype=dtype)
+            return self.runtime.empty(shape, dtype, False)
         numel = 1
         for d in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
             numel *= int(d)
         if numel * dtype.itemsize >= REGISTER_MIN_BYTES:
-            registered = _registered_empty(numel, dtype)
+            registered = _registered_empty(numel, dtype, self.runtime)
             if registered is not None:
                 return registered.view(shape)
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return self.runtime.empty(shape, dtype, True)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.is_pinned()
+        return self.runtime.is_pinned(t)
 
     def new_stream(self, device: torch.device, priority: int = 0, name: str = "") -> Any:
         """A stream of pipeoff's own (``cudaStreamCreateWithPriority``, non-blocking).
@@ -151,49 +282,57 @@ class Cuda:
         one of them and lose its overlap. Falls back to a pooled stream, with a
         warning, when the CUDA runtime library cannot be called.
         """
-        stream = _dedicated_stream(device, priority)
-        return stream if stream is not None else torch.cuda.Stream(device=device,
-                                                                   priority=priority)
+        stream = _dedicated_stream(device, priority, self.runtime)
+        if stream is None:
+            stream = self.runtime.Stream(device, priority)
+        if name:
+            self.runtime.label_stream(stream, name)
+        return stream
 
     def current_stream(self, device: torch.device | None = None) -> Any:
-        return torch.cuda.current_stream(device)
+        return self.runtime.current_stream(device)
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
+        return self.runtime.stream(stream)
 
     def use_device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.device(device)
+        return self.runtime.device(device)
 
     def new_event(self, timing: bool = False) -> Any:
-        return torch.cuda.Event(enable_timing=timing, blocking=not timing)
+        return self.runtime.Event(enable_timing=timing, blocking=not timing)
 
     def launch(self, stream: Any, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):
+        # The kernels fn enqueues go to the lane's stream, not to whatever stream
+        # the issuing thread had current (hazard: a task's work running outside
+        # its lane's order, before the waits made on that stream).
+        with self.runtime.stream(stream):
             fn()
 
     def sleep(self, stream: Any, seconds: float) -> None:
-        with torch.cuda.stream(stream):
-            _compat.cuda_sleep(int(seconds * _SLEEP_CYCLES_PER_S))
+        with self.runtime.stream(stream):
+            self.runtime.sleep(int(seconds * _SLEEP_CYCLES_PER_S))
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)
+        self.runtime.record_stream(t, stream)
 
     def synchronize(self, device: torch.device | None = None) -> None:
-        torch.cuda.synchronize(device)
+        # Every stream of the device, not the current one: callers wait here for
+        # lanes' work (hazard: reading a result a lane's stream still writes).
+        self.runtime.synchronize(device)
 
     def is_capturing(self) -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return self.runtime.is_available() and self.runtime.is_current_stream_capturing()
 
     @contextlib.contextmanager
     def range(self, name: str) -> Iterator[None]:
-        torch.cuda.nvtx.range_push(name)
+        self.runtime.range_push(name)
         try:
             yield
         finally:
-            torch.cuda.nvtx.range_pop()
+            self.runtime.range_pop()
 
     def host_thread(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+        return self.runtime.host_thread()
 
 
 REGISTER_MIN_BYTES = 64 << 20
@@ -212,25 +351,28 @@ class _PageLocked(mmap.mmap):
     """
 
     address = 0
+    cudart: Any = None
 
     def __del__(self) -> None:
         if self.address:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.cudart.cudaHostUnregister(self.address)
             self.address = 0
 
 
-def _registered_empty(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+def _registered_empty(numel: int, dtype: torch.dtype,
+                      runtime: CudaRuntime = TORCH_CUDA) -> torch.Tensor | None:
     nbytes = max(1, numel) * dtype.itemsize
     memory = _PageLocked(-1, nbytes)
     t = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
     address = t.data_ptr()
-    cudart = torch.cuda.cudart()
+    cudart = runtime.cudart()
     err = cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_DEFAULT)
     if err != cudart.cudaError.success:
         warnings.warn(f"pipeoff: cudaHostRegister of {nbytes} bytes failed ({err}); using "
                       "torch's pinned allocator, which rounds sizes up to a power of two",
                       RuntimeWarning, stacklevel=3)
         return None
+    memory.cudart = cudart
     memory.address = address
     return t.view(dtype)[:numel]
 
@@ -254,15 +396,16 @@ def _cudart_library() -> Any:
     return _libcudart
 
 
-def _dedicated_stream(device: torch.device, priority: int) -> Any:
-    lib = _cudart_library()
+def _dedicated_stream(device: torch.device, priority: int,
+                      runtime: CudaRuntime = TORCH_CUDA) -> Any:
+    lib = runtime.libcudart()
     if not lib:
         warnings.warn("pipeoff: the CUDA runtime library could not be loaded; lanes use "
                       "torch's pooled streams, which NCCL and FSDP2 may share",
                       RuntimeWarning, stacklevel=3)
         return None
     handle = ctypes.c_void_p()
-    with torch.cuda.device(device):
+    with runtime.device(device):
         err = lib.cudaStreamCreateWithPriority(ctypes.byref(handle),
                                                ctypes.c_uint(_CUDA_STREAM_NON_BLOCKING),
                                                ctypes.c_int(priority))
@@ -271,7 +414,7 @@ def _dedicated_stream(device: torch.device, priority: int) -> Any:
                       "torch's pooled streams", RuntimeWarning, stacklevel=3)
         return None
     # Never destroyed: pipeoff keeps its lanes' streams for the life of the process.
-    return torch.cuda.ExternalStream(handle.value, device=device)
+    return runtime.ExternalStream(handle.value, device)
 
 
 _lock = threading.Lock()

@@ -66,18 +66,32 @@ class Health:
     each field is one reference, read and written whole.
     """
 
-    __slots__ = ("dirty", "stale", "torn")
+    __slots__ = ("dirty", "stale", "torn", "torn_cause")
 
     def __init__(self) -> None:
         self.torn: str | None = None
         """Why the parameters (or masters) and state are partly stepped; cleared by
         ``load_state_dict``."""
+        self.torn_cause: BaseException | None = None
+        """The failure that tore them, chained to each refusal."""
         self.dirty: BaseException | None = None
         """A failure of the accumulated gradients (nothing was stepped); cleared by
         ``zero_grad()``."""
         self.stale: BaseException | None = None
         """A failed copy left device weights behind their stepped masters; cleared by
         ``refresh_device_weights()``."""
+
+    def check_dirty(self, what: str) -> None:
+        """Refuse ``what`` while a failure that stepped nothing is not cleared.
+
+        Raises:
+            StepFailedError: chained to that failure.
+        """
+        if self.dirty is not None:
+            raise StepFailedError(
+                f"{what} refused: this step failed before any master was stepped (a "
+                "gradient copy, an accumulation or the step itself); it refuses until "
+                "opt.zero_grad() clears the accumulated gradients") from self.dirty
 
     def check(self, what: str, *, stale: bool = True) -> None:
         """Refuse ``what`` if the state is torn (or, with ``stale``, the weights stale).
@@ -89,7 +103,7 @@ class Health:
             raise StepFailedError(
                 f"{what} refused: {self.torn}, so the parameters and optimizer state are "
                 "partly stepped. Load a checkpoint (the model's and this optimizer's "
-                "load_state_dict) to go on.")
+                "load_state_dict) to go on.") from self.torn_cause
         if stale and self.stale is not None:
             raise StepFailedError(
                 f"{what} refused: the device weights are stale (a host-to-device copy "

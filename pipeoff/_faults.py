@@ -186,11 +186,11 @@ def hold_task(pattern: str) -> Iterator[threading.Event]:
     is set (at the latest when the block exits): tests order events this way
     instead of racing a sleep against a delay.
 
-    On host lanes the task's thread waits; on a CUDA lane the thread that runs
-    its work does (on a GPU the lane's dispatch thread: later tasks of that lane
-    are not issued). An inline execution (a synchronous schedule without gates)
-    is refused: it runs inside ``execute()``, which could never return to release
-    it. The simulator runs no work and ignores it.
+    On host lanes the task's thread waits; on a CUDA lane its dispatch thread
+    does (later tasks of that lane are not issued). An inline execution (a
+    synchronous schedule without gates) is refused: it runs inside
+    ``execute()``, which could never return to release it. The simulator runs no
+    work and ignores it.
 
     Example::
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from pipeoff import _happens
 from pipeoff._errors import ConfigError, StepTimeoutError
 from pipeoff.executor._tracing import trace_of
 from pipeoff.trace import Trace
@@ -225,6 +226,7 @@ class Execution:
     def _check(self) -> None:
         err = self._run.error
         if err is not None:
+            _happens.report(err)  # the simulated device: this race reached its caller
             self._finalize()
             shown = err if self._translate is None else self._translate(err)
             if shown is not err:

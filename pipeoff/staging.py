@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeoff import _accel
+from pipeoff import _accel, _happens
 from pipeoff._errors import ConfigError
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class StagingPool:
 
     def acquire(self, nbytes: int) -> StagingBlock:
         """Hand out a block of at least ``nbytes``. The caller must honour ``block.ready``."""
+        _happens.acquire(self)  # after the host work of whoever released a block here
         with self._lock:
             i = bisect.bisect_left(self._free, (nbytes, -1))
             if i < len(self._free) and self._free[i][0] <= 2 * nbytes:
@@ -153,6 +154,7 @@ class StagingPool:
 
     def release(self, block: StagingBlock, ready: Any = None) -> None:
         """Return ``block``; ``ready`` is the event of its last user (CUDA) or ``None``."""
+        _happens.release(self)
         with self._lock:
             self._live -= block.in_use
             block.in_use = 0

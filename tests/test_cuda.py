@@ -66,6 +66,8 @@ def test_lanes_start_after_the_callers_stream(gpu: Gpu) -> None:
 
 
 def test_pooled_blocks_are_reused_only_after_their_last_user(gpu: Gpu) -> None:
+    scratch = gpu.accel.new_stream(gpu.device)
+
     def scenario() -> None:
         runs = []
         for value in (1.0, 2.0, 3.0):
@@ -84,7 +86,11 @@ def test_pooled_blocks_are_reused_only_after_their_last_user(gpu: Gpu) -> None:
             g.add_task("fill", TaskKind.H2D, fill, buffers=["stage"])
             g.add_task("back", TaskKind.D2H, back, deps=["fill"], buffers=["stage"])
             with pipeoff.testing.delay_lane("d2h", 0.02):
-                runs.append((pipeoff.execute(g), host, value))
+                ex = pipeoff.execute(g)
+            # Until "back" is issued (not run: its stream is late): its block is
+            # back in the pool for the next execution to take.
+            ex.events_for("back")[0].wait(scratch)
+            runs.append((ex, host, value))
         for ex, host, value in runs:
             ex.wait()
             assert torch.all(host == value)

@@ -196,3 +196,46 @@ def test_a_task_may_synchronize_its_own_stream(how: str) -> None:
         pipeoff.execute(g).wait(timeout=20)
         sim.synchronize()
         assert x.tolist() == [2.0] * 4
+
+
+# -- host threads: a clock each ------------------------------------------------------------
+def _two_host_writers(sim: Sim, ordered: bool) -> None:
+    """Two HOST tasks on two host lanes write one pinned tensor; ``ordered``: the second
+    depends on the first."""
+    slot = sim.host_empty(64, torch.float32, pinned=True)
+    g = TaskGraph(device=sim.device)
+    g.add_task("a", TaskKind.HOST, lambda ctx: slot.fill_(1.0), lane="accumulate")
+    g.add_task("b", TaskKind.HOST, lambda ctx: slot.fill_(2.0), lane="step",
+               deps=["a"] if ordered else ())
+    # b runs once a has: the order in time, which is not an order of the program.
+    with pipeoff.testing.hold_task("b") as release:
+        ex = pipeoff.execute(g)
+        ex.events_for("a")[0].query()
+        while not ex.events_for("a")[0].query():
+            time.sleep(1e-3)
+        release.set()
+        ex.wait()
+
+
+def test_two_host_threads_writing_one_tensor_unordered_is_a_race() -> None:
+    """Each host thread has its own clock: host-against-host races are checked, and one
+    thread's synchronize does not order another's accesses."""
+    flagged(lambda sim: _two_host_writers(sim, ordered=False))
+    accepted(lambda sim: _two_host_writers(sim, ordered=True))
+
+
+def test_a_race_nobody_waited_for_is_raised_when_the_device_exits() -> None:
+    """A race found in an execution whose wait never comes (or after a test's last
+    wait) is not lost: the device raises it at exit."""
+
+    def program(sim: Sim) -> None:
+        slot = sim.host_empty(64, torch.float32, pinned=True)
+        g = TaskGraph(device=sim.device)
+        g.add_task("late", TaskKind.HOST, lambda ctx: slot.fill_(1.0))
+        with pipeoff.testing.hold_task("late") as release:
+            ex = pipeoff.execute(g)
+            slot.fill_(2.0)  # the caller, unordered with the task
+            release.set()
+            ex._run.wait_all()  # done on the host; never wait()ed: its error not raised
+
+    flagged(program)

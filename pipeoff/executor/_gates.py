@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pipeoff import _happens
 from pipeoff._errors import ConfigError
 
 PENDING, OPEN, CLOSED, FAILED = 0, 1, 2, 3
@@ -61,6 +62,9 @@ class GateStates:
                     f"gate {self.names[k]!r} is already {STATE_NAMES[self.state[k]]}; a gate "
                     "is opened, closed or failed once per execution"
                 )
+            # Published before the state: a lane that sees the gate settled sees
+            # what the producer's thread did before (the payload's host writes).
+            _happens.release(self, k)
             self.state[k] = state
             self.payload[k] = payload
             self.event[k] = event
@@ -103,8 +107,14 @@ class GateStates:
         Returns ``False`` if ``deadline`` (``time.monotonic()``) passed first.
         """
         state = self.state
-        if all(state[k] != PENDING for k in ks):
-            return True
+        if any(state[k] == PENDING for k in ks) and not self._park(ks, deadline):
+            return False
+        for k in ks:
+            _happens.acquire(self, k)
+        return True
+
+    def _park(self, ks: Sequence[int], deadline: float | None) -> bool:
+        state = self.state
         now = time.perf_counter_ns() - self._origin_ns
         with self._cond:
             for k in ks:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _compat, _dist, _faults
+from pipeoff import _accel, _compat, _dist, _faults, _happens
 from pipeoff._errors import ConfigError
 from pipeoff.executor._gates import OPEN as GATE_OPEN
 from pipeoff.executor._gates import GateStates
@@ -128,8 +128,13 @@ class Run:
         so lanes do not wake each other up (a shared condition would).
         """
         status = self.status
-        if status[i] != PENDING:
-            return True
+        if status[i] == PENDING and not self._park(i, deadline):
+            return False
+        _happens.acquire(self, i)  # what the task's thread did comes before what we do
+        return True
+
+    def _park(self, i: int, deadline: float | None) -> bool:
+        status = self.status
         ev = _thread_event()
         while True:
             ev.clear()
@@ -147,10 +152,12 @@ class Run:
 
     def wait_all(self, deadline: float | None = None) -> bool:
         """Block until every task is terminal; False on deadline."""
-        if self.all_done.is_set():
-            return True
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return wait_event(self.all_done, timeout)
+        if not self.all_done.is_set():
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not wait_event(self.all_done, timeout):
+                return False
+        _happens.acquire(self, None)
+        return True
 
     @property
     def complete(self) -> bool:
@@ -158,6 +165,9 @@ class Run:
         return self.all_done.is_set()
 
     def finish(self, i: int, status: int) -> None:
+        # Published before the status: a waiter that sees it must see this too.
+        _happens.release(self, i)
+        _happens.release(self, None)
         self.status[i] = status
         waiting = self._waiting.pop(i, None)
         if waiting:
@@ -303,10 +313,6 @@ class Run:
         self.release(i, ready_of=ready_of)
         self.finish(i, CANCELLED)
 
-    def set_status(self, i: int, status: int) -> None:
-        """Correct a finished task's status (work that ran after its issue failed)."""
-        self.status[i] = status
-
     def run_task(self, i: int, lane: str, *, waited: bool = False,
                  after: Callable[[], None] | None = None) -> None:
         """Run task ``i`` on the calling host thread: wait, acquire, work, release, finish.
@@ -318,8 +324,7 @@ class Run:
         status = self.status
         try:
             for j in () if waited else self.plan.waits[i]:
-                if status[j] == PENDING:
-                    self.wait_terminal(j)
+                self.wait_terminal(j)
             if (self.window is not None and i >= self.window
                     and status[i - self.window] == PENDING):
                 # Flow control, not a dependency: task i starts only once task

@@ -343,14 +343,14 @@ class CudaBackend:
 
     def _device_work(self, run: Run, state: _CudaRunState, i: int, ctx: TaskContext,
                      outcome: list[int]) -> None:
-        """A device task's work, with ``stream`` current. On CUDA it runs while the task
-        is issued; on the simulated device later, on the stream's worker."""
+        """A device task's work, run by its issue with ``stream`` current (its kernels
+        are enqueued there; on the simulated device too, through ``Cuda.launch``)."""
         task = run.tasks[i]
         lane = run.plan.lanes[i]
         if run.error is not None and not task.must_run and run.error_task != task.name:
-            # The simulated device runs work after its issue: a failure meanwhile
-            # cancels it, as a failure before its issue would have.
-            run.set_status(i, CANCELLED)
+            # Another lane failed since this task's issue began (its waits, its
+            # staging): it is cancelled, as a failure before its issue would have.
+            outcome[0] = CANCELLED
             return
         try:
             if run.hooks:
@@ -368,7 +368,6 @@ class CudaBackend:
         except BaseException as err:
             run.fail(i, err)
             outcome[0] = FAILED
-            run.set_status(i, FAILED)
 
     # -- host tasks -----------------------------------------------------------
     def _run_host(self, run: Run, state: _CudaRunState, i: int) -> None:

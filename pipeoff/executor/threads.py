@@ -24,7 +24,7 @@ import warnings
 from collections import deque
 from typing import Any
 
-from pipeoff import _accel
+from pipeoff import _accel, _happens
 from pipeoff._errors import ConfigError
 from pipeoff.executor import _exit
 from pipeoff.executor._backend import HostBackend
@@ -66,6 +66,7 @@ class _LaneWorker:
         self._thread.start()
 
     def submit(self, items: list[Any]) -> None:
+        _happens.release(self)  # what the submitter did comes before the items run
         with self._cond:
             self._q.extend(items)
             self._cond.notify()
@@ -79,6 +80,7 @@ class _LaneWorker:
                     self._cond.wait()
                 batch = list(q)
                 q.clear()
+            _happens.acquire(self)
             for item in batch:
                 if item is _STOP:
                     return

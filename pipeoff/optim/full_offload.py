@@ -23,7 +23,7 @@ import torch
 
 from pipeoff import _accel, _compat, _faults
 from pipeoff._contract import Health
-from pipeoff._errors import ConfigError, StepFailedError
+from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
 from pipeoff.optim._full_offload import _checkpoint
@@ -384,18 +384,19 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._health.check("step()")
         self._sync_with_model()
         micro = self._micro_steps
-        if micro.phase is Phase.IDLE and not micro.begin_from_params():
-            return None  # no gradient at all: nothing steps, as in torch
+        if micro.phase is Phase.IDLE:
+            # A failure that stepped nothing and surfaced after step() returned:
+            # refused until zero_grad(), also without new gradients.
+            self._health.check_dirty("step()")
+            if not micro.begin_from_params():
+                return None  # no gradient at all: nothing steps, as in torch
         micro.close_open_backward("step() was called before its backward finished")
         if self._health.dirty is not None or (micro.acc is not None and micro.acc.failed()):
             settled = micro.settle_failure()
             if settled is not None:
                 self.last_trace = settled.trace
             self._health.check("step()")
-        if self._health.dirty is not None:
-            raise StepFailedError(
-                "a gradient copy or accumulation of this step failed; step() refuses until "
-                "opt.zero_grad() clears the accumulated gradients") from self._health.dirty
+        self._health.check_dirty("step()")
         hyper = capture_hyper(self.param_groups)
         acc = micro.acc
         assert acc is not None

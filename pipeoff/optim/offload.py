@@ -400,6 +400,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             if written:
                 # The updates cannot be undone (that would need a copy of every
                 # parameter): refuse to compound them rather than train on silently.
+                self._health.torn_cause = err
                 self._health.torn = (
                     f"a step failed in {failed!r} after chunk(s) "
                     f"{_ranges(written)} of {len(st.opt_tasks)} had written their parameters"

@@ -47,7 +47,11 @@ def simulated_cuda() -> contextlib.AbstractContextManager[Any]:
     ordering rules, and a race raises :class:`DataRaceError` naming the tensor and
     both accesses (see :mod:`pipeoff.testing._simcuda` and ``docs/concepts.md``).
     Host memory is what ``device.host_empty(...)`` returns; other tensors are device
-    memory. Yields the :class:`~pipeoff.testing._simcuda.SimulatedCuda` device.
+    memory. pipeoff's accelerator is the real :class:`pipeoff._accel.Cuda` class over
+    the device's fake of the torch and CUDA runtime calls it makes
+    (:class:`~pipeoff.testing._simcuda.SimRuntime`): a task's work runs when it is
+    issued, on the issuing thread with its lane's stream current, as on a GPU.
+    Yields the :class:`~pipeoff.testing._simcuda.SimulatedCuda` device.
     Problems found off the raising thread (a storage freed while a stream may
     still use it) are raised when the block exits.
     """
@@ -56,20 +60,28 @@ def simulated_cuda() -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def _simulated_cuda() -> Iterator[Any]:
-    from pipeoff import _accel
-    from pipeoff.testing._simcuda import SimulatedCuda
+    from pipeoff import _accel, _happens
+    from pipeoff.testing._simcuda import SimRuntime, SimulatedCuda
 
     sim = SimulatedCuda()
+    # The real Cuda class, over a fake of the torch.cuda entry points it calls: a
+    # mistake in it (a launch without its stream current, a record_stream that
+    # does nothing) is a race here as on a GPU.
+    sim.runtime = SimRuntime(sim)
+    sim.accelerator = _accel.Cuda(sim.runtime)
+    prior = _happens.install(sim)  # the order pipeoff's threads hand tensors over in
     try:
-        with _accel.use(sim), sim.host_thread():
+        with _accel.use(sim.accelerator), sim.host_thread():
             try:
                 yield sim
             finally:
                 sim.synchronize()
     finally:
+        _happens.install(prior)
         sim.close()
-    if sim.undelivered:
-        raise sim.undelivered[0]
+    late = sim.unreported()
+    if late is not None:
+        raise late
 
 
 def __getattr__(name: str) -> Any:

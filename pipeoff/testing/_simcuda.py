@@ -66,9 +66,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DataRaceError", "SimulatedCuda"]
+__all__ = ["DataRaceError", "SimRuntime", "SimulatedCuda"]
 
-HOST = "host"
+
+
+class _Host:
+    """A host thread as an actor of the checker: its clock, and its accesses' epochs."""
+
+    __slots__ = ("name", "vc")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.vc: dict[Any, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<host thread {self.name!r}>"
+
+
+def _is_host(actor: Any) -> bool:
+    return type(actor) is _Host
 _MAX_RECORDS = 8192  # access records kept per storage (the latest per range, actor, kind)
 
 
@@ -230,6 +246,8 @@ class SimStream:
             try:
                 self._execute(item)
             except BaseException as err:  # noqa: BLE001 - reported by the device
+                if not isinstance(err, DataRaceError):
+                    self.sim._found(err)  # a race was noted when found
                 self.sim.undelivered.append(err)
             finally:
                 with self._cond:
@@ -297,6 +315,9 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        deferred = self.sim._defer(func, args, kwargs)
+        if deferred is not None:
+            return deferred[0]
         actor = self.sim._on_op(func, args, kwargs)
         out = func(*args, **kwargs)
         self.sim._on_result(out, actor)
@@ -328,11 +349,15 @@ class SimulatedCuda:
     """
 
     name = "cuda-sim"
+    device_type = "cpu"
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.device = torch.device("cpu")
-        self.host_vc: dict[Any, int] = {}
+        self._hosts: list[_Host] = []
+        self._sync: weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, int]]] = (
+            weakref.WeakKeyDictionary())
+        """Per object and key, the clock that :meth:`release` published there."""
         self.errors: list[BaseException] = []
         """Every data race found, raised where it happened."""
         self.undelivered: list[BaseException] = []
@@ -350,6 +375,16 @@ class SimulatedCuda:
         self._checker = _Checker(self)
         self._host_reads = _HostReads(self)
         self._closed = False
+        self.owner = threading.current_thread()
+        """The thread that entered the device (a test's)."""
+        self.muted = False
+        """A race (or a stream's error) reached :attr:`owner`, which has not synchronized
+        the device since: later ones are its echoes, not reported again."""
+        self.runtime: SimRuntime | None = None
+        """The fake torch.cuda that pipeoff's :class:`~pipeoff._accel.Cuda` calls (set by
+        :func:`pipeoff.testing.simulated_cuda`)."""
+        self.accelerator: Any = None
+        """The :class:`~pipeoff._accel.Cuda` over :attr:`runtime` that pipeoff uses."""
         self.default = SimStream(self, "default")
         self.streams: list[SimStream] = [self.default]
 
@@ -374,10 +409,13 @@ class SimulatedCuda:
     def _register_host(self, storage: Any, pinned: bool) -> None:
         start, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes:
-            with self._lock:
-                bisect.insort(self._host, (start, start + nbytes, pinned))
-                self._acc.pop(start, None)  # memory a freed device tensor had
+            self._register_range(start, nbytes, pinned)
             weakref.finalize(storage, self._host_freed, start, start + nbytes, pinned)
+
+    def _register_range(self, start: int, nbytes: int, pinned: bool) -> None:
+        with self._lock:
+            bisect.insort(self._host, (start, start + nbytes, pinned))
+            self._acc.pop(start, None)  # memory a freed device tensor had
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         r = self._host_range(_ptr(t))
@@ -427,8 +465,21 @@ class SimulatedCuda:
         # From a stream's own work, its stream is skipped (see SimStream.synchronize);
         # another stream waiting for an event this one records later would hang
         # here, where CUDA (issuing the work first) would not.
-        for s in list(self.streams):
-            s.synchronize()
+        try:
+            for s in list(self.streams):
+                s.synchronize()
+        finally:
+            if threading.current_thread() is self.owner and self.muted:
+                # The test synchronized after a reported race: what came of it
+                # has run; a race found from now on is news.
+                for s in list(self.streams):
+                    s.drain()
+                with self._lock:
+                    for e in self.undelivered:
+                        self._seen(e)
+                    self.errors.extend(self.undelivered)
+                    self.undelivered.clear()
+                    self.muted = False
 
     def range(self, name: str) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -462,17 +513,89 @@ class SimulatedCuda:
         with self._lock:
             return dict(worker.vc if worker is not None else self.host_vc)
 
+    @property
+    def host_vc(self) -> dict[Any, int]:
+        """The calling host thread's clock."""
+        return self._host_actor().vc
+
+    def _host_actor(self) -> _Host:
+        host: _Host | None = getattr(self._tls, "host", None)
+        if host is None:
+            host = self._tls.host = _Host(threading.current_thread().name)
+            with self._lock:
+                self._hosts.append(host)
+        return host
+
+    def _hosts_vc(self) -> dict[Any, int]:
+        """What some host thread knows (the host as one: for frees, which the
+        garbage collector runs on any thread)."""
+        out: dict[Any, int] = {}
+        with self._lock:
+            for h in self._hosts:
+                _merge(out, h.vc)
+        return out
+
+    # -- happens-before between host threads (pipeoff._happens) -------------------------
+    def release(self, obj: Any, key: Any = None) -> None:
+        if getattr(self._tls, "worker", None) is not None:
+            return
+        vc = self.host_vc
+        with self._lock:
+            try:
+                slots = self._sync.setdefault(obj, {})
+            except TypeError:  # not weakly referable: keyed by nothing then
+                return
+            _merge(slots.setdefault(key, {}), vc)
+
+    def acquire(self, obj: Any, key: Any = None) -> None:
+        if getattr(self._tls, "worker", None) is not None:
+            return
+        vc = self.host_vc
+        with self._lock:
+            try:
+                published = self._sync.get(obj, {}).get(key)
+            except TypeError:
+                return
+            if published:
+                _merge(vc, published)
+
     def _deliver(self) -> None:
         """Raise on the host, at a synchronization, the first error that stream work
         raised (as CUDA reports an asynchronous kernel error at the next one)."""
         if self.undelivered and getattr(self._tls, "worker", None) is None:
             with self._lock:
-                # As a sticky CUDA error: one report; the rest stay in ``errors``.
-                err = self.undelivered[0] if self.undelivered else None
+                err = next((e for e in self.undelivered if not _seen(e)), None)
                 self.errors.extend(self.undelivered)
                 self.undelivered.clear()
             if err is not None:
+                self._seen(err)
                 raise err
+
+    def _found(self, err: BaseException) -> None:
+        """Note an error as it is found: while an earlier one has been reported and the
+        test has not synchronized the device since, it is that failure's echo (a
+        sticky CUDA error: one report)."""
+        if self.muted or threading.current_thread() is self.owner:
+            self._seen(err)  # an echo, or it propagates to the caller from here
+
+    def _seen(self, err: BaseException) -> None:
+        # What was found before it is of the same episode (found on other threads
+        # before this one reached the caller): reported with it.
+        with self._lock:
+            for e in (err, *self.errors, *self.undelivered):
+                e.pipeoff_seen = True  # type: ignore[attr-defined]
+            self.muted = True
+
+    def report(self, err: BaseException) -> None:
+        """pipeoff re-raised ``err`` (a task's failure) to its caller."""
+        if isinstance(err, DataRaceError):
+            self._seen(err)
+
+    def unreported(self) -> BaseException | None:
+        """The first race or stream error found that never reached the thread that
+        entered the device (a race after a test's last wait, one in an execution
+        nobody waited for): raised when the device exits."""
+        return next((e for e in (*self.undelivered, *self.errors) if not _seen(e)), None)
 
     def _host_acquire(self, vc: dict[Any, int]) -> None:
         if getattr(self._tls, "worker", None) is not None:
@@ -491,13 +614,14 @@ class SimulatedCuda:
         return None
 
     def _host_freed(self, start: int, end: int, pinned: bool) -> None:
+        known = self._hosts_vc()
         with self._lock:
             try:
                 self._host.remove((start, end, pinned))
             except ValueError:
                 pass
             for acc in self._acc.pop(start, {}).values():
-                if acc.actor != HOST and self.host_vc.get(acc.actor, 0) < acc.epoch:
+                if not _is_host(acc.actor) and known.get(acc.actor, 0) < acc.epoch:
                     self.undelivered.append(DataRaceError(
                         f"host memory freed while {acc.actor!r} may still {_rw(acc)} it "
                         f"({acc.op}, at {acc.where}): the host never synchronized with it"))
@@ -508,15 +632,14 @@ class SimulatedCuda:
             fences = self._fences.pop(ptr, set())
             self._watched.discard(ptr)
             accesses = list(self._acc.pop(ptr, {}).values())
-        if made_by is None or made_by == HOST or self._closed:
+        if made_by is None or _is_host(made_by) or self._closed:
             return
         # The allocator hands the block to the next allocation on `made_by`, which
         # runs after everything enqueued there so far (waits included, even those
         # not yet run): check at that point of its queue.
         # The free itself orders nothing: on CUDA the host drops the last reference
         # when it issues work, whichever stream's work (here, thread) dropped it.
-        with self._lock:
-            host = dict(self.host_vc)
+        host = self._hosts_vc()
         made_by._enqueue(("launch", functools.partial(
             self._check_free, made_by, fences, accesses)), clock=host)
 
@@ -525,7 +648,7 @@ class SimulatedCuda:
         with self._lock:
             known = dict(made_by.vc)
             for acc in accesses:
-                if acc.actor in (made_by, HOST) or acc.actor in fences:
+                if acc.actor is made_by or _is_host(acc.actor) or acc.actor in fences:
                     continue
                 # Safe if the allocation stream's next work (enqueued by the host
                 # from now on) is ordered after this access: the host or the
@@ -556,7 +679,7 @@ class SimulatedCuda:
             if not ptr or _ptr(t) in inputs:
                 continue
             if ptr not in self._watched and self._host_range(ptr) is None:
-                if actor == HOST:
+                if _is_host(actor):
                     self._register_host(t.untyped_storage(), pinned=False)
                 else:
                     with self._lock:
@@ -568,19 +691,24 @@ class SimulatedCuda:
             with self._lock:
                 base = self._base(ptr)
                 lo, hi = span[0] + ptr - base, span[1] + ptr - base
-                vc = self.host_vc if actor == HOST else actor.vc
+                vc = actor.vc
                 self._check(base, lo, hi, True, actor, vc, name, t)
                 self._record(base, lo, hi, actor, epoch, True, name, where)
 
-    def _actor(self, device: bool) -> Any:
+    def _actor(self, device: bool, fresh: bool = False) -> Any:
         """Who runs an operation issued by this thread: its stream worker, the current
-        stream (an operation on device memory), or the host."""
+        stream (an operation on device memory), or the host. ``fresh``: the operation
+        only allocates (its output is new memory, no input's data is read)."""
         worker: SimStream | None = getattr(self._tls, "worker", None)
         if worker is not None:
             return worker
         if not device:
-            return HOST
+            return self._host_actor()
         stream = self.current_stream()
+        if fresh:
+            # An allocation does not wait for the stream (nor does cudaMalloc from
+            # the caching allocator): nothing it reads is written there.
+            return stream
         # The device runs this after everything enqueued on the stream so far;
         # the host thread issuing it waits for that here.
         stream.drain()
@@ -590,8 +718,9 @@ class SimulatedCuda:
 
     def _tick(self, actor: Any) -> int:
         with self._lock:
-            vc = self.host_vc if actor == HOST else actor.vc
-            vc[actor] = epoch = vc.get(actor, 0) + 1
+            vc: dict[Any, int] = actor.vc
+            epoch = vc.get(actor, 0) + 1
+            vc[actor] = epoch
         return epoch
 
     def _on_op(self, func: Any, args: Any,
@@ -601,13 +730,15 @@ class SimulatedCuda:
         if self._closed or getattr(func, "is_view", False):
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not tensors and not any(str(r.type) == "Tensor" for r in func._schema.returns):
+            return None  # no memory touched (the profiler's record_function)
         if func.overloadpacket in _METADATA_ONLY or not tensors:
             # new_empty(t) / zeros_like(t) read t's shape, not its memory; a factory
             # reads nothing. The result is where t is (host memory for a host
             # tensor); a factory's is device memory, written on the current stream.
             src = tensors[0] if tensors else None
             host = src is not None and self._host_range(_ptr(src)) is not None
-            actor = self._actor(device=not host)
+            actor = self._actor(device=not host, fresh=True)
             return actor, self._tick(actor), frozenset(_ptr(t) for t in tensors)
         schema = func._schema
         written: set[int] = set()
@@ -625,7 +756,7 @@ class SimulatedCuda:
         touches_host = any(k is not None for k in kinds)
         actor = self._actor(device=touches_device)
         sync_after: SimStream | None = None
-        if actor != HOST and getattr(self._tls, "worker", None) is None:
+        if not _is_host(actor) and getattr(self._tls, "worker", None) is None:
             pinned_only = all(k is None or k[2] for k in kinds)
             if touches_host and not (bool(non_blocking) and pinned_only):
                 sync_after = actor  # a blocking or pageable copy synchronizes the host
@@ -635,10 +766,10 @@ class SimulatedCuda:
                 # shape that depends on the data).
                 sync_after = actor
         op = str(func).replace("aten::", "").replace(".default", "")
-        where = _where()
+        where = getattr(self._tls, "where", None) or _where()
         epoch = self._tick(actor)
         with self._lock:
-            vc = self.host_vc if actor == HOST else actor.vc
+            vc = actor.vc
             for t in tensors:
                 ptr = _ptr(t)
                 span = _span(t)
@@ -657,6 +788,56 @@ class SimulatedCuda:
             self._deliver()
         return actor, epoch, frozenset(_ptr(t) for t in tensors)
 
+    def _defer(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any] | None:
+        """Enqueue an in-place device operation that a host thread issues on its current
+        stream, to run later on the stream's worker, as a kernel runs after its launch;
+        returns ``(its result,)``, or ``None`` to run it now (it returns a new tensor or
+        a host value, or it synchronizes the host).
+
+        So issue is asynchronous: a lane's dispatcher goes on (and releases its
+        staging) while the stream is still late, as on a GPU.
+        """
+        if self._closed or getattr(self._tls, "worker", None) is not None:
+            return None
+        if (getattr(func, "is_view", False) or func.overloadpacket in _SHAPE_FROM_DATA
+                or func.overloadpacket in _METADATA_IN_PLACE):
+            return None
+        schema = func._schema
+        returns = schema.returns
+        if returns:
+            first = schema.arguments[0].alias_info if schema.arguments else None
+            ret = returns[0].alias_info
+            if not (len(returns) == 1 and ret is not None and ret.is_write and first is not None
+                    and first.is_write and first.before_set == ret.before_set):
+                return None  # a new tensor, or a value for the host
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return None
+        kinds = [self._host_range(_ptr(t)) for t in tensors]
+        if not any(k is None and _ptr(t) for k, t in zip(kinds, tensors)):
+            return None  # host work
+        if any(k is not None for k in kinds):
+            non_blocking = kwargs.get("non_blocking")
+            for i, a in enumerate(schema.arguments):
+                if a.name == "non_blocking" and i < len(args):
+                    non_blocking = args[i]
+            if not (non_blocking and all(k is None or k[2] for k in kinds)):
+                return None  # a blocking or pageable copy: the host waits for it
+        stream = self.current_stream()
+        stream._enqueue(("launch", functools.partial(
+            self._run_deferred, func, args, kwargs, _where())))
+        return (args[0] if returns else None,)
+
+    def _run_deferred(self, func: Any, args: Any, kwargs: dict[str, Any], where: str) -> None:
+        self._tls.where = where  # name the issuing code, not the worker, in a race
+        try:
+            # Autograd saw the operation at its issue (version counters, leaf
+            # checks); here only the kernel runs.
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                func(*args, **kwargs)
+        finally:
+            self._tls.where = None
+
     def host_read(self, t: torch.Tensor, op: str) -> None:
         """The host reads ``t`` outside aten (``.tolist()``, ``.numpy()``): on device
         memory that synchronizes the host with the current stream first, as on CUDA."""
@@ -671,12 +852,13 @@ class SimulatedCuda:
             with self._lock:
                 _merge(self.host_vc, stream.vc)
             self._deliver()
-        epoch = self._tick(HOST)
+        host = self._host_actor()
+        epoch = self._tick(host)
         with self._lock:
             base = self._base(ptr)
             lo, hi = span[0] + ptr - base, span[1] + ptr - base
-            self._check(base, lo, hi, False, HOST, self.host_vc, op, t)
-            self._record(base, lo, hi, HOST, epoch, False, op, _where())
+            self._check(base, lo, hi, False, host, host.vc, op, t)
+            self._record(base, lo, hi, host, epoch, False, op, _where())
 
     def _base(self, ptr: int) -> int:
         r = self._host_range(ptr)
@@ -709,12 +891,14 @@ class SimulatedCuda:
                 continue
             if vc.get(acc.actor, 0) >= acc.epoch:
                 continue
+            here = getattr(self._tls, "where", None) or _where()
             err = DataRaceError(
                 f"data race on a {_describe(t, self)}: {actor!r} {'writes' if write else 'reads'}"
-                f" it ({op}, at {_where()}) while {acc.actor!r} may still {_rw(acc)} it "
+                f" it ({op}, at {here}) while {acc.actor!r} may still {_rw(acc)} it "
                 f"({acc.op}, at {acc.where}); nothing orders the second after the first (a "
                 "missing wait_event, event fence or synchronize)")
             self.errors.append(err)
+            self._found(err)
             raise err
 
     # -- life ---------------------------------------------------------------------------
@@ -725,6 +909,128 @@ class SimulatedCuda:
         self._closed = True
         for s in list(self.streams):
             s.stop()
+
+
+class SimRuntime:
+    """:class:`pipeoff._accel.CudaRuntime` over a :class:`SimulatedCuda`: the few torch and
+    CUDA runtime entry points that :class:`pipeoff._accel.Cuda` calls, faked, so that the
+    real ``Cuda`` class runs on the simulated device.
+
+    ``cudaStreamCreateWithPriority`` (through ``ctypes``) makes a simulated stream and
+    returns its handle, which ``ExternalStream`` maps back; ``cudaHostRegister``
+    page-locks a range of host memory in the simulation (a non-blocking copy from
+    it is stream work); ``record_stream``, ``synchronize``, events and the current
+    stream are the device's own.
+    """
+
+    device_type = "cpu"
+
+    class cudaError:  # noqa: N801 - the runtime's spelling
+        success = 0
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        self.sim = sim
+        self._handles: dict[int, SimStream] = {}
+        self.stream_flags: dict[SimStream, int] = {}
+        """Per stream made by ``cudaStreamCreateWithPriority``, the flags it was made with."""
+        self.registered: dict[int, int] = {}
+        """Page-locked host ranges: start address -> bytes."""
+
+    # -- torch.cuda --------------------------------------------------------------------
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: torch.device | None) -> SimStream:
+        return self.sim.current_stream(device)
+
+    def stream(self, stream: SimStream) -> contextlib.AbstractContextManager[Any]:
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"torch.cuda.stream() of {stream!r}: not a stream of this device")
+        return self.sim.use_stream(stream)
+
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def Event(self, enable_timing: bool, blocking: bool) -> SimEvent:  # noqa: N802
+        return SimEvent(self.sim, timing=enable_timing)
+
+    def Stream(self, device: torch.device, priority: int) -> SimStream:  # noqa: N802
+        return self.sim.new_stream(device, priority, name=f"pooled{len(self.sim.streams)}")
+
+    def ExternalStream(self, stream_ptr: int, device: torch.device) -> SimStream:  # noqa: N802
+        try:
+            return self._handles[stream_ptr]
+        except KeyError:
+            raise RuntimeError(f"ExternalStream({stream_ptr:#x}): no stream has this "
+                               "handle") from None
+
+    def synchronize(self, device: torch.device | None) -> None:
+        self.sim.synchronize(device)
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.sim.capturing
+
+    def sleep(self, cycles: int) -> None:
+        from pipeoff._accel import _SLEEP_CYCLES_PER_S
+
+        self.sim.sleep(self.sim.current_stream(), cycles / _SLEEP_CYCLES_PER_S)
+
+    def range_push(self, name: str) -> None:
+        pass
+
+    def range_pop(self) -> None:
+        pass
+
+    # -- tensors ------------------------------------------------------------------------
+    def label_stream(self, stream: SimStream, name: str) -> None:
+        stream.name = name
+
+    def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
+        self.sim.record_stream(t, stream)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return self.sim.is_pinned(t)
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return self.sim.on_device(t)
+
+    def empty(self, shape: Any, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        return self.sim.host_empty(shape, dtype, pinned=pin_memory)
+
+    def host_thread(self) -> contextlib.AbstractContextManager[Any]:
+        return self.sim.host_thread()
+
+    # -- the CUDA runtime -----------------------------------------------------------------
+    def cudart(self) -> SimRuntime:
+        return self
+
+    def libcudart(self) -> SimRuntime:
+        return self
+
+    def cudaStreamCreateWithPriority(self, p_stream: Any, flags: Any,  # noqa: N802
+                                     priority: Any) -> int:
+        stream = self.sim.new_stream(self.sim.device, int(priority.value),
+                                     name=f"stream{len(self.sim.streams)}")
+        handle = 0x1000 + len(self._handles)
+        self._handles[handle] = stream
+        self.stream_flags[stream] = int(flags.value)
+        p_stream._obj.value = handle
+        return 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.sim._register_range(ptr, nbytes, pinned=True)
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        nbytes = self.registered.pop(ptr, None)
+        if nbytes is None:
+            return 1  # cudaErrorInvalidValue: "not registered"
+        self.sim._host_freed(ptr, ptr + nbytes, True)
+        return 0
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -744,6 +1050,10 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return lo, lo + int(last + 1) * size
 
 
+def _seen(err: BaseException) -> bool:
+    return getattr(err, "pipeoff_seen", False)
+
+
 def _rw(acc: _Access) -> str:
     return "write" if acc.write else "read"
 
@@ -755,6 +1065,12 @@ def _describe(t: torch.Tensor, sim: SimulatedCuda) -> str:
 
 
 _HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+_METADATA_IN_PLACE = frozenset(getattr(torch.ops.aten, n) for n in (
+    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
+    "t_", "swapdims_", "swapaxes_", "detach_", "_resize_output_", "_coalesced_",
+))
+"""In-place in the schema, but they change the tensor itself (its size, its storage):
+they run when issued, as on CUDA, where they launch no kernel."""
 _SHAPE_FROM_DATA = frozenset(getattr(torch.ops.aten, n) for n in (
     "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
 ))

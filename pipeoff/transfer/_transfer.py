@@ -197,10 +197,9 @@ class StateTransfer:
         from pipeoff import _accel
 
         accel = _accel.current()
-        if accel.name == "cuda-sim":
-            return torch.device("cpu")
-        if self.wire == "device" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+        if self.wire == "device" and accel.available():
+            # cuda:<current>, or the simulated device's "cpu"
+            return accel.normalize(torch.device(accel.device_type))
         return torch.device("cpu")
 
     # -- the preflight ---------------------------------------------------------------

@@ -105,3 +105,49 @@ def test_every_stream_wait_of_the_sync_is_needed(gpu: Gpu, mutation: str) -> Non
     with pipeoff.testing.disable(mutation), pytest.raises(pipeoff.testing.DataRaceError):
         _sync(gpu, "pipelined")
         gpu.synchronize()
+
+
+class _FailedWork:
+    """torchft's handle of a failed all-reduce: wait() reports the error to the manager
+    and returns False, without waiting for the collective, which may still be writing."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return False
+
+
+def test_a_block_a_failed_all_reduce_may_still_write_is_never_reused(gpu: Gpu) -> None:
+    """Hazard: the staging block of an all-reduce whose wait() returned False going back
+    to the pool: the next user of the pool would share it with the failed collective."""
+    manager = _manager(gpu)
+    allreduce = manager.allreduce.side_effect
+    seen: list[torch.Tensor] = []
+
+    def first_fails(t: torch.Tensor, should_quantize: bool = False) -> Any:
+        seen.append(t)
+        if len(seen) > 1:
+            return allreduce(t, should_quantize)
+        manager.should_commit.return_value = False  # as torchft after a failed wait()
+        return _FailedWork()
+
+    manager.allreduce.side_effect = first_fails
+    model = _model(gpu)
+    before = [gpu.read(p) for p in model.parameters()]
+    pipeoff.ft.LocalSGD(manager, model, optim.SGD(model.parameters(), lr=0.1), 1,
+                        **MODES["pipelined"]).sync()
+    assert all(torch.equal(gpu.read(p), q) for p, q in zip(model.parameters(), before))
+    failed = seen[0]
+    # Every free block that could serve a request of its size: none is the failed one.
+    pool = pipeoff.pools_for(gpu.device).device
+    reused = []
+    while True:
+        allocations = pool.stats().allocations
+        block = pool.acquire(failed.nbytes)
+        if pool.stats().allocations > allocations:
+            pool.release(block)
+            break
+        reused.append(block)
+    for block in reused:
+        pool.release(block)
+    assert reused, "no block of the sync went back to the pool"
+    ptr = failed.untyped_storage().data_ptr()
+    assert all(b.tensor.untyped_storage().data_ptr() != ptr for b in reused)

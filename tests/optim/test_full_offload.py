@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -224,6 +225,50 @@ def test_clipping_is_refused_with_backward_overlap_and_says_why() -> None:
     with pytest.raises(ConfigError,
                        match=r"max_norm needs overlap='forward' \(the default\) or 'none'.*global"):
         build(make_model(), overlap="backward", max_norm=1.0)
+
+
+@pytest.fixture
+def fake_group() -> Iterator[Any]:
+    """Rank 0 of 2 on torch's fake process group (collectives do nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_returns_after_the_clipping_norms_all_reduce(
+        fake_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hazard: step() returning while the lane's all-reduce of the clipping norm is still
+    to be issued: the caller's next collective on that group (FSDP2's all-gathers, a
+    loss all-reduce) would come first, from another thread, in an order that may
+    differ between ranks. A late lane must not change the order."""
+    import torch.distributed as dist
+
+    issued: list[str] = []
+    real = dist.all_reduce
+    caller = threading.current_thread()
+
+    def all_reduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        issued.append("caller" if threading.current_thread() is caller else "norm")
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    model = make_model()
+    opt = build(model, overlap="forward", max_norm=0.05, process_group=fake_group)
+    with testing.delay_task("norm_allreduce", 0.2):
+        for step in batches(2, 1):
+            loss_fn(model, step[0]).backward()
+            opt.step()
+            dist.all_reduce(torch.zeros(()))  # the caller's next collective
+            opt.zero_grad()
+    opt.wait_for_step()
+    assert issued == ["norm", "caller"] * 2
 
 
 class _Special(torch.nn.Module):
@@ -1074,3 +1119,24 @@ def test_a_chunk_that_fails_after_writing_masters_is_never_taken_for_clean(
         opt.zero_grad()
         with pytest.raises(StepFailedError, match="checkpoint"):
             opt.step()
+
+
+def test_a_step_whose_failure_surfaced_late_refuses_until_zero_grad() -> None:
+    """The step fails after step() returned (its chunks run in flight) and before any
+    master stepped: step() refuses until zero_grad(), also when it is called with no
+    new gradient (it returned quietly, as if there were nothing to step)."""
+    model = make_model()
+    opt = build(model)  # overlap="forward": the step runs after step() returns
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    with testing.fail_task("step:.*", RuntimeError("chunk failure")):
+        opt.step()
+        with pytest.raises(RuntimeError, match="chunk failure"):
+            opt.wait_for_step()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()  # still
+    opt.zero_grad()
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.step()
+    opt.wait_for_step()

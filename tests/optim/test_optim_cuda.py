@@ -87,8 +87,6 @@ def test_the_grad_a_lane_reads_is_fenced_for_the_allocator(gpu: Gpu) -> None:
             pytest.raises(pipeoff.testing.DataRaceError, match="record_stream"):
         _run(gpu, mode, "foreach")
         gpu.synchronize()
-    gpu.synchronize()
-    gpu.sim.undelivered.clear()
 
 
 def test_forward_waits_make_streams_wait(gpu: Gpu) -> None:
@@ -136,7 +134,29 @@ def test_without_forward_waits_the_forward_reads_stale_params(gpu: Gpu) -> None:
         opt.wait_for_step()
 
 
-def _fsdp_stub(gpu: Gpu, model: nn.Sequential) -> tuple[list[Any], Any]:
+def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads(gpu: Gpu) -> None:
+    """Hazard: ``zero_grad(set_to_none=False)`` zeroing the grads that the overlap step's
+    chunks still read. Without the read guard only zero_grad's own wait orders the two."""
+    x = batches(gpu, 1)[0]
+    ref = make_net(gpu)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    net = make_net(gpu)
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
+                           chunk_bytes=4096, read_guard=False)
+    with pipeoff.testing.delay_lane("compute", 0.01):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt.wait_for_step()
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+        assert q.grad is not None and not gpu.read(q.grad).any()
+
+
+def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False
+               ) -> tuple[list[Any], Any]:
     """Make each Linear of ``model`` look like an FSDP2 unit with all-gather streams.
 
     Like FSDP2, a unit's forward reads an *unsharded* copy of its parameters that
@@ -145,6 +165,10 @@ def _fsdp_stub(gpu: Gpu, model: nn.Sequential) -> tuple[list[Any], Any]:
     for that stream. Like FSDP2's root pre-forward, the all-gather stream waits
     for the compute stream once, when the forward starts, and never again: only
     pipeoff's hook can order it after the chunk that writes a unit's shards.
+
+    With ``one_rank``, like FSDP2 on a shard group of one rank
+    (``FSDPParamGroup.wait_for_unshard``): no all-gather; the pre-forward copies
+    the shards into the unsharded parameters on the current stream.
     """
     from types import SimpleNamespace
 
@@ -193,6 +217,11 @@ def _fsdp_stub(gpu: Gpu, model: nn.Sequential) -> tuple[list[Any], Any]:
                 for src, dst in zip(params, unsharded):
                     dst.copy_(src)  # reads the shards on the all-gather stream
 
+            if one_rank:
+                with torch.no_grad():
+                    for src, dst in zip(params, unsharded):
+                        dst.copy_(src)  # reads the shards on the current stream
+                return
             accel.launch(gather, gather_work)
             done = accel.new_event()
             done.record(gather)
@@ -233,6 +262,26 @@ def test_fsdp_units_make_their_all_gather_streams_wait(gpu: Gpu, mutation: str |
         results.append(outs)
     if mutation is None:
         assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_one_rank_fsdp_unit_copies_its_shards_on_the_compute_stream(gpu: Gpu) -> None:
+    """Hazard: on a shard group of one rank FSDP2 skips the all-gather and copies the
+    shards on the *current* stream in its pre-forward: an FSDP unit's hook must make
+    the current stream wait too, not only FSDP's all-gather streams."""
+    if not gpu.simulated:
+        pytest.skip("the FSDP2 stub runs on the simulated device")
+    results = []
+    for mode in ("chunked", "overlap"):
+        net = make_net(gpu)
+        _fsdp_stub(gpu, net, one_rank=True)  # type: ignore[arg-type]
+        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
+                               chunk_bytes=4096, read_guard=False)
+        opt.attach(net)
+        with pipeoff.testing.delay_lane("compute", 0.005):
+            outs = train(net, opt, batches(gpu, 3))
+            opt.wait_for_step()
+        results.append([gpu.read(o) for o in outs])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_forward_waits_never_block_the_host(gpu: Gpu, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -147,6 +147,19 @@ def test_refusals_name_the_key_and_write_nothing(name: str) -> None:
     assert bool((target == SENTINEL).all())
 
 
+@pytest.mark.parametrize(("src_res", "dst_res", "lane"), PAIRS)
+def test_a_slow_preflight_that_refuses_leaves_the_target_unwritten(
+        src_res: str, dst_res: str, lane: str) -> None:
+    """Hazard: a local copy that does not wait for the preflight would read a source
+    whose readiness failed (its data was never written) into the target, which the
+    refusal promises is untouched."""
+    storage, dst = padded((5, 7), residency=dst_res)
+    src = LiveTensor(torch.randn(5, 7), residency=src_res, ready=failed_completion())
+    with pt.delay_task("preflight", 0.1), pytest.raises(TransferRefusedError, match="readiness"):
+        StateTransfer({"w": src}, {"w": dst}).run()
+    assert bool((storage == SENTINEL).all())
+
+
 def test_an_extra_key_is_refused() -> None:
     with pytest.raises(TransferRefusedError, match="'extra': a target with no source"):
         StateTransfer({"w": LiveTensor(torch.ones(3))},

@@ -216,6 +216,7 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
     ex = acc.execution
     fin = acc.final
     assert fin is not None and fin.lanes is not None
+    health.torn_cause = err  # for each refusal's __cause__ (unused unless torn below)
     nchunks = len(fin.lanes.plan.chunks)
     stepped = sorted({k for k in range(nchunks)
                       if ex.events_for(f"step:{k}")[0].status == "ok"} | acc.stepped_chunks)

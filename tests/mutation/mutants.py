@@ -1,0 +1,305 @@
+"""The mutants: one source edit per synchronization, and the tests that must catch it.
+
+Each mutant removes (or weakens) one wait, fence, synchronize or dependency in
+pipeoff's source. ``python -m tests.mutation.run`` applies it to a copy of the
+tree and runs its ``tests`` there: they must fail. ``tests/mutation/test_mutants.py``
+(in every CI run) checks that each ``old`` still occurs exactly once, so a
+mutant cannot go stale in silence. See ``tests/mutation/README.md`` for the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mutant:
+    """One edit of one file that a test must catch."""
+
+    name: str
+    """Short id, unique; what ``run.py -k`` matches (``switch:NAME[@file]``, ``rNN:what``)."""
+    file: str
+    """The edited file, relative to the repository root."""
+    old: str
+    """Exact text that occurs exactly once in ``file``."""
+    new: str
+    """What replaces ``old``."""
+    tests: tuple[str, ...]
+    """pytest node ids or test files (relative to the root) that fail under the edit."""
+    hazard: str
+    """One line: what goes wrong on a GPU without the synchronization."""
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"mutant name must be non-empty without spaces, got {self.name!r}")
+        if not self.old or self.old == self.new:
+            raise ValueError(f"mutant {self.name!r}: old must be non-empty and differ from new")
+        if not isinstance(self.tests, tuple) or not self.tests:
+            raise ValueError(f"mutant {self.name!r}: tests must be a non-empty tuple")
+        if not self.hazard or "\n" in self.hazard:
+            raise ValueError(f"mutant {self.name!r}: hazard must be one line")
+
+
+def _switch(name: str, file: str, tests: tuple[str, ...], hazard: str, *,
+            site: bool = False) -> Mutant:
+    """The call site of mutation switch ``name`` in ``file``, edited to read as switched
+    off (``_faults.disabled(name)`` is ``True``). ``site``: the switch has several call
+    sites, and the mutant's name says which file this one is in."""
+    label = f"switch:{name}@{file.rsplit('/', 1)[-1]}" if site else f"switch:{name}"
+    return Mutant(name=label, file=file, old=f'_faults.disabled("{name}")', new="True",
+                  tests=tests, hazard=hazard)
+
+
+_CUDA = "pipeoff/executor/cuda.py"
+_RUN = "pipeoff/executor/_run.py"
+_TEST_CUDA = "tests/test_cuda.py"
+_WAITS = "tests/test_cuda_waits.py"
+_OPTIM_CUDA = "tests/optim/test_optim_cuda.py"
+_FULL_CUDA = "tests/optim/test_full_offload_cuda.py"
+_LOCAL_SGD_CUDA = "tests/ft/test_local_sgd_cuda.py"
+
+# -- A. the mutation switches of pipeoff/_faults.py, one mutant per call site -------------
+# The tests that use pipeoff.testing.disable(NAME) switch the mechanism off themselves
+# and expect a failure: a source mutant must be caught by the positive runs (the same
+# scenario with the mechanism on, asserting exact numbers or no race), listed here.
+SWITCHES = (
+    _switch("base_wait", _CUDA, (
+        f"{_TEST_CUDA}::test_lanes_start_after_the_callers_stream",
+        f"{_LOCAL_SGD_CUDA}::test_pipelined_matches_the_original_path_under_delays",
+    ), "a lane's stream starts before the caller's stream has written its inputs "
+       "(the backward's grads): the step reads partial gradients"),
+    _switch("cross_lane_wait", _CUDA, (
+        f"{_TEST_CUDA}::test_cross_lane_dependency_waits_on_a_delayed_lane",
+        f"{_LOCAL_SGD_CUDA}::test_pipelined_matches_the_original_path_under_delays",
+    ), "a task's stream runs before its dependency on another lane's stream has "
+       "finished: it reads a half-copied tensor"),
+    _switch("host_task_event", _CUDA, (
+        f"{_TEST_CUDA}::test_device_tasks_wait_for_device_work_a_host_task_enqueued",
+    ), "device tasks after a HOST task (should_commit loading a healed state) start "
+       "before the device work that task enqueued has finished"),
+    _switch("gate_wait", _CUDA, (
+        "tests/test_gates.py::test_a_cuda_lane_waits_for_the_payloads_event",
+        f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
+    ), "a lane's stream reads a gate's payload (a gradient) before the producer's "
+       "stream has written it", site=True),
+    _switch("block_fence", _CUDA, (
+        f"{_TEST_CUDA}::test_pooled_blocks_are_reused_only_after_their_last_user",
+    ), "a lane reuses a pooled staging block while another execution's stream still "
+       "reads or writes it: corrupted copies", site=True),
+    _switch("host_sync", _CUDA, (
+        f"{_TEST_CUDA}::test_a_host_task_reads_device_results_after_they_are_done",
+        f"{_TEST_CUDA}::test_a_host_task_reads_device_work_a_host_task_before_it_on_"
+        "its_lane_enqueued",
+    ), "host work reads a device-to-host copy's destination (or decides on device "
+       "results) before the copy has finished"),
+    _switch("execution_sync", _CUDA, (
+        f"{_TEST_CUDA}::test_wait_makes_host_reads_of_copies_safe",
+    ), "Execution.wait() returns while device copies still run: host reads after it "
+       "see old values"),
+    _switch("gate_wait", _RUN, (
+        "tests/test_gates.py::test_an_event_that_fails_to_synchronize_fails_the_"
+        "execution_not_the_lane",
+        "tests/test_gates.py::test_a_payload_ready_after_a_task_that_never_ran_is_refused",
+        f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
+    ), "a host lane reads a gate's payload before the device work writing it has "
+       "finished, or after a producer task that never ran", site=True),
+    _switch("block_fence", _RUN, (
+        f"{_TEST_CUDA}::test_an_inline_execution_waits_for_a_block_a_cuda_one_released",
+    ), "a host-run task writes a pooled block that a CUDA execution released with its "
+       "last copy still in flight", site=True),
+    _switch("record_stream", "pipeoff/optim/_graph.py", (
+        f"{_OPTIM_CUDA}::test_the_grad_a_lane_reads_is_fenced_for_the_allocator",
+        f"{_OPTIM_CUDA}::test_bitwise_equal",
+    ), "the caching allocator hands a dropped gradient's memory to new work while an "
+       "overlap chunk's stream still reads it", site=True),
+    _switch("record_stream", "pipeoff/optim/_full_offload/_lanes.py", (
+        f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
+    ), "the caching allocator hands a gradient's memory to new work while full "
+       "offload's D2H stream still copies it out", site=True),
+    _switch("read_guard", "pipeoff/optim/_waits.py", (
+        "tests/optim/test_patterns.py::test_every_read_waits_for_the_chunk_that_writes_it",
+        "tests/optim/test_patterns.py::test_the_read_guard_teaches_the_hooks_an_early_read",
+        "tests/optim/test_patterns.py::test_a_users_mode_around_the_step_keeps_the_read_"
+        "guard",
+    ), "an eager read of a parameter outside the hooked modules runs while an overlap "
+       "chunk is still writing it: stale or torn weights"),
+    _switch("hook_stream_wait", "pipeoff/optim/_waits.py", (
+        f"{_OPTIM_CUDA}::test_forward_waits_make_streams_wait",
+        f"{_OPTIM_CUDA}::test_fsdp_units_make_their_all_gather_streams_wait[simulated-None]",
+        f"{_OPTIM_CUDA}::test_bitwise_equal",
+    ), "the forward's stream reads parameters that an overlap chunk's stream is still "
+       "writing"),
+    _switch("fsdp_gather_wait", "pipeoff/optim/_hooks.py", (
+        f"{_OPTIM_CUDA}::test_fsdp_units_make_their_all_gather_streams_wait[simulated-None]",
+    ), "FSDP2's all-gather streams read shards that an optimizer chunk is still "
+       "writing (they do not sync with compute after the root's pre-forward)"),
+    _switch("accumulate_dep", "pipeoff/optim/_full_offload/_graph.py", (
+        "tests/optim/test_full_offload.py::test_delayed_lanes_change_no_bit",
+    ), "a step chunk steps on a gradient sum whose last accumulation is still being "
+       "written"),
+    _switch("micro_step_order", "pipeoff/optim/_full_offload/_lifecycle.py", (
+        "tests/optim/test_full_offload.py::test_micro_steps_that_do_not_wait_for_each_"
+        "other_are_wrong[False]",
+    ), "a micro-step's accumulation races the previous micro-step's and its step: "
+       "gradients added out of order or lost"),
+    _switch("ddp_reduced", "pipeoff/optim/_full_offload/_lifecycle.py", (
+        "tests/optim/test_full_offload_ranks.py::test_under_ddp_the_reduced_gradient_is_"
+        "stepped",
+    ), "full offload takes param.grad before DDP's reducer wrote the averaged "
+       "gradient: each rank steps its own and the replicas diverge"),
+    _switch("adopt_waits_readers", "pipeoff/optim/full_offload.py", (
+        "tests/optim/test_full_offload_loops.py::test_a_transfer_delivers_the_step_it_was_"
+        "launched_after",
+    ), "weights written from outside are adopted as masters while a transfer still "
+       "reads the old ones: it delivers a torn mix"),
+)
+
+# -- B. review findings: edits that the switches do not cover ----------------------------
+REVIEW = (
+    Mutant(
+        name="r01:dispatched-after-finish", file=_CUDA,
+        old=("        state.dispatched[i] = True\n"
+             "        run.release(i, ready=state.ends[i])\n"
+             "        run.finish(i, outcome[0])\n"),
+        new=("        run.release(i, ready=state.ends[i])\n"
+             "        run.finish(i, outcome[0])\n"
+             "        state.dispatched[i] = True\n"),
+        tests=(f"{_WAITS}::test_a_dependency_seen_finished_is_seen_issued",),
+        hazard="a dependent woken by finish() sees dispatched False and skips its "
+               "wait_event on the task's end event: it runs before the task on the GPU"),
+    Mutant(
+        name="r02:cancel-without-ready-events", file=_CUDA,
+        old="run.cancel(i, ready_of=functools.partial(self._last_ready, run, state, before=i))",
+        new="run.cancel(i)",
+        tests=(f"{_WAITS}::test_a_cancelled_last_user_releases_its_block_after_the_issued_ones",),
+        hazard="a cancelled task's blocks go back to the pool without the last issued "
+               "user's end event: reused while that user's stream still runs"),
+    Mutant(
+        name="r03:no-same-lane-host-dep-wait", file=_CUDA,
+        old=("            waits += tuple(j for j in (index[d] for d in task.deps)\n"
+             "                           if lanes[j] == lanes[i] and run.tasks[j].kind is "
+             "TaskKind.HOST)\n"),
+        new="            pass\n",
+        tests=(f"{_TEST_CUDA}::test_a_host_task_reads_device_work_a_host_task_before_it_on_"
+               "its_lane_enqueued",),
+        hazard="a HOST task reads results of device work that a HOST dependency on its "
+               "lane enqueued, before that work has finished"),
+    Mutant(
+        name="r04:synchronize-ignores-host-recorded", file=_CUDA,
+        old="        if state is None or not (state.dispatched[i] or state.host_recorded[i]):\n"
+            "            return True\n",
+        new="        if state is None or not state.dispatched[i]:\n"
+            "            return True\n",
+        tests=(f"{_WAITS}::test_waiting_for_a_host_task_waits_for_the_device_work_it_enqueued",),
+        hazard="Execution.wait() and a HOST task's Completion.synchronize() return before "
+               "the device work that task enqueued has finished"),
+    Mutant(
+        name="r05:finalize-without-synchronize", file=_CUDA,
+        old="        self.synchronize_all(run, None)\n",
+        new="",
+        tests=(f"{_WAITS}::test_a_failed_execution_is_finalized_after_its_device_work",),
+        hazard="finalize recycles events and forgets blocks' ready markers while device "
+               "work is pending: later runs reuse blocks still in use"),
+    Mutant(
+        name="r06:host-gate-wait-is-a-stream-wait", file=_RUN,
+        old="ev.synchronize()",
+        new="ev.wait()",
+        tests=(f"{_WAITS}::test_a_host_task_blocks_on_its_gates_event",),
+        hazard="a host lane waits on a gate's event with a stream wait, which does not "
+               "block the host: it reads the payload before it is written"),
+    Mutant(
+        name="r07:host-block-fence-is-a-stream-wait", file=_RUN,
+        old="block.ready.synchronize()",
+        new="block.ready.wait()",
+        tests=(f"{_WAITS}::test_a_host_task_fences_a_pinned_block_a_cuda_execution_released",),
+        hazard="a host task touches a pooled block after only a stream wait on its "
+               "previous user: the host writes while that copy still runs"),
+    Mutant(
+        name="r08:inline-without-synchronize", file="pipeoff/executor/inline.py",
+        old="                stream.synchronize()\n",
+        new="                pass\n",
+        tests=(f"{_WAITS}::test_an_inline_execution_finishes_each_task_on_the_device_before_the_next",),
+        hazard="a synchronous schedule starts task i+1, and returns staging, while task "
+               "i's device work still runs"),
+    Mutant(
+        name="r09:task-wait-only-waits-for-issue", file="pipeoff/execution.py",
+        old="ok = self._backend.synchronize(run, i, deadline)",
+        new="ok = run.wait_terminal(i, deadline)",
+        tests=(f"{_WAITS}::test_waiting_for_a_device_task_synchronizes_the_host",),
+        hazard="Execution.wait('task') returns once the task is issued, not once its "
+               "device work has finished: host reads after it are early"),
+    Mutant(
+        name="r10:gate-event-published-after-state", file="pipeoff/executor/_gates.py",
+        old=("            self.event[k] = event\n"
+             "            self.opened_ns[k] = time.perf_counter_ns() - self._origin_ns\n"
+             "            self._cond.notify_all()\n"),
+        new=("            self.opened_ns[k] = time.perf_counter_ns() - self._origin_ns\n"
+             "            self._cond.notify_all()\n"
+             "        self.event[k] = event\n"),
+        tests=(f"{_WAITS}::test_a_gate_is_seen_open_only_with_its_event",),
+        hazard="a lane woken by the gate's open reads its event as None and skips the "
+               "wait on the payload's producer"),
+    Mutant(
+        name="r11:launch-without-its-stream", file="pipeoff/_accel.py",
+        old="        with self.runtime.stream(stream):\n            fn()\n",
+        new="        fn()\n",
+        tests=(f"{_TEST_CUDA}::test_cross_lane_dependency_waits_on_a_delayed_lane",),
+        hazard="Cuda.launch runs a task's work without its lane's stream current: its "
+               "kernels go to another stream, outside the waits made on the lane's"),
+    Mutant(
+        name="r12:record-stream-does-nothing", file="pipeoff/_accel.py",
+        old="        self.runtime.record_stream(t, stream)\n",
+        new="        pass\n",
+        tests=(f"{_OPTIM_CUDA}::test_the_grad_a_lane_reads_is_fenced_for_the_allocator",),
+        hazard="the caching allocator hands a gradient a lane still reads to the next "
+               "allocation on the compute stream"),
+    Mutant(
+        name="r13:synchronize-only-the-current-stream", file="pipeoff/_accel.py",
+        old="        self.runtime.synchronize(device)\n",
+        new="        self.runtime.current_stream(device).synchronize()\n",
+        tests=(f"{_WAITS}::test_synchronize_waits_for_every_stream_of_the_device",),
+        hazard="Cuda.synchronize returns while lanes' streams still run: the host reads "
+               "their results early"),
+    Mutant(
+        name="r14:fsdp-wait-without-compute-stream", file="pipeoff/optim/_hooks.py",
+        old="streams = (_accel.current().current_stream(waits.device), *gathers)",
+        new="streams = (*gathers,)",
+        tests=(f"{_OPTIM_CUDA}::test_a_one_rank_fsdp_unit_copies_its_shards_on_the_compute_stream",),
+        hazard="an FSDP2 unit's compute stream does not wait for the chunk: the forward "
+               "reads parameters still being written"),
+    Mutant(
+        name="r15:zero-grad-in-place-without-wait", file="pipeoff/optim/offload.py",
+        old="            self.wait_for_step()  # the chunks still read these grads\n",
+        new="            pass\n",
+        tests=(f"{_OPTIM_CUDA}::test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads",),
+        hazard="zero_grad(set_to_none=False) zeroes grads that the step's chunks still "
+               "read: the step uses zeros"),
+    Mutant(
+        name="r16:step-without-norm-allreduce-settle", file="pipeoff/optim/full_offload.py",
+        old='                settle(acc.execution, "norm_allreduce", timeout=self.timeout)\n',
+        new="                pass\n",
+        tests=("tests/optim/test_full_offload.py::test_step_returns_after_the_clipping_norms_all_reduce",),
+        hazard="step() returns with the clipping norm's all-reduce in flight: the next "
+               "forward's collectives go on the same process group from two threads"),
+    Mutant(
+        name="r17:local-copy-without-preflight", file="pipeoff/transfer/_graph.py",
+        old='dst_where[u.key]), None, ["preflight"],',
+        new="dst_where[u.key]), None, [],",
+        tests=("tests/transfer/test_transfer.py::test_a_slow_preflight_that_refuses_leaves_the_target_unwritten",),
+        hazard="local copies start before the preflight has waited for the caller's "
+               "stream and every rank agreed: they read sources still being written"),
+    Mutant(
+        name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_local_sgd.py",
+        old="                    # may still write it.\n"
+            "                    ctx.retire_buffer(dev)\n",
+        new="                    # may still write it.\n"
+            "                    pass\n",
+        tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
+        hazard="after a failed all-reduce the staging block goes back to the pool while "
+               "the collective may still write it: another bucket's data is overwritten"),
+)
+
+MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)
+"""Every mutant, in the order ``run.py`` runs and prints them."""
