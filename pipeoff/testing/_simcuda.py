@@ -1,47 +1,53 @@
 """A simulated CUDA device: asynchronous streams, CUDA's event ordering, and an access checker.
 
-Installed with :func:`pipeoff.testing.simulated_cuda`, it replaces
-:class:`pipeoff._accel.Cuda` on a CPU-only machine, so that pipeoff's CUDA
-backend, and every CUDA path of the optimizer and of LocalSGD, run in tests
-and fail when a synchronization is missing.
+Installed with :func:`pipeoff.testing.simulated_cuda`, it sits *under*
+:class:`pipeoff._accel.Cuda`: :class:`SimRuntime` fakes the few torch and CUDA
+runtime entry points that class calls, so that pipeoff's real ``Cuda`` code,
+its CUDA backend, and every CUDA path of the optimizers, LocalSGD and state
+transfers run in tests and fail when a synchronization is missing.
 
 **Memory.** Tensors are CPU tensors. Host memory is what the device allocates
-as host memory (``host_empty``: pipeoff's pinned pools and state) and what
-host work makes; everything else is device memory (also a tensor made from
-Python data, such as AdamW's ``step``, which on CUDA would be a CPU tensor).
-The device is ``torch.device("cpu")``.
+as host memory (``host_empty``, and ``cudaHostRegister``: pipeoff's pinned
+pools and state) and what host work makes; everything else is device memory
+(also a tensor made from Python data, such as AdamW's ``step``, which on CUDA
+would be a CPU tensor). The device is ``torch.device("cpu")``.
 
-**Streams** are FIFO queues, each drained by a worker thread: ``launch``,
-``ev.record``, ``wait_event`` and ``sleep`` return at once and take effect
-later, in order. An operation that a host thread runs on device memory runs
-on its current stream (the default stream unless one is current): the thread
-first waits until that stream has drained, as the device would make the
-operation wait (and a host thread that makes its own stream ``wait_event``
-waits there, so that the awaited work's in-place updates have bumped autograd's
-version counters, as their issue would have on CUDA). A ``non_blocking``
-copy to or from pinned memory is stream work; any other copy between host and
-device memory synchronizes the host with the stream afterwards.
+**Streams** are FIFO queues, each drained by a worker thread: ``ev.record``,
+``wait_event``, ``sleep`` and ``launch`` (a kernel) return at once and take
+effect later, in order. An in-place operation that a host thread issues on
+device memory (and a ``non_blocking`` copy to or from pinned memory) is
+enqueued on its current stream, to run later on the worker, as a kernel runs
+after its launch; autograd sees it at its issue, as on CUDA. Any other
+operation on device memory runs at once on the issuing thread, after its
+stream has drained (an allocation does not wait); a blocking or pageable copy
+between host and device memory synchronizes the host with the stream
+afterwards.
 
 **Ordering** is tracked with vector clocks, as torch's CUDA sanitizer does
-(``torch/cuda/_sanitizer.py``): every stream, and the host, has a clock; an
-event captures its stream's clock when its record executes; ``wait_event``
-merges it into the waiting stream's clock, ``synchronize`` into the host's;
-work enqueued by the host inherits the host's clock.
+(``torch/cuda/_sanitizer.py``): every stream, and every host thread, has a
+clock; an event captures its stream's clock when its record executes;
+``wait_event`` merges it into the waiting stream's clock, ``synchronize`` into
+the calling thread's; work a thread enqueues inherits that thread's clock.
+Between host threads, the order comes from :mod:`pipeoff._happens` (the
+device is its observer): a task's finish before its waiters, a gate's settle
+before its readers, a lane's queue, a staging pool's release before its next
+acquire.
 
 **Checking.** A ``TorchDispatchMode``, active on the simulated streams' workers,
 on pipeoff's threads and on the thread that entered the device, records every
-read and write of a byte range of a storage with its actor (a stream, or the
-host) and clock. An access that conflicts with an earlier one by another actor
-(one of them a write) that does not happen before it raises
+read and write of a byte range of a storage with its actor (a stream, or a
+host thread) and clock. An access that conflicts with an earlier one by
+another actor (one of them a write) that does not happen before it raises
 :class:`DataRaceError`, naming the tensor and both accesses. So a missing
 ``wait_event``, a reused staging block without a fence, or a host read of a
 copy's result before a synchronization fails deterministically, whatever the
 threads' timing. A device storage freed while a stream other than the one that
 made it may still use it (no ``record_stream``, no event) is reported when the
 device exits: that is the caching allocator's stream-ordered reuse. An error
-raised by stream work outside a pipeoff task (a race seen by another stream's
-worker) is raised at the host's next synchronization, as CUDA reports an
-asynchronous error, or else when the device exits.
+found on a stream's worker is raised at the host's next synchronization, as
+CUDA reports an asynchronous error. A failure is reported once (later races
+until the test synchronizes the device are its echoes); one that never reached
+the test is raised when the device exits.
 
 What it cannot model is listed in ``docs/concepts.md``.
 """
@@ -348,8 +354,6 @@ class SimulatedCuda:
     Use it through :func:`pipeoff.testing.simulated_cuda`.
     """
 
-    name = "cuda-sim"
-    device_type = "cpu"
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -388,18 +392,9 @@ class SimulatedCuda:
         self.default = SimStream(self, "default")
         self.streams: list[SimStream] = [self.default]
 
-    # -- the Accelerator interface ------------------------------------------------------
-    def available(self) -> bool:
-        return True
-
-    def is_device(self, device: torch.device) -> bool:
-        return device.type == "cpu"
-
+    # -- the device (what SimRuntime fakes torch.cuda with) -----------------------------
     def on_device(self, t: torch.Tensor) -> bool:
         return self._host_range(_ptr(t)) is None
-
-    def normalize(self, device: torch.device) -> torch.device:
-        return device
 
     def host_empty(self, shape: Any, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
@@ -443,9 +438,6 @@ class SimulatedCuda:
         finally:
             self._tls.stream = prior
 
-    def use_device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
     def new_event(self, timing: bool = False) -> SimEvent:
         return SimEvent(self, timing)
 
@@ -481,14 +473,8 @@ class SimulatedCuda:
                     self.undelivered.clear()
                     self.muted = False
 
-    def range(self, name: str) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
-
     capturing = False
     """Set by a test to act as if a CUDA graph were being captured."""
-
-    def is_capturing(self) -> bool:
-        return self.capturing
 
     @contextlib.contextmanager
     def host_thread(self) -> Iterator[None]:

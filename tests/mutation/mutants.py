@@ -102,6 +102,7 @@ SWITCHES = (
         "tests/test_gates.py::test_an_event_that_fails_to_synchronize_fails_the_"
         "execution_not_the_lane",
         "tests/test_gates.py::test_a_payload_ready_after_a_task_that_never_ran_is_refused",
+        f"{_WAITS}::test_a_host_task_blocks_on_its_gates_event",
         f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
     ), "a host lane reads a gate's payload before the device work writing it has "
        "finished, or after a producer task that never ran", site=True),
