@@ -239,3 +239,114 @@ def test_a_race_nobody_waited_for_is_raised_when_the_device_exits() -> None:
             ex._run.wait_all()  # done on the host; never wait()ed: its error not raised
 
     flagged(program)
+
+
+# -- from a review that tried to break the enqueued (in-place) operations ------------------
+def test_an_enqueued_operation_runs_on_the_storage_it_was_issued_on() -> None:
+    """A later `p.data = new` (or swap_tensors) must not redirect a pending kernel."""
+
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            p = torch.zeros(4)
+            new = torch.full((4,), 100.0)
+            sim.sleep(a, 0.05)
+            p.add_(1)
+            old = p.data
+            p.data = new
+        a.synchronize()
+        assert old.tolist() == [1.0] * 4 and new.tolist() == [100.0] * 4
+
+    accepted(program)
+
+
+def test_a_bad_in_place_operation_raises_at_its_issue() -> None:
+    """As a launch checks shapes: the error is not postponed to a synchronization."""
+
+    def program(sim: Sim) -> None:
+        with sim.use_stream(sim.new_stream(sim.device)):
+            x = torch.zeros(4)
+            with pytest.raises(RuntimeError):
+                x.add_(torch.ones(3))
+
+    accepted(program)
+
+
+def test_a_fill_runs_in_its_streams_order() -> None:
+    """full() on a late stream writes after what is queued there: an event recorded
+    before it does not cover it."""
+
+    def program(sim: Sim) -> None:
+        a, b = sim.new_stream(sim.device), sim.new_stream(sim.device)
+        ev = sim.new_event()
+        sim.sleep(a, 0.05)
+        ev.record(a)
+        with sim.use_stream(a):
+            x = torch.full((1000,), 1.0)
+        b.wait_event(ev)
+        with sim.use_stream(b):
+            (x + 1).sum()
+
+    flagged(program)
+
+
+def test_metadata_in_place_operations_touch_no_data() -> None:
+    """t_(), and set_() onto a storage a copy still writes, are not writes."""
+
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.zeros(4, 4)
+            arena = torch.zeros(1000)
+            sim.sleep(a, 0.05)
+            x.add_(1)
+            h = sim.host_empty(1000, torch.float32, pinned=True)
+            h.copy_(arena, non_blocking=True)
+        x.t_()
+        piece = torch.empty(0).set_(h.untyped_storage()[0:400], 0, (100,), (1,))
+        a.synchronize()
+        assert piece.shape == (100,)
+
+    accepted(program)
+
+
+def test_a_host_scalar_in_a_device_operation_does_not_synchronize() -> None:
+    """A 0-dim host tensor is a scalar argument: the host does not wait for the stream,
+    so a pending copy-out is still racy to read."""
+
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.ones(1000)
+        h = sim.host_empty(1000, torch.float32, pinned=True)
+        sim.sleep(a, 0.05)
+        with sim.use_stream(a):
+            h.copy_(x, non_blocking=True)
+        scale = sim.host_empty((), torch.float32, pinned=False)
+        scale.fill_(2.0)
+        with sim.use_stream(a):
+            x.mul_(scale)
+        h.sum()
+
+    flagged(program)
+
+
+def test_a_collective_writes_its_tensors() -> None:
+    """c10d's schemas mark no write: a read on another stream without a wait races."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(DataRaceError, match=r"may still write it \(c10d\.allreduce_"), \
+                device() as sim:
+            x = torch.ones(1000)  # outlives the device (no free check at its exit)
+            a, b = sim.new_stream(sim.device), sim.new_stream(sim.device)
+            sim.synchronize()
+            with sim.use_stream(a):
+                dist.all_reduce(x)
+            with sim.use_stream(b):
+                (x * 2).sum()
+    finally:
+        dist.destroy_process_group()

@@ -335,8 +335,10 @@ class CudaBackend:
                           results=run.results, retire=run.retired.add,
                           gates=run.gates.payloads(gates))
         accel.launch(stream, functools.partial(self._device_work, run, state, i, ctx, outcome))
-        state.ends[i].record(stream)
+        # The timing event first: a consumer waiting on the end event then starts
+        # after this task's recorded end (the trace's staging timeline needs it).
         state.ends_t[i].record(stream)
+        state.ends[i].record(stream)
         state.dispatched[i] = True
         run.release(i, ready=state.ends[i])
         run.finish(i, outcome[0])

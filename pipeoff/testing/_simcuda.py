@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["DataRaceError", "SimRuntime", "SimulatedCuda"]
 
@@ -713,21 +713,28 @@ class SimulatedCuda:
                kwargs: dict[str, Any]) -> tuple[Any, int, frozenset[int]] | None:
         """Check and record the accesses of one operation; returns its actor, its epoch
         and its inputs' storages."""
-        if self._closed or getattr(func, "is_view", False):
-            return None
+        if (self._closed or getattr(func, "is_view", False)
+                or func.overloadpacket in _METADATA_IN_PLACE):
+            return None  # no data touched (t_(), set_(), a storage resized)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not tensors and not any(str(r.type) == "Tensor" for r in func._schema.returns):
             return None  # no memory touched (the profiler's record_function)
         if func.overloadpacket in _METADATA_ONLY or not tensors:
             # new_empty(t) / zeros_like(t) read t's shape, not its memory; a factory
             # reads nothing. The result is where t is (host memory for a host
-            # tensor); a factory's is device memory, written on the current stream.
+            # tensor); a factory's is device memory, written on the current stream
+            # (a fill, in its order: after what is queued there; an allocation
+            # alone does not wait).
             src = tensors[0] if tensors else None
             host = src is not None and self._host_range(_ptr(src)) is not None
-            actor = self._actor(device=not host, fresh=True)
+            actor = self._actor(device=not host,
+                                fresh=func.overloadpacket in _ALLOCATE_ONLY)
             return actor, self._tick(actor), frozenset(_ptr(t) for t in tensors)
         schema = func._schema
         written: set[int] = set()
+        if func.namespace == "c10d":
+            # A collective writes its tensors (the schemas do not say so).
+            written.update(id(t) for t in tensors)
         non_blocking = kwargs.get("non_blocking")
         for i, a in enumerate(schema.arguments):
             v = args[i] if i < len(args) else kwargs.get(a.name)
@@ -739,7 +746,9 @@ class SimulatedCuda:
                         written.add(id(t))
         kinds = [self._host_range(_ptr(t)) for t in tensors]
         touches_device = any(k is None and _ptr(t) for k, t in zip(kinds, tensors))
-        touches_host = any(k is not None for k in kinds)
+        # A 0-dim host tensor in a device operation is a scalar argument, read by
+        # the host at the launch: no copy, no synchronization.
+        touches_host = any(k is not None and t.dim() > 0 for k, t in zip(kinds, tensors))
         actor = self._actor(device=touches_device)
         sync_after: SimStream | None = None
         if not _is_host(actor) and getattr(self._tls, "worker", None) is None:
@@ -802,17 +811,33 @@ class SimulatedCuda:
         kinds = [self._host_range(_ptr(t)) for t in tensors]
         if not any(k is None and _ptr(t) for k, t in zip(kinds, tensors)):
             return None  # host work
-        if any(k is not None for k in kinds):
+        if any(k is not None and t.dim() > 0 for k, t in zip(kinds, tensors)):
             non_blocking = kwargs.get("non_blocking")
             for i, a in enumerate(schema.arguments):
                 if a.name == "non_blocking" and i < len(args):
                     non_blocking = args[i]
             if not (non_blocking and all(k is None or k[2] for k in kinds)):
                 return None  # a blocking or pageable copy: the host waits for it
+        # Checked at issue, as a launch checks shapes and dtypes: an error is
+        # raised here, not at a later synchronization.
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, _on_meta, (args, kwargs))
+        try:
+            func(*meta_args, **meta_kwargs)
+        except NotImplementedError:
+            return None  # no meta kernel: run it now
+        # What the kernel will touch is fixed now: the tensors' storages and strides
+        # at issue (a later `p.data = new` or swap_tensors must not redirect it),
+        # and a 0-dim host tensor's value (a scalar argument, read at the launch).
+        fixed = tree_map_only(torch.Tensor, self._as_issued, (args, kwargs))
         stream = self.current_stream()
         stream._enqueue(("launch", functools.partial(
-            self._run_deferred, func, args, kwargs, _where())))
+            self._run_deferred, func, fixed[0], fixed[1], _where())))
         return (args[0] if returns else None,)
+
+    def _as_issued(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 and self._host_range(_ptr(t)) is not None:
+            return t.clone()
+        return t.as_strided(t.size(), t.stride(), t.storage_offset())
 
     def _run_deferred(self, func: Any, args: Any, kwargs: dict[str, Any], where: str) -> None:
         self._tls.where = where  # name the issuing code, not the worker, in a race
@@ -1019,6 +1044,10 @@ class SimRuntime:
         return 0
 
 
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta")
+
+
 def _ptr(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -1051,6 +1080,10 @@ def _describe(t: torch.Tensor, sim: SimulatedCuda) -> str:
 
 
 _HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+_ALLOCATE_ONLY = frozenset(getattr(torch.ops.aten, n) for n in (
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+))
+"""Factories that only allocate: nothing is written, so they wait for nothing."""
 _METADATA_IN_PLACE = frozenset(getattr(torch.ops.aten, n) for n in (
     "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
     "t_", "swapdims_", "swapaxes_", "detach_", "_resize_output_", "_coalesced_",
