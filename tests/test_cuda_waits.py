@@ -241,11 +241,13 @@ def test_the_simulated_device_runs_the_real_cuda_class(gpu: Gpu) -> None:
     assert not gpu.sim.runtime.registered
 
 
-def test_a_gate_is_seen_open_only_with_its_event(gpu: Gpu) -> None:
+def test_a_gate_is_seen_open_only_with_its_event(gpu: Gpu, monkeypatch: Any) -> None:
     """A lane that sees a gate open finds its payload's event too (hazard: the state
     published first, the lane skipping the wait on the producer's stream). The
     producer's thread is held right after it leaves the gate's lock."""
     import threading
+
+    from pipeoff.executor._gates import GateStates
 
     opener = threading.current_thread()
 
@@ -255,12 +257,19 @@ def test_a_gate_is_seen_open_only_with_its_event(gpu: Gpu) -> None:
             if threading.current_thread() is opener:
                 time.sleep(0.05)
 
+    init = GateStates.__init__
+
+    def held(self: GateStates, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._cond = _HeldOnExit(threading.Lock())  # before any lane waits on it
+
+    monkeypatch.setattr(GateStates, "__init__", held)
+
     out = gpu.zeros(N)
     g = TaskGraph(device=gpu.device)
     g.add_gate("grad")
     g.add_task("copy", TaskKind.D2H, lambda ctx: out.copy_(ctx.gate("grad")), gates=["grad"])
     ex = pipeoff.execute(g)
-    ex._run.gates._cond = _HeldOnExit(threading.Lock())
     producer = gpu.accel.new_stream(gpu.device, name="producer")
     producer.wait_stream(gpu.current_stream())
     with gpu.accel.use_stream(producer):
