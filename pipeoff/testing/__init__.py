@@ -49,7 +49,7 @@ def simulated_cuda() -> contextlib.AbstractContextManager[Any]:
     Host memory is what ``device.host_empty(...)`` returns; other tensors are device
     memory. pipeoff's accelerator is the real :class:`pipeoff._accel.Cuda` class over
     the device's fake of the torch and CUDA runtime calls it makes
-    (:class:`~pipeoff.testing._simcuda.SimRuntime`): a task's work runs when it is
+    (:class:`~pipeoff.testing._simruntime.SimRuntime`): a task's work runs when it is
     issued, on the issuing thread with its lane's stream current, as on a GPU.
     Yields the :class:`~pipeoff.testing._simcuda.SimulatedCuda` device.
     Problems found off the raising thread (a storage freed while a stream may
@@ -61,7 +61,8 @@ def simulated_cuda() -> contextlib.AbstractContextManager[Any]:
 @contextlib.contextmanager
 def _simulated_cuda() -> Iterator[Any]:
     from pipeoff import _accel, _happens
-    from pipeoff.testing._simcuda import SimRuntime, SimulatedCuda
+    from pipeoff.testing._simcuda import SimulatedCuda
+    from pipeoff.testing._simruntime import SimRuntime
 
     sim = SimulatedCuda()
     # The real Cuda class, over a fake of the torch.cuda entry points it calls: a
