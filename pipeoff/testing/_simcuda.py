@@ -565,6 +565,13 @@ class SimulatedCuda:
         if self.muted or threading.current_thread() is self.owner:
             self._seen(err)  # an echo, or it propagates to the caller from here
 
+    def _later(self, err: BaseException) -> None:
+        """Report ``err`` (found off any caller's path: a free) at the next
+        synchronization, unless it is the echo of a failure already reported."""
+        if self.muted:
+            err.pipeoff_seen = True  # type: ignore[attr-defined]
+        self.undelivered.append(err)
+
     def _seen(self, err: BaseException) -> None:
         # What was found before it is of the same episode (found on other threads
         # before this one reached the caller): reported with it.
@@ -609,7 +616,7 @@ class SimulatedCuda:
                 pass
             for acc in self._acc.pop(start, {}).values():
                 if not _is_host(acc.actor) and known.get(acc.actor, 0) < acc.epoch:
-                    self.undelivered.append(DataRaceError(
+                    self._later(DataRaceError(
                         f"host memory freed while {acc.actor!r} may still {_rw(acc)} it "
                         f"({acc.op}, at {acc.where}): the host never synchronized with it"))
 
@@ -641,7 +648,7 @@ class SimulatedCuda:
                 # from now on) is ordered after this access: the host or the
                 # allocation stream already waited for it.
                 if known.get(acc.actor, 0) < acc.epoch:
-                    self.undelivered.append(DataRaceError(
+                    self._later(DataRaceError(
                         f"device memory made on {made_by!r} was freed while {acc.actor!r} may "
                         f"still {_rw(acc)} it ({acc.op}, at {acc.where}): the caching allocator "
                         f"can hand it to the next allocation on {made_by!r} at once. Call "
