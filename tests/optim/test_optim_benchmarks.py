@@ -20,8 +20,9 @@ def test_cpu_benchmark_tiny() -> None:
          "--batch", "4", "--chunk-mb", "0.01", "--iters", "1", "--repeats", "1"],
         capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    for variant in ("plain AdamW", "single_pass", "chunked", "overlap"):
-        assert variant in res.stdout
+    for mode in ("plain AdamW", "single_pass", "chunked", "overlap"):
+        for kernel in ("for-loop", "fused"):  # torch's default and fused AdamW, side by side
+            assert f"{mode} ({kernel})" in res.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
