@@ -41,6 +41,29 @@ def _issued(ex: pipeoff.Execution, task: str, gpu: Gpu) -> None:
     ex.events_for(task)[0].wait(gpu.accel.new_stream(gpu.device))
 
 
+def _copy_out_then_fail(gpu: Gpu, host: torch.Tensor) -> TaskGraph:
+    """A staging block filled, copied out into ``host`` (on the d2h lane: late under
+    ``delay_lane``), then a task "boom" that a test makes fail."""
+    g = TaskGraph(device=gpu.device)
+    g.add_buffer("stage", 4 * N)
+    g.add_task("fill", TaskKind.H2D,
+               lambda ctx: ctx.buffer("stage", torch.float32).fill_(1.0), buffers=["stage"])
+    g.add_task("back", TaskKind.D2H,
+               lambda ctx: host.copy_(ctx.buffer("stage", torch.float32), non_blocking=True),
+               deps=["fill"], buffers=["stage"])
+    g.add_task("boom", TaskKind.OPTIMIZER_CHUNK, None, deps=["back"])
+    return g
+
+
+def _overwrite(gpu: Gpu) -> TaskGraph:
+    """Another execution writing a block of the same size (the pool hands it the free one)."""
+    g = TaskGraph(device=gpu.device)
+    g.add_buffer("stage", 4 * N)
+    g.add_task("overwrite", TaskKind.H2D,
+               lambda ctx: ctx.buffer("stage", torch.float32).fill_(2.0), buffers=["stage"])
+    return g
+
+
 def test_a_dependency_seen_finished_is_seen_issued(gpu: Gpu, monkeypatch: Any) -> None:
     """A consumer woken by its dependency's finish must find its end event recorded
     (hazard: the task marked issued only after its waiters were woken, which then
@@ -69,23 +92,12 @@ def test_a_cancelled_last_user_releases_its_block_after_the_issued_ones(gpu: Gpu
     """After a failure, the block's last user is cancelled; the block goes back to the
     pool ready after the last user that was issued (still reading on a late stream)."""
     host = gpu.host(N)
-    g = TaskGraph(device=gpu.device)
-    g.add_buffer("stage", 4 * N)
-    g.add_task("fill", TaskKind.H2D,
-               lambda ctx: ctx.buffer("stage", torch.float32).fill_(1.0), buffers=["stage"])
-    g.add_task("back", TaskKind.D2H,
-               lambda ctx: host.copy_(ctx.buffer("stage", torch.float32), non_blocking=True),
-               deps=["fill"], buffers=["stage"])
-    g.add_task("boom", TaskKind.OPTIMIZER_CHUNK, None, deps=["back"])
+    g = _copy_out_then_fail(gpu, host)
     g.add_task("last", TaskKind.D2H, lambda ctx: None, deps=["boom"], buffers=["stage"])
     with pipeoff.testing.delay_lane("d2h", 0.05), pipeoff.testing.fail_task("boom"):
         first = pipeoff.execute(g)
     _issued(first, "last", gpu)  # cancelled: the block is back in the pool
-    g2 = TaskGraph(device=gpu.device)
-    g2.add_buffer("stage", 4 * N)
-    g2.add_task("overwrite", TaskKind.H2D,
-                lambda ctx: ctx.buffer("stage", torch.float32).fill_(2.0), buffers=["stage"])
-    second = pipeoff.execute(g2)
+    second = pipeoff.execute(_overwrite(gpu))
     second.wait()
     with pytest.raises(RuntimeError, match="injected"):
         first.wait()
@@ -98,24 +110,13 @@ def test_a_failed_execution_is_finalized_after_its_device_work(gpu: Gpu) -> None
     blocks are recycled only once its issued work has run (hazard: a block whose
     copy-out still reads it handed to the next execution without a fence)."""
     host = gpu.host(N)
-    g = TaskGraph(device=gpu.device)
-    g.add_buffer("stage", 4 * N)
-    g.add_task("fill", TaskKind.H2D,
-               lambda ctx: ctx.buffer("stage", torch.float32).fill_(1.0), buffers=["stage"])
-    g.add_task("back", TaskKind.D2H,
-               lambda ctx: host.copy_(ctx.buffer("stage", torch.float32), non_blocking=True),
-               deps=["fill"], buffers=["stage"])
-    g.add_task("boom", TaskKind.OPTIMIZER_CHUNK, None, deps=["back"])
+    g = _copy_out_then_fail(gpu, host)
     with pipeoff.testing.delay_lane("d2h", 0.05), pipeoff.testing.fail_task("boom"):
         first = pipeoff.execute(g)
     _issued(first, "boom", gpu)
     with pytest.raises(RuntimeError, match="injected"):
         first.wait("fill")  # re-raises the failure, and finalizes
-    g2 = TaskGraph(device=gpu.device)
-    g2.add_buffer("stage", 4 * N)
-    g2.add_task("overwrite", TaskKind.H2D,
-                lambda ctx: ctx.buffer("stage", torch.float32).fill_(2.0), buffers=["stage"])
-    pipeoff.execute(g2).wait()
+    pipeoff.execute(_overwrite(gpu)).wait()
     gpu.synchronize()
     assert torch.all(host == 1.0)
 

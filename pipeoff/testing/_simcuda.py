@@ -528,21 +528,14 @@ class SimulatedCuda:
             return
         vc = self.host_vc
         with self._lock:
-            try:
-                slots = self._sync.setdefault(obj, {})
-            except TypeError:  # not weakly referable: keyed by nothing then
-                return
-            _merge(slots.setdefault(key, {}), vc)
+            _merge(self._sync.setdefault(obj, {}).setdefault(key, {}), vc)
 
     def acquire(self, obj: Any, key: Any = None) -> None:
         if getattr(self._tls, "worker", None) is not None:
             return
         vc = self.host_vc
         with self._lock:
-            try:
-                published = self._sync.get(obj, {}).get(key)
-            except TypeError:
-                return
+            published = self._sync.get(obj, {}).get(key)
             if published:
                 _merge(vc, published)
 
@@ -743,26 +736,19 @@ class SimulatedCuda:
         if func.namespace == "c10d":
             # A collective writes its tensors (the schemas do not say so).
             written.update(id(t) for t in tensors)
-        non_blocking = kwargs.get("non_blocking")
         for i, a in enumerate(schema.arguments):
             v = args[i] if i < len(args) else kwargs.get(a.name)
-            if a.name == "non_blocking" and i < len(args):
-                non_blocking = v  # copy_(src, True): positional
             if a.alias_info is not None and a.alias_info.is_write:
                 for t in tree_flatten(v)[0]:
                     if isinstance(t, torch.Tensor):
                         written.add(id(t))
         kinds = [self._host_range(_ptr(t)) for t in tensors]
         touches_device = any(k is None and _ptr(t) for k, t in zip(kinds, tensors))
-        # A 0-dim host tensor in a device operation is a scalar argument, read by
-        # the host at the launch: no copy, no synchronization.
-        touches_host = any(k is not None and t.dim() > 0 for k, t in zip(kinds, tensors))
         actor = self._actor(device=touches_device)
         sync_after: SimStream | None = None
         if not _is_host(actor) and getattr(self._tls, "worker", None) is None:
-            pinned_only = all(k is None or k[2] for k in kinds)
-            if touches_host and not (bool(non_blocking) and pinned_only):
-                sync_after = actor  # a blocking or pageable copy synchronizes the host
+            if _host_waits(func, args, kwargs, tensors, kinds):
+                sync_after = actor
             if (any(str(r.type) in _HOST_VALUES for r in schema.returns)
                     or func.overloadpacket in _SHAPE_FROM_DATA):
                 # .item(), torch.equal, nonzero(): the host waits for a value (or a
@@ -819,13 +805,8 @@ class SimulatedCuda:
         kinds = [self._host_range(_ptr(t)) for t in tensors]
         if not any(k is None and _ptr(t) for k, t in zip(kinds, tensors)):
             return None  # host work
-        if any(k is not None and t.dim() > 0 for k, t in zip(kinds, tensors)):
-            non_blocking = kwargs.get("non_blocking")
-            for i, a in enumerate(schema.arguments):
-                if a.name == "non_blocking" and i < len(args):
-                    non_blocking = args[i]
-            if not (non_blocking and all(k is None or k[2] for k in kinds)):
-                return None  # a blocking or pageable copy: the host waits for it
+        if _host_waits(func, args, kwargs, tensors, kinds):
+            return None  # a blocking or pageable copy: run it now
         # Checked at issue, as a launch checks shapes and dtypes: an error is
         # raised here, not at a later synchronization.
         meta_args, meta_kwargs = tree_map_only(torch.Tensor, _on_meta, (args, kwargs))
@@ -928,6 +909,21 @@ class SimulatedCuda:
         self._closed = True
         for s in list(self.streams):
             s.stop()
+
+
+def _host_waits(func: Any, args: Any, kwargs: dict[str, Any], tensors: list[torch.Tensor],
+                kinds: list[tuple[int, int, bool] | None]) -> bool:
+    """Whether a device operation on these tensors is a copy the host waits for: it
+    touches host memory, and is not a ``non_blocking`` copy of pinned memory only.
+    A 0-dim host tensor is a scalar argument, read by the host at the launch: no
+    copy, no synchronization."""
+    if not any(k is not None and t.dim() > 0 for k, t in zip(kinds, tensors)):
+        return False
+    non_blocking = kwargs.get("non_blocking")
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "non_blocking" and i < len(args):
+            non_blocking = args[i]  # copy_(src, True): positional
+    return not (bool(non_blocking) and all(k is None or k[2] for k in kinds))
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
