@@ -25,7 +25,8 @@ __all__ = ["PRIVATE_APIS", "TESTED", "active_data_parallel", "allreduce_discarde
            "dtensor_box",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states",
-           "fsdp_sharded_params", "fsdp_state", "hookless", "init_optimizer_hooks",
+           "fsdp_sharded_params", "fsdp_state", "fused_adam_kernel", "hookless",
+           "init_optimizer_hooks",
            "installed_version", "is_compiling", "local_tensor", "outer_backward_frame",
            "outermost_backward_frame", "PrivateAPI", "profiler_enabled",
            "queue_backward_callback", "recompile_with_hooks", "restore_stance", "runs_compiled",
@@ -67,6 +68,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.autograd:_profiler_enabled",
                "profiler_enabled: tasks show in torch.profiler traces only when profiling"),
     PrivateAPI("torch", "torch.cuda:_sleep", "cuda_sleep: pipeoff.testing delays on streams"),
+    PrivateAPI("torch", "torch:_fused_adamw_",
+               "fused_adam_kernel: the native host step's self-test (the reference bits)"),
+    PrivateAPI("torch", "torch:_fused_adam_", "fused_adam_kernel"),
     PrivateAPI("torch", "torch.utils._python_dispatch:TorchDispatchMode",
                "pipeoff.testing's simulated CUDA device checks every access"),
     PrivateAPI("torch", "torch.utils._pytree:tree_flatten", "pipeoff.testing (the same)"),
@@ -308,6 +312,14 @@ def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool:
 def cuda_sleep(cycles: int) -> None:
     """Spin the current CUDA stream for ``cycles`` GPU clock cycles (``torch.cuda._sleep``)."""
     torch.cuda._sleep(cycles)
+
+
+def fused_adam_kernel(decoupled: bool) -> Callable[..., None]:
+    """torch's fused multi-tensor Adam (``decoupled=False``) or AdamW kernel, the one
+    ``torch.optim.AdamW(fused=True)`` runs (``torch._fused_adam_`` / ``_fused_adamw_``)."""
+    fn: Callable[..., None] = (torch._fused_adamw_ if decoupled  # type: ignore[attr-defined]
+                               else torch._fused_adam_)  # type: ignore[attr-defined]
+    return fn
 
 
 def profiler_enabled() -> bool:

@@ -16,9 +16,10 @@ With no checker installed (everywhere but under
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["Observer", "acquire", "install", "release", "report"]
+__all__ = ["Observer", "acquire", "install", "native_access", "release", "report"]
 
 
 class Observer(Protocol):
@@ -31,6 +32,10 @@ class Observer(Protocol):
 
     def report(self, err: BaseException) -> None:
         """A task's failure ``err`` is being re-raised to the execution's caller."""
+
+    def native_access(self, op: str, reads: Sequence[Any], writes: Sequence[Any]) -> None:
+        """The calling thread is about to read ``reads`` and write ``writes`` (tensors)
+        outside aten: native code on their ``data_ptr()``."""
 
 
 _observer: Observer | None = None
@@ -59,3 +64,11 @@ def report(err: BaseException) -> None:
     obs = _observer
     if obs is not None:
         obs.report(err)
+
+
+def native_access(op: str, reads: Sequence[Any] = (), writes: Sequence[Any] = ()) -> None:
+    """Native code (``op``) is about to touch these tensors' memory on this thread:
+    the checker sees it as it sees an aten operation's reads and writes."""
+    obs = _observer
+    if obs is not None:
+        obs.native_access(op, reads, writes)

@@ -64,7 +64,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -859,6 +859,32 @@ class SimulatedCuda:
             lo, hi = span[0] + ptr - base, span[1] + ptr - base
             self._check(base, lo, hi, False, host, host.vc, op, t)
             self._record(base, lo, hi, host, epoch, False, op, _where())
+
+    def native_access(self, op: str, reads: Sequence[torch.Tensor],
+                      writes: Sequence[torch.Tensor]) -> None:
+        """Native code on a host thread reads ``reads`` and writes ``writes`` through
+        their pointers (``pipeoff._happens.native_access``): checked and recorded like
+        the same accesses by an aten op on this thread. Only host memory: native
+        code cannot touch device memory."""
+        if self._closed or getattr(self._tls, "worker", None) is not None:
+            return
+        host = self._host_actor()
+        epoch = self._tick(host)
+        where = _where()
+        with self._lock:
+            for write, tensors in ((False, reads), (True, writes)):
+                for t in tensors:
+                    ptr = _ptr(t)
+                    span = _span(t)
+                    if not ptr or span is None:
+                        continue
+                    if self._host_range(ptr) is None:
+                        raise AssertionError(f"{op}: native code given device memory "
+                                             f"({_describe(t, self)})")
+                    base = self._base(ptr)
+                    lo, hi = span[0] + ptr - base, span[1] + ptr - base
+                    self._check(base, lo, hi, write, host, host.vc, op, t)
+                    self._record(base, lo, hi, host, epoch, write, op, where)
 
     def _base(self, ptr: int) -> int:
         r = self._host_range(ptr)

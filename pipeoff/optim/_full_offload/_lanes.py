@@ -36,14 +36,14 @@ wait named:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeoff import _accel, _faults
 from pipeoff.graph import TaskContext
-from pipeoff.optim import _accumulate, _update
+from pipeoff.optim import _accumulate, _host_kernel, _update
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import FullWork, pieces
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
@@ -82,6 +82,8 @@ class LaneWork:
         self.config = config
         self.probe = registry.probe
         self.pin = registry.pin
+        self.threads = config.num_threads or _host_kernel.default_threads()
+        """Threads of each native kernel call (one parallel region per tensor)."""
 
     def position_of(self, param: torch.Tensor) -> int | None:
         """``param``'s position at launch, or ``None`` if it was not a parameter then."""
@@ -135,7 +137,9 @@ class LaneWork:
             s, e = parts[j]
             if e > s:
                 src = ctx.buffer(f"slot:{i}.{j}", g.dtype)
-                _accumulate.fold(rec.flat_acc[s:e], src, first=acc.counts[i] == 0)
+                dst, first = rec.flat_acc[s:e], acc.counts[i] == 0
+                if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
+                    _accumulate.fold(dst, src, first=first)
             if last:
                 acc.counts[i] += 1
         if last and ms.final and acc.counts[i] > 0:
@@ -191,9 +195,12 @@ class LaneWork:
             # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
             clip_coef = torch.clamp(max_norm / (acc.total_norm + 1e-6), max=1.0)
         idx = [i for i in self.plan.chunks[k] if acc.counts[i] > 0]
+        kernel, native = self._native_of(idx, hyper)
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
         for i in idx:
+            if i in native:
+                continue
             rec = self.params[i]
             if clip_coef is not None:
                 rec.flat_acc.mul_(clip_coef)
@@ -207,9 +214,19 @@ class LaneWork:
         # stepped (torn): their version counters say whether it wrote any.
         masters = [self.params[i].flat_master for i in idx]
         versions = [m._version for m in masters]
+        w = ctx.buffer(f"w:{k}") if any(n for *_, n, _ in self.weight_slices(k)) else None
+        cast_done: set[int] = set()
         try:
             if groups:
                 _update.step_chunk(_update.make_shadow(self.probe), list(groups.values()))
+            if native:
+                assert kernel is not None
+                scale = None if clip_coef is None else float(clip_coef)
+                slices = {i: (off, n, dtype) for i, off, n, dtype in self.weight_slices(k)}
+                for i, h in native.items():
+                    scalars[i] = self._native_step(kernel, i, h, w, slices[i], scale)
+                    if slices[i][2] in (torch.bfloat16, torch.float32):
+                        cast_done.add(i)
         except BaseException:
             if any(m._version != v for m, v in zip(masters, versions)):
                 acc.torn_chunks.add(k)
@@ -221,12 +238,57 @@ class LaneWork:
             rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
             rec.stepped = True
         cast = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
-                if acc.counts[i] > 0 and n]
+                if acc.counts[i] > 0 and n and i not in cast_done]
         if cast:  # (a chunk of empty parameters has no buffer)
-            w = ctx.buffer(f"w:{k}")
+            assert w is not None
             for i, off, n, dtype in cast:
                 _accumulate.cast_into(w[off:off + n * dtype.itemsize].view(dtype),
                                       self.params[i].flat_master)
+
+    def _native_of(self, idx: Sequence[int], hyper: Sequence[Mapping[str, Any]],
+                   ) -> tuple[_host_kernel.HostKernel | None, dict[int, _host_kernel.AdamHyper]]:
+        """The native kernel and, per parameter of ``idx`` it steps, its group's
+        hyperparameters (``fused=True`` Adam/AdamW groups, when the kernel passed its
+        self-test here); the others take the wrapped optimizer's path."""
+        cls = self.config.optimizer_class
+        per_group: dict[int, _host_kernel.AdamHyper | None] = {}
+        native: dict[int, _host_kernel.AdamHyper] = {}
+        for i in idx:
+            gi = self.groups[i]
+            if gi not in per_group:
+                per_group[gi] = _host_kernel.adam_hyper(cls, hyper[gi])
+            h = per_group[gi]
+            if h is not None:
+                native[i] = h
+        if not native:
+            return None, native
+        kernel = _host_kernel.host_kernel()
+        return kernel, native if kernel is not None else {}
+
+    def _native_step(self, kernel: _host_kernel.HostKernel, i: int, h: _host_kernel.AdamHyper,
+                     w: torch.Tensor | None, where: tuple[int, int, torch.dtype],
+                     scale: float | None) -> dict[str, Any]:
+        """Step parameter ``i`` with the native kernel (casting into its slice of ``w``
+        when its dtype allows); returns its new scalars (``step``), which the caller
+        commits once the chunk has succeeded."""
+        rec = self.params[i]
+        st = rec.ensure_state(("exp_avg", "exp_avg_sq"), self.pin)
+        m, v = flat(st["exp_avg"], rec.order), flat(st["exp_avg_sq"], rec.order)
+        if "exp_avg" not in rec.present:  # a first step: the optimizer's state starts at 0
+            m.zero_()
+            v.zero_()
+        prev = rec.scalars.get("step")
+        # torch's fused Adam keeps the step as an FP32 tensor, incremented before the math.
+        step = (prev.clone() if isinstance(prev, torch.Tensor)
+                else torch.tensor(float(prev or 0), dtype=torch.float32))
+        step += 1
+        off, n, dtype = where
+        out = None
+        if w is not None and n and dtype in (torch.bfloat16, torch.float32):
+            out = w[off:off + n * dtype.itemsize].view(dtype)
+        kernel.adam_step(rec.flat_master, rec.flat_acc, m, v, out, h, step=float(step),
+                         scale=scale, threads=self.threads)
+        return {**rec.scalars, "step": step}
 
     def weight_slices(self, k: int) -> Iterator[tuple[int, int, int, torch.dtype]]:
         """``(i, byte offset, numel, dtype)`` of each weight in chunk ``k``'s buffer."""

@@ -1,0 +1,145 @@
+"""pipeoff's native kernels: one C file, compiled at first use, called through ``ctypes``.
+
+Why this shape (docs/host_step.md): the file needs no torch headers, so it
+survives torch upgrades and builds in about a second with any C compiler; ``ctypes``
+calls release the GIL, so a lane's kernel runs beside the training thread. A
+machine without a compiler (or with ``PIPEOFF_NATIVE=0``) runs torch's kernels
+instead, and :func:`library` says why.
+
+The shared object is cached under ``$PIPEOFF_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/pipeoff``, or ``~/.cache/pipeoff``), named by a hash of the
+source, the flags, the compiler and the machine, and written by an atomic
+rename, so ranks building at once do not trip on each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["CFLAGS", "SOURCE", "library", "unavailable_reason"]
+
+SOURCE = Path(__file__).with_name("hoststep.c")
+"""The kernels' C source (shipped with the package)."""
+
+CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-pthread",
+          # The kernels' fused multiply-adds are explicit fmaf() calls; the
+          # compiler must not add any (the bits would stop matching torch's).
+          "-ffp-contract=off",
+          # sqrtf without errno, so that it vectorizes (still IEEE, correctly rounded).
+          "-fno-math-errno")
+"""Compiler flags. No -ffast-math: the kernels are IEEE to the bit."""
+
+_I, _L, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "pipeoff_adam_step": (_I, [_P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _F, _F, _F, _F, _F, _F,
+                               _F, _F, _I, _I, _L, _I, _I]),
+    "pipeoff_adam_fast": (_I, []),
+    "pipeoff_fold": (_I, [_P, _P, _I, _L, _I, _I]),
+    "pipeoff_scale": (_I, [_P, _L, _F, _I]),
+    "pipeoff_abi_version": (_I, []),
+}
+ABI_VERSION = 1
+
+_lock = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PIPEOFF_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pipeoff"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build(cc: str) -> Path:
+    """The cached shared object, compiled if missing. Raises ``OSError`` /
+    ``subprocess.SubprocessError`` with the compiler's words when it cannot."""
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(),
+                                     platform.machine().encode(),
+                                     sys.platform.encode()])).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = out_dir / f"hoststep-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".hoststep-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise OSError(f"{cc} exited with {proc.returncode}: {' / '.join(tail)}")
+        os.replace(tmp, target)  # atomic: another rank's build of the same key is identical
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("PIPEOFF_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+        raise OSError("PIPEOFF_NATIVE=0 turns the native kernels off")
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler found (set CC, or install cc, gcc or clang)")
+    lib = ctypes.CDLL(str(_build(cc)))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if lib.pipeoff_abi_version() != ABI_VERSION:
+        raise OSError(f"the cached library's ABI is {lib.pipeoff_abi_version()}, "
+                      f"not {ABI_VERSION}")
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (built on first call), or ``None`` if they cannot be had
+    here (:func:`unavailable_reason` says why). Thread-safe; tried once per process."""
+    global _loaded, _reason, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if not _tried:
+            try:
+                _loaded = _load()
+            except (OSError, subprocess.SubprocessError, AttributeError) as err:
+                _reason = str(err) or type(err).__name__
+            _tried = True
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is ``None`` (``None`` if it is available or not tried yet)."""
+    return _reason
+
+
+def _reset_for_tests() -> None:
+    """Forget the outcome, so that the next :func:`library` call tries again."""
+    global _loaded, _reason, _tried
+    with _lock:
+        _loaded, _reason, _tried = None, None, False

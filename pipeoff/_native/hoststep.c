@@ -1,0 +1,385 @@
+/* pipeoff's host-step kernels: one pass over memory for each element-wise job of
+ * full offload. Plain C99 with no torch headers, called through ctypes on
+ * data_ptr() (ctypes releases the GIL), so it survives torch upgrades and needs
+ * only a C compiler at first use (pipeoff/_native/__init__.py builds it).
+ *
+ *   pipeoff_adam_step   the AdamW/Adam update of master, m, v from an FP32 gradient
+ *                       (optionally scaled by the clip coefficient), and the cast
+ *                       of the new master into the compute dtype, in one pass;
+ *   pipeoff_fold        acc = grad (widened) or acc += grad, BF16 or FP32 grad;
+ *   pipeoff_scale       a[i] *= s in place (the benchmarks' bandwidth floor).
+ *
+ * Bitwise equality with torch's fused CPU Adam (aten FusedAdamKernel) rests on
+ * using the same IEEE operations in the same order, with the fused multiply-adds
+ * exactly where torch's binary has them and nowhere else (this file is built with
+ * -ffp-contract=off; every fma is an explicit fmaf). Which fma placement torch's
+ * binary has depends on its dispatch level, so the placement is an argument
+ * (`fma`, a bit set of FMA_*), and pipeoff checks it against torch at first use.
+ * The last `n % vec` elements of a tensor run torch's scalar tail loop, which
+ * its compiler contracted differently from the vector body (`tail_fma`).
+ *
+ * Threads: each call is one parallel region over its tensor (never one per small
+ * piece) whose chunks the threads claim one at a time, and nobody spins: a busy
+ * host slows it, it does not stall it (see `parallel`).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FMA_LERP 1      /* m = fma(coeff, g - m, base) */
+#define FMA_SQ_V 2      /* v = fma(v, beta2, (c2 * g) * g) */
+#define FMA_SQ_G 4      /* v = fma(c2 * g, g, v * beta2) */
+#define FMA_WD 8        /* Adam's g = fma(p, wd, g) */
+
+#define MIN_PER_THREAD (1 << 16)
+#define CHUNK_MIN (1 << 14)
+#define ALIGN 64
+#define MAX_THREADS 256
+
+typedef void (*range_fn)(void *arg, int64_t begin, int64_t end);
+
+/* One parallel region: [0, n) in chunks that the caller and up to threads - 1
+ * helpers claim one at a time. The caller returns once every chunk is done, not
+ * once every helper has run: a helper the OS has not scheduled yet (a busy host)
+ * finds no chunk left and exits, and the caller never waits for it. So a
+ * descheduled thread costs at most the chunk it holds, not its whole share. The
+ * region's bookkeeping is on the heap, freed by whoever leaves it last; `arg` is
+ * the caller's and is touched only inside a claimed chunk. */
+typedef struct {
+    range_fn fn;
+    void *arg;
+    int64_t n, chunk, chunks;
+    int64_t next;  /* atomic: the next chunk to claim */
+    int64_t done;  /* atomic: chunks finished */
+    int refs;      /* atomic: the caller and the helpers still inside */
+    pthread_mutex_t lock;
+    pthread_cond_t all_done;
+} region_t;
+
+static void region_leave(region_t *r) {
+    if (__atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        pthread_mutex_destroy(&r->lock);
+        pthread_cond_destroy(&r->all_done);
+        free(r);
+    }
+}
+
+static void region_work(region_t *r) {
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+        if (c >= r->chunks) return;
+        int64_t b = c * r->chunk, e = b + r->chunk < r->n ? b + r->chunk : r->n;
+        r->fn(r->arg, b, e);
+        if (__atomic_add_fetch(&r->done, 1, __ATOMIC_ACQ_REL) == r->chunks) {
+            pthread_mutex_lock(&r->lock);
+            pthread_cond_broadcast(&r->all_done);
+            pthread_mutex_unlock(&r->lock);
+        }
+    }
+}
+
+static void *region_helper(void *p) {
+    region_t *r = (region_t *)p;
+    region_work(r);
+    region_leave(r);
+    return NULL;
+}
+
+/* fn over [0, n), with up to `threads` threads (the caller is one of them). */
+static void parallel(range_fn fn, void *arg, int64_t n, int threads) {
+    int k = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int64_t most = n / MIN_PER_THREAD;
+    if (most < k) k = most < 1 ? 1 : (int)most;
+    region_t *r = k > 1 ? (region_t *)malloc(sizeof(region_t)) : NULL;
+    if (r == NULL) {
+        fn(arg, 0, n);
+        return;
+    }
+    r->fn = fn;
+    r->arg = arg;
+    r->n = n;
+    /* About 8 chunks per thread, whole cache lines, at least CHUNK_MIN elements. */
+    int64_t chunk = (n / (8 * (int64_t)k) + ALIGN - 1) / ALIGN * ALIGN;
+    r->chunk = chunk < CHUNK_MIN ? CHUNK_MIN : chunk;
+    r->chunks = (n + r->chunk - 1) / r->chunk;
+    r->next = 0;
+    r->done = 0;
+    r->refs = k;
+    pthread_mutex_init(&r->lock, NULL);
+    pthread_cond_init(&r->all_done, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int t = 1; t < k; t++) {
+        pthread_t tid;
+        if (pthread_create(&tid, &attr, region_helper, r) != 0)
+            region_leave(r); /* no thread to be had: the others do its chunks */
+    }
+    pthread_attr_destroy(&attr);
+    region_work(r);
+    pthread_mutex_lock(&r->lock);
+    while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) < r->chunks)
+        pthread_cond_wait(&r->all_done, &r->lock);
+    pthread_mutex_unlock(&r->lock);
+    region_leave(r);
+}
+
+/* FP32 -> BF16, round to nearest even; a NaN becomes `nan_bits`. */
+static inline uint16_t to_bf16(float x, uint16_t nan_bits) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return x != x ? nan_bits : r;
+}
+
+static inline __attribute__((always_inline)) void cast_bf16(const float *restrict x,
+                                                            uint16_t *restrict out, int64_t n,
+                                                            uint16_t nan_bits) {
+    for (int64_t i = 0; i < n; i++) out[i] = to_bf16(x[i], nan_bits);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* ---------------------------------------------------------------- Adam/AdamW */
+
+typedef struct {
+    float *restrict p, *restrict m, *restrict v;
+    const float *restrict g;
+    void *restrict out;
+    int out_kind;        /* 0 none, 1 BF16, 2 FP32 */
+    uint16_t nan_bits;   /* BF16 bits of a NaN weight */
+    int adam_wd;         /* Adam (not AdamW) with weight_decay != 0 */
+    float scale;         /* g = g * scale: the clip coefficient, 1 without */
+    float sign;          /* g = g * sign: -1 to maximize, 1 without */
+    float wd;            /* Adam: float(weight_decay) */
+    float decay;         /* AdamW: float(1 - lr * weight_decay), 1 without */
+    float w1;            /* float(1 - beta1), the lerp weight */
+    float beta2, c2;     /* float(beta2), float(1 - beta2) */
+    float bc2_sqrt, eps, step_size;
+    int fma, tail_fma;
+    int64_t tail;        /* first element of torch's scalar tail loop */
+} adam_args;
+
+/* Elements [b, e). Multiplying by 1 is exact (signed zeros, infinities and NaNs
+ * included), so the clip, maximize and AdamW-decay factors need no branch; the
+ * arguments that change the instructions are compile-time constants in each
+ * instance (ADAM_CASES), so that each is one vectorized loop. */
+static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, int64_t b,
+                                                             int64_t e, int fma, int adam_wd,
+                                                             int out_kind, int small) {
+    float *restrict P = a->p, *restrict M = a->m, *restrict V = a->v;
+    const float *restrict G = a->g;
+    uint16_t *restrict O16 = (uint16_t *)a->out;
+    float *restrict O32 = (float *)a->out;
+    const float scale = a->scale, sign = a->sign, wd = a->wd, decay = a->decay;
+    const float beta2 = a->beta2, c2 = a->c2, bc2_sqrt = a->bc2_sqrt, eps = a->eps;
+    const float step_size = a->step_size;
+    const uint16_t nan_bits = a->nan_bits;
+    /* torch's lerp: weight w below 0.5, m + w (g - m); else g + (w - 1)(g - m). */
+    const float c = small ? a->w1 : a->w1 - 1.0f;
+    for (int64_t i = b; i < e; i++) {
+        float g = G[i] * scale * sign;
+        float p0 = P[i];
+        float p = p0 * decay;
+        float m = M[i];
+        float v = V[i];
+        if (adam_wd) g = (fma & FMA_WD) ? fmaf(p0, wd, g) : g + p0 * wd;
+        float base = small ? m : g;
+        m = (fma & FMA_LERP) ? fmaf(c, g - m, base) : base + c * (g - m);
+        float cg = c2 * g;
+        if (fma & FMA_SQ_V)
+            v = fmaf(v, beta2, cg * g);
+        else if (fma & FMA_SQ_G)
+            v = fmaf(cg, g, v * beta2);
+        else
+            v = v * beta2 + cg * g;
+        float denom = sqrtf(v) / bc2_sqrt + eps;
+        p = p - (step_size * m) / denom;
+        M[i] = m;
+        V[i] = v;
+        P[i] = p;
+        if (out_kind == 1)
+            O16[i] = to_bf16(p, nan_bits);
+        else if (out_kind == 2)
+            O32[i] = p;
+    }
+}
+
+#define ADAM_LOOP(F, WD, OUT, SMALL) adam_loop(a, b, e, F, WD, OUT, SMALL)
+
+/* BF16 weights: the step and the cast in tiles that stay in L1, so that each loop
+ * vectorizes at its full width (a loop mixing 32- and 16-bit stores does not). */
+#define TILE 2048
+#define ADAM_BF16(F, WD, SMALL)                                              \
+    for (int64_t t0 = b, b0 = b, e0 = e; t0 < e0; t0 += TILE) {              \
+        int64_t t1 = t0 + TILE < e0 ? t0 + TILE : e0;                        \
+        adam_loop(a, t0, t1, F, WD, 0, SMALL);                               \
+        cast_bf16(a->p + t0, (uint16_t *)a->out + t0, t1 - t0, a->nan_bits); \
+        (void)b0;                                                            \
+    }
+
+#define ADAM_OUTS(F, WD, SMALL)                         \
+    switch (a->out_kind) {                              \
+    case 0: ADAM_LOOP(F, WD, 0, SMALL); break;          \
+    case 1: ADAM_BF16(F, WD, SMALL); break;             \
+    default: ADAM_LOOP(F, WD, 2, SMALL); break;         \
+    }
+
+#define ADAM_CASES(F)                                   \
+    do {                                                \
+        int small = fabsf(a->w1) < 0.5f;                \
+        if (a->adam_wd) {                               \
+            if (small) { ADAM_OUTS(F, 1, 1) }           \
+            else { ADAM_OUTS(F, 1, 0) }                 \
+        } else {                                        \
+            if (small) { ADAM_OUTS(F, 0, 1) }           \
+            else { ADAM_OUTS(F, 0, 0) }                 \
+        }                                               \
+    } while (0)
+
+/* torch's AVX2/AVX512 binary: the vector body's contractions. */
+#define BODY_FUSED (FMA_LERP | FMA_SQ_G | FMA_WD)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86_FMA 1
+__attribute__((target("avx2,fma"))) static void adam_body_fused(const adam_args *a, int64_t b,
+                                                                  int64_t e) {
+    ADAM_CASES(BODY_FUSED);
+}
+
+/* The same math, 16 lanes wide (the bits do not depend on the width). */
+#ifdef __clang__
+#define WIDE512 __attribute__((target("avx512f,avx2,fma"), min_vector_width(512)))
+#else
+#define WIDE512 __attribute__((target("avx512f,avx2,fma,prefer-vector-width=512")))
+#endif
+WIDE512 static void adam_body_fused512(const adam_args *a, int64_t b, int64_t e) {
+    ADAM_CASES(BODY_FUSED);
+}
+#endif
+
+static void adam_body_plain(const adam_args *a, int64_t b, int64_t e) { ADAM_CASES(0); }
+
+/* Any contraction set, branching per element (slow): the tail, and a body whose
+ * contractions have no vectorized instance above. */
+static void adam_generic(const adam_args *a, int64_t b, int64_t e, int f) {
+    int small = fabsf(a->w1) < 0.5f;
+    if (small)
+        ADAM_OUTS(f, a->adam_wd, 1)
+    else
+        ADAM_OUTS(f, a->adam_wd, 0)
+}
+
+static int have_fma(void) {
+#ifdef HAVE_X86_FMA
+    return __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static int have_avx512(void) {
+#ifdef HAVE_X86_FMA
+    return have_fma() && __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+static void adam_range(void *arg, int64_t b, int64_t e) {
+    const adam_args *a = (const adam_args *)arg;
+    int64_t mid = e < a->tail ? e : (b > a->tail ? b : a->tail);
+    if (a->fma == 0) {
+        adam_body_plain(a, b, mid);
+#ifdef HAVE_X86_FMA
+    } else if (a->fma == BODY_FUSED && have_avx512()) {
+        adam_body_fused512(a, b, mid);
+    } else if (a->fma == BODY_FUSED && have_fma()) {
+        adam_body_fused(a, b, mid);
+#endif
+    } else {
+        adam_generic(a, b, mid, a->fma);
+    }
+    adam_generic(a, mid, e, a->tail_fma);
+}
+
+/* One Adam/AdamW step of n elements (see adam_args for the scalars, which the
+ * caller rounds from double as torch does). Returns 0, or -1 for arguments it
+ * does not take. The tensors must not overlap. */
+int pipeoff_adam_step(float *p, const float *g, float *m, float *v, void *out, int out_kind,
+                      int64_t n, int adam_wd, float wd, float decay, float sign, float scale,
+                      float w1, float beta2, float c2, float bc2_sqrt, float eps,
+                      float step_size, int fma, int tail_fma, int64_t vec, int nan_bf16,
+                      int threads) {
+    if (n < 0 || vec < 1 || out_kind < 0 || out_kind > 2) return -1;
+    adam_args a = {p, m, v, g, out, out_kind, (uint16_t)nan_bf16, adam_wd, scale, sign, wd,
+                   decay, w1, beta2, c2, bc2_sqrt, eps, step_size, fma, tail_fma,
+                   n - n % vec};
+    parallel(adam_range, &a, n, threads);
+    return 0;
+}
+
+/* Which instances run here (a bit set: 1 plain, 2 fused AVX2, 4 fused AVX-512). */
+int pipeoff_adam_fast(void) { return 1 | (have_fma() ? 2 : 0) | (have_avx512() ? 4 : 0); }
+
+/* ---------------------------------------------------------------- the fold */
+
+typedef struct {
+    float *acc;
+    const void *g;
+    int kind;  /* 1 BF16, 2 FP32 */
+    int first;
+} fold_args;
+
+static void fold_range(void *arg, int64_t b, int64_t e) {
+    const fold_args *f = (const fold_args *)arg;
+    float *acc = f->acc;
+    if (f->kind == 1) {
+        const uint16_t *g = (const uint16_t *)f->g;
+        if (f->first)
+            for (int64_t i = b; i < e; i++) acc[i] = from_bf16(g[i]);
+        else
+            for (int64_t i = b; i < e; i++) acc[i] = acc[i] + from_bf16(g[i]);
+    } else {
+        const float *g = (const float *)f->g;
+        if (f->first)
+            memcpy(acc + b, g + b, (size_t)(e - b) * 4);
+        else
+            for (int64_t i = b; i < e; i++) acc[i] = acc[i] + g[i];
+    }
+}
+
+int pipeoff_fold(float *acc, const void *g, int kind, int64_t n, int first, int threads) {
+    if (n < 0 || (kind != 1 && kind != 2)) return -1;
+    fold_args f = {acc, g, kind, first};
+    parallel(fold_range, &f, n, threads);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the floor */
+
+typedef struct {
+    float *a;
+    float s;
+} scale_args;
+
+static void scale_range(void *arg, int64_t b, int64_t e) {
+    const scale_args *s = (const scale_args *)arg;
+    for (int64_t i = b; i < e; i++) s->a[i] = s->a[i] * s->s;
+}
+
+int pipeoff_scale(float *a, int64_t n, float s, int threads) {
+    if (n < 0) return -1;
+    scale_args x = {a, s};
+    parallel(scale_range, &x, n, threads);
+    return 0;
+}
+
+int pipeoff_abi_version(void) { return 1; }

@@ -1,0 +1,330 @@
+"""The fused host step of full offload: one pass over memory per job, bitwise equal to torch.
+
+Two jobs run in pipeoff's native kernels (``pipeoff/_native/hoststep.c``) when
+they are to be had:
+
+* :func:`fold`: a gradient piece (BF16 or FP32) folded into the FP32 sum in one
+  pass (torch's mixed-dtype add makes an FP32 temporary of the gradient first).
+  IEEE widening and adds, so the bits are those of ``acc.add_(grad)`` anywhere.
+* :meth:`HostKernel.adam_step`: the AdamW/Adam update of the master, ``exp_avg``
+  and ``exp_avg_sq`` from the FP32 sum (times the clip coefficient, if any), and
+  the cast of the new master into the weight buffer, in one pass: 30 bytes per
+  element against the three passes' 42 (scale, step, cast).
+
+The step replaces ``torch.optim.AdamW(fused=True)`` (or ``Adam``) only, and is
+bitwise equal to it *at the dispatch level torch runs on here*
+(``torch.backends.cpu.get_cpu_capability()``): torch's own bits change with it,
+because its AVX2/AVX-512 binary fuses some multiply-adds (:data:`CONTRACTIONS`).
+No kernel can be bitwise equal to the for-loop or foreach AdamW, whose CPU
+``sqrt`` is not correctly rounded, so those (and SGD, amsgrad, a tensor ``lr``)
+keep torch's path. :func:`host_kernel` checks the kernel against
+torch's fused kernel at first use on each machine (:func:`self_test`) and
+warns, naming why, when it falls back to torch's path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeoff import _compat, _happens, _native
+
+__all__ = ["CONTRACTIONS", "AdamHyper", "HostKernel", "adam_hyper", "default_threads", "fold",
+           "host_kernel", "self_test"]
+
+FMA_LERP, FMA_SQ_V, FMA_SQ_G, FMA_WD = 1, 2, 4, 8
+"""Where torch's binary fuses a multiply-add (``hoststep.c`` names each)."""
+
+CONTRACTIONS: Mapping[str, tuple[int, int, int, int]] = {
+    # level: (vector body's fmas, scalar tail's fmas, tail = last n % this, BF16 NaN bits)
+    "DEFAULT": (0, 0, 1, 0x7FC0),
+    "AVX2": (FMA_LERP | FMA_SQ_G | FMA_WD, FMA_LERP | FMA_SQ_V | FMA_WD, 8, 0xFFFF),
+    # torch's AVX-512 tail loop is itself vectorized 8 wide with the body's
+    # contractions, so its scalar remainder is the last n % 8 too.
+    "AVX512": (FMA_LERP | FMA_SQ_G | FMA_WD, FMA_LERP | FMA_SQ_V | FMA_WD, 8, 0xFFFF),
+}
+"""Per torch CPU dispatch level, how its fused Adam kernel rounds (found by
+taking each fma away until the bits matched, on torch 2.13; :func:`self_test`
+re-checks it on every machine)."""
+
+_KINDS = {torch.bfloat16: 1, torch.float32: 2}
+
+
+def default_threads() -> int:
+    """This rank's share of the CPUs it may run on: the CPUs of its affinity mask
+    divided by the ranks on this host (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cpus // local)
+
+
+def fold(acc: torch.Tensor, grad: torch.Tensor, *, first: bool, threads: int) -> bool:
+    """``acc = grad`` (widened) if ``first``, else ``acc += grad``, in one native pass;
+    1-D contiguous tensors of one length, ``acc`` FP32, ``grad`` BF16 or FP32.
+
+    Returns ``False`` (and does nothing) when the kernels are unavailable or the
+    tensors are of other kinds: the caller then runs torch's fold.
+    """
+    lib = _native.library()
+    kind = _KINDS.get(grad.dtype)
+    if (lib is None or kind is None or acc.dtype != torch.float32 or acc.device.type != "cpu"
+            or grad.device.type != "cpu" or not acc.is_contiguous()
+            or not grad.is_contiguous() or acc.numel() != grad.numel()):
+        return False
+    _happens.native_access("pipeoff_fold", reads=(grad,) if first else (acc, grad), writes=(acc,))
+    rc = lib.pipeoff_fold(acc.data_ptr(), grad.data_ptr(), kind, acc.numel(), int(first),
+                          threads)
+    assert rc == 0, rc
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    """The hyperparameters of one Adam/AdamW param group the kernel takes, as floats."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    """AdamW's decay of the weights (``True``) or Adam's L2 term in the gradient."""
+    maximize: bool
+
+
+def adam_hyper(optimizer_class: type[torch.optim.Optimizer],
+               group: Mapping[str, Any]) -> AdamHyper | None:
+    """``group``'s hyperparameters if the native step is bitwise what
+    ``optimizer_class`` does with them: ``Adam``/``AdamW`` with ``fused=True``, no
+    ``amsgrad``, plain float ``lr`` and betas; else ``None`` (torch's path)."""
+    if optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    if group.get("fused") is not True or group.get("amsgrad") or group.get("capturable") \
+            or group.get("differentiable"):
+        return None
+    lr, betas = group.get("lr"), group.get("betas")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        return None
+    values = (lr, *betas, group.get("eps"), group.get("weight_decay", 0.0))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None  # a Tensor lr or beta: torch's path
+    decoupled = group.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)
+    return AdamHyper(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]),  # type: ignore[arg-type,index]
+                     eps=float(group["eps"]), weight_decay=float(group.get("weight_decay", 0.0)),
+                     decoupled=bool(decoupled), maximize=bool(group.get("maximize", False)))
+
+
+class HostKernel:
+    """The native Adam/AdamW step at one dispatch level's rounding (:data:`CONTRACTIONS`)."""
+
+    def __init__(self, lib: Any, level: str) -> None:
+        self.lib = lib
+        self.level = level
+        self.body, self.tail, self.vec, self.nan_bits = CONTRACTIONS[level]
+
+    def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor, out: torch.Tensor | None, hyper: AdamHyper, *,
+                  step: float, scale: float | None, threads: int, announce: bool = True) -> None:
+        """One step of ``param`` (the FP32 master), ``exp_avg`` and ``exp_avg_sq`` in place,
+        with gradient ``grad * scale`` (``grad`` is not written), and ``out`` (BF16 or
+        FP32, or ``None``) set to the new ``param``: what ``torch._fused_adamw_`` (or
+        ``_fused_adam_``) and ``out.copy_(param)`` give after ``grad.mul_(scale)``.
+
+        All 1-D, contiguous, on the CPU, of one length, not overlapping; ``step`` is
+        the step count after this step (torch's ``state["step"]``, already
+        incremented). ``announce=False`` keeps the access from a checker
+        (:func:`pipeoff._happens.native_access`), for tensors it does not know.
+
+        Raises:
+            ValueError: the tensors are not of those kinds.
+        """
+        n = param.numel()
+        for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
+                        ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n \
+                    or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous FP32 CPU tensor of {n} elements, "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        kind = 0
+        if out is not None:
+            kind = _KINDS.get(out.dtype, -1)
+            if kind < 0 or not out.is_contiguous() or out.numel() != n:
+                raise ValueError(f"out must be a contiguous BF16 or FP32 tensor of {n} elements,"
+                                 f" got {out.dtype} {tuple(out.shape)}")
+        if announce:
+            _happens.native_access("pipeoff_adam_step", reads=(grad,),
+                                   writes=(param, exp_avg, exp_avg_sq)
+                                   + ((out,) if out is not None else ()))
+        h = hyper
+        # The scalars as torch's kernel rounds them: computed in double, then
+        # each rounded to float once (ctypes.c_float rounds to nearest).
+        bc1 = 1.0 - math.pow(h.beta1, step)
+        bc2 = 1.0 - math.pow(h.beta2, step)
+        wd = h.weight_decay
+        rc = self.lib.pipeoff_adam_step(
+            param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+            None if out is None else out.data_ptr(), kind, n,
+            int(not h.decoupled and wd != 0), wd,
+            (1.0 - h.lr * wd) if h.decoupled and wd != 0 else 1.0,
+            -1.0 if h.maximize else 1.0, 1.0 if scale is None else scale,
+            1.0 - h.beta1, h.beta2, 1.0 - h.beta2, math.sqrt(bc2), h.eps, h.lr / bc1,
+            self.body, self.tail, self.vec, self.nan_bits, threads)
+        assert rc == 0, rc
+
+
+_lock = threading.Lock()
+_kernel: HostKernel | None = None
+_why: str | None = None
+_decided = False
+
+
+def host_kernel() -> HostKernel | None:
+    """The native step, checked against torch on this machine at first call, or
+    ``None`` (with one ``RuntimeWarning`` per process naming why) when it is not to
+    be had or does not match torch. ``PIPEOFF_NATIVE=0`` turns it off silently."""
+    global _kernel, _why, _decided
+    if _decided:
+        return _kernel
+    with _lock:
+        if _decided:
+            return _kernel
+        lib = _native.library()
+        level = torch.backends.cpu.get_cpu_capability()
+        if lib is None:
+            _why = f"the native kernels are unavailable: {_native.unavailable_reason()}"
+        elif level not in CONTRACTIONS:
+            _why = (f"torch's CPU dispatch level here is {level}, whose rounding of fused "
+                    f"AdamW pipeoff does not know (it knows {', '.join(CONTRACTIONS)})")
+        else:
+            kernel = HostKernel(lib, level)
+            mismatch = _self_test_apart(kernel)
+            if mismatch is None:
+                _kernel = kernel
+            else:
+                _why = f"its self-test against torch's fused AdamW failed: {mismatch}"
+        _decided = True
+        if _kernel is None and os.environ.get("PIPEOFF_NATIVE", "1") != "0":
+            warnings.warn(f"pipeoff: the fused host step is off, {_why}; full offload runs "
+                          "torch's fused AdamW, fold and cast instead (the same bits, more "
+                          "passes over memory)", RuntimeWarning, stacklevel=2)
+    return _kernel
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`host_kernel` returned ``None``."""
+    return _why
+
+
+def _reset_for_tests() -> None:
+    global _kernel, _why, _decided
+    with _lock:
+        _kernel, _why, _decided = None, None, False
+
+
+# -- the self-test ----------------------------------------------------------------------
+_HYPER = (
+    AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False),
+    AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False,
+              maximize=False),
+    AdamHyper(lr=1e-2, beta1=0.5, beta2=0.99, eps=1e-6, weight_decay=0.0, decoupled=True,
+              maximize=True),
+    AdamHyper(lr=3e-4, beta1=0.95, beta2=0.95, eps=1e-12, weight_decay=0.0, decoupled=False,
+              maximize=False),
+)
+"""Both lerp branches (``beta1`` below and above 0.5), Adam's L2 term and AdamW's
+decay, with and without weight decay, ``maximize``."""
+
+
+def _values(n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """``param, grad, exp_avg, exp_avg_sq`` over the value classes: normal,
+    mid-training, subnormal, huge, signed zeros, infinities, NaNs, random bits."""
+    def mix(scale: float) -> torch.Tensor:
+        x = torch.randn(n, generator=gen) * scale
+        cls = torch.randint(0, 10, (n,), generator=gen)
+        x = torch.where(cls == 0, torch.randn(n, generator=gen) * 1e-39, x)  # subnormal
+        x = torch.where(cls == 1, torch.randn(n, generator=gen) * 1e30, x)  # huge
+        x = torch.where(cls == 2, torch.zeros(n).copysign(torch.randn(n, generator=gen)), x)
+        bits = torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
+        x = torch.where(cls == 3, bits.view(torch.float32), x)  # anything, inf and NaN too
+        return x
+    p, g, m = mix(1.0), mix(1e-2), mix(1e-3)
+    v = mix(1e-6).abs()
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    g[:: max(1, n // 3)] = special[torch.randint(0, 3, (1,), generator=gen)]
+    return [p, g, m, v]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, a NaN matching any NaN (which operand's payload an operation
+    propagates is not a property of the math)."""
+    an, bn = a.isnan(), b.isnan()
+    if not torch.equal(an, bn):
+        return False
+    ints = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a.view(ints)[~an], b.view(ints)[~bn])
+
+
+def _self_test_apart(kernel: HostKernel) -> str | None:
+    """:func:`self_test` on a thread of its own: outside the dispatch modes (a
+    profiler's, the simulated device's) of the thread that asked, which are per thread."""
+    result: list[str | None] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(self_test(kernel))
+        except BaseException as err:  # re-raised on the asking thread
+            errors.append(err)
+
+    t = threading.Thread(target=run, name="pipeoff-self-test", daemon=True)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def self_test(kernel: HostKernel, *, steps: int = 3) -> str | None:
+    """``None`` if ``kernel`` gives torch's fused Adam/AdamW bits (and its BF16 cast) on
+    this machine, over the value classes, odd lengths (every tail), both
+    ``beta1`` branches, a clip scale and ``steps`` steps; else what differed."""
+    gen = torch.Generator().manual_seed(1234)
+    sizes = [*range(1, 34), 100_003]
+    for hi, h in enumerate(_HYPER):
+        fused = _compat.fused_adam_kernel(h.decoupled)
+        for n in sizes:
+            base = _values(n, gen)
+            ref = [t.clone() for t in base]
+            mine = [t.clone() for t in base]
+            scale = 0.5 if hi == 1 else None
+            out = torch.empty(n, dtype=torch.bfloat16)
+            for step in range(1, steps + 1):
+                grad = ref[1] * scale if scale is not None else ref[1]
+                fused([ref[0]], [grad], [ref[2]], [ref[3]], [], [torch.tensor(float(step))],
+                      lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
+                      eps=h.eps, amsgrad=False, maximize=h.maximize)
+                kernel.adam_step(mine[0], mine[1], mine[2], mine[3], out, h, step=float(step),
+                                 scale=scale, threads=2, announce=False)
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"),
+                                      (ref[0], ref[2], ref[3]), (mine[0], mine[2], mine[3])):
+                    if not _same(a, b):
+                        bad = int((a.view(torch.int32) != b.view(torch.int32)).sum())
+                        return (f"{name} differs in {bad} of {n} elements after step {step} "
+                                f"({h}, dispatch level {kernel.level})")
+                if not _same(ref[0].to(torch.bfloat16), out):
+                    return f"the BF16 cast differs ({n} elements, step {step})"
+    return None

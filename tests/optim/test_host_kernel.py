@@ -1,0 +1,383 @@
+"""The fused host step (issue 22): the native kernels bitwise against torch at every
+dispatch level this machine reaches, the fold, the thread budget, and the fallbacks
+(no compiler, a failed self-test, ``PIPEOFF_NATIVE=0``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeoff import _native
+from pipeoff.optim import FullOffloadOptimizer, _host_kernel
+from pipeoff.optim._host_kernel import AdamHyper
+from tests.optim.full_reference import Reference
+from tests.optim.test_full_offload import (
+    assert_bitwise,
+    batches,
+    make_model,
+    same_bits,
+    train,
+    train_reference,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kernel() -> _host_kernel.HostKernel:
+    k = _host_kernel.host_kernel()
+    if k is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    return k
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The native library and the kernel decision forgotten (and forgotten again
+    after the test), with a private build cache."""
+    monkeypatch.setenv("PIPEOFF_CACHE_DIR", str(tmp_path / "cache"))
+    _native._reset_for_tests()
+    _host_kernel._reset_for_tests()
+    yield
+    _native._reset_for_tests()
+    _host_kernel._reset_for_tests()
+
+
+# -- the step kernel against torch._fused_adamw_ --------------------------------------
+
+HYPERS = [
+    AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False),
+    AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False,
+              maximize=False),
+    AdamHyper(lr=1e-2, beta1=0.5, beta2=0.99, eps=1e-6, weight_decay=0.0, decoupled=True,
+              maximize=True),
+    AdamHyper(lr=3e-4, beta1=0.95, beta2=0.95, eps=1e-12, weight_decay=0.0, decoupled=False,
+              maximize=False),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, None],
+                         ids=["bf16", "fp32", "no_cast"])
+@pytest.mark.parametrize("clip", [None, 0.37], ids=["no_clip", "clip"])
+@pytest.mark.parametrize("h", HYPERS, ids=["adamw", "adam_l2_beta1_0.3", "maximize_beta1_0.5",
+                                           "adam_no_wd"])
+def test_step_is_torch_fused_adam_bit_for_bit(h: AdamHyper, clip: float | None,
+                                             out_dtype: torch.dtype | None,
+                                             threads: int) -> None:
+    k = kernel()
+    gen = torch.Generator().manual_seed(7)
+    fused = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    for n in [1, 7, 8, 15, 16, 17, 31, 33, 200_003]:  # every tail length, and a threaded body
+        base = _host_kernel._values(n, gen)
+        ref = [t.clone() for t in base]
+        mine = [t.clone() for t in base]
+        out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
+        for step in range(1, 6):
+            grad = ref[1].clone()
+            if clip is not None:
+                grad.mul_(torch.tensor(clip))  # what the three passes do to the sum
+            fused([ref[0]], [grad], [ref[2]], [ref[3]], [], [torch.tensor(float(step))],
+                  lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps,
+                  amsgrad=False, maximize=h.maximize)
+            before = mine[1].clone()
+            k.adam_step(mine[0], mine[1], mine[2], mine[3], out, h, step=float(step),
+                        scale=clip, threads=threads)
+            assert same_bits(mine[1], before)  # the gradient sum is not written
+            for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ref[::2] + ref[3:],
+                                  mine[::2] + mine[3:]):
+                assert _host_kernel._same(a, b), f"{name}, n={n}, step {step}"
+            if out is not None:
+                assert _host_kernel._same(ref[0].to(out.dtype), out), f"cast, n={n}"
+
+
+def test_the_scalars_round_as_torch_rounds_them() -> None:
+    """Hyperparameters whose float rounding matters (1 - beta1 not exact, lr * wd tiny)."""
+    k = kernel()
+    gen = torch.Generator().manual_seed(3)
+    h = AdamHyper(lr=7.77e-5, beta1=0.8999999, beta2=0.99951, eps=3.3e-7, weight_decay=1e-5,
+                  decoupled=True, maximize=False)
+    base = _host_kernel._values(1003, gen)
+    ref, mine = [t.clone() for t in base], [t.clone() for t in base]
+    for step in (1, 2, 1000, 123456):
+        torch._fused_adamw_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [],
+                            [torch.tensor(float(step))], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                            weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
+                            maximize=False)
+        k.adam_step(mine[0], mine[1], mine[2], mine[3], None, h, step=float(step), scale=None,
+                    threads=1)
+        assert all(_host_kernel._same(a, b) for a, b in zip(ref, mine))
+
+
+def test_bad_tensors_are_refused_by_name() -> None:
+    k = kernel()
+    h = HYPERS[0]
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    with pytest.raises(ValueError, match="grad must be a contiguous FP32"):
+        k.adam_step(p, g.double(), m, v, None, h, step=1.0, scale=None, threads=1)
+    with pytest.raises(ValueError, match="exp_avg_sq must be"):
+        k.adam_step(p, g, m, torch.zeros(16)[::2], None, h, step=1.0, scale=None, threads=1)
+    with pytest.raises(ValueError, match="out must be a contiguous BF16 or FP32"):
+        k.adam_step(p, g, m, v, torch.zeros(8, dtype=torch.float16), h, step=1.0, scale=None,
+                    threads=1)
+
+
+@pytest.mark.parametrize("level", ["default", "avx2"])
+def test_other_dispatch_levels_pass_the_self_test(level: str) -> None:
+    """torch's bits change with ATEN_CPU_CAPABILITY; the kernel follows each level this
+    machine can run (the machine's own is every other test here)."""
+    if level == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no AVX2")
+    code = ("import torch, warnings; warnings.simplefilter('error')\n"
+            "from pipeoff.optim import _host_kernel as hk\n"
+            "k = hk.host_kernel()\n"
+            "print(torch.backends.cpu.get_cpu_capability(), k is not None, "
+            "hk.unavailable_reason())\n")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": level}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    cap, ok, why = proc.stdout.split(maxsplit=2)
+    assert cap == level.upper() and ok == "True", proc.stdout
+
+
+def test_an_unknown_rounding_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                       fresh_kernels: None) -> None:
+    """A self-test that fails (here: the tail's contractions taken away) turns the
+    kernel off, and says so."""
+    level = torch.backends.cpu.get_cpu_capability()
+    body, _, vec, nan = _host_kernel.CONTRACTIONS[level]
+    if body == 0:
+        pytest.skip("torch fuses nothing at this dispatch level")
+    monkeypatch.setitem(_host_kernel.CONTRACTIONS, level, (body, 0, vec, nan))  # type: ignore[index]
+    with pytest.warns(RuntimeWarning, match="self-test against torch.s fused AdamW failed"):
+        assert _host_kernel.host_kernel() is None
+    assert "exp_avg_sq differs" in (_host_kernel.unavailable_reason() or "")
+
+
+# -- the fold ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fold_is_torch_add_bit_for_bit(dtype: torch.dtype, threads: int) -> None:
+    if _native.library() is None:
+        pytest.skip(f"no native kernels: {_native.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(5)
+    for n in [1, 13, 64, 65, 300_001]:
+        g1, g2 = (_host_kernel._values(n, gen)[0].to(dtype) for _ in range(2))
+        acc = torch.full((n,), 7.0)
+        assert _host_kernel.fold(acc, g1, first=True, threads=threads)
+        assert same_bits(acc, g1.float())
+        assert _host_kernel.fold(acc, g2, first=False, threads=threads)
+        assert _host_kernel._same(acc, g1.float() + g2)
+
+
+def test_fold_declines_what_it_does_not_take() -> None:
+    acc = torch.zeros(8)
+    assert not _host_kernel.fold(acc, torch.zeros(8, dtype=torch.float16), first=True, threads=1)
+    assert not _host_kernel.fold(acc, torch.zeros(16)[::2], first=True, threads=1)
+    assert not _host_kernel.fold(acc.double(), torch.zeros(8), first=True, threads=1)
+
+
+def test_default_threads_is_this_ranks_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _host_kernel.default_threads() == cpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 4))
+    assert _host_kernel.default_threads() == 1
+    before = torch.get_num_threads()
+    kernel().adam_step(*(torch.zeros(1 << 18) for _ in range(4)), None, HYPERS[0], step=1.0,
+                       scale=None, threads=2)
+    assert torch.get_num_threads() == before  # the caller's torch threads untouched
+
+
+# -- in the optimizer ----------------------------------------------------------------
+
+def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    first = [model.emb.weight, model.l1.weight, model.l1.bias]
+    ids = {id(p) for p in first}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [{"params": first, "betas": (0.3, 0.99)},
+            {"params": rest, "lr": 3e-3, "weight_decay": 0.0, "maximize": True}]
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The step through the native kernel, or forced onto torch's path; counts the
+    native calls either way."""
+    calls = [0]
+    real = _host_kernel.HostKernel.adam_step
+
+    def counted(self: Any, *args: Any, **kw: Any) -> None:
+        calls[0] += 1
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(_host_kernel.HostKernel, "adam_step", counted)
+    if request.param == "torch":
+        monkeypatch.setattr(_host_kernel, "host_kernel", lambda: None)
+    elif _host_kernel.host_kernel() is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    yield request.param
+    assert (calls[0] > 0) == (request.param == "native")
+
+
+# (Clipping needs the whole norm before any step: refused with overlap="backward".)
+@pytest.mark.parametrize(("overlap", "clip"), [("none", None), ("none", 0.05),
+                                               ("forward", None), ("forward", 0.05),
+                                               ("backward", None)])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
+def test_full_offload_with_fused_adamw_is_bitwise(accumulate: str, overlap: str,
+                                                  clip: float | None, path: str) -> None:
+    model = make_model()
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    ref = Reference(model, torch.optim.AdamW, groups=_groups, max_norm=clip, **kw)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=_groups(model),
+                               accumulate=accumulate, overlap=overlap, max_norm=clip, **kw)
+    data = batches(3, 2, side="not_final")
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    sd = opt.state_dict()["state"]
+    for k, m in enumerate(m for g in ref.groups for m in g["params"]):  # param_groups order
+        if m in ref.opt.state:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert same_bits(sd[k][key], ref.opt.state[m][key]), key
+            assert sd[k]["step"].dtype == ref.opt.state[m]["step"].dtype
+
+
+def test_adam_and_a_resumed_checkpoint_are_bitwise(path: str, tmp_path: Path) -> None:
+    """Adam's L2 term; model and optimizer saved, loaded into a fresh model and
+    optimizer, trained on: the same bits as training straight through."""
+    kw = {"lr": 1e-2, "weight_decay": 0.05, "fused": True}
+    data = batches(4, 2)
+    whole = make_model()
+    ref = Reference(whole, torch.optim.Adam, **kw)
+    train_reference(ref, data)
+    first = make_model()
+    opt1 = FullOffloadOptimizer(first, torch.optim.Adam, **kw)
+    train(opt1, first, data[:2])
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, tmp_path / "ck.pt")
+    second = make_model(seed=5)
+    opt2 = FullOffloadOptimizer(second, torch.optim.Adam, **kw)
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    second.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    train(opt2, second, data[2:])
+    assert_bitwise(second, ref)
+
+
+def test_a_native_step_that_does_not_wait_for_accumulation_is_wrong() -> None:
+    """The proof that the step's dependency on the last fold matters for the native
+    path too: without it, a delayed fold lands after the step read the sum."""
+    if _host_kernel.host_kernel() is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    from pipeoff import testing
+    from tests.optim.test_full_offload import differs
+
+    model = make_model()
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    ref = Reference(model, torch.optim.AdamW, **kw)
+    with testing.disable("accumulate_dep"):
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="backward",
+                                   chunk_numel=200, **kw)
+        data = batches(2, 2)
+        with testing.delay_lane("accumulate", 0.01):
+            train(opt, model, data)
+    train_reference(ref, data)
+    assert differs(model, ref)
+
+
+def test_for_loop_adamw_keeps_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without fused=True the kernel cannot give the same bits (eager CPU sqrt is not
+    correctly rounded), so it is not used."""
+    monkeypatch.setattr(_host_kernel.HostKernel, "adam_step",
+                        lambda *a, **k: pytest.fail("the native step ran"))
+    model = make_model()
+    ref = Reference(model, torch.optim.AdamW, lr=1e-2)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    data = batches(2, 2)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+# -- no compiler, or turned off ------------------------------------------------------
+
+def test_no_compiler_falls_back_cleanly(monkeypatch: pytest.MonkeyPatch,
+                                        fresh_kernels: None) -> None:
+    monkeypatch.setenv("CC", str(Path("/nonexistent/cc")))
+    with pytest.warns(RuntimeWarning, match="fused host step is off.*nonexistent"):
+        assert _host_kernel.host_kernel() is None
+    assert _native.library() is None
+    assert not _host_kernel.fold(torch.zeros(4), torch.zeros(4), first=True, threads=1)
+    model = make_model()
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    ref = Reference(model, torch.optim.AdamW, **kw)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, **kw)
+    data = batches(2, 3)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+def test_no_compiler_on_the_path_in_a_fresh_process(tmp_path: Path) -> None:
+    """As on a machine without one: PATH has no cc, gcc or clang, and CC is unset."""
+    code = ("import warnings, torch\n"
+            "from pipeoff import _native\n"
+            "from pipeoff.optim import _host_kernel as hk\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    assert hk.host_kernel() is None\n"
+            "print(_native.unavailable_reason()); print(w[0].message)\n")
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env.update(PATH=str(tmp_path), PIPEOFF_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "no C compiler found" in proc.stdout
+
+
+def test_pipeoff_native_0_turns_it_off_silently(monkeypatch: pytest.MonkeyPatch,
+                                                fresh_kernels: None) -> None:
+    monkeypatch.setenv("PIPEOFF_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _host_kernel.host_kernel() is None
+    assert "PIPEOFF_NATIVE=0" in (_native.unavailable_reason() or "")
+
+
+def test_a_build_is_cached_and_reused(fresh_kernels: None) -> None:
+    if _native._compiler() is None:
+        pytest.skip("no C compiler here")
+    assert _native.library() is not None
+    built = list(Path(os.environ["PIPEOFF_CACHE_DIR"]).glob("hoststep-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    _native._reset_for_tests()
+    assert _native.library() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+@pytest.mark.slow
+def test_the_full_offload_suite_passes_with_the_native_kernels_off(tmp_path: Path) -> None:
+    """The quick full-offload suite, in a fresh process with ``PIPEOFF_NATIVE=0``:
+    every path the kernels replace still runs, and gives the reference's bits."""
+    env = {**os.environ, "PIPEOFF_NATIVE": "0", "PIPEOFF_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         "tests/optim/test_full_offload.py", "tests/optim/test_full_offload_cuda.py",
+         "tests/optim/test_host_kernel.py", "-k", "not test_host_kernel or torch"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    tail = proc.stdout.strip().splitlines()[-1:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in tail[0], tail
