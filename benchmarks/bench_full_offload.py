@@ -7,6 +7,9 @@ gradient and BF16 weights), in one process, on the same tensors:
   gradient (``_accumulate.fold``, cache-sized pieces), the chunk step (the
   wrapped optimizer's kernel through ``_update.step_chunk``: torch's fused CPU
   AdamW) and the weight cast (``_accumulate.cast_into``);
+* the same with ``fused=True`` where the native kernels are to be had (issue
+  22): the native fold, then the native one-pass AdamW + cast
+  (``benchmarks/bench_host_step.py`` compares these side by side in detail);
 * torch's fused CPU AdamW alone (FP32 grads ready);
 * the in-place memory-bandwidth floor (``a.add_(b)``: 12 bytes per element
   moved), over the 32 bytes per parameter a full step moves at least;
@@ -41,7 +44,7 @@ def main() -> None:
                         help="torch thread counts to run (default: 1 and torch's)")
     args = parser.parse_args()
 
-    from pipeoff.optim import _accumulate, _update
+    from pipeoff.optim import _accumulate, _host_kernel, _update
 
     n = args.numel // args.params
     total = n * args.params
@@ -84,6 +87,18 @@ def main() -> None:
         step()
         cast()
 
+    kernel = _host_kernel.host_kernel()
+    adam = _host_kernel.AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                  decoupled=True, maximize=False)
+
+    def native() -> None:
+        t = torch.get_num_threads()
+        for a, g in zip(accs, grads):
+            _host_kernel.fold(a, g, first=False, threads=t)
+        assert kernel is not None
+        for m, a, ea, eas, w in zip(masters, accs, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, a, ea, eas, w, adam, step=1.0, scale=None, threads=t)
+
     fused_params = [m.clone().requires_grad_(True) for m in masters]
     for p, a in zip(fused_params, accs):
         p.grad = a.clone()
@@ -118,15 +133,20 @@ def main() -> None:
     for t in threads:
         torch.set_num_threads(t)
         r = results[t]
-        for name, fn in (("add last grad", add), ("optimizer step", step), ("weight cast", cast),
-                         ("whole host step", whole), ("fused AdamW alone", fused_alone),
-                         ("naive baseline", naive), ("a.add_(b)", stream_add)):
+        variants = [("add last grad", add), ("optimizer step", step), ("weight cast", cast),
+                    ("whole host step", whole), ("fused AdamW alone", fused_alone),
+                    ("naive baseline", naive), ("a.add_(b)", stream_add)]
+        if kernel is not None:
+            variants.insert(4, ("whole, native", native))
+        for name, fn in variants:
             tm = measure(fn, warmup=1, repeats=args.repeats, label=f"{t} thr {name}")
             r[name] = tm.median
         gbs = 12 * total / r["a.add_(b)"] / 1e9
         floor = gbs * 1e9 / 32 / 1e6  # Mparam/s at 32 bytes per parameter
         for name in ("add last grad", "optimizer step", "weight cast", "whole host step",
-                     "fused AdamW alone", "naive baseline"):
+                     "whole, native", "fused AdamW alone", "naive baseline"):
+            if name not in r:
+                continue
             mps = total / r[name] / 1e6
             rows.append([t, name, f"{r[name] * 1e3:.1f}", f"{mps:.0f}", f"{mps / floor:.2f}"])
         rows.append([t, f"a.add_(b): {gbs:.1f} GB/s", f"{r['a.add_(b)'] * 1e3:.1f}",
@@ -138,13 +158,17 @@ def main() -> None:
         r = results[t]
         gbs = 12 * total / r["a.add_(b)"] / 1e9
         floor = gbs * 1e9 / 32
+        native_ratio = (f"{r['whole, native'] / r['fused AdamW alone']:.2f}x"
+                        if "whole, native" in r else "-")
         ratio_rows.append([
             t,
             f"{r['whole host step'] / r['fused AdamW alone']:.2f}x (target <= 1.25x)",
+            native_ratio,
             f"{total / r['whole host step'] / floor:.2f}x (target >= 0.7x)",
             f"{r['naive baseline'] / r['whole host step']:.2f}x (target >= 1.3x)",
         ])
-    print(table(["threads", "whole step / fused AdamW", "whole step / floor",
+    print(table(["threads", "whole step / fused AdamW", "native whole / fused AdamW",
+                 "whole step / floor",
                  "naive / whole step (speed-up)"], ratio_rows))
 
 

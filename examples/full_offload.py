@@ -5,8 +5,11 @@ A small BF16 language model trains with 4 micro-steps per optimizer step.
 ``FullOffloadOptimizer`` takes each gradient to the host as the backward
 finalizes it, folds it into an FP32 accumulator on a host lane, clips by the
 global norm, steps AdamW on the FP32 masters in chunks, and writes the BF16
-weights back while the next forward starts (``overlap="forward"``). Prints
-each step's loss, the last gradient norm and the last step's trace summary.
+weights back while the next forward starts (``overlap="forward"``). With
+``fused=True`` the host step is pipeoff's native one-pass kernel where the
+machine has a C compiler (bitwise torch's fused AdamW; torch's kernels
+otherwise). Prints how the host step runs, each step's loss, the last gradient
+norm and the last step's trace summary.
 
     python examples/full_offload.py --steps 5
 """
@@ -45,11 +48,12 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="write the last step's trace here")
     args = parser.parse_args()
 
-    from pipeoff.optim import FullOffloadOptimizer
+    from pipeoff.optim import FullOffloadOptimizer, host_step_status
 
+    print(f"host step: {host_step_status()}")
     torch.manual_seed(0)
     model = TinyLM().to(torch.bfloat16)  # on a GPU: .cuda(); only these weights stay there
-    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True,
                                accumulate="cpu", overlap="forward", max_norm=1.0)
     opt.attach()  # each module's forward waits only for its own weights
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))

@@ -91,3 +91,14 @@ def test_transfer_benchmark_quick() -> None:
                           "--plan-tensors", "200"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "x raw copy_" in res.stdout and "plan of 200 tensors" in res.stdout
+
+
+@pytest.mark.slow  # runs a benchmark script (subprocess)
+def test_host_step_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host_step.py"),
+                          "--numel", "262144", "--params", "2", "--rounds", "1",
+                          "--threads", "1"], capture_output=True, text=True, timeout=120)
+    if "no native kernel here" in res.stderr + res.stdout:
+        pytest.skip("no native kernels on this machine")
+    assert res.returncode == 0, res.stderr
+    assert "pipeoff kernels" in res.stdout and "fold: native" in res.stdout

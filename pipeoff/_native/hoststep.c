@@ -338,22 +338,39 @@ typedef struct {
     int first;
 } fold_args;
 
-static void fold_range(void *arg, int64_t b, int64_t e) {
-    const fold_args *f = (const fold_args *)arg;
-    float *acc = f->acc;
+static inline __attribute__((always_inline)) void fold_loop(const fold_args *f, int64_t b,
+                                                             int64_t e) {
+    float *restrict acc = f->acc;
     if (f->kind == 1) {
-        const uint16_t *g = (const uint16_t *)f->g;
+        const uint16_t *restrict g = (const uint16_t *)f->g;
         if (f->first)
             for (int64_t i = b; i < e; i++) acc[i] = from_bf16(g[i]);
         else
             for (int64_t i = b; i < e; i++) acc[i] = acc[i] + from_bf16(g[i]);
     } else {
-        const float *g = (const float *)f->g;
+        const float *restrict g = (const float *)f->g;
         if (f->first)
             memcpy(acc + b, g + b, (size_t)(e - b) * 4);
         else
             for (int64_t i = b; i < e; i++) acc[i] = acc[i] + g[i];
     }
+}
+
+#ifdef HAVE_X86_FMA
+WIDE512 static void fold_range512(const fold_args *f, int64_t b, int64_t e) {
+    fold_loop(f, b, e);
+}
+#endif
+
+static void fold_range(void *arg, int64_t b, int64_t e) {
+    const fold_args *f = (const fold_args *)arg;
+#ifdef HAVE_X86_FMA
+    if (have_avx512()) {
+        fold_range512(f, b, e);
+        return;
+    }
+#endif
+    fold_loop(f, b, e);
 }
 
 int pipeoff_fold(float *acc, const void *g, int kind, int64_t n, int first, int threads) {

@@ -37,7 +37,7 @@ import torch
 from pipeoff import _compat, _happens, _native
 
 __all__ = ["CONTRACTIONS", "AdamHyper", "HostKernel", "adam_hyper", "default_threads", "fold",
-           "host_kernel", "self_test"]
+           "host_kernel", "host_step_status", "self_test"]
 
 FMA_LERP, FMA_SQ_V, FMA_SQ_G, FMA_WD = 1, 2, 4, 8
 """Where torch's binary fuses a multiply-add (``hoststep.c`` names each)."""
@@ -226,6 +226,19 @@ def host_kernel() -> HostKernel | None:
 def unavailable_reason() -> str | None:
     """Why :func:`host_kernel` returned ``None``."""
     return _why
+
+
+def host_step_status() -> str:
+    """How :class:`~pipeoff.optim.FullOffloadOptimizer` steps ``fused=True`` Adam/AdamW
+    on this machine: ``"native (AVX512, 8 threads)"``, or ``"torch: <why not native>"``.
+    The first call builds and checks the kernel (about a second, once per machine
+    and process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the reason is returned instead
+        kernel = host_kernel()
+    if kernel is None:
+        return f"torch: {_why or _native.unavailable_reason()}"
+    return f"native ({kernel.level}, {default_threads()} threads)"
 
 
 def _reset_for_tests() -> None:

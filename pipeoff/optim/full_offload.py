@@ -109,7 +109,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     Args:
         model: the module whose trainable parameters are optimized.
         optimizer_class: an element-wise ``torch.optim`` class (``AdamW``, ``Adam``,
-            ``SGD``, ``Adagrad``, ``RMSprop``); ``fused=True`` uses torch's fused CPU kernel.
+            ``SGD``, ``Adagrad``, ``RMSprop``). With ``fused=True``, ``Adam``/``AdamW``
+            step in pipeoff's native one-pass kernel, bitwise torch's fused CPU
+            AdamW (checked at first use; :func:`pipeoff.optim.host_step_status`
+            says which runs), else in torch's.
         params: parameters, named parameters or param groups (dicts), all of
             ``model``'s; default: every parameter of ``model`` that requires grad.
         accumulate: ``"cpu"`` or ``"gpu"``.
@@ -122,10 +125,12 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         slot_bytes: bytes of one pinned host slot (a gradient larger ships in pieces).
         slots: host slots in the ring; host staging is at most ``slots * slot_bytes``
             plus two chunks' weights.
-        num_threads: CPU threads of each host lane's kernels (``torch.set_num_threads``
-            on that lane, which is per thread); ``None`` keeps torch's default
-            (``OMP_NUM_THREADS``, else every core). Two host lanes (accumulate,
-            step) run at once, beside the dataloader's workers.
+        num_threads: CPU threads of each host lane's kernels: of each native kernel
+            call, and ``torch.set_num_threads`` on that lane for torch's (per
+            thread; the caller's count is untouched). ``None``: native kernels take
+            this rank's share of its CPUs (its affinity mask over
+            ``LOCAL_WORLD_SIZE``), torch's keep its default. Two host lanes
+            (accumulate, step) run at once, beside the dataloader's workers.
         process_group: the group the squared gradient norm is summed over, for
             parameters sharded by hand (default: the mesh dimensions each DTensor
             parameter is sharded on; none for parameters every rank holds whole).
