@@ -13,6 +13,7 @@ tensors, in interleaved rounds (A B C ... A B C ...), at each thread count:
   fold of the last gradient (10 B, at its arrival) and the norm of the sum (4 B,
   ``grad_norm``), then the native one-pass AdamW + cast (30 B); 44 B in all;
 * ``pipeoff kernels``: the same without the norm (40 B);
+* ``pipeoff step+cast``: the native step and cast alone (30 B), beside fused AdamW;
 * ``three passes``: torch's path (the fold in 256K pieces, the norm, the fused
   AdamW kernel through the chunk step, the cast): 48 B;
 * ``naive``: prime-rl/torchao style: a whole-tensor mixed-dtype add, one fused
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import table  # noqa: E402
 
 BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff": 44, "pipeoff kernels": 40,
+         "pipeoff step+cast": 30,
          "three passes": 48, "naive": 44,
          "fold floor": 10, "fold: native": 10, "fold: torch pieces": 10, "fold: whole add": 10}
 """Logical bytes per parameter each variant moves (the floors: the one-pass minimum)."""
@@ -115,6 +117,10 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
         for m, s, a, v, w in zip(masters, sums, exp_avg, exp_avg_sq, weights):
             kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t)
 
+    def step_cast(t: int) -> None:
+        for m, s, a, v, w in zip(masters, sums, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t)
+
     def pipeoff(t: int) -> None:
         torch.set_num_threads(t)
         for s, g in zip(sums, grads):
@@ -166,7 +172,8 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
             s.add_(g)
 
     step_variants = {"floor": floor, "fused AdamW": fused_alone, "pipeoff": pipeoff,
-                     "pipeoff kernels": pipeoff_kernels, "three passes": three, "naive": naive}
+                     "pipeoff kernels": pipeoff_kernels, "pipeoff step+cast": step_cast,
+                     "three passes": three, "naive": naive}
     fold_variants = {"fold floor": fold_floor, "fold: native": fold_native,
                      "fold: torch pieces": fold_torch, "fold: whole add": fold_whole}
     return {"step": step_variants, "fold": fold_variants}  # type: ignore[return-value]

@@ -370,6 +370,22 @@ class TaskGraph:
             self._order = self._topological_order()  # raises on a cycle
         self._validated = True
 
+    def structure_key(self) -> tuple[Any, ...]:
+        """Everything about the graph but its work: two graphs with equal keys are
+        validated and planned alike (:meth:`pipeoff.schedule.Schedule.plan` caches
+        plans by it; a step that rebuilds the same graph plans it once)."""
+        return (str(self.device),
+                tuple((t.name, t.kind, t.deps, t.nbytes, t.buffers, t.lane, t.must_run, t.gates)
+                      for t in self._tasks.values()),
+                tuple((b.name, b.nbytes, b.where) for b in self._buffers.values()),
+                tuple(self._gates))
+
+    def adopt_validation(self, order: tuple[str, ...]) -> None:
+        """Take the validation of a graph with the same :meth:`structure_key` (which
+        checked exactly what :meth:`validate` would) and its topological order."""
+        self._order = order
+        self._validated = True
+
     def topological_order(self) -> tuple[str, ...]:
         """Task names in a deterministic topological order (ties: first added first)."""
         self.validate()

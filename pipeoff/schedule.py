@@ -13,7 +13,7 @@ import heapq
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pipeoff._errors import BudgetError, ConfigError
 from pipeoff._validate import check_int
@@ -126,6 +126,11 @@ class Schedule:
             BudgetError: a buffer is larger than its budget, or no issue order
                 keeps live staging within the budgets.
         """
+        key = (self, graph.structure_key())
+        cached = _PLANS.get(key)
+        if cached is not None:  # the same structure: validated and planned before
+            graph.adopt_validation(cached[1])
+            return cached[0]
         graph.validate()
         for spec in graph.buffers.values():
             cap = self.budget(spec.where)
@@ -142,7 +147,18 @@ class Schedule:
             lanes = tuple(
                 graph.tasks[n].lane or DEFAULT_LANES[graph.tasks[n].kind] for n in order
             )
-        return _make_plan(graph, self, order, lanes)
+        plan = _make_plan(graph, self, order, lanes)
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
+        _PLANS[key] = (plan, graph.topological_order())
+        return plan
+
+
+_PLAN_CACHE_SIZE = 64
+_PLANS: dict[tuple[Any, ...], tuple[Plan, tuple[str, ...]]] = {}
+"""Plans by schedule and graph structure (:meth:`TaskGraph.structure_key`): a
+training loop rebuilds the same step graph every step, and plans it once. Plans
+are immutable and name tasks by position, so one serves every such graph."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

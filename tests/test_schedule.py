@@ -240,3 +240,25 @@ def test_lookahead_is_the_deprecated_name_of_max_in_flight() -> None:
         assert s.lookahead == 3
     with pytest.raises(ConfigError, match="not both"):
         Schedule.pipelined(lookahead=3, max_in_flight=3)
+
+
+def test_a_rebuilt_graph_of_the_same_structure_is_planned_once() -> None:
+    """A training loop rebuilds its step graph every step: the plan is cached by the
+    graph's structure (work aside), and a change of structure plans anew."""
+    def build(nbytes: int, marker: list[int]) -> TaskGraph:
+        g = TaskGraph("cpu")
+        g.add_buffer("b", nbytes)
+        g.add_task("load", TaskKind.H2D, lambda ctx: marker.append(1), buffers=["b"])
+        g.add_task("use", TaskKind.HOST, lambda ctx: marker.append(2), deps=["load"],
+                   buffers=["b"])
+        return g
+
+    sched = Schedule.pipelined(device_budget_bytes=1 << 20)
+    first = sched.plan(build(1024, []))
+    again = build(1024, [])
+    assert sched.plan(again) is first
+    assert again.topological_order() == ("load", "use")  # validated by the cached plan
+    assert sched.plan(build(2048, [])) is not first
+    assert Schedule.pipelined(device_budget_bytes=1 << 21).plan(build(1024, [])) is not first
+    with pytest.raises(BudgetError):  # a new structure is still checked
+        sched.plan(build(2 << 20, []))

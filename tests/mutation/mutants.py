@@ -300,6 +300,13 @@ REVIEW = (
         tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
+    Mutant(
+        name="r19:native-region-returns-early", file="pipeoff/_native/hoststep.c",
+        old="    while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) < r->chunks)\n",
+        new="    while (0)\n",
+        tests=("tests/optim/test_host_kernel.py::test_a_call_returns_only_when_every_chunk_is_done",),
+        hazard="a native kernel returns while helper threads still write its chunks: the "
+               "H2D copy (or the next step) reads half-stepped masters"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)

@@ -95,8 +95,10 @@ def test_a_removed_wait_is_a_race(gpu: Gpu, mechanism: str) -> None:
             for _ in range(4):
                 torch.ones(64 * 64, dtype=torch.bfloat16).mul_(2)
         gpu.synchronize()
-    assert isinstance(info.value, DataRaceError) or isinstance(info.value.__cause__,
-                                                                 DataRaceError)
+    # The checker found the race; it reaches the caller as itself, as a refusal's
+    # cause, or (under load, when the next micro-step saw this one's failure first)
+    # deeper down its chain: the recorded races are what this test is about.
+    assert any(isinstance(e, DataRaceError) for e in gpu.sim.errors), repr(info.value)
 
 
 def test_a_removed_wait_before_the_native_fold_is_a_race(gpu: Gpu) -> None:

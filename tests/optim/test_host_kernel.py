@@ -101,6 +101,25 @@ def test_step_is_torch_fused_adam_bit_for_bit(h: AdamHyper, clip: float | None,
                 assert _host_kernel._same(ref[0].to(out.dtype), out), f"cast, n={n}"
 
 
+def test_a_call_returns_only_when_every_chunk_is_done() -> None:
+    """The native region's wait: more threads than cores, so that helpers are
+    descheduled mid-chunk; the result is read the moment the call returns."""
+    k = kernel()
+    gen = torch.Generator().manual_seed(11)
+    h = HYPERS[0]
+    n = 1 << 21
+    base = [t.abs() if i == 3 else t
+            for i, t in enumerate(_host_kernel._values(n, gen))]
+    want = [t.clone() for t in base]
+    k.adam_step(want[0], want[1], want[2], want[3], None, h, step=1.0, scale=None, threads=1)
+    for _ in range(10):
+        got = [t.clone() for t in base]
+        out = torch.empty(n, dtype=torch.bfloat16)
+        k.adam_step(got[0], got[1], got[2], got[3], out, h, step=1.0, scale=None, threads=16)
+        assert _host_kernel._same(got[0], want[0]) and _host_kernel._same(got[3], want[3])
+        assert _host_kernel._same(out, want[0].to(torch.bfloat16))
+
+
 def test_the_scalars_round_as_torch_rounds_them() -> None:
     """Hyperparameters whose float rounding matters (1 - beta1 not exact, lr * wd tiny)."""
     k = kernel()
