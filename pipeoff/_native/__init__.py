@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["CFLAGS", "SOURCE", "library", "unavailable_reason"]
+__all__ = ["CFLAGS", "SOURCE", "library", "turned_off", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("hoststep.c")
 """The kernels' C source (shipped with the package)."""
@@ -63,38 +64,64 @@ def _cache_dir() -> Path:
     return Path(base) / "pipeoff"
 
 
-def _compiler() -> str | None:
+def turned_off() -> bool:
+    """Whether ``PIPEOFF_NATIVE`` turns the native kernels off (0, false, off, no)."""
+    return os.environ.get("PIPEOFF_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _compiler() -> list[str] | None:
+    """The compiler's command line: ``$CC`` (split as a shell would: ``CC="gcc -m64"``),
+    else ``cc``, ``gcc`` or ``clang`` on the ``PATH``."""
     cc = os.environ.get("CC")
-    if cc:
-        return cc
+    if cc and cc.strip():
+        return shlex.split(cc)
     for name in ("cc", "gcc", "clang"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     return None
 
 
-def _build(cc: str) -> Path:
-    """The cached shared object, compiled if missing. Raises ``OSError`` /
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _build(cc: list[str]) -> Path:
+    """The cached shared object, compiled if missing (or damaged). Raises ``OSError`` /
     ``subprocess.SubprocessError`` with the compiler's words when it cannot."""
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), cc.encode(),
-                                     platform.machine().encode(),
-                                     sys.platform.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), " ".join(cc).encode(),
+                                     platform.machine().encode(), sys.platform.encode(),
+                                     # a $HOME shared with an older C library
+                                     " ".join(platform.libc_ver()).encode(),
+                                     ])).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"hoststep-{key}.so"
-    if target.exists():
-        return target
+    stamp = target.with_suffix(".sha256")
+    # A cached object is used only if it is the one its build wrote (a truncated or
+    # overwritten file would crash the process when loaded, or never load).
+    try:
+        if target.exists() and stamp.read_text().strip() == _digest(target):
+            return target
+    except OSError:
+        pass
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".hoststep-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        proc = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise OSError(f"{cc} exited with {proc.returncode}: {' / '.join(tail)}")
-        os.replace(tmp, target)  # atomic: another rank's build of the same key is identical
+            raise OSError(f"{' '.join(cc)} exited with {proc.returncode}: {' / '.join(tail)}")
+        digest = _digest(Path(tmp))
+        # Atomic renames, the object first: another rank's build of the same key is
+        # identical, and a reader checks the stamp against the object it finds.
+        os.replace(tmp, target)
+        fd, tmp_stamp = tempfile.mkstemp(prefix=".hoststep-", suffix=".sha256", dir=out_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest)
+        os.replace(tmp_stamp, stamp)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -102,8 +129,9 @@ def _build(cc: str) -> Path:
 
 
 def _load() -> ctypes.CDLL:
-    if os.environ.get("PIPEOFF_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
-        raise OSError("PIPEOFF_NATIVE=0 turns the native kernels off")
+    if turned_off():
+        raise OSError(f"PIPEOFF_NATIVE={os.environ.get('PIPEOFF_NATIVE')} turns the native "
+                      "kernels off")
     cc = _compiler()
     if cc is None:
         raise OSError("no C compiler found (set CC, or install cc, gcc or clang)")

@@ -182,8 +182,10 @@ static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, 
     const float beta2 = a->beta2, c2 = a->c2, bc2_sqrt = a->bc2_sqrt, eps = a->eps;
     const float step_size = a->step_size;
     const uint16_t nan_bits = a->nan_bits;
-    /* torch's lerp: weight w below 0.5, m + w (g - m); else g + (w - 1)(g - m). */
-    const float c = small ? a->w1 : a->w1 - 1.0f;
+    /* torch's lerp: weight w below 0.5, m + w (g - m) (small == 1); else its vector
+     * body's g + (w - 1)(g - m) (small == 0), or its scalar tail's g - (g - m)(1 - w)
+     * (small == 2), which differ in the sign of a zero product when w is 1. */
+    const float c = small == 1 ? a->w1 : (small == 2 ? -(1.0f - a->w1) : a->w1 - 1.0f);
     for (int64_t i = b; i < e; i++) {
         float g = G[i] * scale * sign;
         float p0 = P[i];
@@ -191,7 +193,7 @@ static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, 
         float m = M[i];
         float v = V[i];
         if (adam_wd) g = (fma & FMA_WD) ? fmaf(p0, wd, g) : g + p0 * wd;
-        float base = small ? m : g;
+        float base = small == 1 ? m : g;
         m = (fma & FMA_LERP) ? fmaf(c, g - m, base) : base + c * (g - m);
         float cg = c2 * g;
         if (fma & FMA_SQ_V)
@@ -269,10 +271,11 @@ static void adam_body_plain(const adam_args *a, int64_t b, int64_t e) { ADAM_CAS
 
 /* Any contraction set, branching per element (slow): the tail, and a body whose
  * contractions have no vectorized instance above. */
-static void adam_generic(const adam_args *a, int64_t b, int64_t e, int f) {
-    int small = fabsf(a->w1) < 0.5f;
-    if (small)
+static void adam_generic(const adam_args *a, int64_t b, int64_t e, int f, int tail) {
+    if (fabsf(a->w1) < 0.5f)
         ADAM_OUTS(f, a->adam_wd, 1)
+    else if (tail)
+        ADAM_OUTS(f, a->adam_wd, 2)
     else
         ADAM_OUTS(f, a->adam_wd, 0)
 }
@@ -305,9 +308,9 @@ static void adam_range(void *arg, int64_t b, int64_t e) {
         adam_body_fused(a, b, mid);
 #endif
     } else {
-        adam_generic(a, b, mid, a->fma);
+        adam_generic(a, b, mid, a->fma, 0);
     }
-    adam_generic(a, mid, e, a->tail_fma);
+    adam_generic(a, mid, e, a->tail_fma, 1);
 }
 
 /* One Adam/AdamW step of n elements (see adam_args for the scalars, which the

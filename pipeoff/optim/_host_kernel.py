@@ -17,7 +17,9 @@ bitwise equal to it *at the dispatch level torch runs on here*
 because its AVX2/AVX-512 binary fuses some multiply-adds (:data:`CONTRACTIONS`).
 No kernel can be bitwise equal to the for-loop or foreach AdamW, whose CPU
 ``sqrt`` is not correctly rounded, so those (and SGD, amsgrad, a tensor ``lr``)
-keep torch's path. :func:`host_kernel` checks the kernel against
+keep torch's path. Where a result is NaN it is NaN on both paths, but its sign and
+payload may differ (operand order of commutative operations is the compiler's).
+:func:`host_kernel` checks the kernel against
 torch's fused kernel at first use on each machine (:func:`self_test`) and
 warns, naming why, when it falls back to torch's path.
 """
@@ -28,23 +30,24 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from pipeoff import _compat, _happens, _native
 
 __all__ = ["CONTRACTIONS", "AdamHyper", "HostKernel", "adam_hyper", "default_threads", "fold",
-           "host_kernel", "host_step_status", "self_test"]
+           "host_kernel", "host_step_status", "self_test", "warn_if_off"]
 
 FMA_LERP, FMA_SQ_V, FMA_SQ_G, FMA_WD = 1, 2, 4, 8
 """Where torch's binary fuses a multiply-add (``hoststep.c`` names each)."""
 
 CONTRACTIONS: Mapping[str, tuple[int, int, int, int]] = {
     # level: (vector body's fmas, scalar tail's fmas, tail = last n % this, BF16 NaN bits)
-    "DEFAULT": (0, 0, 1, 0x7FC0),
+    "DEFAULT": (0, 0, 8, 0x7FC0),
     "AVX2": (FMA_LERP | FMA_SQ_G | FMA_WD, FMA_LERP | FMA_SQ_V | FMA_WD, 8, 0xFFFF),
     # torch's AVX-512 tail loop is itself vectorized 8 wide with the body's
     # contractions, so its scalar remainder is the last n % 8 too.
@@ -168,6 +171,9 @@ class HostKernel:
             _happens.native_access("pipeoff_adam_step", reads=(grad,),
                                    writes=(param, exp_avg, exp_avg_sq)
                                    + ((out,) if out is not None else ()))
+        # As aten's in-place ops do: a write shows in the version counters (a chunk
+        # that fails after this call knows it stepped this master: torn, not dirty).
+        increment_version([t for t in (param, exp_avg, exp_avg_sq, out) if t is not None])
         h = hyper
         # The scalars as torch's kernel rounds them: computed in double, then
         # each rounded to float once (ctypes.c_float rounds to nearest).
@@ -189,38 +195,57 @@ _lock = threading.Lock()
 _kernel: HostKernel | None = None
 _why: str | None = None
 _decided = False
+_warned = False
 
 
-def host_kernel() -> HostKernel | None:
+def host_kernel(*, warn: bool = True, stacklevel: int = 2) -> HostKernel | None:
     """The native step, checked against torch on this machine at first call, or
-    ``None`` (with one ``RuntimeWarning`` per process naming why) when it is not to
-    be had or does not match torch. ``PIPEOFF_NATIVE=0`` turns it off silently."""
-    global _kernel, _why, _decided
-    if _decided:
-        return _kernel
-    with _lock:
-        if _decided:
-            return _kernel
-        lib = _native.library()
-        level = torch.backends.cpu.get_cpu_capability()
-        if lib is None:
-            _why = f"the native kernels are unavailable: {_native.unavailable_reason()}"
-        elif level not in CONTRACTIONS:
-            _why = (f"torch's CPU dispatch level here is {level}, whose rounding of fused "
-                    f"AdamW pipeoff does not know (it knows {', '.join(CONTRACTIONS)})")
-        else:
-            kernel = HostKernel(lib, level)
-            mismatch = _self_test_apart(kernel)
-            if mismatch is None:
-                _kernel = kernel
-            else:
-                _why = f"its self-test against torch's fused AdamW failed: {mismatch}"
-        _decided = True
-        if _kernel is None and os.environ.get("PIPEOFF_NATIVE", "1") != "0":
-            warnings.warn(f"pipeoff: the fused host step is off, {_why}; full offload runs "
-                          "torch's fused AdamW, fold and cast instead (the same bits, more "
-                          "passes over memory)", RuntimeWarning, stacklevel=2)
+    ``None`` when it is not to be had or does not match torch: then, with ``warn``,
+    one ``RuntimeWarning`` per process naming why (a lane thread passes
+    ``warn=False``: a warning turned error there would fail the step; the
+    optimizer warns on the caller's thread, :func:`warn_if_off`).
+    ``PIPEOFF_NATIVE=0`` turns it off silently."""
+    global _kernel, _why, _decided, _warned
+    if not _decided:
+        with _lock:
+            if not _decided:
+                _decide()
+    if warn and _kernel is None and not _warned and not _native.turned_off():
+        _warned = True
+        warnings.warn(f"pipeoff: the fused host step is off, {_why}; full offload runs "
+                      "torch's fused AdamW, fold and cast instead (the same bits, more "
+                      "passes over memory)", RuntimeWarning, stacklevel=stacklevel)
     return _kernel
+
+
+def _decide() -> None:
+    global _kernel, _why, _decided
+    lib = _native.library()
+    level = torch.backends.cpu.get_cpu_capability()
+    if lib is None:
+        _why = f"the native kernels are unavailable: {_native.unavailable_reason()}"
+    elif level not in CONTRACTIONS:
+        _why = (f"torch's CPU dispatch level here is {level}, whose rounding of fused "
+                f"AdamW pipeoff does not know (it knows {', '.join(CONTRACTIONS)})")
+    else:
+        kernel = HostKernel(lib, level)
+        try:
+            mismatch = _self_test_apart(kernel)
+        except Exception as err:  # decided, not retried at every step
+            mismatch = f"it raised {type(err).__name__}: {err}"
+        if mismatch is None:
+            _kernel = kernel
+        else:
+            _why = f"its self-test against torch's fused AdamW failed: {mismatch}"
+    _decided = True
+
+
+def warn_if_off(optimizer_class: type[torch.optim.Optimizer],
+                groups: Sequence[Mapping[str, Any]]) -> None:
+    """On the caller's thread: decide the kernel (and warn if it is off) when some
+    group would use it."""
+    if any(adam_hyper(optimizer_class, g) is not None for g in groups):
+        host_kernel(warn=True, stacklevel=4)  # at the optimizer's caller
 
 
 def unavailable_reason() -> str | None:
@@ -233,18 +258,16 @@ def host_step_status() -> str:
     on this machine: ``"native (AVX512, 8 threads)"``, or ``"torch: <why not native>"``.
     The first call builds and checks the kernel (about a second, once per machine
     and process)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the reason is returned instead
-        kernel = host_kernel()
+    kernel = host_kernel(warn=False)  # the reason is returned instead
     if kernel is None:
         return f"torch: {_why or _native.unavailable_reason()}"
     return f"native ({kernel.level}, {default_threads()} threads)"
 
 
 def _reset_for_tests() -> None:
-    global _kernel, _why, _decided
+    global _kernel, _why, _decided, _warned
     with _lock:
-        _kernel, _why, _decided = None, None, False
+        _kernel, _why, _decided, _warned = None, None, False, False
 
 
 # -- the self-test ----------------------------------------------------------------------
@@ -257,26 +280,37 @@ _HYPER = (
               maximize=True),
     AdamHyper(lr=3e-4, beta1=0.95, beta2=0.95, eps=1e-12, weight_decay=0.0, decoupled=False,
               maximize=False),
+    AdamHyper(lr=1e-3, beta1=0.0, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False),
 )
-"""Both lerp branches (``beta1`` below and above 0.5), Adam's L2 term and AdamW's
+"""Both lerp branches (``beta1`` below and above 0.5, and 0, where torch's vector
+body and scalar tail differ in the sign of a zero), Adam's L2 term and AdamW's
 decay, with and without weight decay, ``maximize``."""
 
 
 def _values(n: int, gen: torch.Generator) -> list[torch.Tensor]:
     """``param, grad, exp_avg, exp_avg_sq`` over the value classes: normal,
     mid-training, subnormal, huge, signed zeros, infinities, NaNs, random bits."""
+    f32 = torch.float32  # explicit: the caller's default dtype may be float64
+
+    def randn() -> torch.Tensor:
+        return torch.randn(n, generator=gen, dtype=f32)
+
     def mix(scale: float) -> torch.Tensor:
-        x = torch.randn(n, generator=gen) * scale
+        x = randn() * scale
         cls = torch.randint(0, 10, (n,), generator=gen)
-        x = torch.where(cls == 0, torch.randn(n, generator=gen) * 1e-39, x)  # subnormal
-        x = torch.where(cls == 1, torch.randn(n, generator=gen) * 1e30, x)  # huge
-        x = torch.where(cls == 2, torch.zeros(n).copysign(torch.randn(n, generator=gen)), x)
+        x = torch.where(cls == 0, randn() * 1e-39, x)  # subnormal
+        x = torch.where(cls == 1, randn() * 1e30, x)  # huge
+        x = torch.where(cls == 2, torch.zeros(n, dtype=f32).copysign(randn()), x)
         bits = torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
-        x = torch.where(cls == 3, bits.view(torch.float32), x)  # anything, inf and NaN too
+        x = torch.where(cls == 3, bits.view(f32), x)  # anything, inf and NaN too
         return x
     p, g, m = mix(1.0), mix(1e-2), mix(1e-3)
+    zero = torch.randint(0, 4, (n,), generator=gen) == 0  # a quarter: signed zeros at once
+    g = torch.where(zero, torch.zeros(n, dtype=f32).copysign(randn()), g)
+    m = torch.where(zero, torch.zeros(n, dtype=f32).copysign(randn()), m)
     v = mix(1e-6).abs()
-    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=f32)
     g[:: max(1, n // 3)] = special[torch.randint(0, 3, (1,), generator=gen)]
     return [p, g, m, v]
 
@@ -327,7 +361,8 @@ def self_test(kernel: HostKernel, *, steps: int = 3) -> str | None:
             out = torch.empty(n, dtype=torch.bfloat16)
             for step in range(1, steps + 1):
                 grad = ref[1] * scale if scale is not None else ref[1]
-                fused([ref[0]], [grad], [ref[2]], [ref[3]], [], [torch.tensor(float(step))],
+                step_t = torch.tensor(float(step), dtype=torch.float32)
+                fused([ref[0]], [grad], [ref[2]], [ref[3]], [], [step_t],
                       lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
                       eps=h.eps, amsgrad=False, maximize=h.maximize)
                 kernel.adam_step(mine[0], mine[1], mine[2], mine[3], out, h, step=float(step),

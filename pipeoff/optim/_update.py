@@ -99,6 +99,10 @@ class ChunkGroup:
     """Per slice, the per-element keys that exist already (the others are created)."""
     scalars: list[dict[str, Any]] = field(default_factory=list)
     """Per slice, the other state entries (``step``), private copies."""
+    advanced: bool = False
+    """Set by :func:`step_chunk`: some slice's ``step`` count moved, so the kernels may
+    have written (torch's fused and foreach kernels leave the version counters alone,
+    and every torch optimizer counts the step before its math)."""
 
     def add(self, param: torch.Tensor, grad: torch.Tensor, staged: dict[str, torch.Tensor],
             present: tuple[str, ...], scalars: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,6 +126,13 @@ def group_of(groups: dict[int, ChunkGroup], hyper: Sequence[Mapping[str, Any]],
     return cg
 
 
+def _count(step: Any) -> float | None:
+    """A ``step`` state entry's value (a tensor or a number), or ``None``."""
+    if step is None:
+        return None
+    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+
+
 def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> None:
     """Apply one optimizer step to the slices in ``groups``; pure math, no bookkeeping.
 
@@ -142,6 +153,7 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
             st.update({k: staged[k] for k in present})
             state[v] = st
     shadow.state = state
+    counts = {id(v): _count(state[v].get("step")) for g in groups for v in g.params}
     # The class's step is wrapped by torch.optim's hook machinery; call the body.
     body = _compat.step_body(type(shadow))
     try:
@@ -162,6 +174,7 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
                         scalars[k] = val
     finally:
         for g in groups:
+            g.advanced = any(_count(state[v].get("step")) != counts[id(v)] for v in g.params)
             for v in g.params:
                 v.grad = None
         shadow.state = collections.defaultdict(dict)

@@ -26,6 +26,7 @@ from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
+from pipeoff.optim import _host_kernel
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,
@@ -111,8 +112,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         optimizer_class: an element-wise ``torch.optim`` class (``AdamW``, ``Adam``,
             ``SGD``, ``Adagrad``, ``RMSprop``). With ``fused=True``, ``Adam``/``AdamW``
             step in pipeoff's native one-pass kernel, bitwise torch's fused CPU
-            AdamW (checked at first use; :func:`pipeoff.optim.host_step_status`
-            says which runs), else in torch's.
+            AdamW but for the sign and payload of NaNs (checked at first use;
+            :func:`pipeoff.optim.host_step_status` says which runs), else in torch's.
         params: parameters, named parameters or param groups (dicts), all of
             ``model``'s; default: every parameter of ``model`` that requires grad.
         accumulate: ``"cpu"`` or ``"gpu"``.
@@ -220,6 +221,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"params: {err}") from None
         self._building = False
         self._reindex()
+        _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
 
     # -- set-up ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -385,6 +387,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
             warn_if_unrouted(self)
         refuse_environment()
+        _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
         self.wait_for_step()
         self._health.check("step()")
         self._sync_with_model()

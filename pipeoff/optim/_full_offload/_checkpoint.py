@@ -132,6 +132,8 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                                              False)[0]
                     flat(st[key], rec.order).copy_(src)
                     keys.append(key)
+                elif key == "step":
+                    rec.scalars[key] = _step_entry(val, param_groups[rec.group])
                 else:
                     rec.scalars[key] = (val.detach().clone().cpu()
                                         if isinstance(val, torch.Tensor) else val)
@@ -139,3 +141,17 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
             rec.stepped = True
             if "master" not in entry:
                 rec.master.copy_(rec.local)
+
+
+def _step_entry(val: Any, group: Mapping[str, Any]) -> Any:
+    """A loaded ``step`` as torch's optimizers keep it after ``load_state_dict``: a
+    tensor (an older checkpoint's plain number becomes one), FP32 for a fused or
+    capturable group (``Optimizer._process_value_according_to_param_policy`` and
+    ``Adam.__setstate__``)."""
+    fused = bool(group.get("fused") or group.get("capturable"))
+    if not isinstance(val, torch.Tensor):
+        dtype = (torch.float32 if fused or torch.get_default_dtype() != torch.float64
+                 else torch.float64)
+        return torch.tensor(float(val), dtype=dtype)
+    t = val.detach().clone().cpu()
+    return t.to(torch.float32) if fused else t

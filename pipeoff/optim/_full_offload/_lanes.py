@@ -211,7 +211,9 @@ class LaneWork:
                 rec.flat_master, rec.flat_acc, {key: flat(st[key], rec.order) for key in keys},
                 tuple(key for key in rec.present if key in keys), rec.scalars)
         # A chunk whose step raised after writing some masters leaves them partly
-        # stepped (torn): their version counters say whether it wrote any.
+        # stepped (torn): their version counters (aten's in-place ops and the native
+        # kernel bump them) or a step count that moved (torch's fused and foreach
+        # kernels bump none) say whether it may have written any.
         masters = [self.params[i].flat_master for i in idx]
         versions = [m._version for m in masters]
         w = ctx.buffer(f"w:{k}") if any(n for *_, n, _ in self.weight_slices(k)) else None
@@ -228,7 +230,8 @@ class LaneWork:
                     if slices[i][2] in (torch.bfloat16, torch.float32):
                         cast_done.add(i)
         except BaseException:
-            if any(m._version != v for m, v in zip(masters, versions)):
+            if (any(m._version != v for m, v in zip(masters, versions))
+                    or any(g.advanced for g in groups.values())):
                 acc.torn_chunks.add(k)
             raise
         acc.stepped_chunks.add(k)
@@ -262,7 +265,7 @@ class LaneWork:
                 native[i] = h
         if not native:
             return None, native
-        kernel = _host_kernel.host_kernel()
+        kernel = _host_kernel.host_kernel(warn=False)  # (step() warns, on the caller's thread)
         return kernel, native if kernel is not None else {}
 
     def _native_step(self, kernel: _host_kernel.HostKernel, i: int, h: _host_kernel.AdamHyper,
