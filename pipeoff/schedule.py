@@ -10,6 +10,7 @@ the lanes run concurrently (see :func:`_budget_waits`).
 from __future__ import annotations
 
 import heapq
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -148,14 +149,17 @@ class Schedule:
                 graph.tasks[n].lane or DEFAULT_LANES[graph.tasks[n].kind] for n in order
             )
         plan = _make_plan(graph, self, order, lanes)
-        if len(_PLANS) >= _PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
-        _PLANS[key] = (plan, graph.topological_order())
+        entry = (plan, graph.topological_order())
+        with _PLANS_LOCK:  # (executions are launched from several threads)
+            if len(_PLANS) >= _PLAN_CACHE_SIZE:
+                _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
+            _PLANS[key] = entry
         return plan
 
 
 _PLAN_CACHE_SIZE = 64
 _PLANS: dict[tuple[Any, ...], tuple[Plan, tuple[str, ...]]] = {}
+_PLANS_LOCK = threading.Lock()
 """Plans by schedule and graph structure (:meth:`TaskGraph.structure_key`): a
 training loop rebuilds the same step graph every step, and plans it once. Plans
 are immutable and name tasks by position, so one serves every such graph."""
