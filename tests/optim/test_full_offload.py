@@ -346,9 +346,14 @@ def test_a_step_that_does_not_wait_for_accumulation_is_wrong() -> None:
 @pytest.mark.parametrize("mutated", [False, True])
 def test_micro_steps_that_do_not_wait_for_each_other_are_wrong(mutated: bool) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)  # 4 pieces to fold
+    model = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)
     ref = Reference(model, torch.optim.SGD, lr=0.1)
-    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=0.1, overlap="none")
+    # 128 pieces to fold per micro-step: the first micro-step's fold is still going
+    # (its count not yet raised) when the others start, so without the order they
+    # all take the first contribution's copy (a fast one-piece fold could finish
+    # before the next thread wakes, and hide the hazard).
+    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=0.1, overlap="none",
+                               slot_bytes=1 << 14)
     xs = [torch.randn(4, 1024).to(torch.bfloat16) for _ in range(3)]
     off = testing.disable("micro_step_order") if mutated else contextlib.nullcontext()
     with off, testing.hold_task("acc:.*") as release:
