@@ -127,8 +127,11 @@ class Schedule:
             BudgetError: a buffer is larger than its budget, or no issue order
                 keeps live staging within the budgets.
         """
-        key = (self, graph.structure_key())
-        cached = _PLANS.get(key)
+        # (The default lanes are in the key: they decide a task's lane, and they
+        # are a public mapping a caller may edit. A huge graph is not cached.)
+        key = ((self, tuple(DEFAULT_LANES.items()), graph.structure_key())
+               if len(graph.tasks) <= _PLAN_CACHE_MAX_TASKS else None)
+        cached = _PLANS.get(key) if key is not None else None
         if cached is not None:  # the same structure: validated and planned before
             graph.adopt_validation(cached[1])
             return cached[0]
@@ -149,6 +152,8 @@ class Schedule:
                 graph.tasks[n].lane or DEFAULT_LANES[graph.tasks[n].kind] for n in order
             )
         plan = _make_plan(graph, self, order, lanes)
+        if key is None:
+            return plan
         entry = (plan, graph.topological_order())
         with _PLANS_LOCK:  # (executions are launched from several threads)
             if len(_PLANS) >= _PLAN_CACHE_SIZE:
@@ -158,6 +163,8 @@ class Schedule:
 
 
 _PLAN_CACHE_SIZE = 64
+_PLAN_CACHE_MAX_TASKS = 4096
+"""Graphs of more tasks are planned every time (their keys would hold megabytes)."""
 _PLANS: dict[tuple[Any, ...], tuple[Plan, tuple[str, ...]]] = {}
 _PLANS_LOCK = threading.Lock()
 """Plans by schedule and graph structure (:meth:`TaskGraph.structure_key`): a

@@ -262,3 +262,14 @@ def test_a_rebuilt_graph_of_the_same_structure_is_planned_once() -> None:
     assert Schedule.pipelined(device_budget_bytes=1 << 21).plan(build(1024, [])) is not first
     with pytest.raises(BudgetError):  # a new structure is still checked
         sched.plan(build(2 << 20, []))
+
+
+def test_the_plan_cache_follows_the_default_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeoff import schedule
+
+    g = TaskGraph("cpu")
+    g.add_task("a", TaskKind.HOST, lambda ctx: None)
+    sched = Schedule.pipelined()
+    before = sched.plan(g)
+    monkeypatch.setitem(schedule.DEFAULT_LANES, TaskKind.HOST, "elsewhere")
+    assert sched.plan(g).lanes == ("elsewhere",) != before.lanes

@@ -82,6 +82,13 @@ def _compiler() -> list[str] | None:
     return None
 
 
+def _libc() -> tuple[str, str]:
+    try:
+        return platform.libc_ver()
+    except OSError:  # an interpreter binary it cannot read (frozen, embedded)
+        return ("", "")
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -93,7 +100,7 @@ def _build(cc: list[str]) -> Path:
     key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), " ".join(cc).encode(),
                                      platform.machine().encode(), sys.platform.encode(),
                                      # a $HOME shared with an older C library
-                                     " ".join(platform.libc_ver()).encode(),
+                                     " ".join(_libc()).encode(),
                                      ])).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"hoststep-{key}.so"
@@ -115,13 +122,21 @@ def _build(cc: list[str]) -> Path:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise OSError(f"{' '.join(cc)} exited with {proc.returncode}: {' / '.join(tail)}")
         digest = _digest(Path(tmp))
+        # Readable by every user (a cache warmed by another user, a container image
+        # built as root), as a compiler's output would be outside mkstemp.
+        os.chmod(tmp, 0o755)
         # Atomic renames, the object first: another rank's build of the same key is
         # identical, and a reader checks the stamp against the object it finds.
         os.replace(tmp, target)
         fd, tmp_stamp = tempfile.mkstemp(prefix=".hoststep-", suffix=".sha256", dir=out_dir)
-        with os.fdopen(fd, "w") as f:
-            f.write(digest)
-        os.replace(tmp_stamp, stamp)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.chmod(tmp_stamp, 0o644)
+            os.replace(tmp_stamp, stamp)
+        finally:
+            if os.path.exists(tmp_stamp):
+                os.unlink(tmp_stamp)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -90,7 +90,8 @@ def fold(acc: torch.Tensor, grad: torch.Tensor, *, first: bool, threads: int) ->
     _happens.native_access("pipeoff_fold", reads=(grad,) if first else (acc, grad), writes=(acc,))
     rc = lib.pipeoff_fold(acc.data_ptr(), grad.data_ptr(), kind, acc.numel(), int(first),
                           threads)
-    assert rc == 0, rc
+    if rc != 0:
+        raise RuntimeError(f"pipeoff_fold refused its arguments (rc={rc})")
     return True
 
 
@@ -171,24 +172,51 @@ class HostKernel:
             _happens.native_access("pipeoff_adam_step", reads=(grad,),
                                    writes=(param, exp_avg, exp_avg_sq)
                                    + ((out,) if out is not None else ()))
+        h = hyper
+        # The scalars as torch's kernel rounds them: computed in double (IEEE, as
+        # C++ does: a beta of 1 edited into param_groups gives inf, not an error),
+        # then each rounded to float once (ctypes.c_float rounds to nearest).
+        bc1 = 1.0 - _pow(h.beta1, step)
+        bc2 = 1.0 - _pow(h.beta2, step)
+        wd = h.weight_decay
+        args = (int(not h.decoupled and wd != 0), wd,
+                (1.0 - h.lr * wd) if h.decoupled and wd != 0 else 1.0,
+                -1.0 if h.maximize else 1.0, 1.0 if scale is None else scale,
+                1.0 - h.beta1, h.beta2, 1.0 - h.beta2, _sqrt(bc2), h.eps, _div(h.lr, bc1),
+                self.body, self.tail, self.vec, self.nan_bits, threads)
         # As aten's in-place ops do: a write shows in the version counters (a chunk
         # that fails after this call knows it stepped this master: torn, not dirty).
+        # Bumped before the call: the C function writes all or (rc != 0) nothing.
         increment_version([t for t in (param, exp_avg, exp_avg_sq, out) if t is not None])
-        h = hyper
-        # The scalars as torch's kernel rounds them: computed in double, then
-        # each rounded to float once (ctypes.c_float rounds to nearest).
-        bc1 = 1.0 - math.pow(h.beta1, step)
-        bc2 = 1.0 - math.pow(h.beta2, step)
-        wd = h.weight_decay
         rc = self.lib.pipeoff_adam_step(
             param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-            None if out is None else out.data_ptr(), kind, n,
-            int(not h.decoupled and wd != 0), wd,
-            (1.0 - h.lr * wd) if h.decoupled and wd != 0 else 1.0,
-            -1.0 if h.maximize else 1.0, 1.0 if scale is None else scale,
-            1.0 - h.beta1, h.beta2, 1.0 - h.beta2, math.sqrt(bc2), h.eps, h.lr / bc1,
-            self.body, self.tail, self.vec, self.nan_bits, threads)
-        assert rc == 0, rc
+            None if out is None else out.data_ptr(), kind, n, *args)
+        if rc != 0:
+            raise RuntimeError(f"pipeoff_adam_step refused its arguments (rc={rc})")
+
+
+def _pow(base: float, exp: float) -> float:
+    """C's ``pow``: overflow is an infinity, a domain error NaN."""
+    try:
+        return math.pow(base, exp)
+    except OverflowError:
+        return -math.inf if base < 0 and exp % 2 == 1 else math.inf
+    except ValueError:
+        return math.nan
+
+
+def _div(a: float, b: float) -> float:
+    """IEEE division: by zero, an infinity (or NaN for 0/0)."""
+    if b != 0:
+        return a / b
+    if a == 0 or a != a:
+        return math.nan
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)
+
+
+def _sqrt(x: float) -> float:
+    """IEEE square root: NaN below zero."""
+    return math.sqrt(x) if x >= 0 or x != x else math.nan
 
 
 _lock = threading.Lock()

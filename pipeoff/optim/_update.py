@@ -100,9 +100,10 @@ class ChunkGroup:
     scalars: list[dict[str, Any]] = field(default_factory=list)
     """Per slice, the other state entries (``step``), private copies."""
     advanced: bool = False
-    """Set by :func:`step_chunk`: some slice's ``step`` count moved, so the kernels may
-    have written (torch's fused and foreach kernels leave the version counters alone,
-    and every torch optimizer counts the step before its math)."""
+    """Set by :func:`step_chunk` when it raised: the kernels may have written, because
+    some slice's ``step`` count went up (torch's optimizers count before their math),
+    or the group is ``fused`` (torch's fused kernels leave the version counters
+    alone, and fused SGD counts no step)."""
 
     def add(self, param: torch.Tensor, grad: torch.Tensor, staged: dict[str, torch.Tensor],
             present: tuple[str, ...], scalars: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,10 +127,10 @@ def group_of(groups: dict[int, ChunkGroup], hyper: Sequence[Mapping[str, Any]],
     return cg
 
 
-def _count(step: Any) -> float | None:
-    """A ``step`` state entry's value (a tensor or a number), or ``None``."""
+def _count(step: Any) -> float:
+    """A ``step`` state entry's value (a tensor or a number); 0 when there is none."""
     if step is None:
-        return None
+        return 0.0
     return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
 
 
@@ -172,9 +173,15 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
                 for k, val in after.items():
                     if k not in staged:
                         scalars[k] = val
+    except BaseException:
+        for g in groups:
+            # A torch fused kernel bumps no version counter, and SGD counts no step:
+            # a failure inside a fused step may have written (torn, conservatively).
+            g.advanced = bool(g.hyper.get("fused")) or any(
+                _count(state[v].get("step")) > counts[id(v)] for v in g.params)
+        raise
     finally:
         for g in groups:
-            g.advanced = any(_count(state[v].get("step")) != counts[id(v)] for v in g.params)
             for v in g.params:
                 v.grad = None
         shadow.state = collections.defaultdict(dict)

@@ -385,6 +385,9 @@ def test_a_build_is_cached_and_reused(fresh_kernels: None) -> None:
     assert _native.library() is not None
     built = list(Path(os.environ["PIPEOFF_CACHE_DIR"]).glob("hoststep-*.so"))
     assert len(built) == 1
+    # Readable by other users (a cache warmed by another user, or as root).
+    assert built[0].stat().st_mode & 0o777 == 0o755
+    assert built[0].with_suffix(".sha256").stat().st_mode & 0o777 == 0o644
     mtime = built[0].stat().st_mtime_ns
     _native._reset_for_tests()
     assert _native.library() is not None
@@ -545,3 +548,58 @@ def test_an_older_checkpoints_plain_number_step_loads_as_torch_loads_it(path: st
     plain.load_state_dict(sd)
     step = opt.state_dict()["state"][0]["step"]
     assert isinstance(step, torch.Tensor) and step.dtype == torch.float32 and float(step) == 2.0
+
+
+def test_a_failed_step_is_advanced_exactly_when_it_may_have_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path's torn signal: a fused SGD (no version bump, no step count)
+    that failed after its first group wrote is advanced; an Adam refused before its
+    first write (a tensor lr with foreach) is not."""
+    from pipeoff.optim import _update
+
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9,
+                          fused=True)
+    hyper = {k: v for k, v in sgd.param_groups[0].items() if k != "params"}
+    real, calls = torch._fused_sgd_, []
+
+    def flaky(*args: Any, **kw: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second group's kernel failed")
+        real(*args, **kw)
+
+    monkeypatch.setattr(torch, "_fused_sgd_", flaky)
+    p1, p2 = torch.zeros(4), torch.zeros(4)
+    g1, g2 = _update.ChunkGroup(hyper), _update.ChunkGroup(dict(hyper, lr=0.2))
+    g1.add(p1, torch.ones(4), {"momentum_buffer": torch.zeros(4)}, ("momentum_buffer",), {})
+    g2.add(p2, torch.ones(4), {"momentum_buffer": torch.zeros(4)}, ("momentum_buffer",), {})
+    with pytest.raises(RuntimeError, match="second group"):
+        _update.step_chunk(_update.make_shadow(sgd), [g1, g2])
+    assert float(p1[0]) != 0.0 and g1.advanced
+
+    adam = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=0.1, foreach=True)
+    hyper = {k: v for k, v in adam.param_groups[0].items() if k != "params"}
+    hyper["lr"] = torch.tensor(0.1)  # refused by torch before any write
+    p = torch.zeros(4)
+    g = _update.ChunkGroup(hyper)
+    g.add(p, torch.ones(4), {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}, (), {})
+    with pytest.raises(RuntimeError, match="lr as a Tensor"):
+        _update.step_chunk(_update.make_shadow(adam), [g])
+    assert not g.advanced and torch.equal(p, torch.zeros(4))
+
+
+def test_a_beta_of_one_edited_into_the_groups_steps_as_torch_does(path: str) -> None:
+    """betas=(1.0, ...) set after construction (torch checks betas only then): the
+    bias correction divides by zero, which torch's C++ does in IEEE arithmetic
+    (inf, NaN), and so does pipeoff, instead of raising in Python."""
+    model = make_model()
+    kw = {"lr": 1e-2, "fused": True}
+    ref = Reference(model, torch.optim.AdamW, **kw)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="none", **kw)
+    for groups in (opt.param_groups, ref.opt.param_groups):
+        groups[0]["betas"] = (1.0, 0.999)
+    data = batches(1, 1)
+    train(opt, model, data)
+    train_reference(ref, data)
+    for p, q in zip(model.parameters(), ref.model.parameters()):
+        assert _host_kernel._same(p.detach(), q.detach())
