@@ -182,6 +182,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError("params must be an iterable of parameters or of param group "
                               f"dicts, got a single tensor of shape {tuple(params.shape)}")
         probe = config.probe()
+        # Decide the native host step now, on the caller's thread and before any
+        # parameter is taken: its fallback warning (an error under -W error) then
+        # leaves nothing half-built. (A group's own fused=True: at step().)
+        _host_kernel.warn_if_off(config.optimizer_class, [probe.defaults])
         # The arguments, as given (read-only: the config is what runs).
         self.model = model
         self._config = config
@@ -221,7 +225,6 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"params: {err}") from None
         self._building = False
         self._reindex()
-        _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
 
     # -- set-up ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
