@@ -56,18 +56,9 @@ def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
 
 # -- the step kernel against torch._fused_adamw_ --------------------------------------
 
-HYPERS = [
-    AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
-              maximize=False),
-    AdamHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False,
-              maximize=False),
-    AdamHyper(lr=1e-2, beta1=0.5, beta2=0.99, eps=1e-6, weight_decay=0.0, decoupled=True,
-              maximize=True),
-    AdamHyper(lr=3e-4, beta1=0.95, beta2=0.95, eps=1e-12, weight_decay=0.0, decoupled=False,
-              maximize=False),
-    AdamHyper(lr=1e-3, beta1=0.0, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True,
-              maximize=False),
-]
+HYPERS = list(_host_kernel._HYPER)
+"""The self-test's hyperparameter sets (both lerp branches and beta1 = 0, Adam's L2
+term and AdamW's decay, with and without weight decay, maximize)."""
 
 
 @pytest.mark.parametrize("threads", [1, 3])
