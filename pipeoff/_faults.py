@@ -242,7 +242,7 @@ MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
     "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
-    "adopt_waits_readers",
+    "adopt_waits_readers", "diloco_formed_wait",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -274,6 +274,9 @@ MUTATIONS = frozenset({
   DDP's reducer wrote the reduced gradient (a callback queued behind DDP's).
 * ``"adopt_waits_readers"``: full offload's wait for the transfers reading the
   masters before it adopts weights written from outside as masters.
+* ``"diloco_formed_wait"``: DiLoCo's wait, before an inner step, for the sync in
+  flight to have formed its pseudo-gradients (they read the parameters the step
+  writes; ``fragment_sync_delay`` > 0).
 """
 
 

@@ -160,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default="8b",
                      help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
     sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
-    sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer"],
+    sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer",
+                                              "diloco"],
                      default="optimizer")
     sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
@@ -169,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--chunk-bytes", default="1GiB", help="optimizer chunk (%(default)s)")
     sim.add_argument("--prefetch", "--lookahead", dest="prefetch", type=int, default=2,
                      help="optimizer chunks staged ahead (--lookahead: its old name)")
-    sim.add_argument("--bucket-bytes", default="256MiB", help="LocalSGD bucket (%(default)s)")
+    sim.add_argument("--bucket-bytes", default="256MiB",
+                     help="LocalSGD/DiLoCo bucket (%(default)s)")
     sim.add_argument("--device-budget", help="device staging budget (default: from the above; "
                      "for transfer, the bucket size)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")

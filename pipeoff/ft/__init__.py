@@ -1,6 +1,7 @@
-"""torchft integrations: LocalSGD with RFC 0003 CPU staging, sequential or pipelined.
+"""torchft integrations: LocalSGD with RFC 0003 CPU staging, sequential or pipelined, and
+DiLoCo with its outer state and pseudo-gradients in host memory.
 
-Importing :class:`LocalSGD` imports torchft (on first use of the name);
+Importing :class:`LocalSGD` or :class:`DiLoCo` imports torchft (on first use of the name);
 ``import pipeoff`` and ``import pipeoff.ft`` do not, so the simulator can
 build LocalSGD's graphs without torchft installed.
 """
@@ -12,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
+    from pipeoff.ft._diloco import DiLoCo
     from pipeoff.ft._local_sgd import LocalSGD
 
 __all__ = [
     # LocalSGD
     "DEFAULT_BUCKET_BYTES",
+    "DiLoCo",
     "LocalSGD",
 ]
 
@@ -26,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from pipeoff.ft._local_sgd import LocalSGD
 
         return LocalSGD
+    if name == "DiLoCo":
+        from pipeoff.ft._diloco import DiLoCo
+
+        return DiLoCo
     raise AttributeError(f"module 'pipeoff.ft' has no attribute {name!r}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -13,9 +12,10 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 from pipeoff import _accel, _compat
 from pipeoff._contract import AsyncStep, MasterCopy
 from pipeoff._errors import ConfigError
-from pipeoff._validate import check_int
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
+from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from pipeoff.trace import Trace
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "LocalSGD"]
-
-_SCHEDULES = ("pipelined", "synchronous")
-_PER_PARAMETER = "per_parameter"
 
 
 class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type hints
@@ -138,51 +135,16 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         device_budget_bytes: int | None = None,
     ) -> None:
         super().__init__(manager, model, optimizer, sync_every)
-        self._offload = _check_flag(offload_averaged_parameters_to_cpu)
-        given = {"schedule": schedule, "bucket_bytes": bucket_bytes,
-                 "device_budget_bytes": device_budget_bytes}
-        if not self._offload:
-            extra = [k for k, v in given.items() if v is not None]
-            if extra:
-                raise ConfigError(
-                    f"{', '.join(extra)} only apply with offload_averaged_parameters_to_cpu=True; "
-                    f"got offload_averaged_parameters_to_cpu=False and {_show(given, extra)}"
-                )
-        sched = "pipelined" if schedule is None else schedule
-        if sched == "sync":
-            warnings.warn("LocalSGD(schedule='sync') is now schedule='synchronous' (the name of "
-                          "pipeoff.Schedule.synchronous; 'sync' read like LocalSGD.sync()); "
-                          "'sync' will be removed", FutureWarning, stacklevel=2)
-            sched = "synchronous"
-        if sched not in _SCHEDULES:
-            raise ConfigError(
-                f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
+        self._offload = check_flag("offload_averaged_parameters_to_cpu",
+                                   offload_averaged_parameters_to_cpu)
+        opts = StagingOptions.resolve(flag="offload_averaged_parameters_to_cpu",
+                                      offload=self._offload, schedule=schedule,
+                                      bucket_bytes=bucket_bytes,
+                                      device_budget_bytes=device_budget_bytes)
+        sched, bucket, budget = opts.schedule, opts.bucket_bytes, opts.device_budget_bytes
         self._schedule_name = sched
-        self._per_parameter = bucket_bytes == _PER_PARAMETER or sched == "synchronous"
-        budget = None if device_budget_bytes is None else check_int(
-            "device_budget_bytes", device_budget_bytes, unit="bytes")
-        bucket: int | None
-        if bucket_bytes is None:
-            # With only a budget given, buckets of half of it: two fit, so one
-            # all-reduce overlaps one copy (a budget under two elements fails
-            # the plan below, which names the parameter).
-            bucket = DEFAULT_BUCKET_BYTES if budget is None else min(
-                DEFAULT_BUCKET_BYTES, max(budget // 2, 1))
-        elif bucket_bytes == _PER_PARAMETER:
-            bucket = None
-        else:
-            bucket = check_int("bucket_bytes", bucket_bytes, unit="bytes",
-                               also="or 'per_parameter'")
-        self._bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
-            "bucket_bytes (device_budget_bytes // 2)")
-        if budget is None and bucket is not None:
-            budget = 2 * bucket
-        if budget is not None and bucket is not None and budget < bucket:
-            raise ConfigError(
-                f"device_budget_bytes={budget} is smaller than one bucket "
-                f"(bucket_bytes={bucket}); use device_budget_bytes >= bucket_bytes "
-                f"(2 * bucket_bytes overlaps one all-reduce with one copy)"
-            )
+        self._per_parameter = opts.per_parameter or sched == "synchronous"
+        self._bucket_name = opts.bucket_name
         if sched == "synchronous":
             # RFC 0003 stages one whole parameter at a time: the bucket options
             # are checked above (so that switching schedules keeps them valid)
@@ -358,39 +320,14 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         sync = self._schedule_name == "synchronous"
 
         def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
+            def fill(flat: torch.Tensor) -> None:
+                for pc in b.pieces:
+                    src = _local(params[pc.param])
+                    src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
+                    flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
+
             def allreduce(ctx: TaskContext) -> None:
-                flat = ctx.buffer(dev, b.dtype)
-                local_failure: BaseException | None = None
-                try:
-                    for pc in b.pieces:
-                        src = _local(params[pc.param])
-                        src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
-                        flat[pc.offset:pc.offset + pc.numel].copy_(
-                            src[pc.start:pc.start + pc.numel])
-                except Exception as err:  # noqa: BLE001 - raised once the collective is joined
-                    local_failure = err
-                if (local_failure is not None or ctx.failed is not None
-                        or manager.errored() is not None):
-                    # This replica has failed this sync (it will not commit), and
-                    # torchft's allreduce is a no-op after an error. Hazard: peer
-                    # replicas waiting out the process group's timeout for the
-                    # collectives this replica would skip. Join them with the
-                    # local values, as torchft's own path (which issues every
-                    # all-reduce before waiting) does; the result is discarded.
-                    # (The task is must_run: it runs after a failed task too.)
-                    if not _compat.allreduce_discarded(manager, flat):
-                        ctx.retire_buffer(dev)
-                    if local_failure is not None:
-                        raise local_failure
-                    return
-                # AVG: torchft divides by the participant count inside wait(),
-                # so the bucket holds the mean only once wait() has returned.
-                if not manager.allreduce(flat).wait():
-                    # wait() reported the failure to the manager (so this replica
-                    # will not commit) and returned False. Hazard: the staging
-                    # block going back to the pool while the failed collective
-                    # may still write it.
-                    ctx.retire_buffer(dev)
+                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), fill)
 
             return allreduce
 
@@ -466,16 +403,3 @@ def _write_back_slice(
     # non_blocking: src is pinned host staging that stays allocated until this
     # task's end event has fired (the pool waits on it before reuse).
     dst.copy_(src, non_blocking=cuda)
-
-
-# -- argument checks ------------------------------------------------------------------
-def _check_flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"offload_averaged_parameters_to_cpu must be True or False, got {value!r}"
-        )
-    return value
-
-
-def _show(given: dict[str, Any], keys: list[str]) -> str:
-    return ", ".join(f"{k}={given[k]!r}" for k in keys)

@@ -11,6 +11,7 @@ from pipeoff.schedule import Schedule
 from pipeoff.sim._costmodel import CostModel
 from pipeoff.sim._workloads import (
     ModelShape,
+    diloco_graph_shape,
     full_offload_graph,
     full_offload_schedule,
     local_sgd_graph,
@@ -26,6 +27,7 @@ FEATURE_SCHEDULES = {
     "local-sgd": ("original", "rfc", "pipelined"),
     "full-offload": ("none", "pipelined"),
     "transfer": ("synchronous", "pipelined"),
+    "diloco": ("original", "synchronous", "pipelined"),
 }
 _LANE_BOUND = {"h2d": "link", "d2h": "link", "compute": "compute", "comm": "comm",
                "host": "host", "main": "serial", "accumulate": "host", "host_step": "host",
@@ -117,7 +119,7 @@ def compare(
     check_int("prefetch", prefetch, as_bound=True)
     if feature == "optimizer" and set(schedules) - {"single_pass"}:
         _check_pieces("chunk_bytes", chunk_bytes, shape)
-    if feature == "local-sgd" and "pipelined" in schedules:
+    if feature in ("local-sgd", "diloco") and set(schedules) - {"original"}:
         _check_pieces("bucket_bytes", bucket_bytes, shape)
     for requested in schedules:
         if requested not in known:
@@ -138,6 +140,13 @@ def compare(
         elif feature == "full-offload":
             graph = full_offload_graph(shape)
             sched = full_offload_schedule(shape, pipelined=name == "pipelined")
+        elif feature == "diloco":
+            graph = diloco_graph_shape(shape, variant=name,  # type: ignore[arg-type]
+                                       bucket_bytes=bucket_bytes)
+            sched = (Schedule.pipelined() if name == "original" else
+                     Schedule.synchronous() if name == "synchronous" else
+                     Schedule.pipelined(device_budget_bytes=device_budget_bytes
+                                        or 2 * bucket_bytes))
         elif feature == "transfer":
             budget = device_budget_bytes or bucket_bytes
             graph = transfer_graph_shape(shape, budget_bytes=budget)

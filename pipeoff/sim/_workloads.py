@@ -23,7 +23,8 @@ from pipeoff.schedule import Schedule
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._graph import MicroStepPlan
 
-__all__ = ["MODEL_PRESETS", "ModelShape", "local_sgd_buckets", "local_sgd_graph",
+__all__ = ["MODEL_PRESETS", "ModelShape", "diloco_graph_shape", "local_sgd_buckets",
+           "local_sgd_graph",
            "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule",
            "transfer_graph_shape"]
 
@@ -258,6 +259,57 @@ def local_sgd_sync_graph(shape: ModelShape, *, per_parameter: bool, bucket_bytes
     return sync_graph(local_sgd_buckets(shape, per_parameter=per_parameter,
                                         bucket_bytes=bucket_bytes,
                                         bytes_per_elem=bytes_per_elem), None)
+
+
+DiLoCoVariant = Literal["original", "synchronous", "pipelined"]
+
+
+def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
+                       bucket_bytes: int = 256 << 20, bytes_per_elem: int = 4) -> TaskGraph:
+    """One DiLoCo sync that commits (one fragment: the whole local model).
+
+    - ``original``: torchft's ``DiLoCo``, the baseline: per parameter, the backup
+      copied to the device and the pseudo-gradient formed there (S on the
+      device), every all-reduce issued at once; after the commit the restore
+      (host to device), the outer step on the device (its state is the
+      persistent device memory torchft keeps, not staging), the new backup
+      (device to host) and the merge with a snapshot of the local parameters
+      (another S on the device).
+    - ``synchronous`` / ``pipelined``: ``pipeoff.ft.DiLoCo(offload_to_cpu=True)``,
+      built by its own graph builder (shape only), buckets and outer-step
+      chunks of ``bucket_bytes``.
+    """
+    from pipeoff.ft._diloco_graph import diloco_graph, outer_chunks
+
+    numels = shape.local_numels
+    if variant == "original":
+        g = TaskGraph()
+        for name, n in numels:
+            nb = n * bytes_per_elem
+            pg = g.add_buffer(f"pg:{name}", nb, where="device")
+            snap = g.add_buffer(f"snapshot:{name}", nb, where="device")
+            g.add_task(f"pseudograd:{name}", TaskKind.H2D, buffers=[pg], nbytes=nb)
+            g.add_task(f"allreduce:{name}", TaskKind.ALLREDUCE, deps=[f"pseudograd:{name}"],
+                       buffers=[pg], nbytes=nb)
+            g.add_task(f"snapshot:{name}", TaskKind.OPTIMIZER_CHUNK, buffers=[snap],
+                       deps=[f"allreduce:{name}"], nbytes=nb)
+        g.add_task("commit", TaskKind.HOST, deps=[f"snapshot:{n}" for n, _ in numels])
+        for name, n in numels:
+            nb = n * bytes_per_elem
+            g.add_task(f"restore:{name}", TaskKind.H2D, deps=["commit"], nbytes=nb)
+            g.add_task(f"outer:{name}", TaskKind.OPTIMIZER_CHUNK, deps=[f"restore:{name}"],
+                       buffers=[f"pg:{name}"], nbytes=3 * nb)
+            g.add_task(f"save:{name}", TaskKind.D2H, deps=[f"outer:{name}"], nbytes=nb)
+            g.add_task(f"merge:{name}", TaskKind.OPTIMIZER_CHUNK, deps=[f"save:{name}"],
+                       buffers=[f"snapshot:{name}"], nbytes=nb)
+        return g
+    if variant not in ("synchronous", "pipelined"):
+        raise ConfigError(
+            f"variant must be 'original', 'synchronous' or 'pipelined', got {variant!r}")
+    buckets = local_sgd_buckets(shape, per_parameter=False, bucket_bytes=bucket_bytes,
+                                bytes_per_elem=bytes_per_elem)
+    chunks = outer_chunks([n for _, n in numels], [bytes_per_elem] * len(numels), bucket_bytes)
+    return diloco_graph(buckets, chunks, None)
 
 
 def transfer_graph_shape(shape: ModelShape, *, budget_bytes: int, wire: str = "device",

@@ -1,0 +1,538 @@
+"""torchft's (streaming) DiLoCo with the outer state and the pseudo-gradients in host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn, optim
+from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
+from torchft.local_sgd import _StreamingDiLoCoFragment
+
+from pipeoff import _accel, _compat, _faults
+from pipeoff._contract import AsyncStep, MasterCopy
+from pipeoff._errors import ConfigError, PipeoffError
+from pipeoff.executor import execute
+from pipeoff.ft._buckets import Bucket, Piece, TensorInfo, plan_buckets
+from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule, outer_chunks
+from pipeoff.ft._options import StagingOptions, check_flag
+from pipeoff.ft._outer import HostOuterOptimizer, check_outer
+from pipeoff.graph import TaskContext
+from pipeoff.staging import reserve_for
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+    from pipeoff.execution import Execution
+    from pipeoff.trace import Trace
+
+__all__ = ["DiLoCo"]
+
+
+class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hints
+    """torchft's (streaming) DiLoCo, with its outer state and pseudo-gradients in host memory.
+
+    A drop-in for :class:`torchft.local_sgd.DiLoCo`: the same constructor, the
+    same optimizer hooks, fragment schedule, quorum and ``should_commit()`` per
+    sync, the same checkpoint keys (``StreamingDiLoCoFragment_{i}``) for
+    healing. With ``offload_to_cpu=False`` (the default) it is torchft's DiLoCo
+    bit for bit, plus two things every mode does: an inner optimizer that steps
+    asynchronously (``pipeoff.optim.OffloadOptimizer(mode="overlap")``) is
+    waited for before a sync reads the parameters, and one whose FP32 masters
+    are the truth (``pipeoff.optim.FullOffloadOptimizer``) refreshes them after
+    every sync (a sync writes the parameters whether it commits or not).
+
+    With ``offload_to_cpu=True`` each fragment's sync is one pipeoff execution,
+    from ``prepare_sync`` to the end of ``perform_sync``:
+
+    * per bucket of at most ``bucket_bytes``, in device staging: the backup's
+      slice is copied in and the local parameters subtracted (the
+      pseudo-gradient, ``original - local`` as torchft forms it), the bucket
+      is averaged over the replica groups, and the average is staged in host
+      memory until ``should_commit()``;
+    * on commit, per chunk of whole parameters: the outer optimizer steps *in
+      host memory*, on the backup itself (which becomes the new global
+      parameters) with its state (momentum, moments) in host memory; then per
+      bucket, the new global parameters are copied into device staging,
+      merged with the local ones (``lerp`` by ``fragment_update_alpha``, the
+      op torchft's merge runs) and written into the parameters. No snapshot
+      of the local parameters is taken: they are read in place;
+    * on a reject (or a failure before the commit), the parameters are
+      restored from the backup, as torchft does, and the backup and the outer
+      state are untouched.
+
+    Device memory (S_f = bytes of one fragment's local parameters):
+
+    =====================  =========================  ==========================
+    mode                   persistent                 during a sync
+    =====================  =========================  ==========================
+    torchft                outer state (SGD with       pseudo-gradients S_f, local
+                           momentum: S)                snapshot S_f
+    ``offload_to_cpu``     none                        ``device_budget_bytes``
+    =====================  =========================  ==========================
+
+    Host memory: the backup (S, as torchft) and the host pseudo-gradients
+    (S) and outer state (SGD momentum: S; Adam: 2S).
+
+    ``schedule="pipelined"`` overlaps the copies, the all-reduces and the host
+    steps within ``device_budget_bytes``; ``"synchronous"`` runs one task at a
+    time and ``prepare_sync`` returns only once every average is on the host.
+    With ``fragment_sync_delay`` > 0 the all-reduces run under the next inner
+    steps: only the inner optimizer's next ``step()`` waits, and only for the
+    pseudo-gradients to be formed (it is about to write the parameters they
+    read).
+
+    The outer optimizer must be a ``torch.optim.SGD``, ``Adam`` or ``AdamW``
+    (element-wise: stepped per chunk). Its ``param_groups`` stay the user's
+    (edit ``lr`` there; it is read at every sync); its state lives in the host
+    copy, which the checkpoint functions save and load. On a CPU device the
+    results are bitwise torchft's; on CUDA the outer step runs torch's CPU
+    kernel for the optimizer instead of the CUDA one (the same formula, rounded
+    by another implementation).
+
+    Args:
+        manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
+        backup_device, pin_memory, use_bucketization, bucket_cap_mb,
+        should_quantize, fragment_sync_delay, fragment_update_alpha: torchft's.
+        offload_to_cpu: keep the outer state and the pseudo-gradients in host
+            memory, and bound the device memory of a sync.
+        schedule: ``"pipelined"`` (the default) or ``"synchronous"``; only with
+            ``offload_to_cpu=True``.
+        bucket_bytes: most bytes of one bucket (default 16 MiB, or half of
+            ``device_budget_bytes`` when only it is given), or
+            ``"per_parameter"``; also the size of the outer step's chunks.
+        device_budget_bytes: most device staging bytes live at once (default:
+            two buckets).
+
+    Raises:
+        ConfigError: an option is given without ``offload_to_cpu=True`` or is out
+            of range; with ``offload_to_cpu=True``: ``should_quantize=True``
+            (torchft's quantized all-reduce runs on the device), a
+            ``backup_device`` other than the CPU, an outer optimizer that is not
+            SGD/Adam/AdamW, or one with a parameter in no fragment.
+        ValueError: torchft's own checks (``sync_every``, ``fragment_sync_delay``,
+            ``fragment_update_alpha``, an async quorum).
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        model_fragments: list[nn.Module],
+        inner_optimizer: optim.Optimizer,
+        outer_optimizer: optim.Optimizer | list[optim.Optimizer],
+        sync_every: int,
+        backup_device: torch.device | None = None,
+        pin_memory: bool = True,
+        use_bucketization: bool = False,
+        bucket_cap_mb: int | None = None,
+        should_quantize: bool = False,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        *,
+        offload_to_cpu: bool = False,
+        schedule: Literal["pipelined", "synchronous"] | None = None,
+        bucket_bytes: int | Literal["per_parameter"] | None = None,
+        device_budget_bytes: int | None = None,
+    ) -> None:
+        offload = check_flag("offload_to_cpu", offload_to_cpu)
+        opts = StagingOptions.resolve(flag="offload_to_cpu", offload=offload,
+                                      schedule=schedule, bucket_bytes=bucket_bytes,
+                                      device_budget_bytes=device_budget_bytes)
+        if offload:
+            if should_quantize:
+                raise ConfigError(
+                    "should_quantize=True cannot be combined with offload_to_cpu=True: "
+                    "torchft's quantized all-reduce runs on the device's own buffers")
+            if backup_device is not None and torch.device(backup_device).type != "cpu":
+                raise ConfigError(
+                    f"offload_to_cpu=True keeps the backup in host memory; backup_device "
+                    f"must be None or 'cpu', got {backup_device!r}")
+            outers = outer_optimizer if isinstance(outer_optimizer, list) else [outer_optimizer]
+            for j, opt in enumerate(outers):
+                check_outer(opt, f"outer_optimizer[{j}]" if isinstance(outer_optimizer, list)
+                            else "outer_optimizer")
+        # Read by _register_state_dict_fn, which torchft's constructor calls.
+        self._offload = offload
+        self._options = opts
+        self.last_trace: Trace | None = None
+        """The trace of the last offloaded fragment sync (``None`` without offload)."""
+        self._fragments: list[_StreamingDiLoCoFragment]
+        super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
+                         backup_device, pin_memory, use_bucketization, bucket_cap_mb,
+                         should_quantize, fragment_sync_delay, fragment_update_alpha)
+
+    # -- configuration, read-only ------------------------------------------------
+    @property
+    def offload_to_cpu(self) -> bool:
+        """Whether the outer state and the pseudo-gradients live in host memory."""
+        return self._offload
+
+    @property
+    def schedule(self) -> str:
+        """``"pipelined"`` or ``"synchronous"`` (meaningful with ``offload_to_cpu``)."""
+        return self._options.schedule
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """The bucket limit, or ``None`` for one bucket per parameter."""
+        return self._options.bucket_bytes
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        """The cap on live device staging of a pipelined sync."""
+        return self._options.device_budget_bytes
+
+    def outer_state_dict(self, fragment: int = 0) -> dict[str, Any]:
+        """The outer optimizer's state dict of ``fragment`` (host tensors under
+        ``offload_to_cpu``; the user's optimizer's otherwise)."""
+        frag = self._fragments[fragment]
+        if isinstance(frag, _OffloadedFragment):
+            return frag.outer.state_dict()
+        return frag._outer_optimizer.state_dict()  # type: ignore[no-any-return]
+
+    # -- torchft's extension points -------------------------------------------------
+    def _register_state_dict_fn(self) -> None:
+        # torchft's constructor calls this once its fragments exist and hold the
+        # backup: the place to make them offloaded before anything is registered.
+        if self._offload:
+            hosts: dict[int, HostOuterOptimizer] = {}
+            host_of = {id(p): f.original_parameters[name] for f in self._fragments
+                       for name, p in f._model_fragment.named_parameters()}
+            for f in self._fragments:
+                opt = f._outer_optimizer
+                if id(opt) not in hosts:
+                    hosts[id(opt)] = HostOuterOptimizer(opt, host_of)
+            self._fragments = [
+                _OffloadedFragment.adopt(f, hosts[id(f._outer_optimizer)], self._options,
+                                         self._on_trace)
+                for f in self._fragments]
+        super()._register_state_dict_fn()
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
+        for f in self._fragments:
+            if isinstance(f, _OffloadedFragment):
+                # Hazard: lanes left waiting forever for the decision of a sync
+                # that was prepared but will never be performed.
+                f.abandon(exc_value if isinstance(exc_value, BaseException) else
+                          PipeoffError("DiLoCo exited with a fragment sync in flight"))
+        return bool(super().__exit__(exc_type, exc_value, traceback))
+
+    def _on_trace(self, trace: Trace) -> None:
+        self.last_trace = trace
+
+    def _wait_for_optimizer(self) -> None:
+        opt = self._local_optimizer
+        if isinstance(opt, AsyncStep):
+            opt.wait_for_step()
+
+    def _step_pre_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
+                       _kwargs: dict[str, Any]) -> None:
+        super()._step_pre_hook(_optim, _args, _kwargs)
+        if _faults.disabled("diloco_formed_wait"):
+            return
+        for f in self._fragments:
+            if isinstance(f, _OffloadedFragment):
+                # Hazard: this inner step writing parameters that a sync's
+                # pseudo-gradient tasks (fragment_sync_delay > 0) still read.
+                f.wait_formed()
+
+    def _step_post_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
+                        _kwargs: dict[str, Any]) -> None:
+        nxt = self._local_step + 1
+        syncing = nxt == self._sync_every
+        if syncing or nxt == self._sync_every - self._fragment_sync_delay:
+            # Hazard: forming pseudo-gradients from (or restoring over) parameters
+            # that an asynchronous inner step is still writing.
+            self._wait_for_optimizer()
+        super()._step_post_hook(_optim, _args, _kwargs)
+        opt = self._local_optimizer
+        if syncing and isinstance(opt, MasterCopy):
+            # Hazard: an optimizer whose masters are the truth
+            # (pipeoff.optim.FullOffloadOptimizer) overwriting the synchronized
+            # parameters with its own masters at the next step. A sync writes
+            # the parameters whether it commits (the merge) or not (the restore).
+            opt.refresh_masters()
+
+
+class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
+    """A torchft fragment whose sync is a pipeoff execution (see :class:`DiLoCo`)."""
+
+    outer: HostOuterOptimizer
+    _ex: Execution | None
+
+    @classmethod
+    def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
+              options: StagingOptions, on_trace: Callable[[Trace], None]) -> _OffloadedFragment:
+        """This class over ``frag``'s own fields (its backup, hooks and settings),
+        with the offloaded sync's: the bucket plan, host pseudo-gradients, and the
+        host outer optimizer; and its staging reserved."""
+        self = cls.__new__(cls)
+        self.__dict__.update(frag.__dict__)
+        self.outer = outer
+        self._options = options
+        self._on_trace = on_trace
+        self._ex = None
+        named = list(self._model_fragment.named_parameters())
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        locals_ = [_local(p) for p in self._params]
+        self._device = locals_[0].device if locals_ else torch.device("cpu")
+        self._cuda = _accel.current().is_device(self._device)
+        self._backups = [self.original_parameters[name] for name in self._names]
+        # The averaged pseudo-gradients, staged in host memory until the commit
+        # (pinned, so that the device-to-host copies are asynchronous).
+        self._host_grads = [_accel.current().host_empty(b.shape, b.dtype, pinned=self._cuda)
+                            for b in self._backups]
+        infos = [TensorInfo(name=name, numel=t.numel(), dtype=t.dtype,
+                            contiguous=t.is_contiguous()) for name, t in zip(self._names, locals_)]
+        for info in infos:
+            if not info.dtype.is_floating_point:
+                raise ConfigError(f"parameter {info.name!r} is {info.dtype}; DiLoCo "
+                                  "synchronizes floating-point parameters only")
+        limit, limit_name = options.bucket_bytes, options.bucket_name
+        if limit is None:
+            limit, limit_name = options.device_budget_bytes, "device_budget_bytes"
+        self._buckets = plan_buckets(infos, limit=limit, per_parameter=options.per_parameter,
+                                     limit_name=limit_name)
+        self._chunks = outer_chunks([t.numel() for t in locals_],
+                                    [t.element_size() for t in locals_], options.bucket_bytes)
+        # Take the staging a sync holds now, not inside it (pinned allocation
+        # stalls the device and, under NCCL, can deadlock against peers).
+        reserve_for(diloco_graph(self._buckets, self._chunks, self._device),
+                    self._schedule())
+        return self
+
+    def _schedule(self) -> Any:
+        return diloco_schedule(self._buckets, pipelined=self._options.schedule == "pipelined",
+                               device_budget_bytes=self._options.device_budget_bytes)
+
+    # -- healing ---------------------------------------------------------------------
+    def register_state_dict_fn(self) -> None:
+        # torchft's key and format: {"original_parameters", "outer_optimizer"}, with
+        # the outer state from (and into) the host optimizer.
+        def load_fn(state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
+            for name, param in state_dict["original_parameters"].items():
+                if name in self.original_parameters:
+                    self.original_parameters[name].copy_(param)
+            self.outer.load_state_dict(state_dict["outer_optimizer"])
+
+        def save_fn() -> dict[str, Any]:
+            return {"outer_optimizer": self.outer.state_dict(),
+                    "original_parameters": {name: t.clone() for name, t
+                                            in self.original_parameters.items()}}
+
+        self._manager.register_state_dict_fn(f"StreamingDiLoCoFragment_{self._fragment_id}",
+                                             load_fn, save_fn)
+
+    # -- the sync ----------------------------------------------------------------------
+    def prepare_sync(self) -> None:
+        """Launch the sync: pseudo-gradients formed, averaged and staged on the host
+        under the next inner steps (``"synchronous"``: before returning)."""
+        if self._ex is not None:
+            raise RuntimeError("a DiLoCo fragment sync is already in flight")
+        self._failed: BaseException | None = None
+        self._ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
+                                        self._work()), self._schedule())
+        if self._options.schedule == "synchronous":
+            self._settle("staged")
+
+    def _settle(self, task: str) -> None:
+        """Wait for ``task``; a failure is kept for ``perform_sync`` (which reports
+        it and rejects), after the whole execution has stopped."""
+        ex = self._ex
+        assert ex is not None
+        try:
+            ex.wait(task)
+        except Exception as err:  # noqa: BLE001 - reported to the manager at perform_sync
+            self._stop(err)
+
+    def _stop(self, err: BaseException) -> None:
+        ex = self._ex
+        assert ex is not None
+        if self._failed is None:
+            self._failed = err
+        # Hazard: restoring (or the next inner step writing) parameters that a
+        # task of the failed execution still reads. Every task that started
+        # finishes, the all-reduces too (must_run: peers wait for them); the
+        # others never run.
+        try:
+            ex.wait()
+        except Exception:  # noqa: BLE001 - the same failure, kept above
+            pass
+
+    def wait_formed(self) -> None:
+        """Before an inner step: wait until no task of the sync in flight reads the
+        parameters (on CUDA, the caller's stream waits; the host does not)."""
+        ex = self._ex
+        if ex is None or self._failed is not None:
+            return
+        names = [f"pseudograd:b{k}" for k in range(len(self._buckets))]
+        for c in ex.events_for(names):
+            c.wait()
+        if ex.exception is not None:
+            self._stop(ex.exception)
+
+    def wait(self) -> None:
+        """Wait until every average of the sync in flight is on the host."""
+        if self._ex is not None and self._failed is None:
+            self._settle("staged")
+
+    def perform_sync(self) -> bool:
+        """Decide, then step, merge and write (or restore); returns whether committed."""
+        ex = self._ex
+        if ex is None:
+            raise RuntimeError("perform_sync() without prepare_sync()")
+        manager = self._manager
+        opened = False
+        try:
+            if self._failed is None:
+                self._settle("staged")
+            if self._failed is not None:
+                # torchft's error path: after report_error this replica group's
+                # should_commit() is False. It is still called once, as in every
+                # sync: the replica group's other ranks wait on it.
+                manager.report_error(self._failed)
+                manager.should_commit()
+                self.restore_parameters()  # torchft's own, synchronous
+                return False
+            committed = bool(manager.should_commit())
+            if committed:
+                # Read on this thread before any outer task runs (they wait for the
+                # gate): a learning-rate schedule edits the user's groups.
+                self.outer.sync_hyperparameters()
+            ex.gate("commit").open(committed)
+            opened = True
+            try:
+                ex.wait()
+            except Exception as err:
+                # A host step or a write failed after the decision: the parameters
+                # (and, after a commit, the backup and outer state) are partly
+                # written. Tell torchft, so that this replica group's next
+                # should_commit() is False, and raise.
+                manager.report_error(err)
+                err.add_note(
+                    "pipeoff: DiLoCo's sync failed after the quorum "
+                    + ("committed; the backup, the outer state and the parameters are partly "
+                       "updated." if committed else "rejected; the parameters are partly restored.")
+                    + " Restart this replica so that torchft heals it from a peer.")
+                raise
+            return committed
+        except BaseException as err:
+            if not opened and ex.gate("commit").state == "pending":
+                # Ctrl-C (or a failing should_commit) before the decision: stop the
+                # lanes that wait for it, so that nothing of this sync runs on.
+                ex.gate("commit").fail(err)
+            raise
+        finally:
+            self._ex = None
+            self._outer_optimizer.zero_grad()  # as torchft: the parameters' .grad is None after
+            if ex.done():
+                self._on_trace(ex.trace)
+
+    def abandon(self, why: BaseException) -> None:
+        """Stop the sync in flight, if any, without a decision: its all-reduces still
+        run (peers wait for them), nothing is written, and no outer step runs."""
+        ex = self._ex
+        if ex is None:
+            return
+        self._ex = None
+        if ex.gate("commit").state == "pending":
+            ex.gate("commit").fail(why)
+        try:
+            ex.wait()
+        except BaseException:  # noqa: BLE001 - the failure given, or one before it
+            pass
+
+    # -- the work of each task ---------------------------------------------------------
+    def _work(self) -> DiLoCoWork:
+        params, backups, grads = self._params, self._backups, self._host_grads
+        manager, cuda, alpha = self._manager, self._cuda, self._fragment_update_alpha
+        synchronous = self._options.schedule == "synchronous"
+
+        def pseudograd(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                flat = ctx.buffer(dev, b.dtype)
+                for pc in b.pieces:
+                    part = flat[pc.offset:pc.offset + pc.numel]
+                    # non_blocking: the backup is pinned host memory that nothing
+                    # writes until this sync's outer step, after its commit.
+                    part.copy_(_flat(backups[pc.param])[pc.start:pc.start + pc.numel],
+                               non_blocking=cuda)
+                    # torchft: original.to(device) - local.
+                    part.sub_(_region(_local(params[pc.param]), pc).reshape(-1))
+
+            return run
+
+        def allreduce(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                # The bucket is already filled (pseudograd): nothing to fill here.
+                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), _nothing)
+
+            return run
+
+        def d2h(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                flat = ctx.buffer(dev, b.dtype)
+                for pc in b.pieces:
+                    # non_blocking (pipelined): the host pseudo-gradients are pinned
+                    # and read only by the outer step, which waits for this task.
+                    _flat(grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
+                        flat[pc.offset:pc.offset + pc.numel], non_blocking=cuda and not synchronous)
+
+            return run
+
+        def outer(c: int, chunk: Sequence[int]) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                if ctx.gate("commit"):
+                    self.outer.step([(backups[i], grads[i]) for i in chunk])
+
+            return run
+
+        def write(k: int, b: Bucket, w: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                committed = ctx.gate("commit")
+                flat = ctx.buffer(w, b.dtype)
+                for pc in b.pieces:
+                    local = _region(_local(params[pc.param]), pc)
+                    src = _flat(backups[pc.param])[pc.start:pc.start + pc.numel]
+                    if not committed:
+                        # torchft's restore_parameters: the backup, unchanged.
+                        local.copy_(src.view(local.shape), non_blocking=cuda)
+                        continue
+                    # torchft: p = new global (restore + outer step), then
+                    # p.lerp_(local snapshot, alpha): the same op, on the device.
+                    new = flat[pc.offset:pc.offset + pc.numel].view(local.shape)
+                    new.copy_(src.view(local.shape), non_blocking=cuda)
+                    new.lerp_(local, alpha)
+                    local.copy_(new)
+
+            return run
+
+        return DiLoCoWork(pseudograd=pseudograd, allreduce=allreduce, d2h=d2h, outer=outer,
+                          write=write)
+
+
+# -- tensor helpers -------------------------------------------------------------------
+def _nothing(flat: torch.Tensor) -> None:
+    pass
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
+    outside autograd."""
+    return _compat.local_tensor(p.data)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed flat (host tensors pipeoff or torchft allocated: contiguous)."""
+    return t.view(-1)
+
+
+def _region(local: torch.Tensor, pc: Piece) -> torch.Tensor:
+    """The part of ``local`` that piece ``pc`` covers: the tensor itself when whole
+    (a non-contiguous one is never split), else a flat slice."""
+    if pc.whole:
+        return local
+    return local.view(-1)[pc.start:pc.start + pc.numel]

@@ -1,0 +1,96 @@
+"""The staging options that pipeoff's torchft classes share: ``schedule``,
+``bucket_bytes`` and ``device_budget_bytes``, checked and resolved to their defaults."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
+from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES
+
+__all__ = ["PER_PARAMETER", "SCHEDULES", "StagingOptions", "check_flag"]
+
+SCHEDULES = ("pipelined", "synchronous")
+PER_PARAMETER = "per_parameter"
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; otherwise a :class:`ConfigError` naming ``name``."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagingOptions:
+    """The resolved staging options of one offloaded sync."""
+
+    schedule: str
+    """``"pipelined"`` or ``"synchronous"``."""
+    bucket_bytes: int | None
+    """The bucket limit, or ``None`` for one bucket per parameter."""
+    device_budget_bytes: int | None
+    """The cap on live device staging, or ``None`` (the largest bucket)."""
+    per_parameter: bool
+    """One bucket per parameter (``bucket_bytes="per_parameter"``)."""
+    bucket_name: str
+    """How the user named the bucket limit, for error messages."""
+
+    @classmethod
+    def resolve(cls, *, flag: str, offload: bool, schedule: Any, bucket_bytes: Any,
+                device_budget_bytes: Any) -> StagingOptions:
+        """Check the options and fill in their defaults.
+
+        ``bucket_bytes`` defaults to :data:`DEFAULT_BUCKET_BYTES`, or to half of
+        ``device_budget_bytes`` (at most that) when only the budget is given;
+        ``device_budget_bytes`` to two buckets, so that one all-reduce overlaps
+        one copy.
+
+        Raises:
+            ConfigError: an option is given without ``flag``, or is out of range.
+        """
+        given = {"schedule": schedule, "bucket_bytes": bucket_bytes,
+                 "device_budget_bytes": device_budget_bytes}
+        if not offload:
+            extra = [k for k, v in given.items() if v is not None]
+            if extra:
+                shown = ", ".join(f"{k}={given[k]!r}" for k in extra)
+                raise ConfigError(f"{', '.join(extra)} only apply with {flag}=True; "
+                                  f"got {flag}=False and {shown}")
+        sched = "pipelined" if schedule is None else schedule
+        if sched == "sync":
+            warnings.warn("schedule='sync' is now schedule='synchronous' (the name of "
+                          "pipeoff.Schedule.synchronous; 'sync' read like LocalSGD.sync()); "
+                          "'sync' will be removed", FutureWarning, stacklevel=4)
+            sched = "synchronous"
+        if sched not in SCHEDULES:
+            raise ConfigError(f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
+        budget = None if device_budget_bytes is None else check_int(
+            "device_budget_bytes", device_budget_bytes, unit="bytes")
+        bucket: int | None
+        if bucket_bytes is None:
+            # With only a budget given, buckets of half of it: two fit, so one
+            # all-reduce overlaps one copy (a budget under two elements fails
+            # the bucket plan, which names the parameter).
+            bucket = DEFAULT_BUCKET_BYTES if budget is None else min(
+                DEFAULT_BUCKET_BYTES, max(budget // 2, 1))
+        elif bucket_bytes == PER_PARAMETER:
+            bucket = None
+        else:
+            bucket = check_int("bucket_bytes", bucket_bytes, unit="bytes",
+                               also="or 'per_parameter'")
+        bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
+            "bucket_bytes (device_budget_bytes // 2)")
+        if budget is None and bucket is not None:
+            budget = 2 * bucket
+        if budget is not None and bucket is not None and budget < bucket:
+            raise ConfigError(
+                f"device_budget_bytes={budget} is smaller than one bucket "
+                f"(bucket_bytes={bucket}); use device_budget_bytes >= bucket_bytes "
+                f"(2 * bucket_bytes overlaps one all-reduce with one copy)"
+            )
+        return cls(schedule=sched, bucket_bytes=bucket, device_budget_bytes=budget,
+                   per_parameter=bucket_bytes == PER_PARAMETER, bucket_name=bucket_name)

@@ -1,0 +1,124 @@
+"""DiLoCo's outer optimizer, stepped in host memory on the backup of the global parameters.
+
+torchft steps the user's outer optimizer on the device: the parameters are
+restored from the backup, their ``.grad`` set to the averaged pseudo-gradients,
+and the optimizer's state (SGD's momentum, Adam's moments) lives beside them
+for the whole run. :class:`HostOuterOptimizer` runs the same optimizer class,
+with the same hyperparameters and flags, on the host backup itself: its
+parameters *are* the backup tensors, so a step writes the new global
+parameters where torchft's ``save_parameters`` would copy them, and its state
+is created in host memory. The user's optimizer keeps its ``param_groups``
+(a learning-rate schedule edits them; they are read at every sync) and never
+holds state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import optim
+
+from pipeoff._errors import ConfigError
+
+__all__ = ["ELEMENTWISE", "HostOuterOptimizer", "check_outer"]
+
+ELEMENTWISE: tuple[type[optim.Optimizer], ...] = (optim.SGD, optim.Adam, optim.AdamW)
+"""The outer optimizers stepped on the host: element-wise, so that a step of some
+parameters equals the same parameters' part of a step of all."""
+
+
+def check_outer(opt: Any, name: str = "outer_optimizer") -> None:
+    """Refuse an outer optimizer the host cannot step exactly as the device would.
+
+    Raises:
+        ConfigError: not a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (subclasses
+            are refused: their ``step`` may differ), or a group asks for
+            ``capturable`` or ``differentiable`` (CUDA-graph and autograd modes that
+            have no host counterpart).
+    """
+    if type(opt) not in ELEMENTWISE:
+        raise ConfigError(
+            f"{name} must be a torch.optim.SGD, Adam or AdamW to be stepped in host memory "
+            f"(offload_to_cpu=True), got {type(opt).__name__}: its step is not known to be "
+            "element-wise. Use offload_to_cpu=False for other outer optimizers.")
+    for gi, group in enumerate(opt.param_groups):
+        for flag in ("capturable", "differentiable"):
+            if group.get(flag):
+                raise ConfigError(
+                    f"{name}.param_groups[{gi}] has {flag}=True, which has no host "
+                    "counterpart; set it to False with offload_to_cpu=True")
+
+
+class HostOuterOptimizer:
+    """One user outer optimizer, mirrored on the host backups of its parameters.
+
+    Args:
+        user: the user's outer optimizer (its ``param_groups`` hold the device
+            parameters).
+        host_of: per device parameter (by ``id``), its host backup tensor.
+
+    Raises:
+        ConfigError: a parameter of ``user`` is in no fragment of the DiLoCo.
+    """
+
+    def __init__(self, user: optim.Optimizer, host_of: Mapping[int, torch.Tensor]) -> None:
+        self.user = user
+        groups = []
+        for gi, group in enumerate(user.param_groups):
+            params = []
+            for p in group["params"]:
+                h = host_of.get(id(p))
+                if h is None:
+                    raise ConfigError(
+                        f"outer_optimizer.param_groups[{gi}] holds a parameter (shape "
+                        f"{tuple(p.shape)}) that no model fragment has; with offload_to_cpu=True "
+                        "every outer parameter must belong to a fragment")
+                params.append(h)
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": params})
+        self.host: optim.Optimizer = type(user)(groups)  # type: ignore[call-arg]
+        self._by_host = {id(h): h for g in self.host.param_groups for h in g["params"]}
+
+    def sync_hyperparameters(self) -> None:
+        """Copy the user's current hyperparameters (an edited ``lr``) into the host
+        optimizer's groups.
+
+        Raises:
+            ConfigError: the user's ``param_groups`` changed shape since construction.
+        """
+        ug, hg = self.user.param_groups, self.host.param_groups
+        if len(ug) != len(hg) or any(len(a["params"]) != len(b["params"])
+                                      for a, b in zip(ug, hg)):
+            raise ConfigError(
+                "outer_optimizer.param_groups changed (groups or parameters added or "
+                "removed) after DiLoCo was built; build a new DiLoCo")
+        for a, b in zip(ug, hg):
+            for k, v in a.items():
+                if k != "params":
+                    b[k] = v
+
+    def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and
+        only them: torch's optimizers skip a parameter without ``.grad``."""
+        mine = [(h, g) for h, g in pairs if id(h) in self._by_host]
+        if not mine:
+            return
+        try:
+            for h, g in mine:
+                h.grad = g
+            self.host.step()
+        finally:
+            for h, _ in mine:
+                h.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The host optimizer's state dict: the format of the user's optimizer's, with
+        the state in host memory."""
+        self.sync_hyperparameters()
+        return self.host.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state dict (torchft's or this class's); the state stays on the host."""
+        self.host.load_state_dict(state)

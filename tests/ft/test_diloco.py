@@ -1,0 +1,346 @@
+"""pipeoff.ft.DiLoCo against torchft's DiLoCo: two replicas behind a real Lighthouse,
+real Managers over gloo, bitwise replica by replica, in every mode."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from typing import Any
+from unittest.mock import create_autospec
+
+import pytest
+import torch
+from torch import nn, optim
+from torchft.manager import Manager
+
+import pipeoff
+import pipeoff.ft
+import pipeoff.testing
+from pipeoff import ConfigError
+from tests.ft._diloco_replicas import DiLoCoRun, assert_bitwise, make_model, run_diloco
+
+OFFLOADED: dict[str, dict[str, Any]] = {
+    "synchronous": {"offload_to_cpu": True, "schedule": "synchronous"},
+    # 64-byte buckets: parameters split across buckets; two buckets of budget.
+    "pipelined": {"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 128},
+    "per_parameter": {"offload_to_cpu": True, "bucket_bytes": "per_parameter"},
+}
+MODES: dict[str, dict[str, Any]] = {"original": {}, **OFFLOADED}
+
+_references: dict[Any, list[DiLoCoRun]] = {}
+
+
+def reference(**cfg: Any) -> list[DiLoCoRun]:
+    """torchft's DiLoCo on the same replicas (cached per configuration)."""
+    key = tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+    if key not in _references:
+        kwargs = {k: v for k, v in cfg.items() if k in _TORCHFT_KWARGS}
+        extra = {k: v for k, v in cfg.items() if k not in _TORCHFT_KWARGS}
+        _references[key] = run_diloco(kwargs, torchft=True, **extra)
+    return _references[key]
+
+
+_TORCHFT_KWARGS = {"sync_every", "fragment_sync_delay", "fragment_update_alpha"}
+
+
+def run(mode: str, **cfg: Any) -> list[DiLoCoRun]:
+    kwargs = {k: v for k, v in cfg.items() if k in _TORCHFT_KWARGS}
+    extra = {k: v for k, v in cfg.items() if k not in _TORCHFT_KWARGS}
+    return run_diloco({**kwargs, **MODES[mode]}, **extra)
+
+
+def _assert_budget(runs: list[DiLoCoRun], mode: str) -> None:
+    budget = MODES[mode].get("device_budget_bytes")
+    traces = [t for r in runs for t in r.traces if t is not None]
+    if mode == "original":
+        assert not traces
+        return
+    assert traces
+    for t in traces:
+        assert t.summary().failed == 0
+        if budget is not None and mode == "pipelined":
+            assert t.summary().peak_device_staging_bytes <= budget
+
+
+def _assert_pools_idle() -> None:
+    pools = pipeoff.pools_for("cpu")
+    assert pools.device.stats().live_bytes == 0
+    assert pools.host.stats().live_bytes == 0
+
+
+# -- bitwise against torchft ------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("n_fragments", "delay", "alpha"),
+                         [(1, 0, 0.0), (2, 1, 0.5), (2, 0, 1.0), (1, 1, 0.3)],
+                         ids=["1frag", "2frag-delay-alpha.5", "2frag-alpha1", "1frag-delay"])
+def test_bitwise_torchft(mode: str, n_fragments: int, delay: int, alpha: float) -> None:
+    cfg = {"sync_every": 4, "fragment_sync_delay": delay, "fragment_update_alpha": alpha,
+           "n_fragments": n_fragments}
+    runs = run(mode, **cfg)
+    assert [r.steps for r in runs] == [r.steps for r in reference(**cfg)]
+    assert runs[0].steps > 0
+    assert_bitwise(runs, reference(**cfg))
+    assert not any(r.errors_reported for r in runs)
+    _assert_budget(runs, mode)
+    _assert_pools_idle()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+@pytest.mark.parametrize("outer", ["adam", "adamw", "sgd", "shared"])
+def test_outer_optimizers(mode: str, outer: str) -> None:
+    makers: dict[str, Any] = {
+        "adam": lambda ps: optim.Adam(ps, lr=0.1, betas=(0.5, 0.9)),
+        "adamw": lambda ps: optim.AdamW(ps, lr=0.1, weight_decay=0.2),
+        "sgd": lambda ps: optim.SGD(ps, lr=0.5),
+        "shared": lambda ps: optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    }
+    # One outer optimizer over a one-fragment model ("shared"): over several
+    # fragments, torchft's step of one fragment also steps the others' parameters
+    # with their inner gradients (SGD steps every parameter with a .grad); pipeoff
+    # steps the fragment's own only (docs/diloco.md).
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.25,
+           "outer": makers[outer], "shared_outer": outer == "shared",
+           "n_fragments": 1 if outer == "shared" else 2}
+    assert_bitwise(run(mode, **cfg), reference(**cfg))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+def test_outer_lr_edited_in_place_between_syncs(mode: str) -> None:
+    """A schedule on the outer optimizer's param_groups, as torchtitan's would run."""
+
+    def schedule(replica: int, step: int, diloco: Any) -> None:
+        for f in diloco._fragments:
+            for g in f._outer_optimizer.param_groups:
+                g["lr"] = 0.7 / (1 + step)
+                g["momentum"] = 0.8
+
+    cfg = {"sync_every": 2, "n_fragments": 1, "on_step": schedule}
+    assert_bitwise(run(mode, **cfg), reference(**cfg))
+
+
+# -- concurrency: delayed lanes, and the wait that matters ------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pattern", ["pseudograd:.*", "allreduce:.*", "d2h:.*", "outer:.*",
+                                     "write:.*"])
+def test_delayed_tasks_change_no_bit(pattern: str) -> None:
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    with pipeoff.testing.delay_task(pattern, 0.01):
+        runs = run("pipelined", **cfg)
+    assert_bitwise(runs, reference(**cfg))
+    _assert_pools_idle()
+
+
+def _release_on_second_step(release: Any) -> Any:
+    """An inner optimizer whose post-step hook (registered before DiLoCo's, so it runs
+    first) releases ``release`` after the second inner step has written the parameters."""
+    steps = [0]
+
+    def make(model: nn.Module) -> optim.Optimizer:
+        opt = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def hook(*_: Any) -> None:
+            steps[0] += 1
+            if steps[0] >= 4:  # both replicas' second steps (one shared counter)
+                release.set()
+
+        opt.register_step_post_hook(hook)
+        return opt
+
+    return make
+
+
+@pytest.mark.timeout(120)
+def test_a_removed_formed_wait_changes_the_result() -> None:
+    """Hazard: with fragment_sync_delay > 0, the next inner step writing parameters that
+    the sync's pseudo-gradient tasks have not read yet. Held until both replicas' next
+    inner step has run, a pseudo-gradient task reads the stepped parameters unless the
+    inner step waited for it."""
+    cfg = {"sync_every": 2, "fragment_sync_delay": 1, "n_fragments": 1, "steps": 4}
+    want = reference(**cfg)
+    with pipeoff.testing.disable("diloco_formed_wait"), \
+            pipeoff.testing.hold_task("pseudograd:b0") as release:
+        runs = run("pipelined", **cfg, inner=_release_on_second_step(release))
+    with pytest.raises(AssertionError):
+        assert_bitwise(runs, want)
+
+
+# -- failures -------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+@pytest.mark.parametrize("how", ["fail_task", "fail_work"])
+def test_failure_before_the_commit_restores_and_the_next_sync_works(mode: str,
+                                                                    how: str) -> None:
+    """Both replicas fail their second sync (the hook is process-wide, installed once
+    both have finished the first): each reports it, rejects, restores the parameters
+    from the backup (torchft's reject), keeps backup and outer state, and the next
+    sync commits."""
+    seen: dict[int, list[Any]] = {0: [], 1: []}
+    inject = getattr(pipeoff.testing, how)
+    with contextlib.ExitStack() as stack:
+        fault = contextlib.ExitStack()
+        stack.enter_context(fault)
+        both_past_first_sync = threading.Barrier(2, action=lambda: fault.enter_context(
+            inject("pseudograd:b0", lambda: RuntimeError("injected"))))
+        both_past_second_sync = threading.Barrier(2, action=fault.close)
+
+        def record(replica: int, step: int, diloco: Any) -> None:
+            if step == 2:
+                both_past_first_sync.wait(timeout=60)
+            if step == 4:
+                both_past_second_sync.wait(timeout=60)
+            f = diloco._fragments[0]
+            seen[replica].append(({k: v.clone() for k, v in f.original_parameters.items()},
+                                  copy.deepcopy(diloco.outer_state_dict(0))))
+
+        runs = run_diloco({"sync_every": 2, **MODES[mode]}, n_fragments=1, steps=6,
+                          on_step=record)
+    for r, got in enumerate(runs):
+        assert len(got.errors_reported) == 1
+        assert "injected" in str(got.errors_reported[0])
+        backup_before, state_before = seen[r][3]  # before the step that syncs again
+        assert state_before["state"], "the first sync stepped the outer optimizer"
+        # torchft's reject: the parameters are the backup, which is unchanged, and
+        # so is the outer state.
+        for (name, b), p in zip(backup_before.items(), got.params[3]):
+            assert torch.equal(b, p), name
+        backup_after, state_after = seen[r][5]  # before the third sync
+        for name, b in backup_before.items():
+            assert torch.equal(backup_after[name], b)
+        for idx, st in state_before["state"].items():
+            assert torch.equal(state_after["state"][idx]["momentum_buffer"],
+                               st["momentum_buffer"])
+        # The third sync commits: the backup and the outer state move on.
+        assert any(not torch.equal(got.backups[f"0.{name}"], b)
+                   for name, b in backup_before.items())
+        assert any(not torch.equal(got.outer_states[0]["state"][idx]["momentum_buffer"],
+                                   st["momentum_buffer"])
+                   for idx, st in state_before["state"].items())
+    _assert_pools_idle()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_outer_step_after_commit_raises_with_a_note() -> None:
+    with pipeoff.testing.fail_work("outer:c0", lambda: RuntimeError("outer broke")), \
+            pytest.raises(RuntimeError, match="outer broke") as info:
+        run_diloco({"sync_every": 2, **MODES["pipelined"]}, n_fragments=1, steps=2)
+    assert any("partly updated" in n for n in getattr(info.value, "__notes__", []))
+    _assert_pools_idle()
+
+
+# -- inner optimizers pipeoff offers -----------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["original", "pipelined"])
+def test_full_offload_inner_optimizer_follows_the_sync(mode: str) -> None:
+    """FullOffloadOptimizer's masters are the truth: after every sync (commit or not)
+    they are refreshed from the parameters, so the run is bitwise torchft's with plain
+    AdamW."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    def inner(model: nn.Module) -> optim.Optimizer:
+        return FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    assert_bitwise(run(mode, **cfg, inner=inner), reference(**cfg))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["original", "pipelined"])
+def test_overlap_offload_inner_optimizer(mode: str) -> None:
+    from pipeoff.optim import OffloadOptimizer
+
+    def inner(model: nn.Module) -> optim.Optimizer:
+        opt = OffloadOptimizer(optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                               mode="overlap", chunk_bytes=512)
+        opt.attach(model)
+        return opt
+
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    assert_bitwise(run(mode, **cfg, inner=inner), reference(**cfg))
+
+
+# -- arguments ------------------------------------------------------------------------
+def _manager() -> Any:
+    manager = create_autospec(Manager)
+    manager._use_async_quorum = False
+    manager.current_step.return_value = 0
+    manager.errored.return_value = None
+    return manager
+
+
+def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
+    model = make_model(0)
+    outer = kwargs.pop("outer", None)
+    return pipeoff.ft.DiLoCo(
+        _manager(), [model], optim.AdamW(model.parameters()),
+        outer if outer is not None else optim.SGD(model.parameters(), lr=0.7, momentum=0.9,
+                                                   nesterov=True),
+        kwargs.pop("sync_every", 2), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"offload_to_cpu": 1}, "offload_to_cpu must be True or False, got 1"),
+    ({"schedule": "pipelined"}, "only apply with offload_to_cpu=True"),
+    ({"bucket_bytes": 64}, "only apply with offload_to_cpu=True"),
+    ({"offload_to_cpu": True, "schedule": "eager"}, "schedule must be 'pipelined' or"),
+    ({"offload_to_cpu": True, "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
+    ({"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 32},
+     "device_budget_bytes=32 is smaller than one bucket"),
+    ({"offload_to_cpu": True, "should_quantize": True}, "should_quantize=True cannot"),
+    ({"offload_to_cpu": True, "backup_device": torch.device("meta")},
+     "backup_device must be None or 'cpu'"),
+    ({"offload_to_cpu": True, "outer": "rmsprop"}, "must be a torch.optim.SGD, Adam or AdamW"),
+    ({"offload_to_cpu": True, "outer": "foreign"}, "that no model fragment has"),
+    ({"offload_to_cpu": True, "outer": "differentiable"}, "differentiable=True"),
+])
+def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    outer = kwargs.pop("outer", None)
+    if outer == "rmsprop":
+        kwargs["outer"] = optim.RMSprop([nn.Parameter(torch.zeros(2))])
+    elif outer == "foreign":
+        kwargs["outer"] = optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    elif outer == "differentiable":
+        kwargs["outer"] = optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1, differentiable=True)
+    with pytest.raises(ConfigError, match=match):
+        _build(**kwargs)
+
+
+def test_torchft_checks_still_apply() -> None:
+    with pytest.raises(ValueError, match="fragment_update_alpha"):
+        _build(offload_to_cpu=True, fragment_update_alpha=2.0)
+
+
+def test_properties_and_defaults() -> None:
+    d = _build(offload_to_cpu=True)
+    assert (d.offload_to_cpu, d.schedule, d.bucket_bytes, d.device_budget_bytes) == (
+        True, "pipelined", pipeoff.ft.DEFAULT_BUCKET_BYTES, 2 * pipeoff.ft.DEFAULT_BUCKET_BYTES)
+    d = _build(offload_to_cpu=True, device_budget_bytes=1000)
+    assert (d.bucket_bytes, d.device_budget_bytes) == (500, 1000)
+    assert _build().offload_to_cpu is False
+    assert "DiLoCo" in dir(pipeoff.ft) or "DiLoCo" in pipeoff.ft.__all__
+
+
+def test_exiting_with_a_sync_in_flight_stops_it() -> None:
+    """Hazard: lanes waiting forever for the decision of a sync that was prepared (with
+    fragment_sync_delay > 0) but is never performed: the context's exit abandons it."""
+    model = make_model(0)
+    manager = _manager()
+    manager.allreduce.side_effect = lambda t, should_quantize=False: _Done()
+    inner = optim.AdamW(model.parameters())
+    with pipeoff.ft.DiLoCo(manager, [model], inner, optim.SGD(model.parameters(), lr=0.7),
+                           2, fragment_sync_delay=1, offload_to_cpu=True) as d:
+        model(torch.randn(2, 12)).sum().backward()
+        inner.step()  # prepares the sync
+        frag = d._fragments[0]
+        assert frag._ex is not None
+        ex = frag._ex
+    assert frag._ex is None and ex.done()
+    _assert_pools_idle()
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True

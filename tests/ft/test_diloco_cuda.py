@@ -1,0 +1,82 @@
+"""pipeoff.ft.DiLoCo with device staging: streams, pinned host buffers and budgets, on the
+simulated CUDA device (and a real GPU where there is one).
+
+The collective follows NCCL's stream rules (``tests/ft/test_local_sgd_cuda.py``):
+it runs on a stream of its own that first waits for the caller's current
+stream, and ``wait()`` makes the caller's stream wait for it. A missing stream
+wait is a :class:`pipeoff.testing.DataRaceError` on the simulated device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn, optim
+
+import pipeoff
+import pipeoff.ft
+import pipeoff.testing
+from tests.ft.test_local_sgd_cuda import _manager
+from tests.gpu_device import Gpu
+
+MODES: dict[str, dict[str, Any]] = {
+    "original": {},
+    "synchronous": {"offload_to_cpu": True, "schedule": "synchronous"},
+    "pipelined": {"offload_to_cpu": True, "bucket_bytes": 4 << 10,
+                  "device_budget_bytes": 8 << 10},
+}
+
+
+def _run(gpu: Gpu, mode: str, *, steps: int = 6) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = gpu.module(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 50), nn.Linear(50, 7)))
+    manager = _manager(gpu)
+    manager._use_async_quorum = False
+    step = [0]  # torchft's step: it moves on at each commit
+
+    def should_commit(*_: Any, **__: Any) -> bool:
+        step[0] += 1
+        return True
+
+    manager.current_step.side_effect = lambda: step[0]
+    manager.should_commit.side_effect = should_commit
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = [optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True) for m in model]
+    x = gpu.tensor(torch.randn(8, 64))
+    # Slow lanes (stream-side sleeps) provoke what a missing wait lets through.
+    with pipeoff.ft.DiLoCo(manager, list(model), inner, outer, sync_every=6,
+                           fragment_sync_delay=1, fragment_update_alpha=0.5,
+                           **MODES[mode]) as diloco, \
+            pipeoff.testing.delay_lane("h2d", 0.002), pipeoff.testing.delay_lane("comm", 0.002):
+        for _ in range(steps):
+            inner.zero_grad()
+            model(x).pow(2).mean().backward()
+            inner.step()
+            if mode == "pipelined" and diloco.last_trace is not None \
+                    and not pipeoff._faults.any_disabled():
+                summary = diloco.last_trace.summary()
+                assert summary.peak_device_staging_bytes <= MODES[mode]["device_budget_bytes"]
+    if mode != "original":
+        assert diloco.last_trace is not None
+        pools = pipeoff.pools_for(gpu.device)
+        assert pools.device.stats().live_bytes == 0
+    return [gpu.read(p) for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_offloaded_modes_match_torchft_under_delays(gpu: Gpu) -> None:
+    results = {mode: _run(gpu, mode) for mode in MODES}
+    for mode in MODES:
+        for got, want in zip(results[mode], results["original"], strict=True):
+            assert torch.equal(got, want), mode
+
+
+@pytest.mark.parametrize("mutation", ["diloco_formed_wait", "cross_lane_wait", "base_wait"])
+def test_every_stream_wait_of_the_sync_is_needed(gpu: Gpu, mutation: str) -> None:
+    if not gpu.simulated:
+        pytest.skip("a real GPU shows a missing wait only by luck")
+    with pipeoff.testing.disable(mutation), pytest.raises(pipeoff.testing.DataRaceError):
+        _run(gpu, "pipelined")
+        gpu.synchronize()

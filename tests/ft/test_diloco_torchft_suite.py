@@ -1,0 +1,117 @@
+"""torchft's own DiLoCo tests, run against pipeoff.ft.DiLoCo in each of its modes.
+
+The installed ``torchft.local_sgd_test`` and ``torchft._test.diloco_trainer``
+modules resolve ``DiLoCo`` through their module globals; each test swaps in a
+subclass of pipeoff's class whose defaults select one mode, then runs
+torchft's unmodified test method. The unit tests read torchft's internals
+(``_fragments[0]._grads``, ``_average_grads``), so they run with
+``offload_to_cpu=False``; the integration tests (real Lighthouse, real
+Managers over gloo, injected failures, healing) in all three modes.
+
+Every configuration of torchft's parameterized integration tests runs (12
+each: fragments, ``fragment_sync_delay``, ``fragment_update_alpha``).
+"""
+
+from __future__ import annotations
+
+import unittest
+from typing import Any
+
+import pytest
+
+pytest.importorskip("parameterized", reason="torchft's tests need the parameterized package")
+
+import torchft._test.diloco_trainer as trainer  # noqa: E402
+import torchft.local_sgd  # noqa: E402
+import torchft.local_sgd_integ_test as integ  # noqa: E402
+import torchft.local_sgd_test as unit  # noqa: E402
+
+import pipeoff.ft  # noqa: E402
+
+BUDGET = 64
+MODES: dict[str, dict[str, Any]] = {
+    "original": {},
+    "synchronous": {"offload_to_cpu": True, "schedule": "synchronous"},
+    # Buckets of 32 bytes: the test models' parameters (6 and 2 floats) are split
+    # across buckets and the budget holds two of them.
+    "pipelined": {"offload_to_cpu": True, "schedule": "pipelined", "bucket_bytes": 32,
+                  "device_budget_bytes": BUDGET},
+}
+
+# (n_fragments, fragment_sync_delay, alpha) of torchft's CONFIG, by test-name suffix.
+CONFIG = {f"{i:02d}": c for i, c in enumerate(
+    (n, d, a) for n in [1, 2] for d in [0, 1] for a in [0.0, 0.5, 1.0])}
+SUFFIXES = list(CONFIG)  # about a second each: the whole matrix
+
+
+def _mode_class(mode: str, created: list[Any]) -> type[Any]:
+    defaults = MODES[mode]
+
+    class ModeDiLoCo(pipeoff.ft.DiLoCo):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs, **defaults)
+            created.append(self)
+
+    return ModeDiLoCo
+
+
+def _run(case: unittest.TestCase) -> None:
+    result = unittest.TestResult()
+    case.run(result)
+    problems = result.errors + result.failures
+    assert not problems, "\n".join(tb for _, tb in problems)
+    assert not result.skipped, result.skipped
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[Any]:
+    created: list[Any] = []
+    cls = _mode_class(mode, created)
+    for module in (torchft.local_sgd, unit, integ, trainer):
+        monkeypatch.setattr(module, "DiLoCo", cls)
+    return created
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("test", [
+    "test_diloco_healthy", "test_gradient_correctness", "test_bucketization_correctness",
+    "test_diloco_allreduce_call_efficiency_0_bucketized_should_use_fewer_calls",
+    "test_diloco_allreduce_call_efficiency_1_non_bucketized_should_call_per_param"])
+def test_torchft_diloco_unit(monkeypatch: pytest.MonkeyPatch, test: str) -> None:
+    created = _patch(monkeypatch, "original")
+    _run(unit.DiLoCoTest(test))
+    assert created, "torchft's test did not construct pipeoff's class"
+
+
+def _check_traces(mode: str, created: list[Any]) -> None:
+    assert created, "torchft's test did not construct pipeoff's class"
+    traces = [c.last_trace for c in created if c.last_trace is not None]
+    if mode == "original":
+        assert not traces
+        return
+    assert traces, "no offloaded sync ran"
+    if mode == "pipelined":
+        assert all(t.summary().peak_device_staging_bytes <= BUDGET for t in traces)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("test", ["test_diloco_healthy_0", "test_diloco_recovery_0",
+                                  "test_streaming_diloco_recovery_0"])
+def test_torchft_diloco_integ(monkeypatch: pytest.MonkeyPatch, mode: str, test: str) -> None:
+    created = _patch(monkeypatch, mode)
+    # Fixed ports 19530-19532 (torchft's trainer): never run this concurrently.
+    _run(integ.LocalSGDIntegTest(test))
+    _check_traces(mode, created)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("kind", ["upscale", "commit_failure"])
+def test_torchft_streaming_diloco(monkeypatch: pytest.MonkeyPatch, mode: str, suffix: str,
+                                  kind: str) -> None:
+    created = _patch(monkeypatch, mode)
+    _run(integ.LocalSGDIntegTest(f"test_streaming_diloco_{kind}_{suffix}"))
+    _check_traces(mode, created)
