@@ -344,10 +344,11 @@ def test_import_pipeoff_does_not_import_torchft() -> None:
 
 
 def test_ft_exports() -> None:
-    assert pipeoff.ft.__all__ == ["DEFAULT_BUCKET_BYTES", "LocalSGD"]
+    assert pipeoff.ft.__all__ == ["DEFAULT_BUCKET_BYTES", "DiLoCo", "LocalSGD"]
     import torchft.local_sgd
 
     assert issubclass(pipeoff.ft.LocalSGD, torchft.local_sgd.LocalSGD)
+    assert issubclass(pipeoff.ft.DiLoCo, torchft.local_sgd.DiLoCo)
 
 
 @pytest.mark.parametrize("mode", ["sync", "packed"])

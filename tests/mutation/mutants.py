@@ -297,11 +297,13 @@ REVIEW = (
         hazard="local copies start before the preflight has waited for the caller's "
                "stream and every rank agreed: they read sources still being written"),
     Mutant(
-        name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_local_sgd.py",
-        old="                    # may still write it.\n"
-            "                    ctx.retire_buffer(dev)\n",
-        new="                    # may still write it.\n"
-            "                    pass\n",
+        name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_collective.py",
+        old="        # commit) and returned False. Hazard: the staging block going back to the\n"
+            "        # pool while the failed collective may still write it.\n"
+            "        ctx.retire_buffer(dev)\n",
+        new="        # commit) and returned False. Hazard: the staging block going back to the\n"
+            "        # pool while the failed collective may still write it.\n"
+            "        pass\n",
         tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
