@@ -13,7 +13,11 @@ the mean ``_perform_sync`` time per mode, the ratios, and the extra device
 staging high-water (S for the original path's clones, M for the RFC, the
 pipelined trace's peak against its budget) and host staging.
 
-Targets on CPU: pipelined <= 1.0x original and <= 0.75x RFC sync.
+It also times the floor in the same rounds: the same bytes all-reduced in
+buckets of ``--bucket-mib`` through the same Manager, and nothing else.
+
+Targets on CPU: pipelined <= 1.0x original and <= 0.75x RFC sync; within 1.1x of
+the floor.
 """
 
 from __future__ import annotations
@@ -89,16 +93,33 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
             local_sgd._perform_sync = timed  # type: ignore[method-assign]
             syncers[mode] = local_sgd
 
+        floor_times: list[float] = []
+        bucket = int(args.bucket_mib * MiB) // 4
+
+        def floor() -> None:
+            # The floor: the same bytes all-reduced in buckets through the same
+            # Manager and process group, all issued, then waited; nothing else.
+            manager.start_quorum()
+            manager.wait_quorum()
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            t0 = time.perf_counter()
+            works = [manager.allreduce(flat[i:i + bucket]) for i in range(0, flat.numel(), bucket)]
+            for w in works:
+                w.wait()
+            floor_times.append(time.perf_counter() - t0)
+            assert manager.should_commit()
+
         def one_round() -> None:
             # Modes interleave round by round, so background load on a shared
             # machine falls on all of them alike.
+            floor()
             for local_sgd in syncers.values():
                 local_sgd.sync()
 
         step0 = manager.current_step()
         measure(one_round, warmup=1, repeats=args.repeats)
         # Every sync must have committed, or the timing measured a no-op.
-        assert manager.current_step() == step0 + len(modes) * (1 + args.repeats), step0
+        assert manager.current_step() == step0 + (len(modes) + 1) * (1 + args.repeats), step0
         checksum = float(sum(p.detach().double().sum() for p in params))
         for mode, local_sgd in syncers.items():
             steady = times[mode][1:]  # drop the warm-up (first-use pool allocations)
@@ -116,6 +137,9 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
             q.put((replica_id, million, mode, statistics.mean(steady),
                    statistics.median(steady), min(steady), max(steady), dev_peak, host_peak,
                    budget, s_bytes, m_bytes, len(params), checksum))
+        steady = floor_times[1:]
+        q.put((replica_id, million, "floor", statistics.mean(steady), statistics.median(steady),
+               min(steady), max(steady), 0, 0, None, s_bytes, m_bytes, len(params), checksum))
         manager.shutdown(wait=False)
     q.put((replica_id, None))
 
@@ -166,17 +190,18 @@ def main() -> None:
     for million in args.sizes:
         orig = rows[million, "original"][0]
         rfc = rows[million, "RFC sync"][0]
-        for mode in ("original", "RFC sync", "pipelined"):
+        flo = rows[million, "floor"][0]
+        for mode in ("original", "RFC sync", "pipelined", "floor"):
             mean, median, lo, hi, dev, host, budget, s, m, n = rows[million, mode]
             out.append([
                 f"{s / 1e6 / 4:.1f}M ({n} params)", mode, mean * 1e3, median * 1e3,
                 f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
-                f"{mean / orig:.2f}x", f"{mean / rfc:.2f}x",
+                f"{mean / orig:.2f}x", f"{mean / rfc:.2f}x", f"{mean / flo:.2f}x",
                 f"{dev / MiB:.1f} MiB" + ("" if budget is None else f" / {budget / MiB:.1f}"),
                 f"{host / MiB:.1f} MiB",
             ])
     print(table(["model", "mode", "mean sync ms", "median ms", "min-max ms", "vs original",
-                 "vs RFC sync",
+                 "vs RFC sync", "vs floor",
                  "extra device staging / budget", "host staging"], out))
     print(f"\n2 replicas x 1 rank, gloo on CPU ({os.cpu_count()} cores), "
           f"bucket {args.bucket_mib} MiB, device budget {args.budget_mib} MiB, "

@@ -102,7 +102,7 @@ def _run(cmd: list[str], log: Path, timeout: int, env: dict[str, str] | None = N
 
 
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_accel.py", "tests/optim/test_optim_cuda.py",
-              "tests/ft/test_local_sgd_cuda.py"]
+              "tests/ft/test_local_sgd_cuda.py", "tests/ft/test_diloco_cuda.py"]
 
 
 def run_cuda_tests(out: Path, timeout: int, sanitizer: bool = False) -> str:
@@ -241,6 +241,10 @@ def main() -> int:
     log("5c/7 GPU state-transfer benchmark")
     sections.append("## State transfer\n\n" + run_script(
         "gpu_transfer.py", out, ["--quick"] if args.quick else [], timeout=300))
+
+    log("5d/7 GPU DiLoCo sync: torchft's against pipeoff's offloaded ones")
+    sections.append("## DiLoCo sync\n\n" + run_script(
+        "gpu_diloco.py", out, ["--quick"] if args.quick else [], timeout=240))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

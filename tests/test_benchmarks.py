@@ -102,3 +102,29 @@ def test_host_step_benchmark_quick() -> None:
         pytest.skip("no native kernels on this machine")
     assert res.returncode == 0, res.stderr
     assert "pipeoff kernels" in res.stdout and "fold: native" in res.stdout
+
+
+@pytest.mark.slow  # runs a benchmark script (subprocess)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
+def test_gpu_diloco_refuses_without_a_gpu_and_runs_on_the_simulated_device() -> None:
+    script = str(ROOT / "benchmarks" / "gpu_diloco.py")
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
+    res = subprocess.run([sys.executable, script, "--simulated", "--layers", "2", "--width",
+                          "64", "--rounds", "1", "--bucket-mib", "0.01", "--budget-mib", "0.02"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for name in ("torchft", "synchronous", "pipelined"):
+        assert f"| {name}" in res.stdout
+
+
+@pytest.mark.slow  # runs a benchmark script (subprocess)
+@pytest.mark.timeout(150)
+def test_diloco_benchmark_quick() -> None:
+    pytest.importorskip("torchft")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_diloco.py"),
+                          "--sizes", "1", "--repeats", "1", "--threads", "1", "--bucket-mib",
+                          "1", "--budget-mib", "2"], capture_output=True, text=True, timeout=140)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for name in ("torchft", "synchronous", "pipelined", "floor"):
+        assert f"| {name}" in res.stdout

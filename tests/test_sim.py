@@ -233,3 +233,20 @@ def test_simulate_cli_bad_input(tmp_path: Path, args: tuple[str, ...], message: 
     res = _cli("simulate", *args)
     assert res.returncode == 2, res.stdout
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_diloco_predictions_bound_device_memory() -> None:
+    """DiLoCo's simulated syncs come from its own graph builder: the offloaded ones hold
+    at most their budget of device staging, torchft's twice the local parameters."""
+    cost = CostModel.h200_pcie5()
+    shape = model_shape("8b", fsdp=8)
+    pred = {p.schedule: p for p in compare(shape, "diloco",
+                                           ("original", "synchronous", "pipelined"), cost,
+                                           bucket_bytes=256 << 20)}
+    local = sum(n for _, n in shape.local_numels) * 4
+    assert pred["original"].peak_device_bytes == 2 * local
+    assert pred["synchronous"].peak_device_bytes == 256 << 20
+    assert pred["pipelined"].peak_device_bytes <= 512 << 20
+    assert pred["pipelined"].time_ms < pred["synchronous"].time_ms
+    tasks = {t.name.split(":")[0] for t in pred["pipelined"].trace.tasks}
+    assert {"pseudograd", "allreduce", "d2h", "outer", "write"} <= tasks

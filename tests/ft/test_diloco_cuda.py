@@ -70,7 +70,13 @@ def test_offloaded_modes_match_torchft_under_delays(gpu: Gpu) -> None:
     results = {mode: _run(gpu, mode) for mode in MODES}
     for mode in MODES:
         for got, want in zip(results[mode], results["original"], strict=True):
-            assert torch.equal(got, want), mode
+            if gpu.simulated:
+                assert torch.equal(got, want), mode
+            else:
+                # On a real GPU the offloaded outer step runs torch's CPU kernel,
+                # torchft's the CUDA one: the same formula, rounded by another
+                # implementation (docs/diloco.md).
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=mode)
 
 
 @pytest.mark.parametrize("mutation", ["diloco_formed_wait", "cross_lane_wait", "base_wait"])

@@ -21,6 +21,6 @@ def test_local_sgd_benchmark_quick(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=140,
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    for mode in ("original", "RFC sync", "pipelined"):
+    for mode in ("original", "RFC sync", "pipelined", "floor"):
         assert f"| {mode}" in res.stdout
     assert (tmp_path / "local_sgd_1M_pipelined.json").exists()
