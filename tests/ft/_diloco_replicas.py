@@ -144,3 +144,23 @@ def assert_bitwise(runs: list[DiLoCoRun], reference: list[DiLoCoRun]) -> None:
                     w = ws["state"][idx][key]
                     assert torch.equal(torch.as_tensor(v), torch.as_tensor(w).to(
                         torch.as_tensor(v).device)), f"replica {r} outer state {idx}.{key}"
+
+
+def process_main(replica_id: int, lighthouses: dict[str, str],
+                 modes: dict[str, dict[str, Any]], steps: int, queue: Any) -> None:
+    """One replica process: every mode in turn (``"torchft"``: torchft's own DiLoCo),
+    each against its own Lighthouse. Puts ``(replica_id, {mode: (parameters after every
+    step, backups, peak device staging per sync or None, budget, errors reported)})``
+    on ``queue`` (numpy arrays: this process will have exited when the parent reads)."""
+    out = {}
+    for mode, kwargs in modes.items():
+        run = _replica(replica_id, lighthouses[mode],
+                       TorchftDiLoCo if mode == "torchft" else pipeoff.ft.DiLoCo,
+                       {"sync_every": 4, "fragment_sync_delay": 1,
+                        "fragment_update_alpha": 0.5, **kwargs},
+                       steps, 2, sgd_nesterov, False, None, None)
+        peaks = [t.summary().peak_device_staging_bytes for t in run.traces if t is not None]
+        out[mode] = ([[p.numpy() for p in step] for step in run.params],
+                     {k: v.numpy() for k, v in run.backups.items()}, peaks,
+                     kwargs.get("device_budget_bytes"), len(run.errors_reported))
+    queue.put((replica_id, out))
