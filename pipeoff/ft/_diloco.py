@@ -137,6 +137,10 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         device_budget_bytes: int | None = None,
     ) -> None:
         offload = check_flag("offload_to_cpu", offload_to_cpu)
+        if offload and bucket_bytes is None and bucket_cap_mb is not None:
+            # torchft's bucket size (its MiB, as torchft converts them) is the
+            # offloaded sync's unless bucket_bytes is given.
+            bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         opts = StagingOptions.resolve(flag="offload_to_cpu", offload=offload,
                                       schedule=schedule, bucket_bytes=bucket_bytes,
                                       device_budget_bytes=device_budget_bytes)
@@ -197,17 +201,9 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         # torchft's constructor calls this once its fragments exist and hold the
         # backup: the place to make them offloaded before anything is registered.
         if self._offload:
-            hosts: dict[int, HostOuterOptimizer] = {}
-            host_of = {id(p): f.original_parameters[name] for f in self._fragments
-                       for name, p in f._model_fragment.named_parameters()}
-            for f in self._fragments:
-                opt = f._outer_optimizer
-                if id(opt) not in hosts:
-                    hosts[id(opt)] = HostOuterOptimizer(opt, host_of)
             self._fragments = [
-                _OffloadedFragment.adopt(f, hosts[id(f._outer_optimizer)], self._options,
-                                         self._on_trace)
-                for f in self._fragments]
+                _OffloadedFragment.adopt(f, outer, self._options, self._on_trace)
+                for f, outer in zip(self._fragments, _host_outers(self._fragments))]
         super()._register_state_dict_fn()
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
@@ -256,11 +252,45 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             opt.refresh_masters()
 
 
+def _host_outers(fragments: Sequence[_StreamingDiLoCoFragment]) -> list[HostOuterOptimizer]:
+    """Per fragment, the host mirror of its outer optimizer, on that fragment's backups.
+
+    One outer optimizer per fragment: each fragment's own backups (a parameter
+    tied across fragments has a backup in each, and each fragment's sync steps
+    its own, as torchft's does). One optimizer shared by the fragments: one
+    mirror over all their backups.
+
+    Raises:
+        ConfigError: a shared outer optimizer over a parameter that two fragments
+            hold (torchft would step it with two backups), or an outer parameter in
+            no fragment.
+    """
+    by_opt: dict[int, list[_StreamingDiLoCoFragment]] = {}
+    for f in fragments:
+        by_opt.setdefault(id(f._outer_optimizer), []).append(f)
+    mirrors: dict[int, HostOuterOptimizer] = {}
+    for key, frags in by_opt.items():
+        host_of: dict[int, torch.Tensor] = {}
+        for f in frags:
+            for name, p in f._model_fragment.named_parameters():
+                if id(p) in host_of and len(frags) > 1:
+                    raise ConfigError(
+                        f"parameter {name!r} is in two model fragments that share one outer "
+                        "optimizer; with offload_to_cpu=True give each fragment its own outer "
+                        "optimizer")
+                host_of[id(p)] = f.original_parameters[name]
+        name = ("outer_optimizer" if len(by_opt) == 1 else
+                f"outer_optimizer[{fragments.index(frags[0])}]")
+        mirrors[key] = HostOuterOptimizer(frags[0]._outer_optimizer, host_of, name)
+    return [mirrors[id(f._outer_optimizer)] for f in fragments]
+
+
 class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
     """A torchft fragment whose sync is a pipeoff execution (see :class:`DiLoCo`)."""
 
     outer: HostOuterOptimizer
     _ex: Execution | None
+    _abandoned: PipeoffError | None
 
     @classmethod
     def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
@@ -274,6 +304,7 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         self._options = options
         self._on_trace = on_trace
         self._ex = None
+        self._abandoned = None
         named = list(self._model_fragment.named_parameters())
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
@@ -288,9 +319,9 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         infos = [TensorInfo(name=name, numel=t.numel(), dtype=t.dtype,
                             contiguous=t.is_contiguous()) for name, t in zip(self._names, locals_)]
         for info in infos:
-            if not info.dtype.is_floating_point:
+            if not (info.dtype.is_floating_point or info.dtype.is_complex):
                 raise ConfigError(f"parameter {info.name!r} is {info.dtype}; DiLoCo "
-                                  "synchronizes floating-point parameters only")
+                                  "synchronizes floating-point and complex parameters only")
         limit, limit_name = options.bucket_bytes, options.bucket_name
         if limit is None:
             limit, limit_name = options.device_budget_bytes, "device_budget_bytes"
@@ -382,9 +413,18 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
     def perform_sync(self) -> bool:
         """Decide, then step, merge and write (or restore); returns whether committed."""
         ex = self._ex
+        manager = self._manager
+        if ex is None and self._abandoned is not None:
+            # The sync was abandoned (DiLoCo's context exited with it in flight) and
+            # the loop went on: this replica rejects it, as torchft's failure path
+            # does, and the next round starts clean.
+            err, self._abandoned = self._abandoned, None
+            manager.report_error(err)
+            manager.should_commit()
+            self.restore_parameters()
+            return False
         if ex is None:
             raise RuntimeError("perform_sync() without prepare_sync()")
-        manager = self._manager
         opened = False
         try:
             if self._failed is None:
@@ -397,15 +437,28 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 manager.should_commit()
                 self.restore_parameters()  # torchft's own, synchronous
                 return False
-            committed = bool(manager.should_commit())
-            if committed:
+            try:
                 # Read on this thread before any outer task runs (they wait for the
-                # gate): a learning-rate schedule edits the user's groups.
-                self.outer.sync_hyperparameters()
+                # gate): a learning-rate schedule edits the user's groups, a
+                # checkpoint loads the user's optimizer.
+                self.outer.sync_from_user()
+            except Exception as err:
+                # Found before the decision: this replica rejects, as after any
+                # failure of its own, and the caller sees why.
+                stop = PipeoffError(f"the sync was rejected before its decision: {err}")
+                ex.gate("commit").fail(stop)
+                opened = True
+                self._stop(stop)
+                manager.report_error(err)
+                manager.should_commit()
+                self.restore_parameters()
+                raise
+            committed = bool(manager.should_commit())
             ex.gate("commit").open(committed)
             opened = True
             try:
                 ex.wait()
+                self.outer.alias()  # state the step created, shown in the user's optimizer
             except Exception as err:
                 # A host step or a write failed after the decision: the parameters
                 # (and, after a commit, the backup and outer state) are partly
@@ -438,6 +491,9 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         if ex is None:
             return
         self._ex = None
+        self._abandoned = PipeoffError(
+            "this DiLoCo fragment sync was abandoned: the DiLoCo context exited while it "
+            f"was in flight ({type(why).__name__}: {why})")
         if ex.gate("commit").state == "pending":
             ex.gate("commit").fail(why)
         try:
@@ -451,6 +507,10 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         manager, cuda, alpha = self._manager, self._cuda, self._fragment_update_alpha
         synchronous = self._options.schedule == "synchronous"
 
+        formed: set[int] = set()
+        """Buckets whose pseudo-gradients were formed whole (set by their task, read by
+        their all-reduce, which runs after it: the graph orders them)."""
+
         def pseudograd(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
             def run(ctx: TaskContext) -> None:
                 flat = ctx.buffer(dev, b.dtype)
@@ -462,13 +522,27 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                                non_blocking=cuda)
                     # torchft: original.to(device) - local.
                     part.sub_(_region(_local(params[pc.param]), pc).reshape(-1))
+                formed.add(k)
 
             return run
 
         def allreduce(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
             def run(ctx: TaskContext) -> None:
-                # The bucket is already filled (pseudograd): nothing to fill here.
-                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), _nothing)
+                # must_run: after a failure of this replica it still joins, so that
+                # its peers are never left waiting. A bucket whose first task never
+                # ran has no staging block: join from a temporary one.
+                flat = (ctx.buffer(dev, b.dtype) if dev in ctx.buffers else
+                        torch.zeros(b.numel, dtype=b.dtype, device=self._device))
+
+                def fill(flat: torch.Tensor) -> None:
+                    if k not in formed:
+                        # Hazard: a peer that commits averaging in what an unformed
+                        # bucket holds (stale staging, a half-written subtraction).
+                        # Contribute a zero pseudo-gradient instead: to the peers,
+                        # this replica did not move in this bucket.
+                        flat.zero_()
+
+                allreduce_bucket(manager, ctx, dev, flat, fill)
 
             return run
 
@@ -515,10 +589,6 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
 
 
 # -- tensor helpers -------------------------------------------------------------------
-def _nothing(flat: torch.Tensor) -> None:
-    pass
-
-
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
     outside autograd."""

@@ -65,13 +65,11 @@ def outer_chunks(numels: Sequence[int], itemsizes: Sequence[int],
                  chunk_bytes: int | None) -> tuple[tuple[int, ...], ...]:
     """Whole parameters, in order, in chunks of at most ``chunk_bytes`` (a larger one
     is a chunk of its own; ``None``: one chunk per parameter). Empty parameters are
-    left out: they have nothing to step."""
+    stepped too: the optimizer keeps state for them, as torchft's does."""
     chunks: list[tuple[int, ...]] = []
     cur: list[int] = []
     size = 0
     for i, (n, s) in enumerate(zip(numels, itemsizes)):
-        if n == 0:
-            continue
         b = n * s
         if cur and (chunk_bytes is None or size + b > chunk_bytes):
             chunks.append(tuple(cur))

@@ -54,17 +54,28 @@ def check_outer(opt: Any, name: str = "outer_optimizer") -> None:
 class HostOuterOptimizer:
     """One user outer optimizer, mirrored on the host backups of its parameters.
 
+    The user's optimizer keeps its ``param_groups`` and, per parameter, the *same*
+    state dict object as the host optimizer's (aliased): so
+    ``outer_optimizer.state_dict()`` gives the host state, in torch's format.
+    State that arrives in the user's optimizer otherwise (its
+    ``load_state_dict()`` before or after DiLoCo was built, which puts the
+    tensors on the parameters' device) is adopted by :meth:`sync_from_user`: moved
+    to the host, and the device copy dropped.
+
     Args:
         user: the user's outer optimizer (its ``param_groups`` hold the device
             parameters).
         host_of: per device parameter (by ``id``), its host backup tensor.
+        name: the user's name for the optimizer, for errors.
 
     Raises:
-        ConfigError: a parameter of ``user`` is in no fragment of the DiLoCo.
+        ConfigError: a parameter of ``user`` has no backup in ``host_of``.
     """
 
-    def __init__(self, user: optim.Optimizer, host_of: Mapping[int, torch.Tensor]) -> None:
+    def __init__(self, user: optim.Optimizer, host_of: Mapping[int, torch.Tensor],
+                 name: str = "outer_optimizer") -> None:
         self.user = user
+        self.name = name
         groups = []
         for gi, group in enumerate(user.param_groups):
             params = []
@@ -72,32 +83,67 @@ class HostOuterOptimizer:
                 h = host_of.get(id(p))
                 if h is None:
                     raise ConfigError(
-                        f"outer_optimizer.param_groups[{gi}] holds a parameter (shape "
-                        f"{tuple(p.shape)}) that no model fragment has; with offload_to_cpu=True "
-                        "every outer parameter must belong to a fragment")
+                        f"{name}.param_groups[{gi}] holds a parameter (shape "
+                        f"{tuple(p.shape)}) that is in none of the model fragments it steps; "
+                        "with offload_to_cpu=True every outer parameter must belong to its "
+                        "fragment (one outer optimizer per fragment, or one for all)")
                 params.append(h)
             groups.append({**{k: v for k, v in group.items() if k != "params"},
                            "params": params})
         self.host: optim.Optimizer = type(user)(groups)  # type: ignore[call-arg]
+        self._layout = self._ids()
         self._by_host = {id(h): h for g in self.host.param_groups for h in g["params"]}
+        self.sync_from_user()
 
-    def sync_hyperparameters(self) -> None:
-        """Copy the user's current hyperparameters (an edited ``lr``) into the host
-        optimizer's groups.
+    def _ids(self) -> list[list[int]]:
+        return [[id(p) for p in g["params"]] for g in self.user.param_groups]
+
+    def _pairs(self) -> Any:
+        for ug, hg in zip(self.user.param_groups, self.host.param_groups):
+            yield from zip(ug["params"], hg["params"])
+
+    def check_layout(self) -> None:
+        """Refuse ``param_groups`` whose parameters changed since construction.
 
         Raises:
-            ConfigError: the user's ``param_groups`` changed shape since construction.
+            ConfigError: groups or parameters were added, removed or reordered.
         """
-        ug, hg = self.user.param_groups, self.host.param_groups
-        if len(ug) != len(hg) or any(len(a["params"]) != len(b["params"])
-                                      for a, b in zip(ug, hg)):
+        if self._ids() != self._layout:
             raise ConfigError(
-                "outer_optimizer.param_groups changed (groups or parameters added or "
-                "removed) after DiLoCo was built; build a new DiLoCo")
-        for a, b in zip(ug, hg):
+                f"{self.name}.param_groups changed (groups or parameters added, removed or "
+                "reordered) after DiLoCo was built; build a new DiLoCo")
+
+    def sync_from_user(self) -> None:
+        """Copy the user's current hyperparameters (an edited ``lr``) into the host
+        optimizer's groups, and adopt state loaded into the user's optimizer.
+
+        Raises:
+            ConfigError: the user's ``param_groups`` changed their parameters.
+        """
+        self.check_layout()
+        for a, b in zip(self.user.param_groups, self.host.param_groups):
             for k, v in a.items():
                 if k != "params":
                     b[k] = v
+        user_state, host_state = self.user.state, self.host.state
+        if any(user_state.get(p) and user_state.get(p) is not host_state.get(h)
+               for p, h in self._pairs()):
+            # The user's optimizer got state of its own: take it (torch's loader
+            # casts it to the host parameters' device), then drop the device copy.
+            self.host.load_state_dict(self.user.state_dict())
+        self.alias()
+
+    def alias(self) -> None:
+        """Give the user's optimizer, per parameter, the host optimizer's state dict
+        object (steps fill it in place); call after a step that may have created
+        state (on the caller's thread, once the step is done)."""
+        user_state, host_state = self.user.state, self.host.state
+        for p, h in self._pairs():
+            st = host_state.get(h)  # (get: no empty entry is created)
+            if st:
+                user_state[p] = st
+            else:
+                user_state.pop(p, None)
 
     def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and
@@ -116,9 +162,17 @@ class HostOuterOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's state dict: the format of the user's optimizer's, with
         the state in host memory."""
-        self.sync_hyperparameters()
+        self.sync_from_user()
         return self.host.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state dict (torchft's or this class's); the state stays on the host."""
+        """Load a state dict (torchft's or this class's) as torchft's checkpoint loader
+        loads the user's optimizer: the state (into host memory) and the
+        hyperparameters, which the user's ``param_groups`` take too."""
+        self.check_layout()
         self.host.load_state_dict(state)
+        for a, b in zip(self.user.param_groups, self.host.param_groups):
+            for k, v in b.items():
+                if k != "params":
+                    a[k] = v
+        self.alias()

@@ -51,18 +51,35 @@ def sgd_nesterov(params: Any) -> optim.Optimizer:
     return optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How a replica builds what DiLoCo wraps (defaults: :func:`make_model`, its two
+    blocks as fragments or the whole model as one)."""
+
+    model: Callable[[int], nn.Module] = make_model
+    fragments: Callable[[nn.Module, int], list[nn.Module]] | None = None
+    pre_build: Callable[[int, nn.Module, Any], None] | None = None
+    """``(replica, model, outer optimizers)`` before DiLoCo is built (a resume)."""
+
+
 def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str, Any],
              steps: int, n_fragments: int,
              outer: Callable[[Any], optim.Optimizer], shared_outer: bool,
              inner: Callable[[nn.Module], optim.Optimizer] | None,
-             on_step: Callable[[int, int, Any], None] | None) -> DiLoCoRun:
+             on_step: Callable[[int, int, Any], None] | None,
+             setup: Setup = Setup()) -> DiLoCoRun:
     store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
-    model = make_model(replica_id)
-    frags = list(model) if n_fragments == 2 else [model]
+    model = setup.model(replica_id)
+    if setup.fragments is not None:
+        frags = setup.fragments(model, n_fragments)
+    else:
+        frags = list(model) if n_fragments == 2 else [model]
     opt = (optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if inner is None
            else inner(model))
     outers: Any = outer(model.parameters()) if shared_outer else [outer(f.parameters())
                                                                  for f in frags]
+    if setup.pre_build is not None:
+        setup.pre_build(replica_id, model, outers)
     data = torch.Generator().manual_seed(100 + replica_id)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=2,
@@ -109,7 +126,8 @@ def run_diloco(kwargs: dict[str, Any], *, torchft: bool = False, steps: int = 8,
                n_fragments: int = 2, outer: Callable[[Any], optim.Optimizer] = sgd_nesterov,
                shared_outer: bool = False,
                inner: Callable[[nn.Module], optim.Optimizer] | None = None,
-               on_step: Callable[[int, int, Any], None] | None = None) -> list[DiLoCoRun]:
+               on_step: Callable[[int, int, Any], None] | None = None,
+               setup: Setup = Setup()) -> list[DiLoCoRun]:
     """Two replicas; ``kwargs`` go to DiLoCo (torchft's class if ``torchft``, else
     pipeoff's); ``on_step(replica, step, diloco)`` runs before every inner step."""
     cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
@@ -117,7 +135,7 @@ def run_diloco(kwargs: dict[str, Any], *, torchft: bool = False, steps: int = 8,
     try:
         with ThreadPoolExecutor(2) as ex:
             futs = [ex.submit(_replica, i, lighthouse.address(), cls, kwargs, steps,
-                              n_fragments, outer, shared_outer, inner, on_step)
+                              n_fragments, outer, shared_outer, inner, on_step, setup)
                     for i in range(2)]
             return [f.result(timeout=120) for f in futs]
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
 from typing import Any
 from unittest.mock import create_autospec
@@ -18,7 +19,7 @@ import pipeoff
 import pipeoff.ft
 import pipeoff.testing
 from pipeoff import ConfigError
-from tests.ft._diloco_replicas import DiLoCoRun, assert_bitwise, make_model, run_diloco
+from tests.ft._diloco_replicas import DiLoCoRun, Setup, assert_bitwise, make_model, run_diloco
 
 OFFLOADED: dict[str, dict[str, Any]] = {
     "synchronous": {"offload_to_cpu": True, "schedule": "synchronous"},
@@ -293,7 +294,7 @@ def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
     ({"offload_to_cpu": True, "backup_device": torch.device("meta")},
      "backup_device must be None or 'cpu'"),
     ({"offload_to_cpu": True, "outer": "rmsprop"}, "must be a torch.optim.SGD, Adam or AdamW"),
-    ({"offload_to_cpu": True, "outer": "foreign"}, "that no model fragment has"),
+    ({"offload_to_cpu": True, "outer": "foreign"}, "in none of the model fragments"),
     ({"offload_to_cpu": True, "outer": "differentiable"}, "differentiable=True"),
 ])
 def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
@@ -344,3 +345,271 @@ def test_exiting_with_a_sync_in_flight_stops_it() -> None:
 class _Done:
     def wait(self, timeout: Any = None) -> bool:
         return True
+
+
+# -- what a review found (each bitwise against torchft, or torchft's semantics) -----------
+class _Tied(nn.Module):
+    """Two fragments that share one weight (tied embeddings, as language models do)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        shared = nn.Linear(12, 12)
+        self.a = nn.Sequential(shared, nn.Linear(12, 12))
+        self.b = nn.Sequential(nn.Linear(12, 12), shared)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+def test_a_weight_tied_across_fragments_is_stepped_by_each(mode: str) -> None:
+    setup = Setup(model=_Tied, fragments=lambda m, n: [m.a, m.b])
+    cfg = {"sync_every": 4, "setup": setup}
+    runs, want = run(mode, **cfg), reference(**cfg)
+    assert_bitwise(runs, want)
+    assert sorted(runs[0].outer_states[0]["state"]) == [0, 1, 2, 3]
+
+
+def test_a_shared_outer_optimizer_over_a_tied_weight_is_refused() -> None:
+    model = _Tied(0)
+    with pytest.raises(ConfigError, match="in two model fragments that share one outer"):
+        pipeoff.ft.DiLoCo(_manager(), [model.a, model.b], optim.SGD(model.parameters()),
+                          optim.SGD(model.parameters(), lr=0.7), 2, offload_to_cpu=True)
+
+
+def _resume_momentum(replica: int, model: nn.Module, outers: Any) -> None:
+    for o in outers:
+        params = [p for g in o.param_groups for p in g["params"]]
+        o.load_state_dict({
+            "state": {i: {"momentum_buffer": torch.full_like(p, 0.05)}
+                      for i, p in enumerate(params)},
+            "param_groups": o.state_dict()["param_groups"]})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+def test_outer_state_loaded_before_diloco_is_adopted(mode: str) -> None:
+    """A resumed job loads its outer optimizer's checkpoint before it builds DiLoCo:
+    the host optimizer steps with that momentum, and the device copy is dropped."""
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "setup": Setup(pre_build=_resume_momentum)}
+    assert_bitwise(run(mode, **cfg), reference(**cfg))
+
+
+def test_the_users_outer_optimizer_shows_the_host_state() -> None:
+    """``outer_optimizer.state_dict()`` (what a user's own checkpoint saves) is the host
+    state; a ``load_state_dict()`` into it after construction is adopted at the next
+    sync."""
+    model = make_model(0)
+    inner, outer = optim.SGD(model.parameters(), lr=0.1), optim.SGD(
+        model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = _committing_manager()
+    with pipeoff.ft.DiLoCo(manager, [model], inner, outer, 2, offload_to_cpu=True) as d:
+        for _ in range(2):
+            _inner_step(model, inner)
+        state = outer.state_dict()["state"]
+        host = d.outer_state_dict()["state"]
+        assert sorted(state) == sorted(host) == list(range(6))
+        for i in state:
+            assert state[i]["momentum_buffer"] is host[i]["momentum_buffer"]
+        loaded = {"state": {i: {"momentum_buffer": torch.full_like(v["momentum_buffer"], 0.5)}
+                            for i, v in state.items()},
+                  "param_groups": outer.state_dict()["param_groups"]}
+        outer.load_state_dict(loaded)
+        d._fragments[0].outer.sync_from_user()  # (the next sync does it)
+        after = d.outer_state_dict()["state"]
+        assert all(torch.equal(after[i]["momentum_buffer"], loaded["state"][i]["momentum_buffer"])
+                   for i in after)
+        assert outer.state_dict()["state"][0]["momentum_buffer"] is after[0]["momentum_buffer"]
+
+
+def test_healing_loads_the_peers_outer_hyperparameters() -> None:
+    """torchft's checkpoint loader loads the outer optimizer's param_groups (a scheduled
+    lr); so does pipeoff's, into the user's groups, where the next sync reads them."""
+    saved: dict[str, Any] = {}
+
+    def build(lr: float) -> tuple[Any, Any, Any]:
+        model = make_model(0)
+        outer = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        manager = _committing_manager()
+        manager.register_state_dict_fn.side_effect = (
+            lambda key, load, save: saved.__setitem__(key, (load, save)))
+        d = pipeoff.ft.DiLoCo(manager, [model], optim.SGD(model.parameters(), lr=0.1), outer,
+                              2, offload_to_cpu=True)
+        return d, outer, manager
+
+    _, _, _ = build(0.1)
+    peer = saved["StreamingDiLoCoFragment_0"][1]()
+    assert peer["outer_optimizer"]["param_groups"][0]["lr"] == 0.1
+    _, outer, _ = build(0.7)
+    saved["StreamingDiLoCoFragment_0"][0](peer)
+    assert outer.param_groups[0]["lr"] == 0.1
+    assert saved["StreamingDiLoCoFragment_0"][1]()["outer_optimizer"]["param_groups"][0][
+        "lr"] == 0.1
+
+
+def test_reentering_after_an_abandoned_sync_rejects_it_and_goes_on() -> None:
+    model = make_model(0)
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    manager = _committing_manager()
+    d = pipeoff.ft.DiLoCo(manager, [model], inner, optim.SGD(model.parameters(), lr=0.7), 2,
+                          fragment_sync_delay=1, offload_to_cpu=True)
+    backup = {k: v.clone() for k, v in d._fragments[0].original_parameters.items()}
+    with pytest.raises(ValueError, match="hiccup"), d:
+        _inner_step(model, inner)  # prepares the sync
+        raise ValueError("dataloader hiccup")
+    with d:
+        _inner_step(model, inner)  # performs it: rejected (abandoned), restored
+        assert manager.report_error.call_count == 1
+        assert "abandoned" in str(manager.report_error.call_args[0][0])
+        assert all(torch.equal(p, backup[n]) for n, p in model.named_parameters())
+        for _ in range(2):
+            _inner_step(model, inner)  # the next sync runs
+    assert d.last_trace is not None and d.last_trace.summary().failed == 0
+    _assert_pools_idle()
+
+
+def test_reordered_outer_param_groups_are_refused_before_the_decision() -> None:
+    model = make_model(0)
+    params = list(model.parameters())
+    inner = optim.SGD(params, lr=0.1)
+    outer = optim.SGD(params[:2], lr=0.7)
+    outer.add_param_group({"params": params[2:], "lr": 0.1})
+    manager = _committing_manager()
+    d = pipeoff.ft.DiLoCo(manager, [model], inner, outer, 2, offload_to_cpu=True)
+    with d:
+        for _ in range(2):
+            _inner_step(model, inner)
+        outer.param_groups.reverse()
+        backup = {k: v.clone() for k, v in d._fragments[0].original_parameters.items()}
+        _inner_step(model, inner)
+        _inner_step(model, inner, step=False)
+        with pytest.raises(ConfigError, match="param_groups changed"):
+            inner.step()
+    # This replica rejected (its peers were not left waiting for its vote), restored.
+    assert manager.report_error.call_count == 1 and manager.should_commit.call_count == 2
+    assert all(torch.equal(p, backup[n]) for n, p in model.named_parameters())
+    _assert_pools_idle()
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = make_model(seed)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.empty.sum()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+def test_empty_parameters_keep_their_outer_state_entry(mode: str) -> None:
+    cfg = {"sync_every": 2, "n_fragments": 1, "outer": lambda ps: optim.Adam(ps, lr=0.1),
+           "setup": Setup(model=_WithEmpty)}
+    assert_bitwise(run(mode, **cfg), reference(**cfg))
+
+
+def test_torchfts_bucket_cap_mb_sets_the_bucket_size() -> None:
+    d = _build(offload_to_cpu=True, bucket_cap_mb=1)
+    assert (d.bucket_bytes, d.device_budget_bytes) == (1 << 20, 2 << 20)
+    d = _build(offload_to_cpu=True, bucket_cap_mb=1, bucket_bytes=4096)
+    assert d.bucket_bytes == 4096
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["synchronous", "per_parameter"])
+def test_a_replica_that_fails_alone_contributes_a_zero_pseudo_gradient(mode: str) -> None:
+    """Hazard: a replica whose pseudo-gradient task failed joining the all-reduce with what
+    its staging held, so that its healthy peer commits garbage; or skipping the
+    all-reduces after the failure, so that its peer waits out the timeout. It joins
+    every one, with a zero pseudo-gradient for each bucket it did not form: the peer
+    commits the average of its own and zero, and reports no error."""
+    fail_param = 2  # per-parameter buckets: bucket k is parameter k
+    local: dict[int, list[torch.Tensor]] = {}
+    before: dict[int, list[torch.Tensor]] = {}
+
+    replica_of: dict[int, int] = {}
+
+    def inject(replica: int, step: int, diloco: Any) -> None:
+        f = diloco._fragments[0]
+        replica_of[id(diloco._local_optimizer)] = replica
+        if step == 3:
+            before[replica] = [b.clone() for b in f._backups]
+        if step == 3 and replica == 0:
+            make = f._work
+
+            def failing() -> Any:
+                work = make()
+                f._work = make  # this sync only
+
+                def pseudograd(k: int, b: Any, dev: str) -> Any:
+                    good = work.pseudograd(k, b, dev)
+
+                    def run_(ctx: Any) -> None:
+                        if k == fail_param:
+                            raise RuntimeError("replica 0 alone: injected")
+                        good(ctx)
+                    return run_
+                return dataclasses.replace(work, pseudograd=pseudograd)
+
+            f._work = failing
+
+    def inner(model: nn.Module) -> optim.Optimizer:
+        opt = optim.AdamW(model.parameters(), lr=1e-2)
+        # Registered before DiLoCo's hook: the local parameters a sync starts from.
+        opt.register_step_post_hook(lambda o, *_: local.__setitem__(
+            id(o), [p.detach().clone() for p in model.parameters()]))
+        return opt
+
+    runs = run_diloco({"sync_every": 2, **MODES[mode], "bucket_bytes": "per_parameter"}
+                      if mode == "synchronous" else {"sync_every": 2, **MODES[mode]},
+                      n_fragments=1, steps=4, on_step=inject,
+                      outer=lambda ps: optim.SGD(ps, lr=1.0), inner=inner)
+    assert len(runs[0].errors_reported) == 1 and not runs[1].errors_reported
+    # The pseudo-gradients of the sync: each replica's backup minus its local values.
+    pg = {replica_of[k]: [b - p for b, p in zip(before[replica_of[k]], loc)]
+          for k, loc in local.items()}
+    healthy = runs[1]
+    for i, name in enumerate(healthy.backups):
+        # SGD with lr 1: new = old - average. A bucket replica 0 formed before its
+        # failure averages both pseudo-gradients; the failed one (and, one task at a
+        # time, every later one) replica 1's own and a zero.
+        both = before[1][i] - (pg[1][i] + pg[0][i]) / 2
+        alone = before[1][i] - (pg[1][i] + 0) / 2
+        got = healthy.backups[name]
+        if i < fail_param:
+            assert torch.equal(got, both), name
+        elif i == fail_param or mode == "synchronous":
+            assert torch.equal(got, alone), name
+        else:  # pipelined: a later bucket may have been formed before the failure
+            assert torch.equal(got, both) or torch.equal(got, alone), name
+    b0 = before[0]
+    # The failed replica rejected and restored its backup.
+    assert all(torch.equal(p, b) for p, b in zip(runs[0].params[-1], b0))
+    _assert_pools_idle()
+
+
+def _committing_manager() -> Any:
+    manager = _manager()
+    step = [0]
+
+    def should_commit(*_: Any, **__: Any) -> bool:
+        step[0] += 1
+        return manager.report_error.call_count == 0 or step[0] > 1_000_000
+
+    manager.current_step.side_effect = lambda: step[0]
+    manager.should_commit.side_effect = should_commit
+    manager.allreduce.side_effect = lambda t, should_quantize=False: _Done()
+    return manager
+
+
+def _inner_step(model: nn.Module, inner: optim.Optimizer, *, step: bool = True) -> None:
+    inner.zero_grad()
+    model(torch.ones(2, 12)).sum().backward()
+    if step:
+        inner.step()

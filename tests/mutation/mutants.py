@@ -308,6 +308,14 @@ REVIEW = (
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
     Mutant(
+        name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco.py",
+        old="                        flat.zero_()\n",
+        new="                        pass\n",
+        tests=("tests/ft/test_diloco.py::test_a_replica_that_fails_alone_contributes_a_zero_"
+               "pseudo_gradient",),
+        hazard="a replica whose pseudo-gradient task failed joins the all-reduce with what its "
+               "staging held: its healthy peer commits an average with garbage in it"),
+    Mutant(
         name="r19:native-region-returns-early", file="pipeoff/_native/hoststep.c",
         old="    while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) < r->chunks)\n",
         new="    while (0)\n",
