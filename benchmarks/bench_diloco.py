@@ -26,6 +26,11 @@ pipeoff keeps none of it, and its sync's device staging is the trace's peak
 (within ``--budget-mib``). On this CPU machine "device" memory is host memory,
 so only the time ratios and the staging peak are measured here.
 
+Then the training loop around it: ``--loop-steps`` inner steps (a forward and
+backward of a batch of 8, an SGD step) per round with ``fragment_sync_delay=1``
+(the all-reduce runs under the last inner step), each variant in turn, timed
+whole.
+
 Targets on CPU: pipelined <= 1.0x torchft; both within 1.1x of the floor.
 """
 
@@ -142,6 +147,34 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
             for mode in times:
                 one_sync(mode, record=r > 0)
         assert manager.current_step() == step0 + len(times) * (1 + args.repeats), step0
+
+        # The training loop around it: sync_every inner steps (a forward and backward
+        # of a batch of 8, an SGD step) with fragment_sync_delay=1, so that the
+        # all-reduce runs under the last inner step, timed whole.
+        loop: dict[str, list[float]] = {m: [] for m in modes}
+        x = torch.randn(8, params[0].shape[1], generator=gen)
+        loopers = {}
+        for mode, kwargs in modes.items():
+            manager._load_state_dict_fns.pop(KEY, None)
+            manager._user_state_dicts.pop(KEY, None)
+            outer = optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+            loopers[mode] = pipeoff.ft.DiLoCo(manager, [model], inner, outer,
+                                              sync_every=args.loop_steps, fragment_sync_delay=1,
+                                              fragment_update_alpha=args.alpha, **kwargs)
+        for r in range(1 + args.repeats):
+            for mode, d in loopers.items():
+                backup = d._fragments[0].original_parameters
+                with torch.no_grad():
+                    for (name, _), p in zip(model.named_parameters(), params):
+                        backup[name].copy_(p)
+                t0 = time.perf_counter()
+                with d:
+                    for _ in range(args.loop_steps):
+                        inner.zero_grad()
+                        model(x).pow(2).mean().backward()
+                        inner.step()  # the last two steps prepare and perform the sync
+                if r > 0:
+                    loop[mode].append(time.perf_counter() - t0)
         checksum = float(sum(p.detach().double().sum() for p in params))
         for mode in times:
             d = syncs.get(mode)
@@ -150,7 +183,7 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
                 trace.save(str(Path(args.trace_dir) / f"diloco_{million}M_{mode}.json"))
             peak = trace.summary().peak_device_staging_bytes if trace is not None else None
             q.put((replica_id, million, mode, times[mode], peak, s_bytes, len(params),
-                   checksum))
+                   loop.get(mode), checksum))
         manager.shutdown(wait=False)
     q.put((replica_id, None))
 
@@ -163,6 +196,8 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=float, default=4.0)
     ap.add_argument("--budget-mib", type=float, default=8.0)
     ap.add_argument("--alpha", type=float, default=0.0, help="fragment_update_alpha")
+    ap.add_argument("--loop-steps", type=int, default=4,
+                    help="inner steps per round of the training-loop measurement (sync_every)")
     ap.add_argument("--trace-dir", default=None,
                     help="save replica 0's last trace per size and offloaded mode here")
     ap.add_argument("--threads", type=int, default=0,
@@ -197,12 +232,20 @@ def main() -> None:
     for million, sums in checksums.items():
         assert len(sums) == 1, f"replicas differ after {million}M: {sums}"
 
-    out = []
+    out, loops = [], []
     for million in args.sizes:
         base = rows[million, "torchft"][0]
         floor = rows[million, "floor"][0]
+        base_loop = rows[million, "torchft"][4]
         for mode in ("torchft", "synchronous", "pipelined", "floor"):
-            ts, peak, s, n = rows[million, mode]
+            ts, peak, s, n, lp = rows[million, mode]
+            if lp is not None:
+                ratio = [a / b for a, b in zip(lp, base_loop)]
+                loops.append([f"{s / 1e6 / 4:.1f}M", mode,
+                              "/".join(f"{x * 1e3:.1f}" for x in (min(lp), statistics.median(lp),
+                                                                  max(lp))),
+                              "/".join(f"{x:.2f}" for x in (min(ratio), statistics.median(ratio),
+                                                             max(ratio)))])
             vs_base = [t / b for t, b in zip(ts, base)]  # within a round, then over rounds
             vs_floor = [t / f for t, f in zip(ts, floor)]
             if mode == "torchft":
@@ -223,6 +266,9 @@ def main() -> None:
             ])
     print(table(["model", "variant", "sync ms min/med/max", "x torchft min/med/max",
                  "x floor min/med/max", "device memory of the sync"], out))
+    print(f"\nThe training loop around it: {args.loop_steps} inner steps (batch 8, SGD) with "
+          "fragment_sync_delay=1, the sync included")
+    print(table(["model", "variant", "loop ms min/med/max", "x torchft min/med/max"], loops))
     load = os.getloadavg()[0]
     print(f"\n2 replicas x 1 rank, gloo on CPU ({os.cpu_count()} cores, load {load:.2f}), "
           f"bucket {args.bucket_mib} MiB, device budget {args.budget_mib} MiB, alpha "
