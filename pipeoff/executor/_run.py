@@ -259,10 +259,12 @@ class Run:
         ev = self.gates.event[k]
         status = getattr(ev, "status", None)
         if status in ("failed", "cancelled"):
+            # The other execution's first failure, as the cause: what went wrong first.
+            cause = getattr(getattr(ev, "_run", None), "error", None)
             raise RuntimeError(
                 f"gate {self.gates.names[k]!r} was opened to be ready after task "
                 f"{getattr(ev, 'task', '?')!r} of another execution, which {status}: "
-                "its payload was never written")
+                "its payload was never written") from cause
 
     def pending(self) -> tuple[str, ...]:
         return tuple(self.tasks[i].name for i in range(self.n) if self.status[i] == PENDING)

@@ -19,7 +19,14 @@ import pipeoff
 import pipeoff.ft
 import pipeoff.testing
 from pipeoff import ConfigError
-from tests.ft._diloco_replicas import DiLoCoRun, Setup, assert_bitwise, make_model, run_diloco
+from tests.ft._diloco_replicas import (
+    DiLoCoRun,
+    Setup,
+    assert_bitwise,
+    make_model,
+    run_diloco,
+    sgd_nesterov,
+)
 
 OFFLOADED: dict[str, dict[str, Any]] = {
     "synchronous": {"offload_to_cpu": True, "schedule": "synchronous"},
@@ -32,9 +39,22 @@ MODES: dict[str, dict[str, Any]] = {"original": {}, **OFFLOADED}
 _references: dict[Any, list[DiLoCoRun]] = {}
 
 
+def _key(v: Any) -> Any:
+    """A configuration value's cache key: a function by its qualified name (an ``id``,
+    which a ``repr`` shows, is reused once an object is freed), a ``Setup`` by its
+    fields."""
+    if isinstance(v, Setup):
+        return tuple(_key(getattr(v, f.name)) for f in dataclasses.fields(v))
+    if callable(v):
+        name = f"{v.__module__}.{v.__qualname__}"
+        assert "<lambda>" not in name, f"name the function for the reference cache: {name}"
+        return name
+    return repr(v)
+
+
 def reference(**cfg: Any) -> list[DiLoCoRun]:
     """torchft's DiLoCo on the same replicas (cached per configuration)."""
-    key = tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+    key = tuple(sorted((k, _key(v)) for k, v in cfg.items()))
     if key not in _references:
         kwargs = {k: v for k, v in cfg.items() if k in _TORCHFT_KWARGS}
         extra = {k: v for k, v in cfg.items() if k not in _TORCHFT_KWARGS}
@@ -70,6 +90,26 @@ def _assert_pools_idle() -> None:
     assert pools.host.stats().live_bytes == 0
 
 
+def _outer_adam(ps: Any) -> optim.Optimizer:
+    return optim.Adam(ps, lr=0.1, betas=(0.5, 0.9))
+
+
+def _outer_adamw(ps: Any) -> optim.Optimizer:
+    return optim.AdamW(ps, lr=0.1, weight_decay=0.2)
+
+
+def _outer_sgd(ps: Any) -> optim.Optimizer:
+    return optim.SGD(ps, lr=0.5)
+
+
+def _outer_adam_lr01(ps: Any) -> optim.Optimizer:
+    return optim.Adam(ps, lr=0.1)
+
+
+def _tied_fragments(model: nn.Module, n: int) -> list[nn.Module]:
+    return [model.a, model.b]  # type: ignore[list-item]
+
+
 # -- bitwise against torchft ------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", list(MODES))
@@ -92,12 +132,8 @@ def test_bitwise_torchft(mode: str, n_fragments: int, delay: int, alpha: float) 
 @pytest.mark.parametrize("mode", list(OFFLOADED))
 @pytest.mark.parametrize("outer", ["adam", "adamw", "sgd", "shared"])
 def test_outer_optimizers(mode: str, outer: str) -> None:
-    makers: dict[str, Any] = {
-        "adam": lambda ps: optim.Adam(ps, lr=0.1, betas=(0.5, 0.9)),
-        "adamw": lambda ps: optim.AdamW(ps, lr=0.1, weight_decay=0.2),
-        "sgd": lambda ps: optim.SGD(ps, lr=0.5),
-        "shared": lambda ps: optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
-    }
+    makers: dict[str, Any] = {"adam": _outer_adam, "adamw": _outer_adamw, "sgd": _outer_sgd,
+                              "shared": sgd_nesterov}
     # One outer optimizer over a one-fragment model ("shared"): over several
     # fragments, torchft's step of one fragment also steps the others' parameters
     # with their inner gradients (SGD steps every parameter with a .grad); pipeoff
@@ -368,7 +404,7 @@ class _Tied(nn.Module):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", list(OFFLOADED))
 def test_a_weight_tied_across_fragments_is_stepped_by_each(mode: str) -> None:
-    setup = Setup(model=_Tied, fragments=lambda m, n: [m.a, m.b])
+    setup = Setup(model=_Tied, fragments=_tied_fragments)
     cfg = {"sync_every": 4, "setup": setup}
     runs, want = run(mode, **cfg), reference(**cfg)
     assert_bitwise(runs, want)
@@ -509,7 +545,7 @@ class _WithEmpty(nn.Module):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", list(OFFLOADED))
 def test_empty_parameters_keep_their_outer_state_entry(mode: str) -> None:
-    cfg = {"sync_every": 2, "n_fragments": 1, "outer": lambda ps: optim.Adam(ps, lr=0.1),
+    cfg = {"sync_every": 2, "n_fragments": 1, "outer": _outer_adam_lr01,
            "setup": Setup(model=_WithEmpty)}
     assert_bitwise(run(mode, **cfg), reference(**cfg))
 

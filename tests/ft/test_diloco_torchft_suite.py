@@ -15,6 +15,7 @@ each: fragments, ``fragment_sync_delay``, ``fragment_update_alpha``).
 from __future__ import annotations
 
 import unittest
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -61,6 +62,18 @@ def _run(case: unittest.TestCase) -> None:
     problems = result.errors + result.failures
     assert not problems, "\n".join(tb for _, tb in problems)
     assert not result.skipped, result.skipped
+
+
+@pytest.fixture(autouse=True)
+def _no_default_process_group_left() -> Iterator[None]:
+    """torchft's DiLoCo trainer initializes the default process group (for its device
+    mesh) and never destroys it; later tests in this process would find one."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        dist.destroy_process_group()
 
 
 def _patch(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[Any]:

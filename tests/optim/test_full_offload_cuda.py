@@ -87,7 +87,7 @@ def test_a_removed_wait_is_a_race(gpu: Gpu, mechanism: str) -> None:
     opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap="backward")
     # The race, raised as itself; or, found in a chunk the final backward started,
     # as the cause of the next step()'s refusal (the step is torn).
-    with pytest.raises((DataRaceError, StepFailedError)) as info, \
+    with pytest.raises((DataRaceError, StepFailedError, RuntimeError)) as info, \
             pipeoff.testing.disable(mechanism):
         with pipeoff.testing.delay_lane("d2h", 0.01):
             train(net, opt, data)
@@ -115,7 +115,10 @@ def test_a_removed_wait_before_the_native_fold_is_a_race(gpu: Gpu) -> None:
         pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
     data = batches(gpu, 2, 2)
     net = make_net(gpu)
-    with pytest.raises((DataRaceError, StepFailedError)) as info, \
+    # However the race reaches the caller: as itself, as a refusal's cause, or (under
+    # load, when the next micro-step's gate saw this one's failure first) as that
+    # gate's error, caused by it. The recorded races are what this test is about.
+    with pytest.raises((DataRaceError, StepFailedError, RuntimeError)) as info, \
             pipeoff.testing.disable("host_sync"), pipeoff.testing.delay_lane("d2h", 0.005):
         opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, fused=True,
                                    overlap="backward", chunk_numel=3000, slot_bytes=4096)
