@@ -61,3 +61,11 @@ def test_import_pipeoff_does_not_import_integrations() -> None:
         "assert not (dist.is_available() and dist.is_initialized())\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("modname", PUBLIC_MODULES)
+def test_dir_lists_every_public_name(modname: str) -> None:
+    """Tab completion finds the names a module imports on first use (``pipeoff.ft``'s
+    ``LocalSGD`` and ``DiLoCo``, ``pipeoff.testing``'s ``DataRaceError``)."""
+    mod = importlib.import_module(modname)
+    assert set(mod.__all__) <= set(dir(mod))

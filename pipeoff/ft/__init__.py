@@ -34,3 +34,8 @@ def __getattr__(name: str) -> Any:
 
         return DiLoCo
     raise AttributeError(f"module 'pipeoff.ft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # Tab completion (and dir()) lists the names imported on first use too.
+    return sorted(set(globals()) | set(__all__))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +96,12 @@ def check_overlap(
         make_optimizer: builds the optimizer to wrap from a model, for example
             ``lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)``.
         batches: one input per step (a list; 3 to 5 are enough).
-        loss_fn: ``loss_fn(model, batch) -> loss``; the default runs
-            ``model(batch)`` and takes the mean square of the output.
+        loss_fn: ``loss_fn(model, batch) -> loss`` (a scalar tensor). The default
+            calls ``model(**batch)`` for a dict batch (a tokenizer's output),
+            ``model(*batch)`` for a tuple, else ``model(batch)``, and takes the
+            output's ``.loss`` when it has one (a transformers model given
+            ``labels``), else the mean square of the output (or of its
+            ``.logits``). Pass one for anything else.
         chunk_bytes: the optimizer's ``chunk_bytes``; the default cuts the
             state into about 16 chunks, so that each holds few parameters.
         delay_s: how long each chunk is held back (seconds).
@@ -288,8 +292,29 @@ def _factory(model: torch.nn.Module | Callable[[], torch.nn.Module]
 
 
 def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    out = model(*batch) if isinstance(batch, tuple) else model(batch)
-    if isinstance(out, (tuple, list)):
+    """``model(**batch)`` for a dict (a tokenizer's output, the HF Trainer's batches),
+    ``model(*batch)`` for a tuple, else ``model(batch)``; then the output's ``.loss``
+    when it has one (a transformers ``ModelOutput`` given ``labels``), else the mean
+    square of the output (its first element, or its ``.logits``)."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, tuple):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        out = logits
+    elif isinstance(out, Mapping):
+        out = next(iter(out.values()))
+    elif isinstance(out, (tuple, list)):
         out = out[0]
-    loss: torch.Tensor = out.float().pow(2).mean()
-    return loss
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(
+            f"check_overlap cannot make a loss of the model's output ({type(out).__name__}); "
+            "pass loss_fn=lambda model, batch: ... returning a scalar tensor")
+    result: torch.Tensor = out.float().pow(2).mean()
+    return result

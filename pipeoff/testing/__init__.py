@@ -91,3 +91,8 @@ def __getattr__(name: str) -> Any:
 
         return DataRaceError
     raise AttributeError(f"module 'pipeoff.testing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # Tab completion (and dir()) lists the names imported on first use too.
+    return sorted(set(globals()) | set(__all__))

@@ -1134,3 +1134,39 @@ def test_a_fullgraph_region_with_forward_waits_names_them() -> None:
     with pytest.raises(Exception, match="pipeoff_OffloadOptimizer_forward_wait"):
         compiled(batches(1)[0])
     torch._dynamo.reset()
+
+
+def test_check_overlap_takes_a_transformers_model_and_its_dict_batches() -> None:
+    """A newcomer's first call: an HF causal LM and tokenizer-style dict batches with
+    labels. The default loss is the output's ``.loss``."""
+    transformers = pytest.importorskip("transformers")
+    from pipeoff.optim import check_overlap
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(3):
+        ids = torch.randint(0, 32, (2, 8), generator=g)
+        data.append({"input_ids": ids, "labels": ids.clone()})
+    report = check_overlap(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), data)
+    assert report.ok, report.format()
+
+
+def test_check_overlap_says_to_pass_a_loss_fn_for_outputs_it_cannot_use() -> None:
+    from pipeoff.optim import check_overlap
+
+    class Strings(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> str:
+            return "not a tensor"
+
+    with pytest.raises(pipeoff.ConfigError, match="pass loss_fn="):
+        check_overlap(Strings(), lambda m: torch.optim.AdamW(m.parameters()),
+                      [torch.ones(1, 4)] * 2)
