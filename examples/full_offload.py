@@ -56,6 +56,11 @@ def main() -> None:
     opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True,
                                accumulate="cpu", overlap="forward", max_norm=1.0)
     opt.attach()  # each module's forward waits only for its own weights
+    # Every step's figures to a logger, once the step has finished: here a list of
+    # dicts; wandb.log(stats.as_dict(), step=stats.step) or TensorBoard's
+    # add_scalars take the same dict.
+    logged: list[dict[str, float]] = []
+    opt.register_step_stats_hook(lambda stats: logged.append(stats.as_dict()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     data = torch.Generator().manual_seed(1)
     # A learnable task: predict the next token of a fixed random sequence.
@@ -78,6 +83,10 @@ def main() -> None:
         print(f"step {step}: loss {total:.4f}", flush=True)
     opt.wait_for_step()  # before reading the optimizer's results on this thread
     print(f"last gradient norm {float(opt.grad_norm):.4f} (max_norm 1.0)")
+    last = logged[-1]
+    print(f"logged {len(logged)} steps' figures; the last: "
+          + ", ".join(f"{k.removeprefix('pipeoff/')} {v:.3g}" for k, v in last.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)))
     trace = opt.last_trace
     print(f"{len(opt.param_groups[0]['params'])} parameters, "
           f"{opt.host_budget_bytes / 2**20:.1f} MiB host staging budget; the last step:")

@@ -23,6 +23,7 @@ def test_full_offload_example(tmp_path: Path) -> None:
               if line.startswith("step ")]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "last gradient norm" in out.stdout
+    assert "logged 4 steps' figures; the last: step 3, d2h_bytes" in out.stdout
     assert "host step: native" in out.stdout or "host step: torch:" in out.stdout
     assert "host staging" in out.stdout and "accumulate" in out.stdout
     names = {e["args"].get("pipeoff.task") for e in json.loads(trace.read_text())["traceEvents"]

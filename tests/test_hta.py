@@ -53,6 +53,16 @@ def traces() -> dict[str, Trace]:
         for _ in range(3):
             pipeoff.execute(mixed_graph()).wait()
     out["recorded"] = rec.trace
+    from pipeoff.trace._train import train_span
+
+    with pipeoff.trace.record() as rec:  # with the training loop's spans (user annotations)
+        for step in range(3):
+            with train_span("forward", step):
+                torch.zeros(1 << 16).add_(1.0)
+            with train_span("step", step):
+                pipeoff.execute(mixed_graph()).wait()
+    out["training"] = rec.trace
+    assert any(t.kind == "train" for t in out["training"].tasks)
     return out
 
 
@@ -66,7 +76,7 @@ def analyses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Trace,
     return out
 
 
-@pytest.mark.parametrize("backend", ["threads", "inline", "cuda", "sim", "recorded"])
+@pytest.mark.parametrize("backend", ["threads", "inline", "cuda", "sim", "recorded", "training"])
 def test_hta_overlap_agrees_with_the_summary(analyses: dict[str, tuple[Trace, object]],
                                              backend: str) -> None:
     trace, analysis = analyses[backend]
@@ -78,7 +88,7 @@ def test_hta_overlap_agrees_with_the_summary(analyses: dict[str, tuple[Trace, ob
     assert theirs == pytest.approx(ours, abs=3.0), (backend, ours, theirs)
 
 
-@pytest.mark.parametrize("backend", ["threads", "inline", "cuda", "sim", "recorded"])
+@pytest.mark.parametrize("backend", ["threads", "inline", "cuda", "sim", "recorded", "training"])
 def test_hta_breakdowns_see_the_device_work(analyses: dict[str, tuple[Trace, object]],
                                             backend: str) -> None:
     trace, analysis = analyses[backend]
@@ -87,7 +97,7 @@ def test_hta_breakdowns_see_the_device_work(analyses: dict[str, tuple[Trace, obj
     assert float(temporal["compute_time(us)"].iloc[0]) > 0  # the optimizer chunks
     idle = analysis.get_idle_time_breakdown(visualize=False)  # type: ignore[attr-defined]
     frame = idle[0] if isinstance(idle, tuple) else idle
-    lanes = {t.lane for t in trace.tasks if t.kind != "host"}
+    lanes = {t.lane for t in trace.tasks if t.kind not in ("host", "train")}
     assert frame["stream"].nunique() == len(lanes)  # one stream per device lane
 
 

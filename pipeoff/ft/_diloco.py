@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,6 +23,8 @@ from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._outer import HostOuterOptimizer, check_outer
 from pipeoff.graph import TaskContext
 from pipeoff.staging import reserve_for
+from pipeoff.trace._stats import StepStats, SyncStats
+from pipeoff.trace._train import train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -162,6 +166,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         self._options = opts
         self.last_trace: Trace | None = None
         """The trace of the last offloaded fragment sync (``None`` without offload)."""
+        self._stats = SyncStats()
         self._fragments: list[_StreamingDiLoCoFragment]
         super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
                          backup_device, pin_memory, use_bucketization, bucket_cap_mb,
@@ -187,6 +192,22 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     def device_budget_bytes(self) -> int | None:
         """The cap on live device staging of a pipelined sync."""
         return self._options.device_budget_bytes
+
+    @property
+    def last_sync_stats(self) -> StepStats | None:
+        """The :class:`pipeoff.trace.StepStats` of the last fragment sync (``what="sync"``;
+        ``committed`` with ``offload_to_cpu``). Without offload only its time: torchft's
+        copies and collectives are not traced."""
+        return self._stats.last
+
+    def register_sync_stats_hook(self, hook: Callable[[StepStats], None]) -> Any:
+        """Call ``hook(stats)`` after every fragment sync; returns a handle with
+        ``remove()``.
+
+        Raises:
+            ConfigError: ``hook`` is not callable.
+        """
+        return self._stats.hooks.add(hook)
 
     def outer_state_dict(self, fragment: int = 0) -> dict[str, Any]:
         """The outer optimizer's state dict of ``fragment`` (host tensors under
@@ -238,11 +259,24 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
                         _kwargs: dict[str, Any]) -> None:
         nxt = self._local_step + 1
         syncing = nxt == self._sync_every
-        if syncing or nxt == self._sync_every - self._fragment_sync_delay:
+        preparing = nxt == self._sync_every - self._fragment_sync_delay
+        if syncing or preparing:
             # Hazard: forming pseudo-gradients from (or restoring over) parameters
             # that an asynchronous inner step is still writing.
             self._wait_for_optimizer()
-        super()._step_post_hook(_optim, _args, _kwargs)
+        step = _step_number(_optim, self._manager) if syncing or preparing else 0
+        fragment = self._fragments[self._current_fragment()] if syncing else None
+        start = time.perf_counter_ns()
+        # The training thread's span on a recorded trace: "sync N" (or "prepare N"
+        # when the sync's decision comes fragment_sync_delay steps later).
+        with (train_span("sync" if syncing else "prepare", step)
+              if syncing or preparing else contextlib.nullcontext()):
+            super()._step_post_hook(_optim, _args, _kwargs)
+        if fragment is not None:
+            offloaded = isinstance(fragment, _OffloadedFragment)
+            self._stats.done(self.last_trace if offloaded else None, step=step,
+                             exposed_ns=time.perf_counter_ns() - start,
+                             committed=fragment.last_committed if offloaded else None)
         opt = self._local_optimizer
         if syncing and isinstance(opt, MasterCopy):
             # Hazard: an optimizer whose masters are the truth
@@ -291,6 +325,8 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
     outer: HostOuterOptimizer
     _ex: Execution | None
     _abandoned: PipeoffError | None
+    last_committed: bool = False
+    """Whether the last sync committed."""
 
     @classmethod
     def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
@@ -414,6 +450,7 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         """Decide, then step, merge and write (or restore); returns whether committed."""
         ex = self._ex
         manager = self._manager
+        self.last_committed = False
         if ex is None and self._abandoned is not None:
             # The sync was abandoned (DiLoCo's context exited with it in flight) and
             # the loop went on: this replica rejects it, as torchft's failure path
@@ -454,6 +491,7 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 self.restore_parameters()
                 raise
             committed = bool(manager.should_commit())
+            self.last_committed = committed
             ex.gate("commit").open(committed)
             opened = True
             try:
@@ -589,6 +627,13 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
 
 
 # -- tensor helpers -------------------------------------------------------------------
+def _step_number(opt: Any, manager: Any) -> int:
+    """The step a sync follows: a pipeoff optimizer's own count (the step just taken),
+    else torchft's step."""
+    n = getattr(opt, "_steps_called", None)
+    return n - 1 if isinstance(n, int) and n > 0 else int(manager.current_step())
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
     outside autograd."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -19,6 +21,8 @@ from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
+from pipeoff.trace._stats import StepStats, SyncStats
+from pipeoff.trace._train import train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -153,6 +157,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self._bucket_bytes = bucket
         self._device_budget_bytes = budget
         self.last_trace = None
+        self._stats = SyncStats()
         self._reserved_for: tuple[Bucket, ...] | None = None
         if self._offload:
             # Refuse sizes no bucket can hold now, not at the first sync; and take
@@ -210,7 +215,33 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self._wait_for_optimizer()
         super().sync()
 
+    # -- per-sync figures ----------------------------------------------------------
+    @property
+    def last_sync_stats(self) -> StepStats | None:
+        """The :class:`pipeoff.trace.StepStats` of the last sync (``what="sync"``, with
+        ``committed``); on torchft's own path only its time and decision."""
+        return self._stats.last
+
+    def register_sync_stats_hook(self, hook: Callable[[StepStats], None]) -> Any:
+        """Call ``hook(stats)`` after every sync; returns a handle with ``remove()``.
+
+        Raises:
+            ConfigError: ``hook`` is not callable.
+        """
+        return self._stats.hooks.add(hook)
+
     def _perform_sync(self) -> None:
+        opt = self._local_optimizer
+        n = getattr(opt, "_steps_called", None)
+        step = n - 1 if isinstance(n, int) and n > 0 else int(self._manager.current_step())
+        start = time.perf_counter_ns()
+        # The training thread's "sync N" span on a recorded trace.
+        with train_span("sync", step):
+            committed = self._sync_body()
+        self._stats.done(self.last_trace if self._offload else None, step=step,
+                         exposed_ns=time.perf_counter_ns() - start, committed=committed)
+
+    def _sync_body(self) -> bool:
         # Hazard: averaging parameters that an asynchronous optimizer step is
         # still writing (for callers of _perform_sync that bypass sync()).
         self._wait_for_optimizer()
@@ -225,6 +256,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # (pipeoff.optim.FullOffloadOptimizer) overwriting the averaged weights
             # with its own, un-averaged masters at the next step.
             opt.refresh_masters()
+        return committed
 
     def _original_sync(self) -> bool:
         """torchft's own averaging; whether the quorum committed."""

@@ -52,6 +52,74 @@ class Offloaded:
     _waits: ForwardWaits
     _attach_handles: list[Any]
     _attached: torch.nn.Module | None
+    _steps_called: int = 0
+    """``step()`` calls so far: the step number of the training thread's spans."""
+
+    _train_handles: list[Any] | None = None
+    _stats_hooks: Any = None
+    _stats_pending: tuple[int, int] | None = None
+    """``(step, exposed_ns)`` of the last step, until its figures went to the hooks."""
+    _stats_last: tuple[int, int] | None = None
+
+    # -- per-step figures ----------------------------------------------------------------
+    def register_step_stats_hook(self, hook: Any) -> Any:
+        """Call ``hook(stats)`` with every step's :class:`pipeoff.trace.StepStats`, once
+        that step has finished: a synchronous step at the end of its ``step()``, an
+        asynchronous one (``overlap``) when it is waited for (``wait_for_step()``, or
+        the next ``step()``).
+        Returns a handle whose ``remove()`` unregisters it.
+
+        Raises:
+            ConfigError: ``hook`` is not callable.
+        """
+        from pipeoff.trace._stats import StatsHooks
+
+        if self._stats_hooks is None:
+            self._stats_hooks = StatsHooks()
+        return self._stats_hooks.add(hook)
+
+    @property
+    def last_step_stats(self) -> Any:
+        """The :class:`pipeoff.trace.StepStats` of the latest step (``None`` before the
+        first); reading it waits for that step to finish."""
+        if self._stats_last is None:
+            return None
+        self.wait_for_step()
+        trace = self.last_trace  # type: ignore[attr-defined]
+        if trace is None:
+            return None
+        from pipeoff.trace._stats import step_stats
+
+        step, exposed = self._stats_last
+        return step_stats(trace, step=step, what="step", exposed_ns=exposed)
+
+    def _step_finished(self) -> bool:
+        raise NotImplementedError
+
+    def _stats_after_step(self, step: int, exposed_ns: int) -> None:
+        """Note the step's figures; hand them to the hooks if it has finished."""
+        self._stats_last = (step, exposed_ns)
+        self._stats_pending = (step, exposed_ns)
+        if self._stats_hooks and self._step_finished():
+            self._emit_stats()
+
+    def _emit_stats(self) -> None:
+        """Hand the last step's figures to the hooks (once, when it has finished)."""
+        if self._stats_pending is None or not self._stats_hooks:
+            return
+        self._stats_pending = None
+        stats = self.last_step_stats
+        if stats is not None:
+            self._stats_hooks(stats)
+
+    def _train_spans_on(self, model: torch.nn.Module) -> None:
+        """Record ``model``'s forward and backward on the ``train`` row while a region is
+        recorded (replacing the hooks of an earlier model)."""
+        from pipeoff.trace._train import install_train_hooks
+
+        for h in self._train_handles or ():
+            h.remove()
+        self._train_handles = install_train_hooks(model, self)
 
     # -- what a subclass answers ---------------------------------------------------------
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
@@ -154,6 +222,7 @@ class Offloaded:
             h.remove()
         self._attach_handles = handles
         self._attached = model
+        self._train_spans_on(model)
 
     def detach(self) -> None:
         """Remove the forward hooks :meth:`attach` installed (after the step in flight:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -53,6 +54,7 @@ from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
+from pipeoff.trace._train import train_span
 
 __all__ = ["FullOffloadOptimizer"]
 
@@ -213,6 +215,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._waits = ForwardWaits(self.wait_for_step)
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
+        self._handed_over = 0  # steps launched (step() without gradients launches none)
         self._warned_compiled = False
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -225,6 +228,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"params: {err}") from None
         self._building = False
         self._reindex()
+        self._train_spans_on(model)  # forward and backward on a recorded trace's train row
 
     # -- set-up ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -380,9 +384,24 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            self._step()
+        if self._stats_pending is not None and self._stats_hooks:
+            self.wait_for_step()  # (_step waits for it anyway, first thing)
+            self._emit_stats()  # the previous step's figures, now that it has finished
+        step = self._steps_called
+        start = time.perf_counter_ns()
+        handed = self._handed_over
+        # The training thread's "step N" span while a region is recorded.
+        with torch.no_grad(), train_span("step", step):
+            try:
+                self._step()
+            finally:
+                self._steps_called += 1
+                if self._handed_over != handed:  # (a step without gradients steps nothing)
+                    self._stats_after_step(step, time.perf_counter_ns() - start)
         return loss
+
+    def _step_finished(self) -> bool:
+        return self._inflight is None
 
     def _step(self) -> None:
         if "transformers.trainer" in sys.modules:
@@ -413,6 +432,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         assert acc is not None
         max_norm = self.max_norm if acc.max_norm is None else acc.max_norm
         acc = self._inflight = micro.hand_over(hyper, max_norm)
+        self._handed_over += 1
         if self.overlap == "backward" and not same_hyper(hyper, acc.hyper):
             self.wait_for_step()
             raise ConfigError(
@@ -556,6 +576,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 raise root from err
             raise
         self._end_step(acc)
+        self._emit_stats()  # the finished step's figures, to the hooks
         self._grad_norm = acc.total_norm
         acc.device_sums.clear()
         fin = acc.final

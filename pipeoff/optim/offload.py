@@ -6,6 +6,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -38,6 +39,7 @@ from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
+from pipeoff.trace._train import train_span
 
 __all__ = ["OffloadOptimizer"]
 
@@ -417,6 +419,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                              "retried.")
             raise
         self._end_step(st)
+        self._emit_stats()  # the finished step's figures, to the hooks
 
     def _end_step(self, st: Step) -> None:
         self._inflight = None
@@ -558,8 +561,25 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             # Traced by Dynamo (torch.compile of a training step, or of step()
             # itself): launching chunks, waiting and its bookkeeping must run
             # for real at every call, not once at trace time.
-            return _compat.dynamo_disable(OffloadOptimizer._step)(self, closure)  # type: ignore[no-any-return]
-        return self._step(closure)
+            return _compat.dynamo_disable(OffloadOptimizer._counted_step)(self, closure)  # type: ignore[no-any-return]
+        return self._counted_step(closure)
+
+    def _counted_step(self, closure: Callable[[], float] | None) -> float | None:
+        if self._stats_pending is not None and self._stats_hooks:
+            self.wait_for_step()  # (step() waits for it anyway, first thing)
+            self._emit_stats()  # the previous step's figures, now that it has finished
+        step = self._steps_called
+        start = time.perf_counter_ns()
+        # The training thread's "step N" span while a region is recorded.
+        with train_span("step", step):
+            try:
+                return self._step(closure)
+            finally:
+                self._steps_called += 1
+                self._stats_after_step(step, time.perf_counter_ns() - start)
+
+    def _step_finished(self) -> bool:
+        return self._last is None or self._last.done()
 
     def _step(self, closure: Callable[[], float] | None) -> float | None:
         if closure is not None and self._chunked:

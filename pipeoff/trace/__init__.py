@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pipeoff.trace._record import Recorder, record, record_hook_wait
+from pipeoff.trace._stats import StepStats
 from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace, TraceSummary
 
 __all__ = [
     "BufferRecord",
     "Recorder",
+    "StepStats",
     "TaskRecord",
     "Trace",
     "TraceSummary",

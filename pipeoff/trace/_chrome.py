@@ -23,6 +23,8 @@ _CATEGORY = {
     "allreduce": "kernel",  # NCCL kernels are "kernel" in torch.profiler traces
     "optimizer_chunk": "kernel",
     "host": "cpu_op",
+    # The training loop's spans: what torch.profiler calls record_function ranges.
+    "train": "user_annotation",
 }
 _PREFIX = {
     "d2h": "Memcpy DtoH ",
@@ -71,7 +73,8 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             )
             events.append(
                 {"ph": "M", "name": "thread_sort_index", "pid": t.rank, "tid": tid,
-                 "args": {"sort_index": tid}}
+                 # The training loop's row on top, as in `pipeoff trace plot`.
+                 "args": {"sort_index": 0 if t.lane == "train" else tid}}
             )
     for rank in sorted({r for r, _ in tids}):
         events.append(

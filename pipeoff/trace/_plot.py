@@ -1,11 +1,17 @@
-"""A Gantt chart of a trace: one row per lane, coloured by kind, staging bytes below."""
+"""A Gantt chart of a trace: the training loop's row on top, one row per lane below, coloured
+by kind, step boundaries as vertical lines, staging bytes underneath."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeoff._errors import ConfigError
-from pipeoff.trace._trace import HOOK_WAIT, Trace
+from pipeoff.trace._records import GATE, HOOK_WAIT, TRAIN, TaskRecord, train_step
+from pipeoff.trace._trace import Trace
+
+__all__ = ["MIN_WIDTH_FRACTION", "plot"]
 
 _COLORS = {
     "h2d": "#4C78A8",
@@ -15,11 +21,65 @@ _COLORS = {
     "host": "#B279A2",
     HOOK_WAIT: "#E45756",
 }
+_TRAIN_COLORS = {
+    "forward": "#9ECAE1",
+    "backward": "#FDAE6B",
+    "step": "#A1D99B",
+    "sync": "#BCBDDC",
+    "prepare": "#DADAEB",
+}
+_GATE_COLOR = "#D9D9D9"
+_LABELS = {
+    "h2d": "host to device copy",
+    "d2h": "device to host copy",
+    "allreduce": "all-reduce",
+    "optimizer_chunk": "optimizer chunk",
+    "host": "host work (fold, step, norm)",
+    HOOK_WAIT: "forward hook waiting for a step",
+}
+MIN_WIDTH_FRACTION = 0.003
+"""The narrowest a bar is drawn, as a fraction of the time axis: shorter tasks are
+widened to it, and a run of them that would overlap is drawn as one bar with
+their count."""
+
+
+@dataclass
+class _Bar:
+    start_ms: float
+    end_ms: float
+    kind: str
+    count: int
+    failed: bool
+
+
+def _bars(records: list[TaskRecord], min_ms: float, key: Any) -> list[_Bar]:
+    """Bars of one row: each record at least ``min_ms`` wide; consecutive short records
+    of the same colour that would overlap at that width merge into one bar."""
+    out: list[_Bar] = []
+    for t in sorted(records, key=lambda r: r.start_ns):
+        s, e = t.start_ns / 1e6, t.end_ns / 1e6
+        kind = key(t)
+        last = out[-1] if out else None
+        short = e - s < min_ms
+        if (last is not None and short and last.kind == kind and not t.status == "failed"
+                and s <= max(last.end_ms, last.start_ms + min_ms)):
+            last.end_ms = max(last.end_ms, e)
+            last.count += 1
+            continue
+        out.append(_Bar(s, e, kind, 1, t.status == "failed"))
+    return out
 
 
 def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 12.0,
          dpi: int = 100) -> Path:
     """Draw ``trace`` as a Gantt chart PNG at ``out``.
+
+    Rows, top to bottom: ``train`` (the training thread's forward, backward,
+    ``step()`` and syncs, when a recorded region captured them), then each of
+    pipeoff's lanes. A gate (a lane waiting for an input from outside its
+    execution: a gradient the backward has not produced yet) is drawn in grey
+    on the row of the lane it held. Step boundaries (the end of each ``step()``)
+    are dashed vertical lines. The axis starts at the first event.
 
     Raises:
         ConfigError: matplotlib is not installed (``pip install 'pipeoff[plot]'``).
@@ -34,25 +94,90 @@ def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 
         raise ConfigError(
             "plotting needs matplotlib: pip install 'pipeoff[plot]'"
         ) from None
-    ran = [t for t in trace.tasks if t.status != "cancelled"]
+    fig = figure(trace, arrows=arrows, width=width, plt=plt, patch=Patch)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any = None,
+           patch: Any = None) -> Any:
+    """The matplotlib figure :func:`plot` saves (its axes: the Gantt chart, then staging)."""
+    if plt is None or patch is None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch as patch
+    shown = [t for t in trace.tasks if t.status != "cancelled"]
+    train = [t for t in shown if t.kind == TRAIN]
+    tasks = [t for t in shown if t.kind not in (TRAIN, GATE)]
+    gates = [t for t in shown if t.kind == GATE]
     lanes: list[tuple[int, str]] = []
-    for t in ran:
+    for t in train + tasks:
         if (t.rank, t.lane) not in lanes:
             lanes.append((t.rank, t.lane))
     multi_rank = len({r for r, _ in lanes}) > 1
     row = {key: i for i, key in enumerate(lanes)}
+    events = [t for t in shown if t.end_ns >= t.start_ns]
+    x0 = min((t.start_ns for t in events), default=0) / 1e6
+    x1 = max((t.end_ns for t in events), default=0) / 1e6
+    span = max(x1 - x0, 1e-6)
+    min_ms = span * MIN_WIDTH_FRACTION
     fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(width, 1.0 + 0.45 * max(len(lanes), 1) + 1.6), sharex=True,
+        2, 1, figsize=(width, 1.2 + 0.45 * max(len(lanes), 1) + 1.6), sharex=True,
         gridspec_kw={"height_ratios": [max(len(lanes), 1), 1.6]},
     )
-    for t in ran:
-        y = row[(t.rank, t.lane)]
-        ax.barh(y, (t.end_ns - t.start_ns) / 1e6, left=t.start_ns / 1e6, height=0.7,
-                color=_COLORS.get(t.kind, "#9D755D"),
-                edgecolor="#D62728" if t.status == "failed" else "none")
+    # Gates under the tasks that waited on them, on those tasks' rows.
+    waiting_lane: dict[tuple[int, str], str] = {}
+    for t in tasks:
+        for gate_name in t.gates:  # (prefixed like the gate's record in a recorded region)
+            waiting_lane.setdefault((t.rank, gate_name), t.lane)
+    gate_kinds: set[str] = set()
+    for g in gates:
+        lane = waiting_lane.get((g.rank, g.name))
+        if lane is None or (g.rank, lane) not in row:
+            continue
+        label = _gate_label(g.name)
+        gate_kinds.add(label)
+        ax.barh(row[(g.rank, lane)], max((g.end_ns - g.start_ns) / 1e6, min_ms),
+                left=g.start_ns / 1e6, height=0.85, color=_GATE_COLOR, hatch="///",
+                edgecolor="#BDBDBD", linewidth=0, zorder=1)
+    merged = 0
+    kinds: set[str] = set()
+    for key in lanes:
+        recs = [t for t in (train if key[1] == "train" else tasks)
+                if (t.rank, t.lane) == key]
+        colour_of = (lambda r: (train_step(r) or ("train", 0))[0]) if key[1] == "train" else (
+            lambda r: r.kind)
+        last_label = float("-inf")
+        for b in _bars(recs, min_ms, colour_of):
+            kinds.add(b.kind)
+            ax.barh(row[key], max(b.end_ms - b.start_ms, min_ms), left=b.start_ms, height=0.6,
+                    color=_TRAIN_COLORS.get(b.kind) or _COLORS.get(b.kind, "#9D755D"),
+                    edgecolor="#D62728" if b.failed else "none", zorder=2)
+            # The count of a merged run, where its label does not run into the last one.
+            if b.count > 1 and b.start_ms - last_label > span * 0.025:
+                merged += 1
+                last_label = b.start_ms
+                ax.text(b.start_ms, row[key] - 0.38, f"x{b.count}", fontsize=6,
+                        va="bottom", ha="left", color="#333", zorder=3)
+    # Step boundaries: where each step() returned.
+    steps: list[tuple[float, int]] = []
+    for t in train:
+        ts = train_step(t)
+        if ts is not None and ts[0] == "step":
+            steps.append((t.end_ns / 1e6, ts[1]))
+    steps.sort()
+    for x, n in steps:
+        for a in (ax, ax2):
+            a.axvline(x, ls="--", lw=0.7, color="#636363", zorder=0)
+        ax.text(x, -0.55, f"step {n}", fontsize=7, ha="right", va="bottom", color="#636363")
     if arrows:
-        by_name = {(t.rank, t.name): t for t in ran}
-        for t in ran:
+        by_name = {(t.rank, t.name): t for t in tasks}
+        for t in tasks:
             for d in t.deps:
                 src = by_name.get((t.rank, d))
                 if src is None or src.lane == t.lane:
@@ -63,14 +188,27 @@ def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([f"r{r} {lane}" if multi_rank else lane for r, lane in lanes])
     ax.invert_yaxis()
+    ax.set_xlim(x0, x0 + span * 1.01)
     s = trace.summary()
-    ax.set_title(f"makespan {s.makespan_us / 1e3:.2f} ms, efficiency {s.efficiency:.2f}")
-    kinds = sorted({t.kind for t in ran})
-    ax.legend(handles=[Patch(color=_COLORS.get(k, "#9D755D"), label=k) for k in kinds],
-              loc="upper right", fontsize="small")
+    title = (f"pipeoff's lanes: makespan {s.makespan_us / 1e3:.2f} ms (first task's start to "
+             f"last task's end)")
+    if train:
+        title += f"; axis from {x0:.2f} to {x1:.2f} ms, the training loop's spans on top"
+    ax.set_title(title, fontsize=9)
+    handles = [patch(color=_TRAIN_COLORS.get(k) or _COLORS.get(k, "#9D755D"),
+                     label=(f"train: {k}" if k in _TRAIN_COLORS else _LABELS.get(k, k)))
+               for k in sorted(kinds, key=lambda k: (k not in _TRAIN_COLORS, k))]
+    for label in sorted(gate_kinds):
+        handles.append(patch(facecolor=_GATE_COLOR, hatch="///", edgecolor="#BDBDBD",
+                             label=label))
+    if any(t.status == "failed" for t in tasks):
+        handles.append(patch(facecolor="white", edgecolor="#D62728", label="failed"))
+    if merged:
+        handles.append(patch(color="white", label="xN: N short tasks drawn as one"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     timeline = trace.staging_timeline()
     if timeline:
-        xs = [0.0] + [time_ns / 1e6 for time_ns, _, _ in timeline]
+        xs = [x0] + [time_ns / 1e6 for time_ns, _, _ in timeline]
         dev = [0.0] + [d / 2**20 for _, d, _ in timeline]
         host = [0.0] + [h / 2**20 for _, _, h in timeline]
         ax2.step(xs, dev, where="post", label="device staging")
@@ -78,12 +216,20 @@ def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 
         if trace.device_budget_bytes:
             ax2.axhline(trace.device_budget_bytes / 2**20, ls="--", color="C0", lw=0.8,
                         label="device budget")
-        ax2.legend(loc="upper right", fontsize="small")
+        ax2.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     ax2.set_ylabel("MiB live")
     ax2.set_xlabel("ms")
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def _gate_label(name: str) -> str:
+    """What a gate stands for: ``grad:...`` gates wait for the backward's gradients."""
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith("grad:"):
+        return "waiting for gradients (gate)"
+    if base in ("prev",):
+        return "waiting for the previous micro-step (gate)"
+    if base in ("step", "commit", "reduce"):
+        return f"waiting for {'step()' if base == 'step' else base} (gate)"
+    return "waiting for an input (gate)"

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeoff import _dist, _lowlevel
-from pipeoff.trace._records import hook_wait_record
+from pipeoff.trace._records import hook_wait_record, train_record
 from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution
 
-__all__ = ["Recorder", "active", "record", "record_hook_wait"]
+__all__ = ["Recorder", "active", "record", "record_hook_wait", "record_train_span"]
 
 _lock = threading.Lock()
 _active: list[Recorder] = []
@@ -56,6 +56,13 @@ class Recorder:
         with self._lock:
             self._spans.append(hook_wait_record(name, start_ns, end_ns,
                                                 origin_ns=self.origin_ns, rank=rank))
+
+    def add_train_span(self, what: str, step: int, start_ns: int, end_ns: int,
+                       rank: int = 0) -> None:
+        """Record the training thread's ``what`` for step ``step`` (perf_counter_ns)."""
+        with self._lock:
+            self._spans.append(train_record(what, step, start_ns, end_ns,
+                                            origin_ns=self.origin_ns, rank=rank))
 
     @property
     def trace(self) -> Trace:
@@ -143,3 +150,13 @@ def record_hook_wait(name: str, start_ns: int, end_ns: int) -> None:
         return
     for rec in list(_active):
         rec.add_hook_wait(name, start_ns, end_ns, rank=_dist.rank())
+
+
+def record_train_span(what: str, step: int, start_ns: int, end_ns: int) -> None:
+    """Tell the active recorders about the training thread's ``what`` (``"forward"``,
+    ``"backward"``, ``"step"``, ``"sync"``) of step ``step`` (``perf_counter_ns``)."""
+    if not _active:
+        return
+    rank = _dist.rank()
+    for rec in list(_active):
+        rec.add_train_span(what, step, start_ns, end_ns, rank=rank)

@@ -6,9 +6,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "COPY_KINDS", "GATE", "HOOK_WAIT", "MARKERS",
-           "BufferRecord", "Status", "TaskRecord", "hook_wait_record",
-           "staging_timeline"]
+__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "COPY_KINDS", "GATE", "HOOK_WAIT", "MARKERS", "TRAIN",
+           "BufferRecord", "Status", "TaskRecord", "hook_wait_record", "staging_timeline",
+           "train_record", "train_step"]
 
 Status = Literal["ok", "failed", "cancelled"]
 
@@ -65,7 +65,10 @@ HOOK_WAIT = "hook_wait"
 GATE = "gate"
 """The ``kind`` of records that time a gate: from a lane's first wait on it to
 its opening (see :meth:`pipeoff.TaskGraph.add_gate`)."""
-MARKERS = (HOOK_WAIT, GATE)
+TRAIN = "train"
+"""The ``kind`` of records of the training thread's work while a region is recorded
+(``forward 3``, ``backward 3``, ``step 3``, ``sync 3``), on the ``train`` row."""
+MARKERS = (HOOK_WAIT, GATE, TRAIN)
 """Kinds of records that are not tasks (no lane time, no makespan)."""
 COPY_KINDS = ("d2h", "h2d")
 COMPUTE_KINDS = ("optimizer_chunk",)
@@ -79,6 +82,24 @@ def hook_wait_record(name: str, start_ns: int, end_ns: int, *, origin_ns: int,
     return TaskRecord(name=name, kind=HOOK_WAIT, lane="forward hooks",
                       start_ns=start_ns - origin_ns, end_ns=end_ns - origin_ns,
                       enqueue_ns=start_ns - origin_ns, rank=rank)
+
+
+def train_record(what: str, step: int, start_ns: int, end_ns: int, *, origin_ns: int,
+                 rank: int) -> TaskRecord:
+    """The record of the training thread's ``what`` (``"forward"``, ``"backward"``,
+    ``"step"``, ``"sync"``) for step ``step``, from ``start_ns`` to ``end_ns``
+    (``perf_counter_ns``), on a timeline that starts at ``origin_ns``."""
+    return TaskRecord(name=f"{what} {step}", kind=TRAIN, lane="train",
+                      start_ns=start_ns - origin_ns, end_ns=end_ns - origin_ns,
+                      enqueue_ns=start_ns - origin_ns, rank=rank)
+
+
+def train_step(record: TaskRecord) -> tuple[str, int] | None:
+    """``(what, step)`` of a train record (``"step 3"`` -> ``("step", 3)``), else ``None``."""
+    if record.kind != TRAIN:
+        return None
+    what, _, step = record.name.rpartition(" ")
+    return (what, int(step)) if step.isdigit() else None
 
 
 def staging_timeline(tasks: Iterable[TaskRecord],

@@ -17,12 +17,14 @@ from pipeoff.trace._records import (
     GATE,
     HOOK_WAIT,
     MARKERS,
+    TRAIN,
     BufferRecord,
     TaskRecord,
     staging_timeline,
+    train_step,
 )
 
-__all__ = ["GATE", "HOOK_WAIT", "BufferRecord", "TaskRecord", "Trace", "TraceSummary",
+__all__ = ["GATE", "HOOK_WAIT", "TRAIN", "BufferRecord", "TaskRecord", "Trace", "TraceSummary",
            "fmt_bytes"]
 
 
@@ -83,6 +85,22 @@ class TraceSummary:
     """The time lanes waited for gates to open, summed over the gates."""
     longest: tuple[tuple[str, str, float], ...] = ()
     """The 10 longest tasks as ``(name, lane, duration_us)``."""
+    train_steps: int = 0
+    """Optimizer steps whose ``step()`` the training loop's spans recorded."""
+    train_median_us: tuple[tuple[str, float], ...] = ()
+    """Per kind of training-loop span (``forward``, ``backward``, ``step``, ``sync``),
+    its median duration on the training thread."""
+    offload_d2h_bytes: int | None = None
+    """Full offload: bytes of gradients shipped to the host per execution (median);
+    ``None`` for other traces."""
+    offload_fold_us: float = 0.0
+    """Full offload: time the host spent folding gradients into the sums (total)."""
+    offload_step_us: float = 0.0
+    """Full offload: time of the host step, chunks and norm (total)."""
+    offload_drain_us: float | None = None
+    """Full offload with the training loop recorded: from the end of a step's final
+    backward to the end of the last fold of its gradients (median over the steps): the
+    gradient traffic the backward did not hide."""
 
     @property
     def lane_busy_pct(self) -> tuple[tuple[str, float], ...]:
@@ -116,6 +134,12 @@ class TraceSummary:
             "gates": self.gates,
             "gate_wait_total_us": self.gate_wait_total_us,
             "longest": [list(x) for x in self.longest],
+            "train_steps": self.train_steps,
+            "train_median_us": dict(self.train_median_us),
+            "offload_d2h_bytes": self.offload_d2h_bytes,
+            "offload_fold_us": self.offload_fold_us,
+            "offload_step_us": self.offload_step_us,
+            "offload_drain_us": self.offload_drain_us,
         }
 
     def format(self) -> str:
@@ -125,13 +149,18 @@ class TraceSummary:
             return "n/a" if x is None else f"{x:.1f} %"
 
         lines = [
-            f"tasks             {self.tasks} ({self.failed} failed, {self.cancelled} cancelled)",
-            f"makespan          {self.makespan_us / 1e3:.3f} ms",
-            f"critical path     {self.critical_path_us / 1e3:.3f} ms (lower bound)",
-            f"efficiency        {self.efficiency:.2f}"
-            + (" (time-weighted over the executions; see below)" if self.executions > 1
+            f"tasks             {self.tasks} ({self.failed} failed, {self.cancelled} cancelled):"
+            " pipeoff's own tasks",
+            f"makespan          {self.makespan_us / 1e3:.3f} ms: pipeoff's lanes, from the first"
+            " task's start to the last task's end",
+            f"critical path     {self.critical_path_us / 1e3:.3f} ms: a lower bound on that"
+            " makespan for these task durations",
+            f"efficiency        {self.efficiency:.2f}: critical path / makespan, of pipeoff's own"
+            " work (not the training step)"
+            + (", time-weighted over the executions (see below)" if self.executions > 1
                else ""),
-            f"busy              {self.busy_pct:.1f} % of the makespan has a task running",
+            f"busy              {self.busy_pct:.1f} % of the makespan has a pipeoff task running"
+            " (the rest is the training loop's own time)",
             f"comm overlap      {pct(self.comm_overlap_pct)} of collective time under compute"
             " (HTA's comm/comp overlap)",
             f"comm hidden       {pct(self.comm_hidden_pct)} of collective time under copies or"
@@ -139,9 +168,15 @@ class TraceSummary:
             f"copy overlap      {pct(self.copy_overlap_pct)} of copy time under compute or"
             " collectives",
             f"device staging    peak {fmt_bytes(self.peak_device_staging_bytes)}"
-            f" / budget {fmt_bytes(self.device_budget_bytes)}",
+            f" / budget {fmt_bytes(self.device_budget_bytes)}: pipeoff's device buffers"
+            + (" (the budget is each execution's)"
+               if self.executions > 1 and self.device_budget_bytes is not None else "")
+            + (" (full offload stages on the host)" if self.offload_d2h_bytes is not None
+               else ""),
             f"host staging      peak {fmt_bytes(self.peak_host_staging_bytes)}"
-            f" / budget {fmt_bytes(self.host_budget_bytes)}",
+            f" / budget {fmt_bytes(self.host_budget_bytes)}: pipeoff's host buffers"
+            + (" (the budget is each execution's)"
+               if self.executions > 1 and self.host_budget_bytes is not None else ""),
             f"hook waits        {self.hook_waits}, total {self.hook_wait_total_us / 1e3:.3f} ms,"
             f" worst {self.hook_wait_max_us / 1e3:.3f} ms",
         ]
@@ -153,7 +188,21 @@ class TraceSummary:
                          "(min / median / max)")
         if self.gates:
             lines.append(f"gate waits        {self.gates} gates, lanes waited "
-                         f"{self.gate_wait_total_us / 1e3:.3f} ms in total")
+                         f"{self.gate_wait_total_us / 1e3:.3f} ms in total: lanes idle until"
+                         " their inputs came (gradients from the backward), not a fault")
+        if self.train_steps or self.train_median_us:
+            parts = ", ".join(f"{'step()' if k == 'step' else k} {us / 1e3:.3f} ms"
+                              for k, us in self.train_median_us)
+            lines.append(f"training loop     {self.train_steps} steps; medians on the training"
+                         f" thread: {parts}")
+        if self.offload_d2h_bytes is not None:
+            lines.append(f"full offload      {fmt_bytes(self.offload_d2h_bytes)} of gradients to"
+                         f" the host per micro-step (median); host time: fold "
+                         f"{self.offload_fold_us / 1e3:.3f} ms, step "
+                         f"{self.offload_step_us / 1e3:.3f} ms (totals)")
+        if self.offload_drain_us is not None:
+            lines.append(f"exposed drain     {self.offload_drain_us / 1e3:.3f} ms (median): from a"
+                         " step's final backward's end to its last fold's end")
         lines.append("lane busy")
         for lane, busy_pct in self.lane_busy_pct:
             lines.append(f"  {lane:<15} {busy_pct:6.1f} %")
@@ -329,7 +378,69 @@ class Trace:
             longest=tuple((t.name, t.lane, t.duration_ns / 1e3) for t in ran),
             gates=len(gates),
             gate_wait_total_us=sum(gates) / 1e3,
+            **self._train_figures(),
+            **self._offload_figures(),
         )
+
+    def _train_figures(self) -> dict[str, Any]:
+        """The training loop's spans: steps, and the median of each kind."""
+        by_kind: dict[str, list[int]] = {}
+        steps: set[int] = set()
+        for t in self.tasks:
+            ts = train_step(t)
+            if ts is None:
+                continue
+            by_kind.setdefault(ts[0], []).append(t.duration_ns)
+            if ts[0] == "step":
+                steps.add(ts[1])
+        order = ["forward", "backward", "step", "prepare", "sync"]
+        return {"train_steps": len(steps), "train_median_us": tuple(
+            (k, statistics.median(by_kind[k]) / 1e3)
+            for k in sorted(by_kind, key=lambda k: (order.index(k) if k in order else 9, k)))}
+
+    def _offload_figures(self) -> dict[str, Any]:
+        """Full offload's tasks (``d2h:i.j``, ``acc:i.j``, ``step:k``, ``norm``), when the
+        trace has them: gradient bytes per execution, fold and host-step time."""
+        d2h: dict[int, int] = {}
+        fold = step = 0
+        seen = False
+        for t in self._ran():
+            base = t.name.rsplit("/", 1)[-1]
+            if base.startswith("acc:"):
+                seen = True
+                fold += t.duration_ns
+            elif base.startswith("step:") or base in ("norm", "norm_allreduce"):
+                step += t.duration_ns
+            elif base.startswith("d2h:") and "." in base:
+                d2h[t.execution] = d2h.get(t.execution, 0) + t.nbytes
+        if not seen:
+            return {}
+        return {"offload_d2h_bytes": int(statistics.median(d2h.values())) if d2h else 0,
+                "offload_fold_us": fold / 1e3, "offload_step_us": step / 1e3,
+                "offload_drain_us": self._drain_us()}
+
+    def _drain_us(self) -> float | None:
+        """Median over the recorded steps of: the end of the last fold that ends after the
+        step's final backward, minus that backward's end (``None`` without the
+        training loop's spans)."""
+        last_backward: dict[int, int] = {}
+        forwards: list[int] = []
+        for t in self.tasks:
+            ts = train_step(t)
+            if ts is not None and ts[0] == "backward":
+                last_backward[ts[1]] = max(last_backward.get(ts[1], 0), t.end_ns)
+            elif ts is not None and ts[0] == "forward":
+                forwards.append(t.start_ns)
+        if not last_backward:
+            return None
+        folds = [t.end_ns for t in self._ran() if t.name.rsplit("/", 1)[-1].startswith("acc:")]
+        drains = []
+        for b_end in sorted(last_backward.values()):
+            # Up to the next forward: the folds after it are the next step's.
+            nxt = min((f for f in forwards if f > b_end), default=None)
+            after = [f for f in folds if f >= b_end and (nxt is None or f < nxt)]
+            drains.append(max(after) - b_end if after else 0)
+        return statistics.median(drains) / 1e3
 
     # -- files --------------------------------------------------------------
     def to_chrome(self) -> dict[str, Any]:

@@ -1,0 +1,147 @@
+"""Per-step figures for loggers: a small frozen record of one optimizer step or sync.
+
+pipeoff prints nothing while training. What a step cost is in its trace; a
+:class:`StepStats` is the handful of numbers from it that W&B, TensorBoard or
+the HF Trainer's logs take as they are (:meth:`StepStats.as_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeoff.trace._records import GATE, HOOK_WAIT, MARKERS
+from pipeoff.trace._trace import Trace
+
+__all__ = ["StatsHooks", "StepStats", "SyncStats", "step_stats"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepStats:
+    """What one optimizer step (or one LocalSGD/DiLoCo sync) moved and cost.
+
+    Times are milliseconds, sizes bytes. Durations of a kind are summed over its
+    tasks (they may overlap each other and the training loop).
+    """
+
+    step: int
+    """The step's number: ``step()`` calls before it (a sync: the step it follows)."""
+    what: str
+    """``"step"`` (an optimizer step) or ``"sync"`` (a LocalSGD or DiLoCo sync)."""
+    d2h_bytes: int
+    """Bytes copied device to host (gradients, state, averages)."""
+    h2d_bytes: int
+    """Bytes copied host to device (weights, state)."""
+    copy_ms: float
+    """Time the copies took, summed."""
+    host_ms: float
+    """Time of host and optimizer work (folds, chunk steps, an outer step), summed."""
+    collective_ms: float
+    """Time of all-reduces, summed."""
+    wait_ms: float
+    """Time lanes waited for their inputs (gates) and forward hooks for the step."""
+    chunks: int
+    """Optimizer chunks stepped (buckets all-reduced, for a sync)."""
+    exposed_ms: float
+    """Time the training thread spent inside ``step()`` (or the sync): what the step
+    cost the loop, before any forward-hook wait."""
+    makespan_ms: float
+    """From the step's first task's start to its last task's end."""
+    committed: bool | None = None
+    """For a sync: whether the quorum committed; ``None`` for a step."""
+    failed: int = 0
+    """Tasks that raised."""
+
+    def as_dict(self, prefix: str = "pipeoff/") -> dict[str, Any]:
+        """The figures as a flat dict of numbers, keys prefixed (``"pipeoff/d2h_bytes"``):
+        what ``wandb.log``, TensorBoard's ``add_scalars`` and the HF Trainer's ``log``
+        take as they are."""
+        return {f"{prefix}{k}": v for k, v in asdict(self).items() if k != "what"}
+
+
+def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
+               committed: bool | None = None) -> StepStats:
+    """The :class:`StepStats` of ``trace`` (one step's or one sync's executions)."""
+    d2h = h2d = chunks = failed = 0
+    copy = host = coll = wait = 0
+    starts, ends = [], []
+    for t in trace.tasks:
+        if t.kind == GATE or t.kind == HOOK_WAIT:
+            wait += t.duration_ns
+            continue
+        if t.kind in MARKERS or t.status == "cancelled":
+            continue
+        starts.append(t.start_ns)
+        ends.append(t.end_ns)
+        failed += t.status == "failed"
+        base = t.name.rsplit("/", 1)[-1]
+        if t.kind == "d2h":
+            d2h += t.nbytes
+            copy += t.duration_ns
+        elif t.kind == "h2d":
+            h2d += t.nbytes
+            copy += t.duration_ns
+        elif t.kind == "allreduce":
+            coll += t.duration_ns
+            chunks += what == "sync"
+        else:
+            host += t.duration_ns
+            if what == "step" and (t.kind == "optimizer_chunk" or base.startswith("step:")):
+                chunks += 1
+    return StepStats(
+        step=step, what=what, d2h_bytes=d2h, h2d_bytes=h2d, copy_ms=copy / 1e6,
+        host_ms=host / 1e6, collective_ms=coll / 1e6, wait_ms=wait / 1e6, chunks=chunks,
+        exposed_ms=exposed_ns / 1e6,
+        makespan_ms=(max(ends) - min(starts)) / 1e6 if starts else 0.0,
+        committed=committed, failed=failed)
+
+
+class StatsHooks:
+    """The callbacks that get every step's :class:`StepStats`."""
+
+    def __init__(self) -> None:
+        self._hooks: dict[int, Callable[[StepStats], None]] = {}
+        self._next = 0
+
+    def add(self, hook: Callable[[StepStats], None]) -> Any:
+        """Register ``hook``; returns a handle whose ``remove()`` unregisters it."""
+        if not callable(hook):
+            from pipeoff._errors import ConfigError
+
+            raise ConfigError(f"hook must be callable (it takes a StepStats), got {hook!r}")
+        key = self._next
+        self._next += 1
+        self._hooks[key] = hook
+        hooks = self._hooks
+
+        class _Handle:
+            def remove(self) -> None:
+                hooks.pop(key, None)
+
+        return _Handle()
+
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
+
+    def __call__(self, stats: StepStats) -> None:
+        for hook in list(self._hooks.values()):
+            hook(stats)
+
+
+class SyncStats:
+    """A sync's figures for LocalSGD and DiLoCo: ``last_sync_stats`` and the hooks that
+    get every sync's."""
+
+    def __init__(self) -> None:
+        self.hooks = StatsHooks()
+        self.last: StepStats | None = None
+
+    def done(self, trace: Trace | None, *, step: int, exposed_ns: int,
+             committed: bool | None) -> None:
+        """Record a finished sync (``trace`` ``None`` on torchft's own path: copies and
+        collectives are not traced there) and hand its figures to the hooks."""
+        self.last = step_stats(trace if trace is not None else Trace(tasks=()), step=step,
+                               what="sync", exposed_ns=exposed_ns, committed=committed)
+        if self.hooks:
+            self.hooks(self.last)

@@ -1,0 +1,214 @@
+"""The training loop on the trace (issue 24): train spans, the plot's structure, the
+summary's clauses, and per-step figures for loggers that match the trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pipeoff
+import pipeoff.trace
+from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+from pipeoff.trace import StepStats, Trace
+from pipeoff.trace._records import train_step
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _train(model: nn.Module, opt: Any, steps: int, micro: int = 1) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for _ in range(micro):
+            model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _overlap() -> tuple[nn.Module, Any]:
+    model = _net()
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=4096)
+    opt.attach(model)
+    return model, opt
+
+
+def _full() -> tuple[nn.Module, Any]:
+    model = _net()
+    return model, FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, slot_bytes=1024)
+
+
+@pytest.fixture(params=["overlap", "full_offload"])
+def recorded(request: pytest.FixtureRequest) -> tuple[str, Trace, Any]:
+    model, opt = _overlap() if request.param == "overlap" else _full()
+    with pipeoff.trace.record() as rec:
+        _train(model, opt, 3, micro=2 if request.param == "full_offload" else 1)
+        opt.wait_for_step()
+    return request.param, rec.trace, opt
+
+
+def _spans(trace: Trace) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for t in trace.tasks:
+        ts = train_step(t)
+        if ts is not None:
+            out.setdefault(ts[0], []).append(ts[1])
+    return out
+
+
+def test_the_training_loop_is_on_the_train_row(recorded: tuple[str, Trace, Any]) -> None:
+    kind, trace, _ = recorded
+    spans = _spans(trace)
+    micro = 2 if kind == "full_offload" else 1
+    assert sorted(spans["step"]) == [0, 1, 2]
+    assert sorted(spans["forward"]) == sorted([0, 1, 2] * micro)
+    assert sorted(spans["backward"]) == sorted([0, 1, 2] * micro)
+    train = [t for t in trace.tasks if t.kind == "train"]
+    assert {t.lane for t in train} == {"train"}
+    # In order on the training thread: step k's forward, backward, then step() itself.
+    by_step: dict[int, dict[str, Any]] = {}
+    for t in train:
+        what, n = train_step(t)  # type: ignore[misc]
+        by_step.setdefault(n, {}).setdefault(what, []).append(t)
+    for spans_n in by_step.values():
+        assert max(t.end_ns for t in spans_n["forward"]) <= min(t.start_ns for t in spans_n["step"])
+        assert max(t.end_ns for t in spans_n["backward"]) <= min(
+            t.start_ns for t in spans_n["step"])
+    # Not tasks: the summary's task count and makespan leave them out.
+    s = trace.summary()
+    assert s.tasks == sum(t.kind not in ("train", "gate", "hook_wait") for t in trace.tasks)
+    assert s.train_steps == 3
+    assert [k for k, _ in s.train_median_us][:3] == ["forward", "backward", "step"]
+
+
+def test_nothing_is_recorded_outside_a_region() -> None:
+    model, opt = _full()
+    _train(model, opt, 1)
+    with pipeoff.trace.record() as rec:
+        pass
+    assert not rec.trace.tasks
+
+
+def test_the_train_spans_survive_chrome_json_as_user_annotations(
+        recorded: tuple[str, Trace, Any], tmp_path: Path) -> None:
+    _, trace, _ = recorded
+    path = trace.save(tmp_path / "t.json")
+    chrome = trace.to_chrome()
+    spans = [e for e in chrome["traceEvents"] if e.get("cat") == "user_annotation"]
+    assert spans and all(e["name"].split()[0] in ("forward", "backward", "step") for e in spans)
+    tid = spans[0]["tid"]
+    order = [e for e in chrome["traceEvents"]
+             if e.get("name") == "thread_sort_index" and e["tid"] == tid]
+    assert order[0]["args"]["sort_index"] == 0  # the train row on top
+    again = Trace.load(path)
+    assert _spans(again) == _spans(trace)
+
+
+def _figure(trace: Trace) -> Any:
+    pytest.importorskip("matplotlib")
+    from pipeoff.trace._plot import MIN_WIDTH_FRACTION, figure
+
+    fig = figure(trace)
+    return fig, MIN_WIDTH_FRACTION
+
+
+def test_the_plot_has_the_train_row_on_top_step_lines_and_min_widths(
+        recorded: tuple[str, Trace, Any]) -> None:
+    kind, trace, _ = recorded
+    fig, frac = _figure(trace)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels[0] == "train" and len(labels) > 1
+    assert ax.yaxis_inverted()  # row 0 on top
+    # One dashed line per step() (where it returned), on the Gantt chart.
+    dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert len(dashed) == 3
+    steps = sorted(t.end_ns / 1e6 for t in trace.tasks
+                   if (train_step(t) or ("", 0))[0] == "step")
+    assert sorted(ln.get_xdata()[0] for ln in dashed) == pytest.approx(steps)
+    # The axis starts at the first event; no bar is narrower than the minimum width.
+    first = min(t.start_ns for t in trace.tasks if t.status != "cancelled") / 1e6
+    lo, hi = ax.get_xlim()
+    assert lo == pytest.approx(first)
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    assert bars and min(p.get_width() for p in bars) >= (hi - lo) / 1.01 * frac * 0.999
+    # A legend entry for every colour drawn, the train kinds and the gates among them.
+    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {"train: forward", "train: backward", "train: step"} <= legend
+    if kind == "full_offload":
+        assert "waiting for gradients (gate)" in legend
+    drawn = {p.get_facecolor() for p in bars}
+    shown = {h.get_facecolor() for h in ax.get_legend().legend_handles}
+    assert drawn <= shown
+    assert "makespan" in ax.get_title() and "first task's start" in ax.get_title()
+
+
+def test_many_short_tasks_merge_into_one_bar_with_their_count() -> None:
+    from pipeoff.trace._records import TaskRecord
+
+    tasks = [TaskRecord(name=f"d2h:{k}", kind="d2h", lane="d2h", start_ns=k * 1000,
+                        end_ns=k * 1000 + 10) for k in range(50)]
+    tasks.append(TaskRecord(name="opt", kind="optimizer_chunk", lane="compute",
+                            start_ns=0, end_ns=100_000_000))
+    fig, _ = _figure(Trace(tasks=tuple(tasks)))
+    ax = fig.axes[0]
+    counts = [t.get_text() for t in ax.texts if t.get_text().startswith("x")]
+    assert counts == ["x50"]
+
+
+def test_the_summary_says_what_each_figure_is_of(recorded: tuple[str, Trace, Any]) -> None:
+    kind, trace, _ = recorded
+    text = trace.summary().format()
+    assert "of pipeoff's own work (not the training step)" in text
+    assert "training loop     3 steps" in text
+    if kind == "full_offload":
+        assert "full offload" in text and "of gradients to the host per micro-step" in text
+        assert "(full offload stages on the host)" in text
+        assert "not a fault" in text
+
+
+@pytest.mark.parametrize("make", [_overlap, _full], ids=["overlap", "full_offload"])
+def test_step_stats_match_the_trace_and_reach_a_hook_for_every_step(make: Any) -> None:
+    model, opt = make()
+    got: list[StepStats] = []
+    handle = opt.register_step_stats_hook(got.append)
+    _train(model, opt, 3)
+    opt.wait_for_step()  # the last step's figures go out once it is waited for
+    assert [s.step for s in got] == [0, 1, 2]
+    assert got[-1] == opt.last_step_stats
+    for s in got:
+        assert s.what == "step" and s.exposed_ms >= 0 and s.makespan_ms > 0
+        assert s.d2h_bytes > 0 and s.chunks > 0
+        d = s.as_dict()
+        assert d["pipeoff/step"] == s.step and all(k.startswith("pipeoff/") for k in d)
+        assert all(isinstance(v, (int, float, bool)) or v is None for v in d.values())
+    handle.remove()
+    _train(model, opt, 1)
+    opt.wait_for_step()
+    assert len(got) == 3
+
+
+def test_step_stats_of_a_step_equal_its_traces_figures() -> None:
+    model, opt = _full()
+    _train(model, opt, 2)
+    opt.wait_for_step()
+    stats = opt.last_step_stats
+    trace = opt.last_trace
+    assert stats.step == 1
+    assert stats.d2h_bytes == sum(t.nbytes for t in trace.tasks if t.kind == "d2h")
+    assert stats.h2d_bytes == sum(t.nbytes for t in trace.tasks if t.kind == "h2d")
+    assert stats.chunks == sum(t.name.rsplit("/", 1)[-1].startswith("step:")
+                               for t in trace.tasks)
+    assert stats.makespan_ms == pytest.approx(trace.summary().makespan_us / 1e3)
+
+
+def test_a_hook_must_be_callable() -> None:
+    _, opt = _full()
+    with pytest.raises(pipeoff.ConfigError, match="hook must be callable"):
+        opt.register_step_stats_hook(3)
