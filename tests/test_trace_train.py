@@ -212,3 +212,12 @@ def test_a_hook_must_be_callable() -> None:
     _, opt = _full()
     with pytest.raises(pipeoff.ConfigError, match="hook must be callable"):
         opt.register_step_stats_hook(3)
+
+
+def test_steps_are_ranges_in_a_torch_profiler_session() -> None:
+    model, opt = _full()
+    with torch.profiler.profile() as prof:
+        _train(model, opt, 2)
+        opt.wait_for_step()
+    names = {e.name for e in prof.events()}
+    assert {"pipeoff::train::step 0", "pipeoff::train::step 1"} <= names

@@ -38,15 +38,22 @@ TRAIN_LANE = "train"
 
 @contextmanager
 def train_span(what: str, step: int) -> Iterator[None]:
-    """Record the block as the training thread's ``"{what} {step}"`` while recording."""
-    if not _record.active():
+    """Record the block as the training thread's ``"{what} {step}"`` while recording, and
+    as a ``pipeoff::train::{what} {step}`` range while ``torch.profiler`` profiles."""
+    profiling = _compat.profiler_enabled()
+    if not _record.active() and not profiling:
         yield
         return
     start = time.perf_counter_ns()
     try:
-        yield
+        if profiling:
+            with torch.profiler.record_function(f"pipeoff::train::{what} {step}"):
+                yield
+        else:
+            yield
     finally:
-        _record.record_train_span(what, step, start, time.perf_counter_ns())
+        if _record.active():
+            _record.record_train_span(what, step, start, time.perf_counter_ns())
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:
