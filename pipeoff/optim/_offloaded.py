@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeoff import _lowlevel
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import completions
@@ -72,10 +73,8 @@ class Offloaded:
         Raises:
             ConfigError: ``hook`` is not callable.
         """
-        from pipeoff.trace._stats import StatsHooks
-
         if self._stats_hooks is None:
-            self._stats_hooks = StatsHooks()
+            self._stats_hooks = _lowlevel.stats_hooks()
         return self._stats_hooks.add(hook)
 
     @property
@@ -88,10 +87,8 @@ class Offloaded:
         trace = self.last_trace  # type: ignore[attr-defined]
         if trace is None:
             return None
-        from pipeoff.trace._stats import step_stats
-
         step, exposed = self._stats_last
-        return step_stats(trace, step=step, what="step", exposed_ns=exposed)
+        return _lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed)
 
     def _step_finished(self) -> bool:
         raise NotImplementedError
@@ -115,11 +112,9 @@ class Offloaded:
     def _train_spans_on(self, model: torch.nn.Module) -> None:
         """Record ``model``'s forward and backward on the ``train`` row while a region is
         recorded (replacing the hooks of an earlier model)."""
-        from pipeoff.trace._train import install_train_hooks
-
         for h in self._train_handles or ():
             h.remove()
-        self._train_handles = install_train_hooks(model, self)
+        self._train_handles = _lowlevel.install_train_hooks(model, self)
 
     # -- what a subclass answers ---------------------------------------------------------
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:

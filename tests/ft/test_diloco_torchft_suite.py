@@ -26,6 +26,7 @@ import torchft._test.diloco_trainer as trainer  # noqa: E402
 import torchft.local_sgd  # noqa: E402
 import torchft.local_sgd_integ_test as integ  # noqa: E402
 import torchft.local_sgd_test as unit  # noqa: E402
+from torchft._torchft import LighthouseServer as _LighthouseServer  # noqa: E402
 
 import pipeoff.ft  # noqa: E402
 
@@ -76,11 +77,26 @@ def _no_default_process_group_left() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+JOIN_TIMEOUT_MS = 1000
+"""How long the Lighthouse waits for a heartbeating replica to join a changed quorum.
+torchft's tests leave its default (about 100 ms): on 2 shared cores, with three
+replicas in one process sharing the GIL, a replica can lag its peers by more
+than that (0.64 s seen in CI), the quorum forms without it, its peers finish their
+loops, and it times out waiting alone. A wait only for quorums whose membership
+changes: about a second per test."""
+
+
+def _lighthouse(**kwargs: Any) -> Any:
+    kwargs.setdefault("join_timeout_ms", JOIN_TIMEOUT_MS)
+    return _LighthouseServer(**kwargs)
+
+
 def _patch(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[Any]:
     created: list[Any] = []
     cls = _mode_class(mode, created)
     for module in (torchft.local_sgd, unit, integ, trainer):
         monkeypatch.setattr(module, "DiLoCo", cls)
+    monkeypatch.setattr(integ, "LighthouseServer", _lighthouse)
     return created
 
 
