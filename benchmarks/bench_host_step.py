@@ -14,6 +14,10 @@ tensors, in interleaved rounds (A B C ... A B C ...), at each thread count:
   ``grad_norm``), then the native one-pass AdamW + cast (30 B); 44 B in all;
 * ``pipeoff kernels``: the same without the norm (40 B);
 * ``pipeoff step+cast``: the native step and cast alone (30 B), beside fused AdamW;
+* ``one pass (kernel)``: the native kernel with the last gradient folded inside
+  the step (``adam_step(last_grad=...)``, 32 B): what a final micro-step would
+  cost if the optimizer held the last gradients until the step (it does not:
+  docs/host_step.md, "Why not one pass");
 * ``three passes``: torch's path (the fold in 256K pieces, the norm, the fused
   AdamW kernel through the chunk step, the cast): 48 B;
 * ``naive``: prime-rl/torchao style: a whole-tensor mixed-dtype add, one fused
@@ -46,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import table  # noqa: E402
 
 BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff": 44, "pipeoff kernels": 40,
-         "pipeoff step+cast": 30,
+         "pipeoff step+cast": 30, "one pass (kernel)": 32,
          "three passes": 48, "naive": 44,
          "fold floor": 10, "fold: native": 10, "fold: torch pieces": 10, "fold: whole add": 10}
 """Logical bytes per parameter each variant moves (the floors: the one-pass minimum)."""
@@ -121,6 +125,11 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
         for m, s, a, v, w in zip(masters, sums, exp_avg, exp_avg_sq, weights):
             kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t)
 
+    def one_pass(t: int) -> None:
+        for m, s, g, a, v, w in zip(masters, sums, grads, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t,
+                             last_grad=g)
+
     def pipeoff(t: int) -> None:
         torch.set_num_threads(t)
         for s, g in zip(sums, grads):
@@ -173,6 +182,7 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
 
     step_variants = {"floor": floor, "fused AdamW": fused_alone, "pipeoff": pipeoff,
                      "pipeoff kernels": pipeoff_kernels, "pipeoff step+cast": step_cast,
+                     "one pass (kernel)": one_pass,
                      "three passes": three, "naive": naive}
     fold_variants = {"fold floor": fold_floor, "fold: native": fold_native,
                      "fold: torch pieces": fold_torch, "fold: whole add": fold_whole}

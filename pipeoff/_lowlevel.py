@@ -9,19 +9,14 @@ code outside ``execution.py`` and ``executor/`` that reads an execution's run.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
     from pipeoff.execution import Completion, Execution
-    from pipeoff.trace import StepStats, TaskRecord, Trace
-    from pipeoff.trace._stats import StatsHooks, SyncStats
+    from pipeoff.trace import TaskRecord, Trace
 
-__all__ = ["completions", "hook_wait_records", "install_train_hooks", "is_failure_of",
-           "on_complete", "pending", "settle", "shifted_trace", "stats_hooks", "step_stats",
-           "sync_stats", "train_span", "translate_failures"]
+__all__ = ["completions", "hook_wait_records", "is_failure_of", "on_complete", "pending",
+           "settle", "shifted_trace", "translate_failures"]
 
 
 def is_failure_of(err: BaseException, execution: Execution) -> bool:
@@ -110,43 +105,3 @@ def hook_wait_records(waits: Iterable[tuple[str, int, int]], origin_ns: int,
     from pipeoff.trace._records import hook_wait_record
 
     return tuple(hook_wait_record(n, a, b, origin_ns=origin_ns, rank=rank) for n, a, b in waits)
-
-
-def train_span(what: str, step: int) -> AbstractContextManager[None]:
-    """The block as the training thread's ``"{what} {step}"`` span while a region is
-    recorded (and a ``torch.profiler`` range while one profiles); nothing otherwise."""
-    from pipeoff.trace._train import train_span as span
-
-    return span(what, step)
-
-
-def install_train_hooks(model: torch.nn.Module, owner: Any) -> list[Any]:
-    """Hooks on ``model``'s root that put its forward and backward on the train row while
-    a region is recorded, numbered by ``owner._steps_called``; the handles."""
-    from pipeoff.trace._train import install_train_hooks as install
-
-    return install(model, owner)
-
-
-# -- per-step figures -------------------------------------------------------------------------
-
-def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
-               committed: bool | None = None) -> StepStats:
-    """The :class:`pipeoff.trace.StepStats` of ``trace`` (one step's or one sync's)."""
-    from pipeoff.trace._stats import step_stats as stats
-
-    return stats(trace, step=step, what=what, exposed_ns=exposed_ns, committed=committed)
-
-
-def stats_hooks() -> StatsHooks:
-    """An empty set of per-step stats hooks (``add(hook)`` returns a removable handle)."""
-    from pipeoff.trace._stats import StatsHooks
-
-    return StatsHooks()
-
-
-def sync_stats() -> SyncStats:
-    """LocalSGD's and DiLoCo's per-sync figures: ``last``, ``hooks`` and ``done(...)``."""
-    from pipeoff.trace._stats import SyncStats
-
-    return SyncStats()

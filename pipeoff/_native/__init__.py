@@ -43,12 +43,14 @@ _I, _L, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "pipeoff_adam_step": (_I, [_P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _F, _F, _F, _F, _F, _F,
                                _F, _F, _I, _I, _L, _I, _I]),
+    "pipeoff_adam_fold_step": (_I, [_P, _P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _F, _F, _F, _F,
+                                    _F, _F, _F, _F, _I, _I, _L, _I, _I]),
     "pipeoff_adam_fast": (_I, []),
     "pipeoff_fold": (_I, [_P, _P, _I, _L, _I, _I]),
     "pipeoff_scale": (_I, [_P, _L, _F, _I]),
     "pipeoff_abi_version": (_I, []),
 }
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None

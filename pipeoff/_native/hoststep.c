@@ -6,6 +6,9 @@
  *   pipeoff_adam_step   the AdamW/Adam update of master, m, v from an FP32 gradient
  *                       (optionally scaled by the clip coefficient), and the cast
  *                       of the new master into the compute dtype, in one pass;
+ *   pipeoff_adam_fold_step  the same with the last micro-step's BF16 gradient folded
+ *                       into the FP32 sum (or taken alone) inside the pass: the
+ *                       final micro-step of full offload in one pass over memory;
  *   pipeoff_fold        acc = grad (widened) or acc += grad, BF16 or FP32 grad;
  *   pipeoff_scale       a[i] *= s in place (the benchmarks' bandwidth floor).
  *
@@ -152,6 +155,8 @@ static inline float from_bf16(uint16_t h) {
 typedef struct {
     float *restrict p, *restrict m, *restrict v;
     const float *restrict g;
+    const uint16_t *restrict g16;  /* the last BF16 gradient (gmode 1, 2) */
+    int gmode;           /* the gradient: 0 g; 1 g16 widened; 2 g + g16 widened */
     void *restrict out;
     int out_kind;        /* 0 none, 1 BF16, 2 FP32 */
     uint16_t nan_bits;   /* BF16 bits of a NaN weight */
@@ -173,9 +178,11 @@ typedef struct {
  * instance (ADAM_CASES), so that each is one vectorized loop. */
 static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, int64_t b,
                                                              int64_t e, int fma, int adam_wd,
-                                                             int out_kind, int small) {
+                                                             int out_kind, int small,
+                                                             int gmode) {
     float *restrict P = a->p, *restrict M = a->m, *restrict V = a->v;
     const float *restrict G = a->g;
+    const uint16_t *restrict G16 = a->g16;
     uint16_t *restrict O16 = (uint16_t *)a->out;
     float *restrict O32 = (float *)a->out;
     const float scale = a->scale, sign = a->sign, wd = a->wd, decay = a->decay;
@@ -187,7 +194,10 @@ static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, 
      * (small == 2), which differ in the sign of a zero product when w is 1. */
     const float c = small == 1 ? a->w1 : (small == 2 ? -(1.0f - a->w1) : a->w1 - 1.0f);
     for (int64_t i = b; i < e; i++) {
-        float g = G[i] * scale * sign;
+        /* gmode 2 is the fold's acc + widen(grad), the same IEEE add */
+        float g0 = gmode == 0 ? G[i] : (gmode == 1 ? from_bf16(G16[i])
+                                                    : G[i] + from_bf16(G16[i]));
+        float g = g0 * scale * sign;
         float p0 = P[i];
         float p = p0 * decay;
         float m = M[i];
@@ -214,24 +224,31 @@ static inline __attribute__((always_inline)) void adam_loop(const adam_args *a, 
     }
 }
 
-#define ADAM_LOOP(F, WD, OUT, SMALL) adam_loop(a, b, e, F, WD, OUT, SMALL)
+#define ADAM_LOOP(F, WD, OUT, SMALL, GM) adam_loop(a, b, e, F, WD, OUT, SMALL, GM)
 
 /* BF16 weights: the step and the cast in tiles that stay in L1, so that each loop
  * vectorizes at its full width (a loop mixing 32- and 16-bit stores does not). */
 #define TILE 2048
-#define ADAM_BF16(F, WD, SMALL)                                              \
+#define ADAM_BF16(F, WD, SMALL, GM)                                          \
     for (int64_t t0 = b, b0 = b, e0 = e; t0 < e0; t0 += TILE) {              \
         int64_t t1 = t0 + TILE < e0 ? t0 + TILE : e0;                        \
-        adam_loop(a, t0, t1, F, WD, 0, SMALL);                               \
+        adam_loop(a, t0, t1, F, WD, 0, SMALL, GM);                           \
         cast_bf16(a->p + t0, (uint16_t *)a->out + t0, t1 - t0, a->nan_bits); \
         (void)b0;                                                            \
     }
 
-#define ADAM_OUTS(F, WD, SMALL)                         \
+#define ADAM_OUTS_G(F, WD, SMALL, GM)                   \
     switch (a->out_kind) {                              \
-    case 0: ADAM_LOOP(F, WD, 0, SMALL); break;          \
-    case 1: ADAM_BF16(F, WD, SMALL); break;             \
-    default: ADAM_LOOP(F, WD, 2, SMALL); break;         \
+    case 0: ADAM_LOOP(F, WD, 0, SMALL, GM); break;      \
+    case 1: ADAM_BF16(F, WD, SMALL, GM); break;         \
+    default: ADAM_LOOP(F, WD, 2, SMALL, GM); break;     \
+    }
+
+#define ADAM_OUTS(F, WD, SMALL)                         \
+    switch (a->gmode) {                                 \
+    case 0: ADAM_OUTS_G(F, WD, SMALL, 0) break;         \
+    case 1: ADAM_OUTS_G(F, WD, SMALL, 1) break;         \
+    default: ADAM_OUTS_G(F, WD, SMALL, 2) break;        \
     }
 
 #define ADAM_CASES(F)                                   \
@@ -322,9 +339,25 @@ int pipeoff_adam_step(float *p, const float *g, float *m, float *v, void *out, i
                       float step_size, int fma, int tail_fma, int64_t vec, int nan_bf16,
                       int threads) {
     if (n < 0 || vec < 1 || out_kind < 0 || out_kind > 2) return -1;
-    adam_args a = {p, m, v, g, out, out_kind, (uint16_t)nan_bf16, adam_wd, scale, sign, wd,
-                   decay, w1, beta2, c2, bc2_sqrt, eps, step_size, fma, tail_fma,
+    adam_args a = {p, m, v, g, NULL, 0, out, out_kind, (uint16_t)nan_bf16, adam_wd, scale,
+                   sign, wd, decay, w1, beta2, c2, bc2_sqrt, eps, step_size, fma, tail_fma,
                    n - n % vec};
+    parallel(adam_range, &a, n, threads);
+    return 0;
+}
+
+/* pipeoff_adam_step whose gradient is the FP32 sum `g` plus the last micro-step's
+ * BF16 gradient `g16` (or `g16` alone when `g` is NULL), widened and added as
+ * pipeoff_fold does, then scaled: the bits of the fold followed by the step. */
+int pipeoff_adam_fold_step(float *p, const float *g, const uint16_t *g16, float *m, float *v,
+                           void *out, int out_kind, int64_t n, int adam_wd, float wd,
+                           float decay, float sign, float scale, float w1, float beta2,
+                           float c2, float bc2_sqrt, float eps, float step_size, int fma,
+                           int tail_fma, int64_t vec, int nan_bf16, int threads) {
+    if (n < 0 || vec < 1 || out_kind < 0 || out_kind > 2 || g16 == NULL) return -1;
+    adam_args a = {p, m, v, g, g16, g == NULL ? 1 : 2, out, out_kind, (uint16_t)nan_bf16,
+                   adam_wd, scale, sign, wd, decay, w1, beta2, c2, bc2_sqrt, eps, step_size,
+                   fma, tail_fma, n - n % vec};
     parallel(adam_range, &a, n, threads);
     return 0;
 }
@@ -402,4 +435,4 @@ int pipeoff_scale(float *a, int64_t n, float s, int threads) {
     return 0;
 }
 
-int pipeoff_abi_version(void) { return 1; }
+int pipeoff_abi_version(void) { return 2; }

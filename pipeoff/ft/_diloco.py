@@ -12,10 +12,9 @@ from torch import nn, optim
 from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
 from torchft.local_sgd import _StreamingDiLoCoFragment
 
-from pipeoff import _accel, _compat, _faults, _lowlevel
+from pipeoff import _accel, _compat, _faults
 from pipeoff._contract import AsyncStep, MasterCopy
 from pipeoff._errors import ConfigError, PipeoffError
-from pipeoff._lowlevel import train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import Bucket, Piece, TensorInfo, plan_buckets
 from pipeoff.ft._collective import allreduce_bucket
@@ -25,6 +24,7 @@ from pipeoff.ft._outer import HostOuterOptimizer, check_outer
 from pipeoff.graph import TaskContext
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
+from pipeoff.trace.lowlevel import SyncStats, train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -166,7 +166,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         self._options = opts
         self.last_trace: Trace | None = None
         """The trace of the last offloaded fragment sync (``None`` without offload)."""
-        self._stats = _lowlevel.sync_stats()
+        self._stats = SyncStats()
         self._fragments: list[_StreamingDiLoCoFragment]
         super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
                          backup_device, pin_memory, use_bucketization, bucket_cap_mb,

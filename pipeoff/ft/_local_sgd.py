@@ -11,10 +11,9 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
-from pipeoff import _accel, _compat, _lowlevel
+from pipeoff import _accel, _compat
 from pipeoff._contract import AsyncStep, MasterCopy
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._collective import allreduce_bucket
@@ -23,6 +22,7 @@ from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
+from pipeoff.trace.lowlevel import SyncStats, train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -157,7 +157,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self._bucket_bytes = bucket
         self._device_budget_bytes = budget
         self.last_trace = None
-        self._stats = _lowlevel.sync_stats()
+        self._stats = SyncStats()
         self._reserved_for: tuple[Bucket, ...] | None = None
         if self._offload:
             # Refuse sizes no bucket can hold now, not at the first sync; and take

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeoff import _lowlevel
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import completions
 from pipeoff.optim._tensors import describe
+from pipeoff.trace import lowlevel
 
 if TYPE_CHECKING:
     from pipeoff.execution import Completion, Execution
@@ -74,7 +74,7 @@ class Offloaded:
             ConfigError: ``hook`` is not callable.
         """
         if self._stats_hooks is None:
-            self._stats_hooks = _lowlevel.stats_hooks()
+            self._stats_hooks = lowlevel.StatsHooks()
         return self._stats_hooks.add(hook)
 
     @property
@@ -88,7 +88,7 @@ class Offloaded:
         if trace is None:
             return None
         step, exposed = self._stats_last
-        return _lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed)
+        return lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed)
 
     def _step_finished(self) -> bool:
         raise NotImplementedError
@@ -114,7 +114,7 @@ class Offloaded:
         recorded (replacing the hooks of an earlier model)."""
         for h in self._train_handles or ():
             h.remove()
-        self._train_handles = _lowlevel.install_train_hooks(model, self)
+        self._train_handles = lowlevel.install_train_hooks(model, self)
 
     # -- what a subclass answers ---------------------------------------------------------
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:

@@ -25,7 +25,7 @@ import torch
 from pipeoff import _accel, _compat, _faults
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import is_failure_of, settle, train_span
+from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
 from pipeoff.optim import _host_kernel
 from pipeoff.optim._full_offload import _checkpoint
@@ -54,6 +54,7 @@ from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
+from pipeoff.trace.lowlevel import train_span
 
 __all__ = ["FullOffloadOptimizer"]
 

@@ -16,7 +16,7 @@ import torch
 from pipeoff import _accel, _compat
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
+from pipeoff._lowlevel import hook_wait_records, is_failure_of
 from pipeoff._validate import check_int
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
@@ -39,6 +39,7 @@ from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
+from pipeoff.trace.lowlevel import train_span
 
 __all__ = ["OffloadOptimizer"]
 

@@ -96,6 +96,62 @@ def test_step_is_torch_fused_adam_bit_for_bit(h: AdamHyper, clip: float | None,
                 assert _host_kernel._same(ref[0].to(out.dtype), out), f"cast, n={n}"
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("with_sum", [True, False], ids=["sum_and_last", "last_alone"])
+@pytest.mark.parametrize("level", sorted(_host_kernel.CONTRACTIONS))
+def test_the_fold_inside_the_step_is_the_fold_then_the_step(level: str, with_sum: bool,
+                                                           threads: int) -> None:
+    """``adam_step(last_grad=...)`` (one pass: fold the last BF16 gradient, step, cast)
+    gives the bits of ``fold`` followed by ``adam_step`` at each dispatch level's
+    rounding, over the value classes, every tail length, with and without a clip
+    scale; at this machine's level, those of torch's add and fused AdamW too."""
+    mine = _host_kernel.HostKernel(kernel().lib, level)
+    here = level == kernel().level
+    gen = torch.Generator().manual_seed(13)
+    for h in HYPERS:
+        for n in [1, 7, 8, 9, 17, 33, 200_003]:
+            base = _host_kernel._values(n, gen)
+            last = _host_kernel._values(n, gen)[1].to(torch.bfloat16)
+            one, two = [t.clone() for t in base], [t.clone() for t in base]
+            out1 = torch.empty(n, dtype=torch.bfloat16)
+            out2 = torch.empty(n, dtype=torch.bfloat16)
+            for step, clip in ((1, None), (2, 0.37), (3, None)):
+                summed = one[1].clone()
+                mine.adam_step(one[0], one[1] if with_sum else None, one[2], one[3], out1, h,
+                               step=float(step), scale=clip, threads=threads, last_grad=last)
+                assert same_bits(one[1], summed) and same_bits(last, last.clone())
+                acc = two[1].clone()
+                assert _host_kernel.fold(acc, last, first=not with_sum, threads=threads)
+                mine.adam_step(two[0], acc, two[2], two[3], out2, h, step=float(step),
+                               scale=clip, threads=threads)
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), one[::2] + one[3:],
+                                      two[::2] + two[3:]):
+                    assert _host_kernel._same(a, b), f"{name}, n={n}, step {step}"
+                assert _host_kernel._same(out1, out2), f"cast, n={n}, step {step}"
+            if here:  # and torch's own bits, from the same start
+                ref = [t.clone() for t in base]
+                fused = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+                for step, clip in ((1, None), (2, 0.37), (3, None)):
+                    grad = ref[1] + last if with_sum else last.float()
+                    if clip is not None:
+                        grad.mul_(torch.tensor(clip))
+                    fused([ref[0]], [grad], [ref[2]], [ref[3]], [], [torch.tensor(float(step))],
+                          lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
+                          eps=h.eps, amsgrad=False, maximize=h.maximize)
+                assert all(_host_kernel._same(a, b) for a, b in zip(ref[::2] + ref[3:],
+                                                                    one[::2] + one[3:]))
+
+
+def test_the_fold_inside_the_step_refuses_what_it_does_not_take() -> None:
+    k = kernel()
+    h = HYPERS[0]
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    with pytest.raises(ValueError, match="needs grad, last_grad or both"):
+        k.adam_step(p, None, m, v, None, h, step=1.0, scale=None, threads=1)
+    with pytest.raises(ValueError, match="last_grad must be a contiguous BF16"):
+        k.adam_step(p, g, m, v, None, h, step=1.0, scale=None, threads=1, last_grad=g)
+
+
 def test_a_call_returns_only_when_every_chunk_is_done() -> None:
     """The native region's wait: more threads than cores, so that helpers are
     descheduled mid-chunk; the result is read the moment the call returns."""
