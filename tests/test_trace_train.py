@@ -221,3 +221,146 @@ def test_steps_are_ranges_in_a_torch_profiler_session() -> None:
         opt.wait_for_step()
     names = {e.name for e in prof.events()}
     assert {"pipeoff::train::step 0", "pipeoff::train::step 1"} <= names
+
+
+class _LoggerDown(Exception):
+    pass
+
+
+def test_a_step_hook_that_raises_leaves_grad_norm_updated() -> None:
+    """The hooks run last in wait_for_step: a raising logger cannot leave the
+    finished step's bookkeeping (grad_norm) undone."""
+    model, opt = _full()
+    _train(model, opt, 1)
+    opt.wait_for_step()
+    first = opt.grad_norm
+
+    def hook(stats: StepStats) -> None:
+        raise _LoggerDown
+
+    opt.register_step_stats_hook(hook)
+    model(torch.randn(8, 32) * 100).pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(_LoggerDown):
+        opt.wait_for_step()
+    assert opt.grad_norm != first and opt.last_step_stats.step == 1
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
+def test_a_step_that_raises_before_launching_sends_no_stats(mode: str) -> None:
+    model = _net()
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters()), mode=mode, chunk_bytes=4096)
+    got: list[StepStats] = []
+    opt.register_step_stats_hook(got.append)
+    _train(model, opt, 1)
+    opt.wait_for_step()
+
+    def closure() -> float:
+        raise _LoggerDown
+
+    with pytest.raises(_LoggerDown):
+        opt.step(closure)
+    opt.wait_for_step()
+    assert [s.step for s in got] == [0] and opt.last_step_stats.step == 0
+
+
+def test_as_dict_is_numbers_only() -> None:
+    """No None (TensorBoard's add_scalars refuses it): a step has no committed key, a
+    sync's is 1 or 0."""
+    base = {"d2h_bytes": 1, "h2d_bytes": 2, "copy_ms": 0.5, "host_ms": 0.5,
+            "collective_ms": 0.0, "wait_ms": 0.0, "chunks": 1, "exposed_ms": 1.0,
+            "makespan_ms": 1.0}
+    step = StepStats(step=3, what="step", **base).as_dict()
+    sync = StepStats(step=3, what="sync", committed=True, **base).as_dict()
+    assert "pipeoff/committed" not in step and sync["pipeoff/committed"] == 1
+    assert all(type(v) in (int, float) for d in (step, sync) for v in d.values())
+
+
+def test_full_offload_wait_ms_counts_the_forward_hooks_waits() -> None:
+    """The next forward waits for the held weight copies: that wait is in the step's
+    trace and its wait_ms, as it is for OffloadOptimizer."""
+    import threading
+
+    import pipeoff.testing
+
+    model, opt = _full()
+    _train(model, opt, 1)
+    opt.wait_for_step()
+    got: list[StepStats] = []
+    opt.register_step_stats_hook(got.append)
+    with pipeoff.testing.hold_task(r"h2d.*") as release:
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        opt.step()
+        threading.Timer(0.05, release.set).start()
+        model(torch.randn(8, 32)).pow(2).mean().backward()  # waits for the held copies
+        opt.step()  # the previous step's figures go to the hook first
+    opt.wait_for_step()
+    assert [s.step for s in got] == [1, 2]
+    waits = [t for t in opt.last_trace.tasks if t.kind == "hook_wait"]
+    assert not waits and got[1].wait_ms < 40  # (no forward came after the last step)
+    assert got[0].wait_ms >= 40, got[0]
+
+
+def test_a_forward_that_returns_a_parameter_gains_no_hooks() -> None:
+    class Prompt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.prompt = nn.Parameter(torch.randn(4, 16))
+
+        def forward(self) -> torch.Tensor:
+            return self.prompt
+
+    model = Prompt()
+    opt = OffloadOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=8192)
+    opt.attach(model)
+    with pipeoff.trace.record():
+        for _ in range(5):
+            model().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+    assert not model.prompt._backward_hooks
+
+
+def test_failed_copies_move_no_bytes() -> None:
+    from pipeoff.trace import TaskRecord
+    from pipeoff.trace.lowlevel import step_stats
+
+    tasks = (TaskRecord(name="d2h:0", kind="d2h", lane="d2h", start_ns=0, end_ns=10,
+                        enqueue_ns=0, nbytes=100),
+             TaskRecord(name="d2h:1", kind="d2h", lane="d2h", start_ns=10, end_ns=20,
+                        enqueue_ns=0, nbytes=100, status="failed"))
+    stats = step_stats(Trace(tasks=tasks), step=0, what="step", exposed_ns=0)
+    assert stats.d2h_bytes == 100 and stats.failed == 1
+
+
+def test_one_model_has_one_set_of_train_spans() -> None:
+    """A second optimizer attached to the model replaces the first one's spans (one
+    forward is one span); detach() removes them."""
+    model = _net()
+    first = OffloadOptimizer(torch.optim.AdamW(model.parameters()), mode="overlap",
+                             chunk_bytes=4096)
+    first.attach(model)
+    first.detach()
+    second = OffloadOptimizer(torch.optim.AdamW(model.parameters()), mode="overlap",
+                              chunk_bytes=4096)
+    second.attach(model)
+    with pipeoff.trace.record() as rec:
+        _train(model, second, 2)
+        second.wait_for_step()
+    assert _spans(rec.trace)["forward"] == [0, 1]
+    second.detach()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_profiler_trace_shows_the_steps_on_the_train_row(tmp_path: Path) -> None:
+    model, opt = _full()
+    with torch.profiler.profile() as prof:
+        _train(model, opt, 2)
+        opt.wait_for_step()
+    path = tmp_path / "prof.json"
+    prof.export_chrome_trace(str(path))
+    trace = Trace.load(path)
+    assert _spans(trace)["step"] == [0, 1]
+    assert "training loop" in trace.summary().format()

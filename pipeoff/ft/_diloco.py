@@ -284,6 +284,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             # parameters with its own masters at the next step. A sync writes
             # the parameters whether it commits (the merge) or not (the restore).
             opt.refresh_masters()
+        # Last: a hook that raises must not leave the masters unrefreshed.
+        self._stats.emit()
 
 
 def _host_outers(fragments: Sequence[_StreamingDiLoCoFragment]) -> list[HostOuterOptimizer]:

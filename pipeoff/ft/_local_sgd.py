@@ -158,6 +158,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         self._device_budget_bytes = budget
         self.last_trace = None
         self._stats = SyncStats()
+        self._in_sync = False
         self._reserved_for: tuple[Bucket, ...] | None = None
         if self._offload:
             # Refuse sizes no bucket can hold now, not at the first sync; and take
@@ -213,7 +214,13 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         # soon as step() returns, and the quorum started here is when a peer
         # fetches this replica's checkpoint; so wait before it starts.
         self._wait_for_optimizer()
-        super().sync()
+        self._in_sync = True
+        try:
+            super().sync()
+        finally:
+            self._in_sync = False
+        # After torchft reset its step counter: a hook that raises cannot skip it.
+        self._stats.emit()
 
     # -- per-sync figures ----------------------------------------------------------
     @property
@@ -240,6 +247,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             committed = self._sync_body()
         self._stats.done(self.last_trace if self._offload else None, step=step,
                          exposed_ns=time.perf_counter_ns() - start, committed=committed)
+        if not self._in_sync:  # called directly, not through sync()
+            self._stats.emit()
 
     def _sync_body(self) -> bool:
         # Hazard: averaging parameters that an asynchronous optimizer step is

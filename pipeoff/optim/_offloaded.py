@@ -102,7 +102,10 @@ class Offloaded:
 
     def _emit_stats(self) -> None:
         """Hand the last step's figures to the hooks (once, when it has finished)."""
-        if self._stats_pending is None or not self._stats_hooks:
+        if self._stats_pending is None:
+            return
+        if not self._stats_hooks:  # (hooks get the steps that finish after they came)
+            self._stats_pending = None
             return
         self._stats_pending = None
         stats = self.last_step_stats
@@ -227,5 +230,8 @@ class Offloaded:
             h.remove()
         self._attach_handles = []
         self._attached = None
+        for h in self._train_handles or ():  # its train-row spans go with it
+            h.remove()
+        self._train_handles = None
         self._waits.set_modules(torch.nn.Module(), [])
         self._waits.attached = False

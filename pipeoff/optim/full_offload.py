@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import sys
 import time
 import warnings
@@ -25,7 +26,7 @@ import torch
 from pipeoff import _accel, _compat, _faults
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import is_failure_of, settle
+from pipeoff._lowlevel import hook_wait_records, is_failure_of, settle
 from pipeoff.execution import Execution
 from pipeoff.optim import _host_kernel
 from pipeoff.optim._full_offload import _checkpoint
@@ -213,6 +214,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._grad_norm: torch.Tensor | None = None
         # Forward hooks (attach()).
         self._waits = ForwardWaits(self.wait_for_step)
+        self._hook_waits: list[tuple[str, int, int]] = []
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._handed_over = 0  # steps launched (step() without gradients launches none)
@@ -443,7 +445,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if not self._asynchronous():
             self._wait_synchronously()
             return None
-        self._waits.begin(acc.writes(self._registry.device))
+        self._hook_waits = self._waits.begin(acc.writes(self._registry.device))
         if "norm_allreduce" in acc.execution.plan.order:
             # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
             # the caller's next collectives (FSDP2's all-gathers in the next
@@ -576,21 +578,32 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 raise root from err
             raise
         self._end_step(acc)
-        self._emit_stats()  # the finished step's figures, to the hooks
         self._grad_norm = acc.total_norm
         acc.device_sums.clear()
         fin = acc.final
+        names: list[str] = []
         if acc.overwritten and fin is not None and fin.lanes is not None:
             # The step's copy overwrote a weight written after the final backward began.
             names = [fin.lanes.params[i].name for i in sorted(acc.overwritten)]
             acc.overwritten.clear()
-            raise ConfigError(_late_write(names))
+        try:
+            # The finished step's figures, to the hooks: last, so that a hook that
+            # raises leaves no bookkeeping (grad_norm) undone.
+            self._emit_stats()
+        finally:
+            if names:
+                raise ConfigError(_late_write(names))
 
     def _end_step(self, acc: Accumulation) -> None:
         self._inflight = None
         acc.phase = Phase.DONE
         self._waits.end()
-        self.last_trace = acc.execution.trace
+        ex = acc.execution
+        trace = ex.trace
+        # The forward hooks' waits for this step's weights, as OffloadOptimizer's trace has.
+        waits = hook_wait_records(self._hook_waits, ex.origin_ns, trace.metadata.get("rank", 0))
+        self._hook_waits = []
+        self.last_trace = dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
 
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         acc = self._inflight

@@ -571,12 +571,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         step = self._steps_called
         start = time.perf_counter_ns()
         # The training thread's "step N" span while a region is recorded.
+        launched = self._last
         with train_span("step", step):
             try:
                 return self._step(closure)
             finally:
                 self._steps_called += 1
-                self._stats_after_step(step, time.perf_counter_ns() - start)
+                if self._last is not launched:  # (a step that raised before launching has none)
+                    self._stats_after_step(step, time.perf_counter_ns() - start)
 
     def _step_finished(self) -> bool:
         return self._last is None or self._last.done()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeoff._errors import TraceFormatError
-from pipeoff.trace._records import BufferRecord, TaskRecord, staging_timeline
+from pipeoff.trace._records import TRAIN, BufferRecord, TaskRecord, staging_timeline
 
 if TYPE_CHECKING:
     from pipeoff.trace._trace import Trace
@@ -289,7 +289,13 @@ def _from_profiler(doc: dict[str, Any]) -> dict[str, Any] | None:
         _, kind, name = str(ev["name"]).split("::", 2)
         start = int(round((float(ev["ts"]) - origin) * 1e3))
         lane = thread_names.get((ev.get("pid"), ev.get("tid")), f"tid {ev.get('tid')}")
-        tasks.append(TaskRecord(name=f"{name}#{k}", kind=kind, lane=lane, start_ns=start,
+        if kind == TRAIN:
+            # The training thread's "step 3" (a span's name carries its step number),
+            # on the train row, as a pipeoff trace has them.
+            lane = TRAIN
+        else:
+            name = f"{name}#{k}"
+        tasks.append(TaskRecord(name=name, kind=kind, lane=lane, start_ns=start,
                                 end_ns=start + int(round(float(ev.get("dur", 0)) * 1e3)),
                                 enqueue_ns=start, rank=rank))
     return {"tasks": tuple(tasks), "metadata": {"source": "torch.profiler", "rank": rank}}

@@ -30,9 +30,10 @@ class StepStats:
     what: str
     """``"step"`` (an optimizer step) or ``"sync"`` (a LocalSGD or DiLoCo sync)."""
     d2h_bytes: int
-    """Bytes copied device to host (gradients, state, averages)."""
+    """Bytes copied device to host (gradients, state, averages), by copies that
+    finished."""
     h2d_bytes: int
-    """Bytes copied host to device (weights, state)."""
+    """Bytes copied host to device (weights, state), by copies that finished."""
     copy_ms: float
     """Time the copies took, summed."""
     host_ms: float
@@ -56,8 +57,14 @@ class StepStats:
     def as_dict(self, prefix: str = "pipeoff/") -> dict[str, Any]:
         """The figures as a flat dict of numbers, keys prefixed (``"pipeoff/d2h_bytes"``):
         what ``wandb.log``, TensorBoard's ``add_scalars`` and the HF Trainer's ``log``
-        take as they are."""
-        return {f"{prefix}{k}": v for k, v in asdict(self).items() if k != "what"}
+        take as they are. ``committed`` is 1 or 0, and absent for a step (no
+        ``None``: TensorBoard refuses it)."""
+        out: dict[str, Any] = {}
+        for k, v in asdict(self).items():
+            if k == "what" or v is None:
+                continue
+            out[f"{prefix}{k}"] = int(v) if isinstance(v, bool) else v
+        return out
 
 
 def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
@@ -75,12 +82,13 @@ def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
         starts.append(t.start_ns)
         ends.append(t.end_ns)
         failed += t.status == "failed"
+        moved = t.nbytes if t.status == "ok" else 0  # a failed copy's bytes did not arrive
         base = t.name.rsplit("/", 1)[-1]
         if t.kind == "d2h":
-            d2h += t.nbytes
+            d2h += moved
             copy += t.duration_ns
         elif t.kind == "h2d":
-            h2d += t.nbytes
+            h2d += moved
             copy += t.duration_ns
         elif t.kind == "allreduce":
             coll += t.duration_ns
@@ -136,12 +144,20 @@ class SyncStats:
     def __init__(self) -> None:
         self.hooks = StatsHooks()
         self.last: StepStats | None = None
+        self._pending: StepStats | None = None
 
     def done(self, trace: Trace | None, *, step: int, exposed_ns: int,
              committed: bool | None) -> None:
         """Record a finished sync (``trace`` ``None`` on torchft's own path: copies and
-        collectives are not traced there) and hand its figures to the hooks."""
+        collectives are not traced there); :meth:`emit` hands it to the hooks."""
         self.last = step_stats(trace if trace is not None else Trace(tasks=()), step=step,
                                what="sync", exposed_ns=exposed_ns, committed=committed)
-        if self.hooks:
-            self.hooks(self.last)
+        self._pending = self.last
+
+    def emit(self) -> None:
+        """Hand the recorded sync's figures to the hooks, once. Called when the sync's
+        bookkeeping is over (torchft's step counter reset, the masters refreshed), so
+        that a hook that raises reaches the caller without leaving that undone."""
+        stats, self._pending = self._pending, None
+        if stats is not None and self.hooks:
+            self.hooks(stats)

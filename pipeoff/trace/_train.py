@@ -146,7 +146,9 @@ def _run(hook: _TrainHook, out: Any) -> None:
     step = spans.step_of()
     _record.record_train_span("forward", step, start, time.perf_counter_ns())
     t = _first_grad_tensor(out) if torch.is_grad_enabled() else None
-    if t is not None:
+    # Only on a tensor of this forward's graph, which the hook goes with: one on a
+    # leaf (a forward that returns a parameter) would stay on it for good.
+    if t is not None and t.grad_fn is not None:
         t.register_hook(_BackwardStart(step))
 
 
@@ -171,14 +173,23 @@ class _BackwardStart:
         _record.record_train_span("backward", self.step, self.begun, time.perf_counter_ns())
 
 
+_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = (
+    weakref.WeakKeyDictionary())
+"""Per model, the handles of its train hooks: one set, the latest optimizer's."""
+
+
 def install_train_hooks(model: torch.nn.Module, owner: Any) -> list[Any]:
     """Hooks on ``model``'s root that record its forward and the backward from its
     output while a region is recorded, for the step ``owner._steps_called`` (an
-    optimizer). They go when ``owner`` is collected. Returns the handles
-    (``.remove()``)."""
+    optimizer). They replace those an earlier optimizer installed on ``model`` (one
+    forward is one span, numbered by the latest optimizer's steps), and go when
+    ``owner`` is collected. Returns the handles (``.remove()``)."""
+    for h in _INSTALLED.pop(model, ()):
+        h.remove()
     spans = _Spans(owner)
     handles = [model.register_forward_pre_hook(_TrainHook(spans, post=False)),
                model.register_forward_hook(_TrainHook(spans, post=True))]
     for h in handles:
         weakref.finalize(owner, h.remove)
+    _INSTALLED[model] = handles
     return handles

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import optim
+import pytest
+import torch
+from torch import nn, optim
 
 import pipeoff.ft
 import pipeoff.trace
+from pipeoff.optim import FullOffloadOptimizer
 from pipeoff.trace import StepStats
 from pipeoff.trace._records import train_step
 from tests.ft._diloco_replicas import make_model
@@ -79,3 +82,70 @@ def test_the_local_sgd_plot_has_its_syncs_on_the_train_row() -> None:
     assert {"train: sync", "all-reduce", "device to host copy"} <= legend
     first = min(t.start_ns for t in trace.tasks) / 1e6
     assert ax.get_xlim()[0] == pytest.approx(first)  # the axis from the first event
+
+
+class _LoggerDown(Exception):
+    pass
+
+
+def _raise_once(fired: list[int]) -> Any:
+    def hook(stats: StepStats) -> None:
+        fired.append(stats.step)
+        if len(fired) == 1:
+            raise _LoggerDown
+
+    return hook
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["torchft_path", "offloaded"])
+def test_a_local_sgd_sync_hook_that_raises_leaves_the_schedule_alone(offload: bool) -> None:
+    """The hook runs after torchft reset its step counter: a logger that raises once
+    reaches the caller, and the syncs still come every sync_every steps."""
+    kwargs = {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 256} if offload else {}
+    model = make_model(0)
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    manager = _committing_manager()
+    synced_after: list[int] = []
+    raised: list[int] = []
+    with pipeoff.ft.LocalSGD(manager, model, inner, 4, **kwargs) as local_sgd:
+        fired: list[int] = []
+        hook = _raise_once(fired)
+        local_sgd.register_sync_stats_hook(lambda s: (synced_after.append(i), hook(s)))
+        for i in range(12):
+            try:
+                _inner_step(model, inner)
+            except _LoggerDown:
+                raised.append(i)
+    assert raised == [3] and synced_after == [3, 7, 11]
+    assert manager.should_commit.call_count == 3
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["torchft_path", "offloaded"])
+def test_a_diloco_sync_hook_that_raises_still_refreshes_full_offload_masters(
+        offload: bool) -> None:
+    """Over FullOffloadOptimizer the hook runs after the masters are refreshed from
+    the synchronized parameters: a raising logger changes no weight."""
+
+    def run(raise_once: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        inner = FullOffloadOptimizer(model, optim.SGD, lr=0.1)
+        outer = optim.SGD(model.parameters(), lr=0.7)
+        fired: list[int] = []
+        with pipeoff.ft.DiLoCo(_committing_manager(), [model], inner, outer, 2,
+                               offload_to_cpu=offload) as diloco:
+            diloco.register_sync_stats_hook(
+                _raise_once(fired) if raise_once else lambda s: fired.append(s.step))
+            for i in range(3):
+                model(torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+                      ).pow(2).mean().backward()
+                try:
+                    inner.step()
+                except _LoggerDown:
+                    assert raise_once and i == 1
+                inner.zero_grad()
+            inner.wait_for_step()
+        assert fired == [1]
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
