@@ -149,6 +149,15 @@ class TaskContext:
     gates: Mapping[str, Any] = field(default_factory=dict)
     """The payloads of the task's gates by name: what ``open(payload)`` gave, or
     ``None`` for a gate closed empty."""
+    on_moved: Callable[[int], None] | None = None
+    """See :meth:`moved`."""
+
+    def moved(self, nbytes: int) -> None:
+        """Say that this run of the task moved ``nbytes`` bytes, not the ``nbytes`` it
+        declared: its trace record (and the step statistics made from it) then show
+        that. A copy whose gate was closed empty, with nothing to copy, says 0."""
+        if self.on_moved is not None:
+            self.on_moved(nbytes)
 
     def buffer(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return staging buffer ``name``, viewed as ``dtype`` if given."""

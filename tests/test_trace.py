@@ -309,3 +309,13 @@ def test_a_recorded_region_reports_each_execution_not_the_host_gaps() -> None:
 
     again = Trace(**_chrome.from_chrome(loaded))
     assert again.summary().executions == 3
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "threads"])
+def test_a_task_that_says_what_it_moved_is_traced_with_that(schedule: str) -> None:
+    g = TaskGraph()
+    g.add_task("copy", TaskKind.D2H, lambda ctx: ctx.moved(7), nbytes=100)
+    g.add_task("other", TaskKind.D2H, lambda ctx: None, nbytes=100)
+    sched = Schedule.synchronous() if schedule == "synchronous" else Schedule.pipelined()
+    trace = pipeoff.execute(g, sched).trace
+    assert {t.name: t.nbytes for t in trace.tasks} == {"copy": 7, "other": 100}

@@ -184,7 +184,9 @@ def test_step_stats_match_the_trace_and_reach_a_hook_for_every_step(make: Any) -
     assert got[-1] == opt.last_step_stats
     for s in got:
         assert s.what == "step" and s.exposed_ms >= 0 and s.makespan_ms > 0
-        assert s.d2h_bytes > 0 and s.chunks > 0
+        # (under full offload an unmarked backward's gradients travel in its own
+        # execution: the step's record has the weights' copies only)
+        assert s.d2h_bytes + s.h2d_bytes > 0 and s.chunks > 0
         d = s.as_dict()
         assert d["pipeoff/step"] == s.step and all(k.startswith("pipeoff/") for k in d)
         assert all(isinstance(v, (int, float, bool)) or v is None for v in d.values())
@@ -364,3 +366,18 @@ def test_a_profiler_trace_shows_the_steps_on_the_train_row(tmp_path: Path) -> No
     trace = Trace.load(path)
     assert _spans(trace)["step"] == [0, 1]
     assert "training loop" in trace.summary().format()
+
+
+def test_a_copy_with_no_gradient_to_ship_moves_no_bytes() -> None:
+    """Without no_sync() the backward's gradients go in a micro-step of their own, and
+    the final micro-step that step() launches has none: its copies say they moved
+    nothing, so a region counts each gradient once."""
+    model, opt = _full()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pipeoff.trace.record() as rec:
+        _train(model, opt, 2)
+        opt.wait_for_step()
+    d2h = [t for t in rec.trace.tasks if t.kind == "d2h"]
+    assert sum(t.nbytes for t in d2h) == 2 * grad_bytes
+    assert opt.last_step_stats.d2h_bytes == 0
+    assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "h2d") >= grad_bytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import threading
@@ -93,6 +94,8 @@ class Run:
         self.hooks = _faults.snapshot()
         """The test hooks (delays, injected failures) installed at launch."""
         self.retired: set[str] = set()
+        self.moved: dict[int, int] = {}
+        """Per task index, the bytes its run said it moved (TaskContext.moved)."""
         """Buffers a task declared unsafe to reuse (a failed collective may still write
         them): dropped from their pool at release instead of returned."""
         cap = plan.schedule.max_in_flight
@@ -365,7 +368,8 @@ class Run:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,
                                       failed=self.error, failed_task=self.error_task,
-                                      gates=self.gates.payloads(self.task_gates[i]))
+                                      gates=self.gates.payloads(self.task_gates[i]),
+                                      on_moved=functools.partial(self.moved.__setitem__, i))
                     with (_faults.failing_work(task.name, lane, self.hooks) if self.hooks
                           else contextlib.nullcontext()):
                         if _compat.profiler_enabled():

@@ -29,7 +29,7 @@ def trace_of(run: Run, *, prefix: str = "", shift_ns: int = 0, execution: int = 
             TaskRecord(
                 name=prefix + t.name, kind=t.kind.value, lane=lanes[i],
                 start_ns=run.start_ns[i] + shift_ns, end_ns=run.end_ns[i] + shift_ns,
-                enqueue_ns=run.enqueue_ns[i] + shift_ns, nbytes=t.nbytes,
+                enqueue_ns=run.enqueue_ns[i] + shift_ns, nbytes=run.moved.get(i, t.nbytes),
                 deps=tuple(prefix + d for d in t.deps) if prefix else t.deps,
                 buffers=tuple(prefix + b for b in t.buffers) if prefix else t.buffers,
                 status=status[i],  # type: ignore[arg-type]

@@ -333,7 +333,8 @@ class CudaBackend:
         # the work runs later, after this task's staging has been released.
         ctx = TaskContext(task=task, lane=lane, buffers=run.views(i), stream=stream,
                           results=run.results, retire=run.retired.add,
-                          gates=run.gates.payloads(gates))
+                          gates=run.gates.payloads(gates),
+                          on_moved=functools.partial(run.moved.__setitem__, i))
         accel.launch(stream, functools.partial(self._device_work, run, state, i, ctx, outcome))
         # The timing event first: a consumer waiting on the end event then starts
         # after this task's recorded end (the trace's staging timeline needs it).

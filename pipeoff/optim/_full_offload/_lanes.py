@@ -111,6 +111,7 @@ class LaneWork:
         rec = self.params[i]
         shipped = ctx.gate(gate_name(rec))
         if shipped is None:
+            ctx.moved(0)  # no gradient this micro-step: nothing crosses the link
             return
         g = shipped.tensor
         assert g is not None
@@ -133,7 +134,9 @@ class LaneWork:
         size = g.dtype.itemsize if g is not None else rec.param.dtype.itemsize
         parts = pieces(rec.numel, size, self.config.slot_bytes)
         last = j == len(parts) - 1
-        if g is not None:
+        if g is None:
+            ctx.moved(0)
+        else:
             s, e = parts[j]
             if e > s:
                 src = ctx.buffer(f"slot:{i}.{j}", g.dtype)
