@@ -14,7 +14,6 @@ each: fragments, ``fragment_sync_delay``, ``fragment_update_alpha``).
 
 from __future__ import annotations
 
-import unittest
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ import torchft.local_sgd_test as unit  # noqa: E402
 from torchft._torchft import LighthouseServer as _LighthouseServer  # noqa: E402
 
 import pipeoff.ft  # noqa: E402
+from tests.ft._torchft_cases import run_case  # noqa: E402
 
 BUDGET = 64
 MODES: dict[str, dict[str, Any]] = {
@@ -55,14 +55,6 @@ def _mode_class(mode: str, created: list[Any]) -> type[Any]:
             created.append(self)
 
     return ModeDiLoCo
-
-
-def _run(case: unittest.TestCase) -> None:
-    result = unittest.TestResult()
-    case.run(result)
-    problems = result.errors + result.failures
-    assert not problems, "\n".join(tb for _, tb in problems)
-    assert not result.skipped, result.skipped
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +99,7 @@ def _patch(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[Any]:
     "test_diloco_allreduce_call_efficiency_1_non_bucketized_should_call_per_param"])
 def test_torchft_diloco_unit(monkeypatch: pytest.MonkeyPatch, test: str) -> None:
     created = _patch(monkeypatch, "original")
-    _run(unit.DiLoCoTest(test))
+    run_case(unit.DiLoCoTest(test))
     assert created, "torchft's test did not construct pipeoff's class"
 
 
@@ -130,7 +122,7 @@ def _check_traces(mode: str, created: list[Any]) -> None:
 def test_torchft_diloco_integ(monkeypatch: pytest.MonkeyPatch, mode: str, test: str) -> None:
     created = _patch(monkeypatch, mode)
     # Fixed ports 19530-19532 (torchft's trainer): never run this concurrently.
-    _run(integ.LocalSGDIntegTest(test))
+    run_case(integ.LocalSGDIntegTest(test))
     _check_traces(mode, created)
 
 
@@ -142,5 +134,5 @@ def test_torchft_diloco_integ(monkeypatch: pytest.MonkeyPatch, mode: str, test: 
 def test_torchft_streaming_diloco(monkeypatch: pytest.MonkeyPatch, mode: str, suffix: str,
                                   kind: str) -> None:
     created = _patch(monkeypatch, mode)
-    _run(integ.LocalSGDIntegTest(f"test_streaming_diloco_{kind}_{suffix}"))
+    run_case(integ.LocalSGDIntegTest(f"test_streaming_diloco_{kind}_{suffix}"))
     _check_traces(mode, created)

@@ -9,7 +9,6 @@ torchft's unmodified test method.
 from __future__ import annotations
 
 import dataclasses
-import unittest
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ import torchft.local_sgd_integ_test as integ  # noqa: E402
 import torchft.local_sgd_test as unit  # noqa: E402
 
 import pipeoff.ft  # noqa: E402
+from tests.ft._torchft_cases import run_case  # noqa: E402
 
 BUDGET = 128
 MODES: dict[str, dict[str, Any]] = {
@@ -44,14 +44,6 @@ def _mode_class(mode: str, created: list[pipeoff.ft.LocalSGD]) -> type[pipeoff.f
     return ModeLocalSGD
 
 
-def _run(case: unittest.TestCase) -> None:
-    result = unittest.TestResult()
-    case.run(result)
-    problems = result.errors + result.failures
-    assert not problems, "\n".join(tb for _, tb in problems)
-    assert not result.skipped, result.skipped
-
-
 @pytest.fixture(params=list(MODES))
 def mode_class(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     created: list[pipeoff.ft.LocalSGD] = []
@@ -66,7 +58,7 @@ def mode_class(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
                                   "test_extract_local_tensor"])
 def test_torchft_local_sgd_unit(mode_class: tuple[str, list[Any]], test: str) -> None:
     mode, created = mode_class
-    _run(unit.LocalSGDTest(test))
+    run_case(unit.LocalSGDTest(test))
     if test != "test_extract_local_tensor":
         assert created, "torchft's test did not construct pipeoff's class"
     if test == "test_local_sgd_healthy" and mode != "original":
@@ -93,7 +85,7 @@ def test_torchft_local_sgd_recovery_integ(mode_class: tuple[str, list[Any]],
 
         monkeypatch.setattr(integ, "Runner", AsyncRunner)
     # Fixed ports 19530-19531: never run this concurrently with another copy.
-    _run(integ.LocalSGDIntegTest("test_local_sgd_recovery_0"))
+    run_case(integ.LocalSGDIntegTest("test_local_sgd_recovery_0"))
     assert len(runners) == (2 if use_async_quorum else 0)
     assert len(created) >= 3  # replica 0 once, replica 1 twice (injected failure)
     traces = [c.last_trace for c in created if c.last_trace is not None]
