@@ -2,15 +2,21 @@
 
 A small Llama built from a config (nothing is downloaded) trains on a tiny
 in-memory dataset with 4 gradient-accumulation micro-batches per step and
-``max_grad_norm=1.0``, three times from the same initial weights:
+``max_grad_norm=1.0`` and ``weight_decay=0.01``, three times from the same
+initial weights. Each time the Trainer builds the optimizer itself, with its
+decay / no-decay param groups:
 
-* ``torch.optim.AdamW``, the reference;
+* its default (``adamw_torch_fused``: ``torch.optim.AdamW``), the reference;
 * ``pipeoff.optim.OffloadOptimizer``: the AdamW state in host memory, stepped in
-  chunks; the Trainer is used unmodified;
+  chunks overlapped with the next forward;
 * ``pipeoff.optim.FullOffloadOptimizer``: FP32 masters, AdamW state and the
-  gradient sum in host memory. The gradients never stay in ``param.grad``, so
-  ``pipeoff.integrations.hf.prepare_trainer(trainer)`` routes the Trainer's
-  clipping (and its logged ``grad_norm``) to the optimizer.
+  gradient sum in host memory; ``param.grad`` holds placeholders for the host
+  sums, so the Trainer's own clipping and its logged ``grad_norm`` work as they
+  are.
+
+Both pipeoff classes go in through ``optimizer_cls_and_kwargs=(cls, kwargs)``,
+the Trainer's documented way to name an optimizer class: it calls
+``cls(grouped_params, **kwargs)``, with ``kwargs`` holding ``optimizer_class``.
 
 It prints the logged loss and ``grad_norm`` of every step and whether the final
 weights are bitwise those of AdamW (the model is FP32 and has no dropout, so
@@ -30,7 +36,6 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from pipeoff.integrations.hf import prepare_trainer
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 
 SEED = 0
@@ -71,21 +76,29 @@ class KeepLogs(transformers.TrainerCallback):
             self.steps.append(dict(logs))
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
-          full_offload: bool) -> list[dict[str, float]]:
+def train(model: torch.nn.Module, steps: int,
+          pipeoff_class: type | None = None, **options: Any) -> list[dict[str, float]]:
+    """Train with the Trainer's own optimizer construction; with ``pipeoff_class``, that
+    class (and ``options``) wrapping the Trainer's default optimizer class."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-            max_grad_norm=1.0, max_steps=steps, learning_rate=1e-2,
+            max_grad_norm=1.0, max_steps=steps, learning_rate=1e-2, weight_decay=0.01,
             lr_scheduler_type="linear", use_cpu=True, report_to=[], save_strategy="no",
             logging_steps=1, seed=SEED, dataloader_num_workers=0, disable_tqdm=True)
+        cls_and_kwargs = None
+        if pipeoff_class is not None:
+            # The class and keywords the Trainer would use (AdamW, lr, betas, eps, fused).
+            optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+            cls_and_kwargs = (pipeoff_class,
+                              {"optimizer_class": optimizer_class, **kwargs, **options})
         logs = KeepLogs()
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
-                          optimizers=(optimizer, None), callbacks=[logs])
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[logs],
+                          optimizer_cls_and_kwargs=cls_and_kwargs)
         trainer.remove_callback(transformers.PrinterCallback)  # we print our own table
-        if full_offload:
-            prepare_trainer(trainer)  # clip with (and log the norm of) the host gradients
         trainer.train()
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # (accelerate's wrapper)
+        getattr(opt, "wait_for_step", lambda: None)()  # the last step may still run
     return logs.steps
 
 
@@ -99,22 +112,17 @@ def main() -> None:
     runs: dict[str, tuple[torch.nn.Module, list[dict[str, float]]]] = {}
 
     model: torch.nn.Module = copy.deepcopy(reference)
-    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    runs["AdamW"] = model, train(model, plain, args.steps, full_offload=False)
+    runs["AdamW"] = model, train(model, args.steps)
 
     model = copy.deepcopy(reference)
-    # On a GPU, model.cuda() first: the AdamW state then lives in pinned host memory.
-    offload = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2,
-                                                 weight_decay=0.01),
-                               mode="overlap", chunk_bytes=16384)
-    runs["OffloadOptimizer"] = model, train(model, offload, args.steps, full_offload=False)
+    # On a GPU, the AdamW state lives in pinned host memory.
+    runs["OffloadOptimizer"] = model, train(model, args.steps, OffloadOptimizer,
+                                            mode="overlap", chunk_bytes=16384)
 
     model = copy.deepcopy(reference)
-    full = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.01,
-                                chunk_numel=4096)  # overlap="forward", the default
-    full.attach()  # each module's forward waits only for its own weights
-    runs["FullOffloadOptimizer"] = model, train(model, full, args.steps, full_offload=True)
-    full.wait_for_step()  # the last step runs in the background; wait before reading
+    # overlap="forward" (the default): the host step runs under the next forward.
+    runs["FullOffloadOptimizer"] = model, train(model, args.steps, FullOffloadOptimizer,
+                                                chunk_numel=4096)
 
     for name, (_, steps) in runs.items():
         print(name)

@@ -22,12 +22,13 @@ import torch
 __all__ = ["PRIVATE_APIS", "TESTED", "active_data_parallel", "allreduce_discarded",
            "backward_id", "check_private_apis", "compiled_autograd_active",
            "compiled_original", "cuda_sleep", "data_parallel", "ddp_gradient_sync",
-           "dtensor_box",
+           "disabled_torch_function", "dtensor_box",
            "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states",
            "fsdp_sharded_params", "fsdp_state", "fused_adam_kernel", "hookless",
            "init_optimizer_hooks",
-           "installed_version", "is_compiling", "local_tensor", "outer_backward_frame",
+           "installed_version", "is_compiling", "local_tensor", "make_wrapper_subclass",
+           "outer_backward_frame",
            "outermost_backward_frame", "PrivateAPI", "profiler_enabled",
            "queue_backward_callback", "recompile_with_hooks", "restore_stance", "runs_compiled",
            "set_torch_function_stack", "step_body", "torch_function_stack", "uncompiled_name"]
@@ -123,6 +124,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.nn.parallel.distributed:DistributedDataParallel._active_ddp_module",
                "active_data_parallel: a DDP wrapper put around a model after its "
                "FullOffloadOptimizer was built (seen in the model's forward)"),
+    PrivateAPI("torch", "torch:Tensor._make_wrapper_subclass",
+               "make_wrapper_subclass: FullOffloadOptimizer's gradient placeholders "
+               "(param.grad stands for the host sum; the loop's clip calls see it)"),
+    PrivateAPI("torch", "torch._C:_disabled_torch_function_impl",
+               "the placeholders dispatch at the aten level only (HostGrad)"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "allreduce_discarded: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
@@ -494,6 +500,19 @@ def step_body(cls: type[torch.optim.Optimizer]) -> Callable[..., Any]:
     if getattr(step, "hooked", False):
         return step.__wrapped__  # type: ignore[attr-defined, no-any-return]
     return step
+
+
+def make_wrapper_subclass(cls: type[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A tensor of class ``cls`` with ``like``'s shape, strides, dtype and device and no
+    storage (``Tensor._make_wrapper_subclass``, as DTensor and FakeTensor build theirs):
+    ``cls.__torch_dispatch__`` answers every operation on it."""
+    return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined, no-any-return]
+        cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device,
+        layout=like.layout, requires_grad=False)
+
+
+disabled_torch_function: Any = torch._C._disabled_torch_function_impl
+"""A tensor subclass's ``__torch_function__`` that dispatches at the aten level only."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

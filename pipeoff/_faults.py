@@ -242,7 +242,7 @@ MUTATIONS = frozenset({
     "read_guard", "base_wait", "cross_lane_wait", "block_fence", "host_sync",
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
     "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
-    "adopt_waits_readers", "diloco_formed_wait",
+    "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -277,6 +277,10 @@ MUTATIONS = frozenset({
 * ``"diloco_formed_wait"``: DiLoCo's wait, before an inner step, for the sync in
   flight to have formed its pseudo-gradients (they read the parameters the step
   writes; ``fragment_sync_delay`` > 0).
+* ``"grad_read_wait"``: a full-offload gradient placeholder's wait, when the loop
+  reads it (a clip call's norm), for the host folds of the gradients.
+* ``"grad_edit_wait"``: full offload's wait, before a gradient the loop put in
+  ``.grad`` by hand (or dropped) replaces a host sum, for the folds still writing it.
 """
 
 

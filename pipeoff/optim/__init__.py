@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeoff.optim._check import OverlapReport, check_overlap
+from pipeoff.optim._full_offload._grads import HostGrad
 from pipeoff.optim._host_kernel import host_step_status
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
@@ -23,6 +24,7 @@ __all__ = [
     # the optimizer
     "OffloadOptimizer",
     "FullOffloadOptimizer",
+    "HostGrad",
     "ELEMENTWISE",
     "host_step_status",
     # checking a model for overlap mode

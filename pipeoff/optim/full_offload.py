@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +28,7 @@ from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, settle
 from pipeoff.execution import Execution
 from pipeoff.optim import _host_kernel
+from pipeoff.optim._foreign import refuse_foreign
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,
@@ -40,6 +40,7 @@ from pipeoff.optim._full_offload._config import (
     chunk_numel_of,
     refuse_environment,
 )
+from pipeoff.optim._full_offload._finder import ModelFinder
 from pipeoff.optim._full_offload._lifecycle import (
     Accumulation,
     MicroSteps,
@@ -110,15 +111,29 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     ones skipped), ``optimizer_class`` stepping FP32 masters on the CPU with
     the same hyperparameters, weights = masters cast to the compute dtype.
 
+    Two forms, as torchao's ``CPUOffloadOptimizer`` and torch's optimizers take them::
+
+        FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-4)           # the model's parameters
+        FullOffloadOptimizer(param_groups, optimizer_class=torch.optim.AdamW, lr=1e-4)
+
+    Given parameters (or param groups) alone, as the HF Trainer's
+    ``optimizer_cls_and_kwargs`` builds it, the optimizer finds its model at the
+    first forward that runs a module holding all of them (a global forward
+    pre-hook, removed then); until then it works without one (no DDP wrapper put
+    around the model later is noticed, parameters are named by their place in the
+    groups).
+
     Args:
-        model: the module whose trainable parameters are optimized.
-        optimizer_class: an element-wise ``torch.optim`` class (``AdamW``, ``Adam``,
+        model: the module whose trainable parameters are optimized, or the parameters
+            (named parameters, param group dicts) themselves.
+        optimizer_class: an element-wise ``torch.optim`` class (default ``AdamW``, as
+            torchao's; ``Adam``,
             ``SGD``, ``Adagrad``, ``RMSprop``). With ``fused=True``, ``Adam``/``AdamW``
             step in pipeoff's native one-pass kernel, bitwise torch's fused CPU
             AdamW but for the sign and payload of NaNs (checked at first use;
             :func:`pipeoff.optim.host_step_status` says which runs), else in torch's.
-        params: parameters, named parameters or param groups (dicts), all of
-            ``model``'s; default: every parameter of ``model`` that requires grad.
+        params: with a model: parameters, named parameters or param groups (dicts),
+            all of ``model``'s; default: every parameter of ``model`` that requires grad.
         accumulate: ``"cpu"`` or ``"gpu"``.
         overlap: ``"forward"``, ``"backward"`` or ``"none"``.
         max_norm: clip gradients to this global 2-norm (a positive float), or ``None``.
@@ -153,8 +168,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        optimizer_class: type[torch.optim.Optimizer],
+        model: torch.nn.Module | Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
         params: Iterable[Any] | None = None,
         accumulate: Accumulate = "cpu",
@@ -169,7 +184,24 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         timeout: float = 600.0,
         **defaults: Any,
     ) -> None:
-        check_model(model)
+        if not isinstance(model, torch.nn.Module):
+            # torchao's form (and the HF Trainer's optimizer_cls(grouped_params, ...)):
+            # parameters or param groups; the model is found at its first forward.
+            if params is not None:
+                raise ConfigError("give the model and params=, or the parameters alone "
+                                  "(FullOffloadOptimizer(params, optimizer_class)), not both")
+            if isinstance(model, torch.Tensor):
+                raise ConfigError(
+                    "params must be an iterable of parameters or of param group dicts, got "
+                    f"a single tensor of shape {tuple(model.shape)}")
+            if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
+                raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
+                                  f"param groups) to optimize, got {model!r}")
+            params, found = list(model), None
+        else:
+            check_model(model)
+            found = model
+        refuse_foreign(defaults, "FullOffloadOptimizer")
         chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
             optimizer_class=optimizer_class, accumulate=accumulate, overlap=overlap,
@@ -190,7 +222,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         # leaves nothing half-built. (A group's own fused=True: at step().)
         _host_kernel.warn_if_off(config.optimizer_class, [probe.defaults])
         # The arguments, as given (read-only: the config is what runs).
-        self.model = model
+        self.model: torch.nn.Module | None = found
+        """The model (``None`` until found, for an optimizer built from parameters)."""
         self._config = config
         self.optimizer_class = config.optimizer_class
         self.accumulate: Accumulate = config.accumulate
@@ -203,7 +236,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.process_group = config.process_group
         self.timeout = config.timeout
         # The parameters, their host state, and the micro-step lifecycle.
-        self._registry = ParamRegistry(model, config, probe)
+        self._registry = ParamRegistry(found, config, probe)
         self._health = Health()  # what a failed step left: torn, dirty, stale
         self._readers = Readers()  # state transfers reading the host state
         self._micro_steps = MicroSteps(self._registry, config, self._health, self._readers,
@@ -219,8 +252,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._attached: torch.nn.Module | None = None
         self._handed_over = 0  # steps launched (step() without gradients launches none)
         self._warned_compiled = False
+        self._finder: ModelFinder | None = None
         if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
+            assert found is not None
+            params = [p for p in found.parameters() if p.requires_grad]
         self._building = True
         try:
             super().__init__(list(params), probe.defaults)
@@ -230,7 +265,23 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"params: {err}") from None
         self._building = False
         self._reindex()
-        self._train_spans_on(model)  # forward and backward on a recorded trace's train row
+        if found is not None:
+            self._train_spans_on(found)  # forward and backward on a recorded trace's train row
+        else:
+            self._finder = ModelFinder(self._registry.tensors, self._found_model)
+
+    def _found_model(self, model: torch.nn.Module) -> bool:
+        """The model of an optimizer built from parameters, seen in a forward: take it
+        (between steps; mid-step it is taken at a later forward)."""
+        if self._micro_steps.phase is not Phase.IDLE or self._inflight is not None:
+            return False
+        check_model(model)
+        self._registry.adopt_model(model)
+        self.model = model
+        self._micro_steps.ensure_hooks()
+        self._reindex()
+        self._train_spans_on(model)
+        return True
 
     # -- set-up ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -353,7 +404,13 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         Raises:
             ConfigError: ``model`` is not a module, or lacks some parameters.
         """
-        super().attach(self.model if model is None else model)
+        if model is None and self.model is None:
+            raise ConfigError(
+                "attach() needs the model: this FullOffloadOptimizer was built from "
+                "parameters and has not seen its model's forward yet; call attach(model)")
+        target = self.model if model is None else model
+        assert target is not None
+        super().attach(target)
 
     def _stepped_params(self) -> list[torch.Tensor]:
         return self._registry.tensors()
@@ -406,10 +463,6 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._inflight is None
 
     def _step(self) -> None:
-        if "transformers.trainer" in sys.modules:
-            from pipeoff.optim._full_offload._trainers import warn_if_unrouted
-
-            warn_if_unrouted(self)
         refuse_environment()
         _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
         self.wait_for_step()
@@ -429,11 +482,15 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 self.last_trace = settled.trace
             self._health.check("step()")
         self._health.check_dirty("step()")
+        # What the loop did to param.grad (its clip call's coefficient, a gradient
+        # set by hand or dropped) becomes the host sums' before the step.
+        edits = micro.grads.withdraw(stepping=True)
+        if micro.acc is None:
+            return None  # every gradient was dropped (model.zero_grad()): nothing steps
         hyper = capture_hyper(self.param_groups)
         acc = micro.acc
-        assert acc is not None
         max_norm = self.max_norm if acc.max_norm is None else acc.max_norm
-        acc = self._inflight = micro.hand_over(hyper, max_norm)
+        acc = self._inflight = micro.hand_over(hyper, max_norm, edits)
         self._handed_over += 1
         if self.overlap == "backward" and not same_hyper(hyper, acc.hyper):
             self.wait_for_step()
@@ -465,7 +522,8 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if not (self.overlap == "forward" or (
                 self.overlap == "backward" and self._attached is not None)):
             return False
-        if self._attached is None and _compat.runs_compiled(self.model):
+        if self._attached is None and self.model is not None and _compat.runs_compiled(
+                self.model):
             # Hazard: compiled code reading weights the step still writes; it
             # cannot wait per parameter, and only attach()'s hooks run in it.
             if not self._warned_compiled:

@@ -20,6 +20,7 @@ from pipeoff._lowlevel import hook_wait_records, is_failure_of
 from pipeoff._validate import check_int
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
+from pipeoff.optim._foreign import refuse_foreign
 from pipeoff.optim._graph import Step
 from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._host_state import (
@@ -60,6 +61,50 @@ class _Default:
 _DEFAULT = _Default()
 
 
+def _wrapped(params: Any, optimizer_class: Any, optimizer: Any,
+             kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer to wrap: given (``OffloadOptimizer(opt)``), or built from the
+    parameters, ``optimizer_class`` and its keyword arguments (torchao's form).
+
+    Raises:
+        ConfigError: both forms mixed, or not an optimizer / optimizer class, or the
+            class refused the arguments.
+    """
+    if isinstance(params, torch.optim.Optimizer):
+        if optimizer is not None:
+            raise ConfigError("give the optimizer to wrap once (positionally or as optimizer=)")
+        optimizer, params = params, None
+    if optimizer is not None:
+        if params is not None or optimizer_class is not None or kwargs:
+            extra = sorted(kwargs) + (["params"] if params is not None else []) + (
+                ["optimizer_class"] if optimizer_class is not None else [])
+            raise ConfigError(
+                f"OffloadOptimizer wraps either an optimizer instance or builds one from "
+                f"params and optimizer_class; with an instance, {extra} have no place (set "
+                "hyperparameters on the instance)")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+                optimizer, OffloadOptimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer to wrap, got {optimizer!r}")
+        return optimizer
+    if params is None:
+        raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
+                          "and optimizer_class to build one (torchao's form)")
+    refuse_foreign(kwargs, "OffloadOptimizer")
+    cls = torch.optim.AdamW if optimizer_class is None else optimizer_class
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
+            cls, OffloadOptimizer):
+        raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
+                          f"torch.optim.AdamW, got {cls!r}")
+    if isinstance(params, torch.Tensor):
+        raise ConfigError("params must be an iterable of parameters or of param group "
+                          f"dicts, got a single tensor of shape {tuple(params.shape)}")
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{cls.__name__} refused {sorted(kwargs)}: {err}") from err
+
+
 class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     """Wraps an optimizer; keeps its state in (pinned) host memory and steps it in chunks.
 
@@ -96,8 +141,18 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     Results are bitwise equal to stepping the wrapped optimizer directly.
 
+    Two forms: an optimizer to wrap, or torchao's (``CPUOffloadOptimizer``'s)::
+
+        OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="overlap")
+        OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, mode="overlap")
+
     Args:
-        optimizer: the optimizer to wrap; its ``param_groups`` are shared.
+        params: the optimizer to wrap (its ``param_groups`` are shared), or the
+            parameters (or param groups) to build one from.
+        optimizer_class: with parameters, the ``torch.optim`` class to build (default
+            ``AdamW``, as torchao's).
+        optimizer: the optimizer to wrap, by keyword.
+        **optimizer_kwargs: with parameters, the optimizer's hyperparameters (``lr``...).
         mode: ``"single_pass"``, ``"chunked"`` or ``"overlap"``.
         chunk_bytes: bound on each chunk's device state, or ``None`` for one chunk.
         pin_memory: page-lock the host state (ignored without an accelerator).
@@ -135,8 +190,10 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        params: torch.optim.Optimizer | Any = None,
+        optimizer_class: type[torch.optim.Optimizer] | None = None,
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         mode: Mode = "chunked",
         chunk_bytes: int | None | _Default = _DEFAULT,
         pin_memory: bool = True,
@@ -146,13 +203,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         read_guard: bool = True,
         reserve: bool = True,
         lookahead: int | None = None,
+        **optimizer_kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-            optimizer, OffloadOptimizer
-        ):
-            raise ConfigError(
-                f"optimizer must be a torch.optim.Optimizer to wrap, got {optimizer!r}"
-            )
+        optimizer = _wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
         if mode not in _MODES:
             raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
         chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes

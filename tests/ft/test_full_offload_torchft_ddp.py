@@ -18,7 +18,7 @@ from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
 from pipeoff import ConfigError
-from pipeoff.optim import FullOffloadOptimizer
+from pipeoff.optim import FullOffloadOptimizer, HostGrad
 from tests.ft._replicas import make_model
 
 pytestmark = [pytest.mark.slow,
@@ -48,7 +48,8 @@ def _replica(rid: int, lighthouse: str, full: bool, micro: int) -> list[torch.Te
                 ddp(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
             opt.step()
         getattr(inner, "wait_for_step", lambda: None)()
-        assert all(p.grad is None for p in model.parameters()) or not full
+        assert all(p.grad is None or isinstance(p.grad, HostGrad)
+                   for p in model.parameters()) or not full
         return [p.detach().clone() for p in model.parameters()]
     finally:
         manager.shutdown(wait=False)

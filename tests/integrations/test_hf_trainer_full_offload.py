@@ -4,9 +4,9 @@ The Trainer (through accelerate) accumulates micro-batches without any
 ``no_sync()`` in one process, clips with ``accelerator.clip_grad_norm_`` (or,
 with ``max_grad_norm=0``, asks it for the norm with ``max_norm=inf`` to log
 it), steps, drives an LR scheduler and zeroes grads with
-``model.zero_grad()``. Under full offload the gradients are on the host, so
-:func:`pipeoff.integrations.hf.prepare_trainer` routes that call to the
-optimizer. The right value is the same Trainer run with a plain
+``model.zero_grad()``. Under full offload ``param.grad`` holds placeholders for
+the host sums (``pipeoff.optim.HostGrad``), so the Trainer's own clip call
+works unchanged. The right value is the same Trainer run with a plain
 ``torch.optim.AdamW`` on the same FP32 model: weights, logged losses and logged
 ``grad_norm`` equal bitwise.
 """
@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeoff import ConfigError
+from pipeoff import ConfigError, GradientError
 from pipeoff.integrations.hf import prepare_trainer
-from pipeoff.optim import FullOffloadOptimizer
+from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from tests.integrations import _hf
 
 transformers = pytest.importorskip("transformers")
@@ -49,17 +49,20 @@ class KeepLogs(transformers.TrainerCallback):  # type: ignore[misc]
             self.steps.append((logs["loss"], logs["grad_norm"]))
 
 
-def trainer_for(model: Any, opt: torch.optim.Optimizer, out: Path, *, accumulation: int,
-                max_grad_norm: float) -> tuple[Any, KeepLogs]:
+def trainer_for(model: Any, opt: torch.optim.Optimizer | None, out: Path, *,
+                accumulation: int, max_grad_norm: float, weight_decay: float = 0.0,
+                cls_and_kwargs: Any = None) -> tuple[Any, KeepLogs]:
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2,
         gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm,
         max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
-        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=SEED,
-        data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True)
+        weight_decay=weight_decay, report_to=[], use_cpu=True, save_strategy="no",
+        logging_steps=1, seed=SEED, data_seed=SEED, dataloader_num_workers=0,
+        disable_tqdm=True)
     logs = KeepLogs()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_hf.Tokens(32),
-                                   optimizers=(opt, None), callbacks=[logs])
+                                   optimizers=(opt, None), callbacks=[logs],
+                                   optimizer_cls_and_kwargs=cls_and_kwargs)
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer, logs
 
@@ -99,12 +102,11 @@ def test_trainer_with_full_offload_matches_adamw(accumulation: int, max_grad_nor
                                      max_grad_norm=max_grad_norm)
     got_trainer, got = trainer_for(model, opt, tmp_path / "full", accumulation=accumulation,
                                    max_grad_norm=max_grad_norm)
-    assert prepare_trainer(got_trainer) is got_trainer
     want_out = want_trainer.train()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing to warn about
+        warnings.filterwarnings("ignore", "pipeoff. pinned host memory")
         got_out = got_trainer.train()
-    assert not [w for w in caught if "prepare_trainer" in str(w.message)]
     assert want_out.global_step == got_out.global_step == STEPS
     assert want_out.training_loss == got_out.training_loss
     assert len(want.steps) == STEPS
@@ -115,39 +117,96 @@ def test_trainer_with_full_offload_matches_adamw(accumulation: int, max_grad_nor
     assert not any(torch.equal(a, p) for a, p in zip(init, model.parameters()))
 
 
-def test_without_prepare_trainer_it_warns_and_logs_zero(tmp_path: Path) -> None:
-    model = tiny_llama()
-    opt = full_offload(model)
-    trainer, logs = trainer_for(model, opt, tmp_path, accumulation=4, max_grad_norm=1.0)
-    with pytest.warns(RuntimeWarning, match=r"prepare_trainer\(trainer\)") as caught:
-        trainer.train()
-    assert len([w for w in caught if "prepare_trainer" in str(w.message)]) == 1  # once
-    # What the warning is about: the Trainer's clip found no .grad and logged 0.
-    assert [norm for _, norm in logs.steps] == [0.0] * STEPS
+def _trainer_default_kwargs(tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    """The optimizer class and keywords the Trainer builds by default (transformers 5:
+    ``adamw_torch_fused``), for the same arguments."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2,
+                                          weight_decay=0.1, use_cpu=True, report_to=[])
+    return transformers.Trainer.get_optimizer_cls_and_kwargs(args)  # type: ignore[no-any-return]
 
 
-def test_overlap_backward_with_clipping_is_refused(tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["full_offload", "offload"])
+def test_the_trainers_own_optimizer_construction(optimizer: str, tmp_path: Path) -> None:
+    """optimizer_cls_and_kwargs=(pipeoff's class, {"optimizer_class": ..., ...}): the
+    Trainer builds its decay / no-decay groups and calls cls(groups, **kwargs); the run
+    is the Trainer's default AdamW run, logged grad_norm included."""
+    cls, kwargs = _trainer_default_kwargs(tmp_path)
+    assert cls is torch.optim.AdamW
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    want_trainer, want = trainer_for(ref, None, tmp_path / "ref", accumulation=4,
+                                     max_grad_norm=1.0, weight_decay=0.1)
+    mine: dict[str, Any] = {"optimizer_class": cls, **kwargs}
+    if optimizer == "offload":
+        mine["mode"] = "overlap"
+    klass = FullOffloadOptimizer if optimizer == "full_offload" else OffloadOptimizer
+    got_trainer, got = trainer_for(model, None, tmp_path / "mine", accumulation=4,
+                                   max_grad_norm=1.0, weight_decay=0.1,
+                                   cls_and_kwargs=(klass, mine))
+    want_trainer.train()
+    got_trainer.train()
+    opt = got_trainer.optimizer.optimizer  # (accelerate's wrapper around it)
+    assert isinstance(opt, klass)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # the Trainer's groups
+    assert got.steps == want.steps and len(got.steps) == STEPS
+    assert all(norm > 1.0 for _, norm in want.steps)
+    opt.wait_for_step()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    if optimizer == "full_offload":
+        assert opt.model is model  # found at the first forward
+
+
+class _Factory:
+    """An optimizer factory (transformers 5's hook: called as ``cls()(model, **kw)``)."""
+
+    def __call__(self, model: Any, **kwargs: Any) -> Any:
+        return FullOffloadOptimizer(model, torch.optim.AdamW, chunk_numel=2048, **kwargs)
+
+
+class _PlainFactory:
+    def __call__(self, model: Any, **kwargs: Any) -> Any:
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+@pytest.mark.slow
+def test_the_trainers_optimizer_factory_hook(tmp_path: Path) -> None:
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    kw = {"lr": 1e-2, "weight_decay": 0.01}
+    want_trainer, want = trainer_for(ref, None, tmp_path / "ref", accumulation=4,
+                                     max_grad_norm=1.0, cls_and_kwargs=(_PlainFactory, kw))
+    got_trainer, got = trainer_for(model, None, tmp_path / "mine", accumulation=4,
+                                   max_grad_norm=1.0, cls_and_kwargs=(_Factory, kw))
+    want_trainer.train()
+    got_trainer.train()
+    assert got.steps == want.steps and all(norm > 1.0 for _, norm in want.steps)
+    got_trainer.optimizer.optimizer.wait_for_step()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_overlap_backward_with_clipping_is_refused_at_the_trainers_clip(tmp_path: Path) -> None:
     model = tiny_llama()
     opt = full_offload(model, overlap="backward")
     trainer, _ = trainer_for(model, opt, tmp_path, accumulation=1, max_grad_norm=1.0)
-    clip = trainer.accelerator.clip_grad_norm_
-    with pytest.raises(ConfigError, match=r"overlap='backward'.*max_grad_norm=0"):
-        prepare_trainer(trainer)
-    assert trainer.accelerator.clip_grad_norm_ == clip  # nothing routed
+    with pytest.raises(ConfigError, match="overlap='backward'"):
+        trainer.train()
 
 
 def test_overlap_backward_with_accumulation_is_refused(tmp_path: Path) -> None:
     model = tiny_llama()
     opt = full_offload(model, overlap="backward")
     trainer, _ = trainer_for(model, opt, tmp_path, accumulation=4, max_grad_norm=0.0)
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 with "
-                                          "overlap='backward'"):
-        prepare_trainer(trainer)
+    with pytest.raises(GradientError, match="no_sync"):
+        trainer.train()
 
 
 def test_overlap_backward_without_clipping_matches_adamw(tmp_path: Path) -> None:
     # One micro-batch per step: in one process accelerate's no_sync() is a no-op,
     # and overlap="backward" steps in every backward outside the optimizer's no_sync().
+    # max_grad_norm=0: the Trainer asks for the norm (max_norm=inf) to log it.
     ref = tiny_llama()
     model = copy.deepcopy(ref)
     ref_opt = adamw(ref)
@@ -156,18 +215,17 @@ def test_overlap_backward_without_clipping_matches_adamw(tmp_path: Path) -> None
                                      max_grad_norm=0.0)
     got_trainer, got = trainer_for(model, opt, tmp_path / "full", accumulation=1,
                                    max_grad_norm=0.0)
-    prepare_trainer(got_trainer)
     want_trainer.train()
     got_trainer.train()
     assert got.steps == want.steps and len(got.steps) == STEPS
     check_equal(ref, ref_opt, model, opt)
 
 
-def test_prepare_trainer_leaves_other_optimizers_alone(tmp_path: Path) -> None:
+def test_prepare_trainer_is_a_no_op_now(tmp_path: Path) -> None:
     model = tiny_llama()
-    trainer, _ = trainer_for(model, adamw(model), tmp_path, accumulation=1, max_grad_norm=1.0)
+    trainer, _ = trainer_for(model, full_offload(model), tmp_path, accumulation=1,
+                             max_grad_norm=1.0)
     clip = trainer.accelerator.clip_grad_norm_
-    assert prepare_trainer(trainer) is trainer
+    with pytest.warns(FutureWarning, match="no longer needed"):
+        assert prepare_trainer(trainer) is trainer
     assert trainer.accelerator.clip_grad_norm_ == clip
-    with pytest.raises(ConfigError, match="expects a transformers Trainer"):
-        prepare_trainer(object())

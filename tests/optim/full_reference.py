@@ -49,13 +49,16 @@ class Reference:
             p.grad = None
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, edit: Callable[[list[torch.Tensor]], Any] | None = None) -> Any:
+        """Step; ``edit`` (the loop's clip call, say) first gets the masters that have a
+        gradient, in the model's parameter order, and its result is returned."""
         with_grad = []
         for p in self.params:
             m = self.masters[id(p)]
             m.grad = self.acc.get(id(p))
             if m.grad is not None:
                 with_grad.append(m)
+        out = edit(with_grad) if edit is not None else None
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(
                 [m for g in self.groups for m in g["params"] if m.grad is not None],
@@ -65,6 +68,7 @@ class Reference:
             p.copy_(self.masters[id(p)])
             self.masters[id(p)].grad = None
         self.acc = {}
+        return out
 
 
 def assert_same(model: torch.nn.Module, ref: Reference, names: Sequence[str] = ()) -> None:

@@ -44,6 +44,7 @@ import torch
 from pipeoff import _accel, _faults
 from pipeoff.graph import TaskContext
 from pipeoff.optim import _accumulate, _host_kernel, _update
+from pipeoff.optim._full_offload import _grads
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import FullWork, pieces
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
@@ -187,8 +188,9 @@ class LaneWork:
     # -- the step ----------------------------------------------------------------------
     def step_chunk(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
         self._threads()
+        edits: Mapping[int, Sequence[Any]] = {}
         if self.config.overlap != "backward":
-            hyper, max_norm = ctx.gate("step")
+            hyper, max_norm, edits = ctx.gate("step")
         else:
             hyper, max_norm = acc.hyper, None
         assert hyper is not None
@@ -198,6 +200,17 @@ class LaneWork:
             # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
             clip_coef = torch.clamp(max_norm / (acc.total_norm + 1e-6), max=1.0)
         idx = [i for i in self.plan.chunks[k] if acc.counts[i] > 0]
+        # The loop's own edits of each gradient (its clip call's coefficient, say), in
+        # its order: one scaling by a clip coefficient goes into the native pass.
+        scales: dict[int, float] = {}
+        for i in idx:
+            e = edits.get(i)
+            if not e:
+                continue
+            if clip_coef is None and _grads.fusable(e):
+                scales[i] = float(e[0][1])
+            else:
+                _grads.apply_edits(self.params[i].flat_acc, e)
         kernel, native = self._native_of(idx, hyper)
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
@@ -207,6 +220,8 @@ class LaneWork:
             rec = self.params[i]
             if clip_coef is not None:
                 rec.flat_acc.mul_(clip_coef)
+            elif i in scales:
+                _grads.apply_edits(rec.flat_acc, edits[i])
             gi = self.groups[i]
             keys = _update.state_keys(self.probe, hyper[gi])
             st = rec.ensure_state(keys, self.pin)
@@ -229,7 +244,8 @@ class LaneWork:
                 scale = None if clip_coef is None else float(clip_coef)
                 slices = {i: (off, n, dtype) for i, off, n, dtype in self.weight_slices(k)}
                 for i, h in native.items():
-                    scalars[i] = self._native_step(kernel, i, h, w, slices[i], scale)
+                    scalars[i] = self._native_step(kernel, i, h, w, slices[i],
+                                                   scales.get(i, scale))
                     if slices[i][2] in (torch.bfloat16, torch.float32):
                         cast_done.add(i)
         except BaseException:
@@ -310,6 +326,8 @@ class LaneWork:
     def h2d(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
         copies = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
                   if acc.counts[i] > 0 and n]
+        # What crosses the link: the weights of the stepped parameters, unpadded.
+        ctx.moved(sum(n * dtype.itemsize for _, _, n, dtype in copies))
         if not copies:
             return
         w = ctx.buffer(f"w:{k}")

@@ -30,7 +30,7 @@ import dataclasses
 import enum
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskGraph
 from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._grads import LoopGrads, is_placeholder
 from pipeoff.optim._full_offload._lanes import LaneWork, gate_name
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import flat_like, local, snapshot
@@ -283,12 +284,47 @@ class _WrapperProbe:
         self.ref = weakref.ref(micro_steps)
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        micro_steps = self.ref()
-        if micro_steps is not None and micro_steps.registry.model is module:
-            micro_steps.see_wrapper(module)
+        _opaque_probe()(self, module)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _WrapperProbe:
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (torch.save(model)): the copy belongs to no optimizer.
+        return (_inert_probe, ())
+
+
+def _probe(probe: _WrapperProbe, module: torch.nn.Module) -> None:
+    micro_steps = probe.ref()
+    if micro_steps is None or micro_steps.registry.model is not module:
+        return
+    micro_steps.see_wrapper(module)
+    if torch.is_grad_enabled() and micro_steps.grads.showing:
+        # The next micro-step's forward: the placeholders leave .grad before autograd
+        # (or a DDP reducer) would accumulate into them.
+        micro_steps.grads.withdraw(stepping=False)
+
+
+_OPAQUE_PROBE: Any = None
+
+
+def _opaque_probe() -> Any:
+    # Opaque to Dynamo: under torch.compile it runs eagerly at every forward.
+    global _OPAQUE_PROBE
+    if _OPAQUE_PROBE is None:
+        _OPAQUE_PROBE = _compat.dynamo_disable(_probe)
+    return _OPAQUE_PROBE
+
+
+class _InertProbe:
+    """What a pickled probe becomes: a forward pre-hook that does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _inert_probe() -> _InertProbe:
+    return _InertProbe()
 
 
 class MicroSteps:
@@ -320,7 +356,11 @@ class MicroSteps:
         self.micro: MicroStep | None = None
         """The micro-step whose backward is running (or whose end is deferred)."""
         self.no_sync_depth = 0
-        self.ddp: Any = _compat.data_parallel(registry.model)
+        self.grads = LoopGrads(self, config.overlap)
+        """The placeholders the loop sees in ``param.grad`` (the host sums, see
+        ``_grads.py``): in from the end of each backward, out at the next forward."""
+        self.ddp: Any = (None if registry.model is None else
+                         _compat.data_parallel(registry.model))
         """The ``DistributedDataParallel`` around the model, or ``None``. Under one, the
         gradients stay in ``param.grad`` (the wrapper reduces and accumulates them
         there) and a final micro-step takes them at the end of its backward."""
@@ -367,10 +407,12 @@ class MicroSteps:
         first gradient of the next backward.) A frozen parameter gets its hook
         with ``requires_grad`` switched on for the call.
         """
-        if self._wrapper_probe is None:
-            self._wrapper_probe = self.registry.model.register_forward_pre_hook(
-                _WrapperProbe(self))
+        model = self.registry.model
+        if self._wrapper_probe is None and model is not None:
+            self._wrapper_probe = model.register_forward_pre_hook(_WrapperProbe(self))
             self._probe_handles.append(self._wrapper_probe)
+            if self.ddp is None:
+                self.ddp = _compat.data_parallel(model)
         taken = []
         for rec in self.registry:
             before = _OWNERS.get(rec.param)
@@ -384,7 +426,7 @@ class MicroSteps:
                 "belonged to another FullOffloadOptimizer, which no longer receives their "
                 "gradients (the newest optimizer of a parameter takes them; load the old "
                 "one's state_dict() into this one to resume)", RuntimeWarning, stacklevel=4)
-        for p in self.registry.model.parameters():
+        for p in (model.parameters() if model is not None else self.registry.tensors()):
             if id(p) in self.grad_hooks:
                 continue
             frozen = not p.requires_grad
@@ -415,7 +457,9 @@ class MicroSteps:
         DDP's ``no_sync()``)."""
         if self.no_sync_depth > 0:
             return True
-        if _compat.fsdp_gradient_sync(_compat.compiled_original(self.registry.model)) is False:
+        model = self.registry.model
+        if model is not None and _compat.fsdp_gradient_sync(
+                _compat.compiled_original(model)) is False:
             return True
         return self.ddp is not None and not _compat.ddp_gradient_sync(self.ddp)
 
@@ -425,6 +469,11 @@ class MicroSteps:
         owner = _OWNERS.get(p)
         if owner is None or owner() is not self:
             return  # another (newer) optimizer's parameter, or none's
+        if self.grads.showing:
+            # A backward whose forward this optimizer did not see (a submodule called
+            # alone): the placeholders leave .grad now; what autograd added into this
+            # one is its gradient.
+            self.grads.withdraw(stepping=False)
         if self.acc is None and self.micro is None:
             self.on_first_gradient()  # the first gradient of a step
         i = self.registry.position(p)
@@ -598,6 +647,7 @@ class MicroSteps:
         ms.ended = True
         ex = ms.execution
         if ex is None:
+            self._show()
             return
         if (self.ddp is not None and ms.final and _compat.backward_id() >= 0
                 and not _faults.disabled("ddp_reduced")):
@@ -605,9 +655,19 @@ class MicroSteps:
             # reduced gradient into it: its finalize callback, queued during this
             # backward after ours, runs after this one; a callback queued now
             # runs after it.
-            _compat.queue_backward_callback(lambda: self.take_gradients(ms))
+            def take() -> None:
+                self.take_gradients(ms)
+                self._show()
+
+            _compat.queue_backward_callback(take)
         else:
             self.take_gradients(ms)
+            self._show()
+
+    def _show(self) -> None:
+        """The backward ended: the loop sees the host sums in ``param.grad``."""
+        if self.acc is not None:
+            self.grads.install(self.acc, self.registry.params)
 
     def take_gradients(self, ms: MicroStep) -> None:
         """Settle every gradient gate this backward's hooks did not open: a final
@@ -622,6 +682,8 @@ class MicroSteps:
             gate = ex.gate(gate_name(rec))
             s = acc.device_sums.pop(i, None) if (acc is not None and ms.final) else None
             g = rec.param.grad if ms.final else None
+            if is_placeholder(g):
+                g = None  # it stands for the host sum: nothing new
             if g is not None:
                 try:
                     payload = self._checked(rec, g)
@@ -649,6 +711,11 @@ class MicroSteps:
         """
         p = rec.param
         loc = local(grad)
+        if is_placeholder(loc):
+            raise GradientError(
+                f"param.grad of {rec.name!r} holds a FullOffloadOptimizer gradient placeholder "
+                "of an earlier step (kept and put back by hand); gradients come from "
+                "loss.backward()")
         if grad.dtype != p.dtype or loc.device != local(p).device or loc.layout != torch.strided:
             raise GradientError(
                 f"the gradient of {rec.name!r} is {grad.dtype} on {loc.device} ({loc.layout}); "
@@ -811,12 +878,12 @@ class MicroSteps:
         if gate.state == "pending":
             gate.open(None)
 
-    def hand_over(self, hyper: list[dict[str, Any]] | None,
-                  max_norm: float | None = None) -> Accumulation:
+    def hand_over(self, hyper: list[dict[str, Any]] | None, max_norm: float | None = None,
+                  edits: Mapping[int, tuple[Any, ...]] | None = None) -> Accumulation:
         """``step()``: the accumulation becomes the step in flight. Without a final
         backward, a final micro-step with no gradient of its own is launched now; under
         ``overlap="forward"`` or ``"none"`` its chunks may start (``hyper``, clipping to
-        ``max_norm``)."""
+        ``max_norm``, the loop's ``edits`` of each gradient first)."""
         acc = self.acc
         assert acc is not None
         if acc.final is None:
@@ -828,9 +895,11 @@ class MicroSteps:
             self.readers.wait()
         self.reduce_norm(acc)
         if self.config.overlap != "backward":
-            acc.execution.gate("step").open((hyper, max_norm))
+            acc.execution.gate("step").open((hyper, max_norm, dict(edits or {})))
         acc.phase = Phase.STEPPING
         self.acc = None
+        self.grads.clear()  # step() consumes the gradients (a final micro-step launched
+        # just now showed them)
         return acc
 
     def discard(self, why: str, *, classify_final: bool) -> None:
@@ -843,6 +912,7 @@ class MicroSteps:
                 again).
         """
         acc = self.acc
+        self.grads.clear()
         if acc is not None:
             for ms in acc.micro:
                 ex = ms.execution
@@ -860,6 +930,41 @@ class MicroSteps:
         self.acc = None
         self.micro = None
         self.health.dirty = None
+
+    def edit_sums(self, replaced: Mapping[int, torch.Tensor], dropped: Sequence[int]) -> None:
+        """The loop put a gradient in ``param.grad`` by hand (``replaced``: flat, in the
+        parameter's memory order) or set it to ``None`` (``dropped``) after a backward:
+        the host sums (or, under ``accumulate="gpu"`` before the final micro-step, the
+        device sums) say so from now on. Runs on the caller's thread between backwards."""
+        acc = self.acc
+        assert acc is not None
+        if self.config.accumulate == "gpu" and acc.final is None:
+            for i, t in replaced.items():
+                acc.device_sums[i] = t.to(torch.float32, copy=True)
+                acc.touched.add(i)
+            for i in dropped:
+                acc.device_sums.pop(i, None)
+                acc.touched.discard(i)
+            return
+        # Hazard: writing a host sum (and its count) that a fold of this
+        # accumulation's executions is still writing on the accumulate lane.
+        for ms in acc.micro if not _faults.disabled("grad_edit_wait") else ():
+            if ms.execution is None:
+                continue
+            if ms.final:
+                acc.wait_norm(self.config.timeout)  # its folds (its chunks wait for step())
+            else:
+                settle(ms.execution, timeout=self.config.timeout)
+        for i, t in replaced.items():
+            rec = self.registry[i]
+            with torch.no_grad():
+                rec.flat_acc.copy_(t)  # widening: exact
+            acc.counts[i] = 1
+            acc.touched.add(i)
+        for i in dropped:
+            acc.counts[i] = 0  # (a later micro-step's gradient starts the sum again)
+            acc.touched.discard(i)
+            acc.norms.pop(i, None)
 
 
 def writes_to(acc: Accumulation | None, registry: ParamRegistry,

@@ -147,13 +147,17 @@ class ParamRegistry:
     Written only on the caller's thread, between steps.
     """
 
-    def __init__(self, model: torch.nn.Module, config: FullOffloadConfig,
+    def __init__(self, model: torch.nn.Module | None, config: FullOffloadConfig,
                  probe: torch.optim.Optimizer) -> None:
         self.model = model
+        """The model, or ``None`` until the optimizer, built from parameters only, has
+        seen it (:meth:`adopt_model`)."""
         self.config = config
         self.probe = probe
-        self.names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
-        """Every parameter of the model, by ``id()``, to its name."""
+        self.names: dict[int, str] = {} if model is None else {
+            id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        """Every parameter of the model, by ``id()``, to its name (without a model: the
+        parameters given, by their ``param_names`` or their place in the groups)."""
         self.params: list[OffloadedParam] = []
         self._by_id: dict[int, int] = {}
         self._retired: dict[int, OffloadedParam] = {}
@@ -244,10 +248,17 @@ class ParamRegistry:
         self.config.probe(**{k: v for k, v in group.items()
                              if k not in ("params", "param_names")})
         seen = {id(p) for g in param_groups for p in g["params"]}
-        for p in params:
+        given = group.get("param_names")
+        for k, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise ConfigError(f"param groups hold tensors, got {p!r}")
             name = self.names.get(id(p))
+            if name is None and self.model is None and id(p) not in seen:
+                # Built from parameters only: named by torch's param_names, else by
+                # their place (renamed once the model is seen).
+                name = (str(given[k]) if isinstance(given, (list, tuple)) and k < len(given)
+                        else f"param_groups[{len(param_groups)}][{k}]")
+                self.names[id(p)] = name
             if name is None:
                 raise ConfigError(f"a parameter of shape {tuple(p.shape)} is not in the model "
                                   "given to FullOffloadOptimizer")
@@ -277,9 +288,11 @@ class ParamRegistry:
             ConfigError: naming the tensor.
         """
         seen: set[int] = set()
-        for g in param_groups:
-            for q in g["params"]:
+        for gi, g in enumerate(param_groups):
+            for k, q in enumerate(g["params"]):
                 name = self.names.get(id(q))
+                if name is None and self.model is None and isinstance(q, torch.Tensor):
+                    name = self.names[id(q)] = f"param_groups[{gi}][{k}]"
                 if name is None:
                     raise ConfigError(f"param_groups holds a tensor of shape {tuple(q.shape)} "
                                       "that is not a parameter of the model")
@@ -334,6 +347,24 @@ class ParamRegistry:
             slots=self.config.slots)
         for rec in params:
             rec.ensure_state(self.state_keys(param_groups[rec.group]), self.pin)
+
+    def adopt_model(self, model: torch.nn.Module) -> None:
+        """The model of an optimizer built from parameters only, now seen: its names.
+        (The caller re-indexes, so that the plan's gates take them.)
+
+        Raises:
+            ConfigError: a parameter of the optimizer is not in ``model``.
+        """
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        missing = [rec.name for rec in self.params if id(rec.param) not in names]
+        if missing:
+            raise ConfigError(f"the parameters {missing[:4]} are not in the model "
+                              f"{type(model).__name__}")
+        for rec in [*self.params, *self._retired.values()]:
+            rec.name = names.get(id(rec.param), rec.name)
+        self.names = names
+        self.model = model
+        self._fingerprint = ()  # (re-index: the names are in the plan)
 
     # -- following the model ---------------------------------------------------------------
     def written_from_outside(self) -> list[OffloadedParam]:

@@ -1,0 +1,586 @@
+"""What ``param.grad`` holds under full offload: the host gradient sum, for the loop's own calls.
+
+Full offload takes each gradient off the device as autograd finalizes it, so
+every call of the training loop that reads ``.grad`` (torch's
+``clip_grad_norm_``, ``get_total_norm`` and ``clip_grads_with_norm_``,
+accelerate's and Lightning's clipping, Lightning's ``grad_norm``) would see
+nothing: no norm, nothing clipped, no error. Instead, from the end of each
+backward until the next forward with gradients enabled (or ``step()``,
+``zero_grad()``), every parameter with a gradient in the accumulation holds a
+:class:`HostGrad` in ``.grad`` (inside a DTensor for a DTensor parameter): a
+tensor with the parameter's (local) shape, dtype, strides and device and no
+storage, which stands for its FP32 host sum:
+
+* ``torch.linalg.vector_norm`` / ``Tensor.norm`` and ``torch._foreach_norm``
+  return the norm of the host sum (FP32, 0-dim, on the parameter's device):
+  torch's own ``vector_norm`` of the FP32 sum, so a clip call's total norm is
+  torch's bits for the FP32 gradients. The 2-norm is the one the final
+  accumulation took while the sum was hot; other orders are taken on demand.
+* in-place scaling (``mul_``, ``div_`` by a number or a one-element tensor,
+  their ``_foreach_`` forms), clamping (``clamp_``, ``clamp_min_``,
+  ``clamp_max_`` and their ``_foreach_`` forms, as ``clip_grad_value_`` uses)
+  and ``zero_`` are recorded, and applied to the host sum in the step, in
+  order, before the optimizer's math (one clip coefficient goes into the
+  native kernel's pass: no extra bytes);
+* ``detach()``, ``.data`` and a same-shape ``view`` give another placeholder of
+  the same gradient;
+* any other operation sees the real gradient: the sum, with what was recorded
+  applied, is copied to the device in the parameter's dtype and becomes
+  ``param.grad``; a write to that tensor (or a tensor put in ``.grad`` by hand,
+  or ``None``) is what ``step()`` steps on.
+
+Reading a placeholder ends the accumulation (as ``opt.grad_norm`` does): a
+backward after it, before ``step()``, raises. Each read waits for the host
+folds of the gradients (not for the step); under ``overlap="backward"`` the
+chunks step during the final backward, so a recorded edit is refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff import _compat, _faults
+from pipeoff._errors import ConfigError, GradientError, PipeoffError
+from pipeoff.optim._tensors import flat, flat_like, local, wrap_like
+
+if TYPE_CHECKING:
+    from pipeoff.optim._full_offload._lifecycle import Accumulation, MicroSteps
+    from pipeoff.optim._full_offload._param import OffloadedParam
+
+__all__ = ["Edit", "HostGrad", "LoopGrads", "NeedsRealGradient", "apply_edits", "fusable",
+           "incoming_of", "is_placeholder"]
+
+Edit = tuple[Any, ...]
+"""A recorded in-place operation: ``("mul", v)``, ``("div", v)``, ``("clamp", lo, hi)``,
+``("clamp_min", v)``, ``("clamp_max", v)`` or ``("zero",)``; ``v`` a number or a 0-dim
+CPU tensor."""
+
+aten = torch.ops.aten
+
+
+class GradSlot:
+    """One parameter's gradient in one accumulation, as the loop sees it.
+
+    Written on the caller's thread (and, for ``incoming``, on the thread running a
+    backward), read there; the lanes never touch it.
+    """
+
+    __slots__ = ("acc", "edits", "i", "incoming", "owner", "placeholder", "real",
+                 "real_version", "rec", "shown")
+
+    def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam) -> None:
+        self.owner = weakref.ref(owner)
+        self.acc = acc
+        """The accumulation it stands for (a placeholder of an earlier one refuses)."""
+        self.i = i
+        self.rec = rec
+        self.edits: list[Edit] = []
+        """In-place operations recorded on it, applied to the host sum in the step."""
+        self.incoming: torch.Tensor | None = None
+        """A gradient that autograd added into the placeholder (a backward whose forward
+        the optimizer did not see), until the parameter's hook takes it."""
+        self.real: torch.Tensor | None = None
+        """The gradient copied to the device by an operation that needed its values."""
+        self.real_version = 0
+        self.placeholder = HostGrad(local(rec.param), self)
+        self.shown: torch.Tensor = wrap_like(rec.param, self.placeholder)
+        """What ``param.grad`` holds: the placeholder, then the real gradient."""
+
+    def loop_grads(self) -> LoopGrads:
+        owner = self.owner()
+        if owner is None:
+            raise PipeoffError("this gradient placeholder's FullOffloadOptimizer was deleted")
+        return owner
+
+    def alias(self) -> HostGrad:
+        """Another placeholder of the same gradient (``detach()``, ``.data``)."""
+        return HostGrad(self.placeholder, self)
+
+
+class HostGrad(torch.Tensor):
+    """A parameter's gradient that lives in host memory (see the module docstring).
+
+    Its shape, dtype, strides and device are the parameter's (local shard's); it has
+    no storage. ``repr`` says what it stands for.
+    """
+
+    _slot: GradSlot
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, slot: GradSlot) -> HostGrad:
+        t: Any = _compat.make_wrapper_subclass(cls, like)
+        t._slot = slot
+        return t  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        # Norms and in-place scaling are answered at the aten level (below); any
+        # other operation runs on the real gradient, here above autograd, so that
+        # views of it and writes through them are those of an ordinary tensor.
+        kwargs = kwargs or {}
+        slots = list(_slots_in(args, kwargs))
+        if not any(s.real is not None for s in slots):
+            marks = [len(s.edits) for s in slots]
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            except NeedsRealGradient:
+                for s, n in zip(slots, marks):
+                    del s.edits[n:]  # (a composite op that scaled, then needed values)
+        owner = slots[0].loop_grads()
+        return func(*_real(owner, args), **{k: _real(owner, v) for k, v in kwargs.items()})
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        slot = next(s for s in _slots_in(args, kwargs or {}))
+        return slot.loop_grads().dispatch(func, tuple(args), dict(kwargs or {}))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        rec = self._slot.rec
+        return (f"HostGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
+                f"the FP32 host gradient sum of {rec.name!r} under FullOffloadOptimizer)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled or saved: the real gradient, in the parameter's dtype.
+        return self._slot.loop_grads().materialize(self._slot).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self._slot.loop_grads().materialize(self._slot).clone()
+
+
+def _slots_in(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, HostGrad):
+            yield a._slot
+        elif isinstance(a, (list, tuple)):
+            yield from (t._slot for t in a if isinstance(t, HostGrad))
+
+
+class NeedsRealGradient(PipeoffError):
+    """An operation on a gradient placeholder that needs the gradient's values.
+
+    Raised (and handled) inside :class:`HostGrad`: the operation is run again on the
+    real gradient. It reaches the caller only through a DTensor parameter's
+    placeholder, where the operation cannot be re-run (norms and in-place scaling
+    work there).
+    """
+
+
+def _real(owner: LoopGrads, a: Any) -> Any:
+    if isinstance(a, HostGrad):
+        return owner.materialize(a._slot)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_real(owner, t) for t in a)
+    return a
+
+
+def is_placeholder(t: Any) -> bool:
+    """Whether ``t`` (or a DTensor's local tensor) is a :class:`HostGrad`."""
+    return t is not None and isinstance(local(t), HostGrad)
+
+
+def incoming_of(grad: torch.Tensor) -> torch.Tensor | None:
+    """The gradient autograd added into a placeholder (the local tensor), or ``None``."""
+    loc = local(grad)
+    if not isinstance(loc, HostGrad):
+        return grad
+    slot = loc._slot
+    got, slot.incoming = slot.incoming, None
+    return got
+
+
+def apply_edits(acc: torch.Tensor, edits: Sequence[Edit]) -> None:
+    """Apply recorded in-place operations to a host gradient sum, in order (torch's ops,
+    so each is torch's bits on the FP32 sum)."""
+    for e in edits:
+        kind = e[0]
+        if kind == "mul":
+            acc.mul_(e[1])
+        elif kind == "div":
+            acc.div_(e[1])
+        elif kind == "clamp":
+            acc.clamp_(e[1], e[2])
+        elif kind == "clamp_min":
+            acc.clamp_min_(e[1])
+        elif kind == "clamp_max":
+            acc.clamp_max_(e[1])
+        elif kind == "zero":
+            acc.zero_()
+        else:  # pragma: no cover - recorded by LoopGrads only
+            raise AssertionError(kind)
+
+
+def fusable(edits: Sequence[Edit]) -> bool:
+    """Whether ``edits`` are one multiplication by an FP32 one-element tensor (a clip
+    coefficient), which a kernel may apply inside its pass for the same bits."""
+    if len(edits) != 1 or edits[0][0] != "mul":
+        return False
+    v = edits[0][1]
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32
+
+
+def _value(v: Any, what: str) -> Any:
+    """A scaling operand as recorded: a number, or a one-element tensor copied to the CPU."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
+        raise GradientError(f"{what} of a FullOffloadOptimizer gradient takes a number or a "
+                            f"one-element tensor, got {type(v).__name__}")
+    if isinstance(v, torch.Tensor):
+        v = local(v)
+        if v.numel() != 1:
+            raise GradientError(
+                f"{what} of a FullOffloadOptimizer gradient by a tensor of shape "
+                f"{tuple(v.shape)}: only scaling by a number or a one-element tensor is "
+                "applied to the host gradient (as clip_grad_norm_ does)")
+        return v.detach().to("cpu", copy=True).reshape(())
+    return v
+
+
+_SCALE = {aten.mul_.Tensor: "mul", aten.mul_.Scalar: "mul",
+          aten.div_.Tensor: "div", aten.div_.Scalar: "div"}
+_FOREACH_SCALE = {
+    aten._foreach_mul_.Scalar: "mul", aten._foreach_mul_.Tensor: "mul",
+    aten._foreach_mul_.ScalarList: "mul", aten._foreach_mul_.List: "mul",
+    aten._foreach_div_.Scalar: "div", aten._foreach_div_.Tensor: "div",
+    aten._foreach_div_.ScalarList: "div", aten._foreach_div_.List: "div"}
+_FOREACH_CLAMP = {aten._foreach_clamp_min_.Scalar: "clamp_min",
+                  aten._foreach_clamp_max_.Scalar: "clamp_max",
+                  aten._foreach_clamp_min_.ScalarList: "clamp_min",
+                  aten._foreach_clamp_max_.ScalarList: "clamp_max"}
+_ALIAS = (aten.detach.default, aten.alias.default)
+
+
+class LoopGrads:
+    """The placeholders in ``param.grad`` of one :class:`FullOffloadOptimizer`.
+
+    It owns them: it puts them in at the end of each backward (:meth:`install`),
+    takes them out (:meth:`withdraw`) and answers what the loop asks of them,
+    calling down into the lifecycle for the host sums (finalizing the
+    accumulation, waiting for its folds).
+
+    Args:
+        micro: the lifecycle (the accumulation in progress and its executions).
+        overlap: the optimizer's overlap mode.
+    """
+
+    def __init__(self, micro: MicroSteps, overlap: str) -> None:
+        self.micro = micro
+        self.overlap = overlap
+        self.slots: dict[int, GradSlot] = {}
+        """The placeholders of the accumulation in progress, by parameter position (kept
+        until ``step()``: what the loop recorded on them)."""
+        self.acc: Accumulation | None = None
+        self.showing = False
+        """Whether the placeholders are in ``param.grad`` now."""
+
+    # -- in and out of param.grad --------------------------------------------------------
+    def install(self, acc: Accumulation, params: Sequence[OffloadedParam]) -> None:
+        """The end of a backward: a placeholder in the ``.grad`` of every parameter with a
+        gradient in ``acc`` whose ``.grad`` is empty (under DDP the wrapper keeps its
+        own gradients there between micro-steps)."""
+        if self.acc is not acc:
+            self.slots = {}
+            self.acc = acc
+        for i in sorted(acc.touched):
+            rec = params[i]
+            p = rec.param
+            if p.grad is not None:
+                continue
+            slot = self.slots.get(i)
+            if slot is None or slot.rec is not rec:
+                slot = self.slots[i] = GradSlot(self, acc, i, rec)
+            p.grad = slot.shown
+        self.showing = bool(self.slots)
+
+    def clear(self) -> None:
+        """Take every placeholder out and forget them (the accumulation was discarded)."""
+        for slot in self.slots.values():
+            p = slot.rec.param
+            if p.grad is not None and p.grad is slot.shown:
+                p.grad = None
+        self.slots = {}
+        self.acc = None
+        self.showing = False
+
+    def withdraw(self, *, stepping: bool) -> dict[int, tuple[Edit, ...]]:
+        """Take the placeholders out of ``.grad``, before a forward or at ``step()``
+        (``stepping``), and make what the loop did to ``.grad`` the host sums': a tensor
+        put in ``.grad`` or written through is the gradient, ``None`` drops it (all of
+        them ``None``: the accumulation is discarded, as by ``zero_grad()``). At
+        ``step()``, returns the recorded edits per parameter (the step applies them)
+        and forgets the placeholders.
+
+        Raises:
+            GradientError: a gradient put in ``.grad`` by hand is not of the parameter's
+                shape, dtype and device; or ``.grad`` was edited after the final backward
+                under ``overlap="backward"`` (that backward stepped already).
+            ConfigError: the loop edited gradients and the optimizer clips too
+                (``max_norm``, ``clip_grad_norm_()``).
+        """
+        acc = self.acc
+        if acc is None:
+            return {}
+        if acc is not self.micro.acc:
+            self.clear()  # (the accumulation ended: a failure discarded it)
+            return {}
+        slots = self.slots
+        clips = self.micro.config.max_norm is not None or acc.max_norm is not None
+        if stepping and clips and any(s.edits for s in slots.values()):
+            raise ConfigError(
+                "the training loop clipped or scaled the gradients (torch.nn.utils."
+                "clip_grad_norm_, clip_grad_value_, mul_) and the optimizer clips them too "
+                "(max_norm, or opt.clip_grad_norm_()): they would be clipped twice; keep "
+                "one (the loop's own call works under full offload)")
+        if self.showing:
+            dropped: list[int] = []
+            replaced: dict[int, torch.Tensor] = {}
+            arriving: dict[int, torch.Tensor] = {}
+            for i, slot in slots.items():
+                g = slot.rec.param.grad
+                if slot.incoming is not None:
+                    # A backward began without a forward this optimizer saw, and autograd
+                    # added its gradient into the placeholder: the hook takes it next.
+                    arriving[i] = slot.incoming
+                elif g is not None and g is slot.shown:
+                    if slot.real is not None and slot.real._version != slot.real_version:
+                        replaced[i] = slot.real  # written through (a read leaves it)
+                elif g is None:
+                    dropped.append(i)
+                else:
+                    replaced[i] = local(g)
+            everything = len(dropped) == len(slots) and not (replaced or arriving)
+            checked: dict[int, torch.Tensor] = {}
+            if dropped or replaced:
+                self._refuse_late("set to None" if everything else "replaced")
+                if clips and not everything:
+                    raise ConfigError(
+                        f"param.grad of {[slots[i].rec.name for i in [*dropped, *replaced]][:4]} "
+                        "was replaced or set to None after the backward while the optimizer "
+                        "clips with max_norm (whose norm was taken before): clip in the loop "
+                        "instead (torch.nn.utils.clip_grad_norm_), or leave .grad as it is")
+                checked = {i: self._checked(slots[i].rec, t) for i, t in replaced.items()}
+            # Checked: now change things.
+            for i, slot in slots.items():
+                p = slot.rec.param
+                p.grad = wrap_like(p, arriving[i]) if i in arriving else None
+                slot.incoming = None
+            self.showing = False
+            if dropped and everything:
+                self.micro.discard("every param.grad was set to None after the backward "
+                                   "(model.zero_grad())", classify_final=True)
+                return {}
+            if dropped or replaced:
+                self.micro.edit_sums(checked, dropped)
+                for i in [*dropped, *replaced]:
+                    slots.pop(i)
+        if not stepping:
+            return {}
+        edits = {i: tuple(s.edits) for i, s in slots.items() if s.edits}
+        self.slots, self.acc = {}, None
+        return edits
+
+    def _refuse_late(self, what: str) -> None:
+        acc = self.micro.acc
+        if self.overlap == "backward" and acc is not None and acc.final is not None:
+            raise GradientError(
+                f"param.grad was {what} after the final backward under overlap='backward', "
+                "whose chunks stepped during that backward: the edit cannot reach the "
+                "step; use overlap='forward' (the default) to edit gradients before step()")
+
+    @staticmethod
+    def _checked(rec: OffloadedParam, t: torch.Tensor) -> torch.Tensor:
+        p = local(rec.param)
+        if (t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
+                or t.layout != torch.strided or isinstance(t, HostGrad)):
+            raise GradientError(
+                f"param.grad of {rec.name!r} was set by hand to a tensor of shape "
+                f"{tuple(t.shape)}, {t.dtype} on {t.device}; FullOffloadOptimizer takes a "
+                f"gradient of the parameter's shape {tuple(p.shape)}, dtype {p.dtype} and "
+                f"device {p.device}")
+        return flat_like(t, rec.order)
+
+    # -- what the loop asks of a placeholder --------------------------------------------------
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One aten operation with a placeholder among its arguments."""
+        if any(s.real is not None for s in _slots_in(args, kwargs)):
+            return func(*_real(self, args), **{k: _real(self, v) for k, v in kwargs.items()})
+        if func in _ALIAS or (func is aten.view.default and _same_shape(args[0], args[1])):
+            return _slot_of(args[0]).alias()
+        if func is aten.linalg_vector_norm.default:
+            return self.norm(_slot_of(args[0]), *args[1:], **kwargs)
+        if func is aten._foreach_norm.Scalar:
+            ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+            return [self.norm(t._slot, ord_, dtype=dtype) if isinstance(t, HostGrad)
+                    else torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
+        if func in _SCALE:
+            self.edit(_slot_of(args[0]), (_SCALE[func], _value(args[1], _SCALE[func])))
+            return args[0]
+        if func in _FOREACH_SCALE:
+            self._foreach(args, _FOREACH_SCALE[func], func)
+            return None
+        if func in _FOREACH_CLAMP:
+            self._foreach(args, _FOREACH_CLAMP[func], func)
+            return None
+        if func in (aten.clamp_.default, aten.clamp_.Tensor):
+            lo = args[1] if len(args) > 1 else kwargs.get("min")
+            hi = args[2] if len(args) > 2 else kwargs.get("max")
+            self.edit(_slot_of(args[0]), ("clamp", None if lo is None else _value(lo, "clamp_"),
+                                          None if hi is None else _value(hi, "clamp_")))
+            return args[0]
+        if func in (aten.clamp_min_.default, aten.clamp_max_.default,
+                    aten.clamp_min_.Tensor, aten.clamp_max_.Tensor):
+            kind = "clamp_min" if "min" in func.__name__ else "clamp_max"
+            self.edit(_slot_of(args[0]), (kind, _value(args[1], func.__name__)))
+            return args[0]
+        if func is aten.zero_.default:
+            self.edit(_slot_of(args[0]), ("zero",))
+            return args[0]
+        if (func is aten.add_.Tensor and _compat.backward_id() >= 0
+                and isinstance(args[0], HostGrad)):
+            # Autograd accumulating a new gradient into the placeholder (a backward whose
+            # forward the optimizer did not see): keep it for the parameter's hook.
+            slot = args[0]._slot
+            if slot.incoming is not None or isinstance(args[1], HostGrad):
+                raise GradientError(f"a second gradient for {slot.rec.name!r} in one backward")
+            slot.incoming = args[1]
+            return args[0]
+        return self._on_real(func, args, kwargs)
+
+    def _foreach(self, args: tuple[Any, ...], kind: str, func: Any) -> None:
+        tensors, operand = args[0], args[1]
+        operands = (list(operand) if isinstance(operand, (list, tuple)) else
+                    [operand] * len(tensors))
+        name = func.__name__
+        for t, v in zip(tensors, operands):
+            if isinstance(t, HostGrad):
+                self.edit(t._slot, (kind, _value(v, name)))
+            else:
+                getattr(torch, name)([t], v if isinstance(operand, (list, tuple)) else operand)
+
+    def _on_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        names = sorted({s.rec.name for s in _slots_in(args, kwargs)})
+        raise NeedsRealGradient(
+            f"{func} on the gradient of {names} needs its values: under a DTensor "
+            "parameter FullOffloadOptimizer's placeholder answers norms "
+            "(torch.linalg.vector_norm, clip_grad_norm_) and in-place scaling only")
+
+    # -- the host sums ------------------------------------------------------------------------
+    def _ready(self, slot: GradSlot, what: str) -> Accumulation:
+        """The accumulation ``slot`` stands for, ended and its folds finished."""
+        micro = self.micro
+        if slot.acc is not micro.acc or slot.rec is not self._rec_now(slot):
+            raise GradientError(
+                f"this gradient of {slot.rec.name!r} belongs to a step already taken or "
+                "discarded (a placeholder kept across step() or zero_grad()); read "
+                "param.grad again after the next backward")
+        if _compat.backward_id() >= 0:
+            raise GradientError(
+                f"{what} the host gradient of {slot.rec.name!r} inside a backward (a hook, or "
+                "a DDP reducer that ran without the model's forward): under "
+                "FullOffloadOptimizer the gradient is read after the backward")
+        if _faults.disabled("grad_read_wait"):
+            micro.finalize()
+            return slot.acc
+        # Hazard: reading a host sum (or the norm the final fold takes of it) that
+        # the accumulate lane is still folding gradients into.
+        if micro.current_norm() is None:
+            raise GradientError(
+                f"{what} the gradient of {slot.rec.name!r} before the final backward under "
+                "overlap='backward': its sum is known once that backward has run")
+        return slot.acc
+
+    def _rec_now(self, slot: GradSlot) -> Any:
+        return slot.rec if slot.i < len(self.micro.registry) and (
+            self.micro.registry[slot.i] is slot.rec) else None
+
+    def norm(self, slot: GradSlot, ord: Any = 2, dim: Any = None, keepdim: bool = False,
+             *, dtype: Any = None) -> torch.Tensor:
+        """``torch.linalg.vector_norm`` of the gradient's host sum (edits applied), on the
+        parameter's device."""
+        if slot.real is not None:
+            real: torch.Tensor = torch.linalg.vector_norm(slot.real, ord, dim, keepdim,
+                                                          dtype=dtype)
+            return real
+        acc = self._ready(slot, "the norm of")
+        rec = slot.rec
+        device = local(rec.param).device
+        if (not slot.edits and dim is None and not keepdim and float(ord) == 2.0
+                and dtype in (None, torch.float32) and slot.i in acc.norms):
+            out = acc.norms[slot.i]  # taken in the final fold, while the sum was hot
+        else:
+            self._apply_now(slot)
+            out = torch.linalg.vector_norm(rec.acc, ord, dim, keepdim, dtype=dtype)
+        return out.to(device, copy=True)
+
+    def edit(self, slot: GradSlot, e: Edit) -> None:
+        """Record an in-place operation for the step (or apply it to the real gradient).
+
+        Raises:
+            ConfigError: under ``overlap="backward"`` (the chunks step during the final
+                backward, before the loop's edit).
+        """
+        if slot.real is not None:
+            t = slot.real
+            apply_edits(t, [e])
+            return
+        if e[0] in ("mul", "div") and _is_one(e[1]):
+            # x * 1.0 is x: a clip call under its max_norm (or with max_norm=inf, as
+            # the HF Trainer asks for the norm to log it) changes nothing.
+            self._ready(slot, "scaling")
+            return
+        if self.overlap == "backward":
+            raise ConfigError(
+                f"the training loop scales or clips the gradient of {slot.rec.name!r} "
+                "(torch.nn.utils.clip_grad_norm_, clip_grad_value_, mul_) but "
+                "FullOffloadOptimizer(overlap='backward') steps during the final backward, "
+                "before the loop's call: use overlap='forward' (the default), under which "
+                "the clipping happens in the step (a clip whose coefficient is 1, under "
+                "its max_norm, changes nothing and passes)")
+        self._ready(slot, "scaling")
+        slot.edits.append(e)
+
+    def _apply_now(self, slot: GradSlot) -> None:
+        """Apply the recorded edits to the host sum on this thread (a read needs them)."""
+        if slot.edits:
+            apply_edits(flat(slot.rec.acc, slot.rec.order), slot.edits)
+            slot.edits = []
+
+    def materialize(self, slot: GradSlot) -> torch.Tensor:
+        """The gradient on the device, in the parameter's dtype, as ``param.grad`` from now
+        on (its writes are the gradient ``step()`` takes)."""
+        if slot.real is not None:
+            return slot.real
+        self._ready(slot, "reading")
+        self._apply_now(slot)
+        rec = slot.rec
+        p = rec.param
+        loc = local(p)
+        real = torch.empty_like(loc, memory_format=torch.preserve_format)
+        with torch.no_grad():
+            flat(real, rec.order).copy_(rec.flat_acc)
+        slot.real, slot.real_version = real, real._version
+        shown = wrap_like(p, real)
+        if p.grad is slot.shown:
+            p.grad = shown
+        slot.shown = shown
+        return real
+
+
+def _is_one(v: Any) -> bool:
+    return bool(v == 1.0) if isinstance(v, (int, float, torch.Tensor)) else False
+
+
+def _slot_of(t: Any) -> GradSlot:
+    assert isinstance(t, HostGrad)
+    return t._slot
+
+
+def _same_shape(t: Any, shape: Any) -> bool:
+    return isinstance(t, HostGrad) and list(shape) == list(t.shape)
+

@@ -1,0 +1,421 @@
+"""FullOffloadOptimizer under the training loop's own clip and log calls.
+
+Every clip call a loop already makes reads ``param.grad``; under full offload the
+gradients are on the host, and ``.grad`` holds a :class:`~pipeoff.optim.HostGrad`
+that stands for the host sum. Each test runs the loop's call unchanged and
+compares with the FP32-master reference (``tests/optim/full_reference.py``) that
+makes the same call on the FP32 sums: the returned norm and the weights bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.utils import clip_grad_norm_  # imported by name, before the optimizer exists
+
+from pipeoff import ConfigError, GradientError, PipeoffError, testing
+from pipeoff.optim import FullOffloadOptimizer, HostGrad
+from tests._stacks import release_when_waiting
+from tests.optim.full_reference import Reference
+from tests.optim.test_full_offload import (
+    batches,
+    build,
+    loss_fn,
+    make_model,
+    reference,
+    same_bits,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+MAX_NORM = 0.05  # below every step's norm: each step clips
+
+
+def _torch(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+
+def _by_name(params: list[torch.Tensor]) -> torch.Tensor:
+    return clip_grad_norm_(params, MAX_NORM)
+
+
+def _foreach(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+
+
+def _torchtitan(params: list[torch.Tensor]) -> torch.Tensor:
+    # torchtitan's dist_utils.clip_grad_norm_: the total norm, then the scaling.
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+    torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total, None)
+    return total
+
+
+def _value(params: list[torch.Tensor]) -> torch.Tensor:
+    torch.nn.utils.clip_grad_value_(params, 0.01)
+    return torch.tensor(0.0)
+
+
+CLIPS = {"torch": _torch, "by_name": _by_name, "foreach": _foreach,
+         "torchtitan": _torchtitan, "value": _value}
+
+
+def run(model: torch.nn.Module, opt: FullOffloadOptimizer, ref: Reference,
+        data: list[list[Any]], clip: Any, *, marked: bool) -> list[tuple[Any, Any]]:
+    """The loop: micro-steps, the clip call on ``model.parameters()``, step; the same on
+    the reference's FP32 masters. Returns the (mine, reference) norms."""
+    norms = []
+    for step in data:
+        for m, b in enumerate(step):
+            last = m == len(step) - 1
+            with opt.no_sync() if marked and not last else contextlib.nullcontext():
+                loss_fn(model, b).backward()
+            ref.micro_step(lambda mod, b=b: loss_fn(mod, b))
+        mine = clip(list(model.parameters()))
+        theirs = ref.step(clip)
+        opt.step()
+        opt.zero_grad()
+        norms.append((mine, theirs))
+    opt.wait_for_step()
+    return norms
+
+
+def check(model: torch.nn.Module, ref: Reference, norms: list[tuple[Any, Any]]) -> None:
+    for mine, theirs in norms:
+        assert same_bits(mine, theirs), (float(mine), float(theirs))
+    for (name, p), q in zip(model.named_parameters(), ref.model.parameters()):
+        assert same_bits(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("overlap", ["forward", "none"])
+@pytest.mark.parametrize("mode", ["cpu", "cpu-marked", "gpu-marked"])
+def test_the_loops_clip_call_is_torchs_on_the_fp32_sums(clip: str, overlap: str,
+                                                       mode: str) -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap=overlap, accumulate=mode.split("-")[0])
+    data = batches(3, 2, side="not_final")
+    norms = run(model, opt, ref, data, CLIPS[clip], marked=mode.endswith("marked"))
+    check(model, ref, norms)
+    if clip != "value":
+        assert all(float(n) > MAX_NORM for n, _ in norms)  # it clipped every step
+
+
+def test_the_native_fused_step_takes_the_clip_coefficient_in_its_pass() -> None:
+    model = make_model()
+    ref = reference(model, fused=True)
+    opt = build(model, fused=True)
+    norms = run(model, opt, ref, batches(3, 2), _torch, marked=True)
+    check(model, ref, norms)
+
+
+def test_the_returned_norm_is_the_optimizers_grad_norm() -> None:
+    model = make_model()
+    opt = build(model)
+    for b in batches(1, 2)[0]:
+        loss_fn(model, b).backward()
+    norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert same_bits(norm, opt.grad_norm)  # (param_groups in the model's order)
+    opt.step()
+
+
+def test_lightnings_grad_norm_logs_the_true_norms() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    for b in batches(1, 3)[0]:
+        loss_fn(model, b).backward()
+        ref.micro_step(lambda m, b=b: loss_fn(m, b))
+    # lightning.pytorch.utilities.grad_norm's expressions:
+    norms = {n: p.grad.data.norm(2.0) for n, p in model.named_parameters()
+             if p.grad is not None}
+    total = torch.tensor(list(norms.values())).norm(2.0)
+    want = {n: ref.acc[id(q)].norm(2.0) for (n, _), q in
+            zip(model.named_parameters(), ref.params) if id(q) in ref.acc}
+    assert norms.keys() == want.keys()
+    assert all(same_bits(norms[n], want[n]) for n in want)
+    assert same_bits(total, torch.tensor(list(want.values())).norm(2.0))
+    opt.step()
+
+
+def test_other_reads_see_the_gradient_in_the_parameters_dtype() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    for b in batches(1, 2)[0]:
+        loss_fn(model, b).backward()
+        ref.micro_step(lambda m, b=b: loss_fn(m, b))
+    w = model.l1.weight
+    want = ref.acc[id(ref.model.l1.weight)].to(w.dtype)
+    assert isinstance(w.grad, HostGrad)
+    assert "host gradient sum of 'l1.weight'" in repr(w.grad)
+    assert same_bits(w.grad.abs().max(), want.abs().max())
+    assert bool(torch.isfinite(model.l2.bias.grad).all())
+    assert same_bits(w.grad.clone(), want)
+    assert not isinstance(w.grad, HostGrad)  # now the real gradient, on the device
+    opt.step()  # (read-only: the FP32 sum is stepped)
+    opt.wait_for_step()
+
+
+def _two_steps(edit: Any) -> tuple[torch.nn.Module, Reference]:
+    """Two steps of two micro-steps; ``edit(model, ref_grads_by_name)`` between the last
+    backward and step() of the first."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    names = dict(zip((n for n, _ in model.named_parameters()), ref.params))
+    for s, step in enumerate(batches(2, 2)):
+        for b in step:
+            loss_fn(model, b).backward()
+            ref.micro_step(lambda m, b=b: loss_fn(m, b))
+        if s == 0:
+            edit(model, {n: q for n, q in names.items()}, ref)
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    return model, ref
+
+
+def test_a_write_through_the_real_gradient_is_stepped() -> None:
+    def edit(model: Any, names: dict[str, Any], ref: Reference) -> None:
+        model.l1.weight.grad.view(-1).mul_(0.5)  # a view: needs the real gradient
+        q = names["l1.weight"]
+        ref.acc[id(q)] = ref.acc[id(q)].to(torch.bfloat16).float() * 0.5
+
+    model, ref = _two_steps(edit)
+    check(model, ref, [])
+
+
+def test_a_gradient_set_by_hand_or_to_none_is_what_steps() -> None:
+    def edit(model: Any, names: dict[str, Any], ref: Reference) -> None:
+        g = torch.full_like(model.l2.weight, 0.25)
+        model.l2.weight.grad = g
+        model.side.bias.grad = None
+        ref.acc[id(names["l2.weight"])] = g.float()
+        del ref.acc[id(names["side.bias"])]
+
+    model, ref = _two_steps(edit)
+    check(model, ref, [])
+
+
+def test_model_zero_grad_drops_the_accumulation() -> None:
+    model = make_model()
+    opt = build(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    model.zero_grad()  # as torch: the step after it has nothing to step on
+    opt.step()
+    opt.wait_for_step()
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), before))
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    opt.step()  # and the next step steps
+    opt.wait_for_step()
+    assert not all(same_bits(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_gradient_dropped_between_micro_steps_starts_its_sum_again() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    step = batches(1, 2)[0]
+    loss_fn(model, step[0]).backward()
+    ref.micro_step(lambda m: loss_fn(m, step[0]))
+    model.l1.weight.grad = None
+    del ref.acc[id(ref.model.l1.weight)]
+    loss_fn(model, step[1]).backward()
+    ref.micro_step(lambda m: loss_fn(m, step[1]))
+    ref.step()
+    opt.step()
+    opt.wait_for_step()
+    check(model, ref, [])
+
+
+def test_a_backward_whose_forward_the_optimizer_did_not_see() -> None:
+    # A loss from the submodules, not the model's forward: autograd accumulates into
+    # the placeholders the last backward left, and the hooks take what it added.
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+
+    def loss(m: Any, b: Any) -> torch.Tensor:
+        idx, tgt, _ = b
+        h = m.l2(torch.relu(m.l1(m.emb(idx))))
+        return torch.nn.functional.cross_entropy(m.head(h).float().reshape(-1, 11),
+                                                 tgt.reshape(-1))
+
+    for step in batches(2, 3):
+        for b in step:
+            loss(model, b).backward()
+            ref.micro_step(lambda m, b=b: loss(m, b))
+        theirs = ref.step(lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))
+        mine = clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert same_bits(mine, theirs)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    check(model, ref, [])
+
+
+def test_clipping_under_backward_overlap_is_refused_at_the_first_clip_call() -> None:
+    model = make_model()
+    opt = build(model, overlap="backward")
+    ref = reference(model)
+    b = batches(1, 1)[0][0]
+    loss_fn(model, b).backward()
+    ref.micro_step(lambda m: loss_fn(m, b))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # The norm alone (to log it) is there: the final backward took it.
+    total = torch.nn.utils.get_total_norm(grads)
+    assert same_bits(total, ref.step(lambda ps: torch.nn.utils.get_total_norm(
+        [p.grad for p in ps])))
+    with pytest.raises(ConfigError, match="overlap='backward'"):
+        clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+
+
+def test_a_backward_after_the_clip_call_is_refused() -> None:
+    model = make_model()
+    opt = build(model)
+    data = batches(1, 2)[0]
+    loss_fn(model, data[0]).backward()
+    clip_grad_norm_(model.parameters(), MAX_NORM)  # ends the accumulation
+    with pytest.raises(GradientError, match="after the final micro-step"):
+        loss_fn(model, data[1]).backward()
+    opt.zero_grad()
+
+
+def test_a_placeholder_kept_across_step_refuses() -> None:
+    model = make_model()
+    opt = build(model)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    g = model.l1.weight.grad
+    opt.step()
+    assert model.l1.weight.grad is None  # step() consumes the gradients
+    with pytest.raises(GradientError, match="step already taken"):
+        g.norm()
+    opt.wait_for_step()
+
+
+def test_the_loop_and_the_optimizer_both_clipping_is_refused() -> None:
+    model = make_model()
+    opt = build(model, max_norm=1.0)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    clip_grad_norm_(model.parameters(), MAX_NORM)
+    with pytest.raises(ConfigError, match="clipped twice"):
+        opt.step()
+    opt.zero_grad()
+
+
+def test_scaling_by_a_tensor_is_refused_naming_what_works() -> None:
+    model = make_model()
+    opt = build(model)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    with pytest.raises(GradientError, match="one-element tensor"):
+        model.l1.weight.grad.mul_(torch.ones_like(model.l1.weight))
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_clip_call_waits_for_the_host_folds(mutated: bool) -> None:
+    """The clip call's norm waits for the folds of the last micro-step: the fold is
+    held until the caller blocks in that wait, so without it the norm is read from
+    a sum that is not there yet."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    step = batches(1, 2)[0]
+    with opt.no_sync():
+        loss_fn(model, step[0]).backward()
+    ref.micro_step(lambda m: loss_fn(m, step[0]))
+    ref.micro_step(lambda m: loss_fn(m, step[1]))
+    want = ref.step(lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))
+    switch = testing.disable("grad_read_wait") if mutated else contextlib.nullcontext()
+    with switch, testing.hold_task(r"acc:.*") as release:
+        loss_fn(model, step[1]).backward()  # the final micro-step: its folds are held
+        watcher = release_when_waiting(release, "norm")
+        try:
+            got = clip_grad_norm_(model.parameters(), MAX_NORM)
+        except (KeyError, PipeoffError):
+            got = None
+        finally:
+            release.set()
+            watcher.join()
+    opt.zero_grad()
+    if mutated:
+        assert got is None or not same_bits(got, want)
+    else:
+        assert got is not None and same_bits(got, want)
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_gradient_set_by_hand_waits_for_the_folds_it_replaces(mutated: bool) -> None:
+    """A gradient put in .grad between micro-steps replaces the host sum once the fold
+    of the micro-step before it has written that sum (held until then)."""
+    model = make_model()
+    opt = build(model)
+    step = batches(1, 2)[0]
+    g = torch.full_like(model.l1.weight, 0.5)
+    i = [n for n, _ in model.named_parameters()].index("l1.weight")  # its tasks' index
+    switch = testing.disable("grad_edit_wait") if mutated else contextlib.nullcontext()
+    with switch, testing.hold_task(rf"acc:{i}\..*") as release:
+        loss_fn(model, step[0]).backward()  # l1.weight's fold is held
+        model.l1.weight.grad = g
+        watcher = release_when_waiting(release, "edit_sums")
+        try:
+            loss_fn(model, step[1]).backward()  # its forward withdraws the placeholders
+        finally:
+            release.set()
+            watcher.join()
+    got = model.l1.weight.grad.norm()  # the FP32 host sum's
+    opt.zero_grad()
+    ref = reference(make_model())
+    ref.acc[id(ref.model.l1.weight)] = g.float()
+    ref.micro_step(lambda m: loss_fn(m, step[1]))
+    want = ref.acc[id(ref.model.l1.weight)].norm()
+    assert same_bits(got, want) != mutated
+
+
+def test_models_with_the_optimizer_attached_pickle_and_deepcopy() -> None:
+    model = make_model()
+    opt = build(model)
+    opt.attach()
+    loss_fn(model, batches(1, 1)[0][0]).backward()  # placeholders in .grad
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    copied = copy.deepcopy(model)
+    pickle.loads(pickle.dumps(copied))
+    real = pickle.loads(pickle.dumps(model.l1.weight.grad))  # the real gradient
+    assert type(real) is torch.Tensor and real.shape == model.l1.weight.shape
+    opt.step()
+    opt.wait_for_step()
+    for other in (loaded, copied):  # their hooks are inert: they train on their own
+        loss_fn(other, batches(1, 1)[0][0]).backward()
+        assert all(p.grad is None or type(p.grad) is torch.Tensor for p in other.parameters())
+    opt.zero_grad()
+
+
+def test_a_deepcopy_while_a_step_is_in_flight_holds_its_finished_weights() -> None:
+    model = make_model()
+    opt = build(model)
+    opt.attach()
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    with testing.hold_task(r"h2d:.*") as release:
+        opt.step()  # in flight: its copies back are held
+        watcher = release_when_waiting(release, "deepcopy")
+        try:
+            copied = copy.deepcopy(model)
+        finally:
+            release.set()
+            watcher.join()
+    opt.wait_for_step()
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), copied.parameters()))
