@@ -18,7 +18,7 @@ Both :class:`~pipeoff.optim.OffloadOptimizer` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -158,8 +158,9 @@ class MasterCopy(Protocol):
     """An optimizer whose FP32 masters are the truth: weights written from outside
     through ``.data`` (a committed average) must be adopted before its next step."""
 
-    def refresh_masters(self) -> None:
-        """Make every master the (widened) device weight."""
+    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Make the masters of the weights written from outside (of ``params``, default
+        all) the (widened) device weights; the others keep theirs."""
 
 
 @runtime_checkable

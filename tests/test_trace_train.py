@@ -203,11 +203,14 @@ def test_step_stats_of_a_step_equal_its_traces_figures() -> None:
     stats = opt.last_step_stats
     trace = opt.last_trace
     assert stats.step == 1
-    assert stats.d2h_bytes == sum(t.nbytes for t in trace.tasks if t.kind == "d2h")
-    assert stats.h2d_bytes == sum(t.nbytes for t in trace.tasks if t.kind == "h2d")
+    # What moved: every gradient down (in the backward's micro-step execution, which is
+    # the step's too) and every weight back (the final one's, last_trace).
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stats.d2h_bytes == weights
+    assert stats.h2d_bytes == weights == sum(t.nbytes for t in trace.tasks if t.kind == "h2d")
     assert stats.chunks == sum(t.name.rsplit("/", 1)[-1].startswith("step:")
                                for t in trace.tasks)
-    assert stats.makespan_ms == pytest.approx(trace.summary().makespan_us / 1e3)
+    assert stats.makespan_ms >= trace.summary().makespan_us / 1e3 * (1 - 1e-6)
 
 
 def test_a_hook_must_be_callable() -> None:
@@ -387,5 +390,8 @@ def test_a_copy_with_no_gradient_to_ship_moves_no_bytes() -> None:
         opt.wait_for_step()
     d2h = [t for t in rec.trace.tasks if t.kind == "d2h"]
     assert sum(t.nbytes for t in d2h) == 2 * grad_bytes
-    assert opt.last_step_stats.d2h_bytes == 0
-    assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "h2d") >= grad_bytes
+    # The final micro-step's own copies moved nothing; the step's figures count the
+    # backward's micro-step, once.
+    assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "d2h") == 0
+    assert opt.last_step_stats.d2h_bytes == grad_bytes
+    assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "h2d") == grad_bytes

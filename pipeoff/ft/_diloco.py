@@ -282,8 +282,10 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             # Hazard: an optimizer whose masters are the truth
             # (pipeoff.optim.FullOffloadOptimizer) overwriting the synchronized
             # parameters with its own masters at the next step. A sync writes
-            # the parameters whether it commits (the merge) or not (the restore).
-            opt.refresh_masters()
+            # the parameters whether it commits (the merge) or not (the restore):
+            # the parameters of this fragment, whose masters alone it touched.
+            assert fragment is not None
+            opt.refresh_masters(list(fragment._model_fragment.parameters()))
         # Last: a hook that raises must not leave the masters unrefreshed.
         self._stats.emit()
 

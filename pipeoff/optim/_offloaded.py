@@ -88,7 +88,12 @@ class Offloaded:
         if trace is None:
             return None
         step, exposed = self._stats_last
-        return lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed)
+        return lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed,
+                                   also=self._step_traces())
+
+    def _step_traces(self) -> list[Any]:
+        """The traces of the last step's executions besides ``last_trace`` (none here)."""
+        return []
 
     def _step_finished(self) -> bool:
         raise NotImplementedError

@@ -244,6 +244,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         # The step in flight (handed over by step(), until wait_for_step()).
         self._inflight: Accumulation | None = None
         self.last_trace: Any = None
+        self._micro_traces: list[Any] = []  # the last step's other executions' traces
         self._grad_norm: torch.Tensor | None = None
         # Forward hooks (attach()).
         self._waits = ForwardWaits(self.wait_for_step)
@@ -655,6 +656,11 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     def _end_step(self, acc: Accumulation) -> None:
         self._inflight = None
         acc.phase = Phase.DONE
+        # The earlier micro-steps' executions (their gradient copies and folds are this
+        # step's too, for its per-step figures); done, as the final one waited for them.
+        self._micro_traces = [ms.execution.trace for ms in acc.micro
+                              if not ms.final and ms.execution is not None
+                              and ms.execution.done()]
         self._waits.end()
         ex = acc.execution
         trace = ex.trace
@@ -669,6 +675,9 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if acc is None and self.overlap == "backward" and micro.phase is Phase.FINAL:
             acc = micro.acc  # its chunks step during the final backward, before step()
         return writes_to(acc, self._registry, param)
+
+    def _step_traces(self) -> list[Any]:
+        return list(self._micro_traces)
 
     def _host_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return self._registry.host_tensor(param, key)
@@ -731,21 +740,32 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             rec.weight_from_master()
         self._health.stale = None
 
-    def refresh_masters(self) -> None:
-        """Make every master the (widened) device weight, after something other than this
-        optimizer wrote the weights through ``.data`` (which bumps no version
-        counter): a committed LocalSGD average (``pipeoff.ft.LocalSGD`` calls this
-        itself). Other writes (``model.load_state_dict``) are noticed at the next
+    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Make the masters of weights written from outside the (widened) device weights,
+        after something other than this optimizer wrote them through ``.data`` (which
+        bumps no version counter): a committed LocalSGD average or a DiLoCo merge
+        (``pipeoff.ft.LocalSGD`` and ``DiLoCo`` call this themselves, for what their
+        sync wrote). Other writes (``model.load_state_dict``) are noticed at the next
         step without it.
 
+        A weight that holds exactly its master's cast (nothing wrote it) keeps its
+        FP32 master bit for bit; a written one's master is the widened weight (the
+        master's bits below the compute dtype's precision are lost, as for any write).
         Without it the next step would overwrite those weights with the old masters.
-        The masters' bits below the compute dtype's precision are lost.
+
+        Args:
+            params: the parameters whose weights were written (default: all; tensors
+                this optimizer does not step are passed over).
         """
+        positions = (range(len(self._registry)) if params is None else
+                     [i for i in map(self._registry.position, params) if i is not None])
+        recs = [self._registry[i] for i in positions]
         self._readers.wait()
         self._quiesce()
+        # Hazard: reading weights that device work still writes (a merge on the
+        # compute stream, a copy on another).
         self._accel_sync()
-        for rec in self._registry:
-            rec.master_from_weight()
+        self._registry.adopt(recs, outside=False)
 
     # -- checkpoints -----------------------------------------------------------------------
     @property  # type: ignore[override]

@@ -7,7 +7,7 @@ the HF Trainer's logs take as they are (:meth:`StepStats.as_dict`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,12 +68,14 @@ class StepStats:
 
 
 def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
-               committed: bool | None = None) -> StepStats:
-    """The :class:`StepStats` of ``trace`` (one step's or one sync's executions)."""
+               committed: bool | None = None, also: Sequence[Trace] = ()) -> StepStats:
+    """The :class:`StepStats` of ``trace`` (one step's or one sync's executions), with the
+    tasks of ``also`` (the step's other executions: full offload's earlier micro-steps,
+    whose gradient copies are the step's too)."""
     d2h = h2d = chunks = failed = 0
     copy = host = coll = wait = 0
     starts, ends = [], []
-    for t in trace.tasks:
+    for t in [t for tr in (*also, trace) for t in tr.tasks]:
         if t.kind == GATE or t.kind == HOOK_WAIT:
             wait += t.duration_ns
             continue

@@ -649,3 +649,45 @@ def _inner_step(model: nn.Module, inner: optim.Optimizer, *, step: bool = True) 
     model(torch.ones(2, 12)).sum().backward()
     if step:
         inner.step()
+
+
+def _bf16_model(seed: int) -> nn.Module:
+    model = make_model(seed).to(torch.bfloat16)
+    model.register_forward_pre_hook(lambda m, args: (args[0].to(torch.bfloat16),))
+    return model
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["original", "pipelined"])
+def test_a_fragment_sync_keeps_the_other_fragments_fp32_masters(mode: str) -> None:
+    """BF16 weights, FP32 masters under FullOffloadOptimizer, two streaming fragments:
+    each sync refreshes the masters of the fragment it wrote, and the other fragment's
+    masters keep every bit (a sync writes only its fragment's parameters)."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    seen: list[tuple[bool, bool]] = []
+
+    def inner(model: nn.Module) -> optim.Optimizer:
+        opt = FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1)
+        refresh = opt.refresh_masters
+        blocks = [list(b.parameters()) for b in model]  # type: ignore[union-attr]
+
+        def spy(params: Any = None) -> None:
+            synced = {id(p) for p in params}
+            other = next(b for b in blocks if id(b[0]) not in synced)
+            masters = lambda: [opt._host_tensor(p, "master").clone() for p in other]  # noqa: E731
+            before = masters()
+            refresh(params)
+            kept = all(torch.equal(a, b) for a, b in zip(before, masters()))
+            low_bits = any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in before)
+            seen.append((kept, low_bits))
+
+        opt.refresh_masters = spy  # type: ignore[method-assign]
+        return opt
+
+    cfg = {"sync_every": 4, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0,
+           "steps": 12}
+    run(mode, **cfg, inner=inner, setup=Setup(model=_bf16_model))
+    assert len(seen) == 2 * 6  # two replicas, a fragment sync every 2 of 12 steps
+    assert all(kept for kept, _ in seen)
+    assert any(low for _, low in seen)  # the masters held bits below BF16's

@@ -419,3 +419,86 @@ def test_a_deepcopy_while_a_step_is_in_flight_holds_its_finished_weights() -> No
             watcher.join()
     opt.wait_for_step()
     assert all(same_bits(p, q) for p, q in zip(model.parameters(), copied.parameters()))
+
+
+# -- masters that nothing wrote (refresh_masters) ------------------------------------------
+def _trained_bf16() -> tuple[torch.nn.Module, FullOffloadOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(
+        torch.bfloat16)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-3, overlap="none")
+    for _ in range(3):
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _masters(opt: FullOffloadOptimizer) -> list[torch.Tensor]:
+    return [e["master"].clone() for _, e in sorted(opt.state_dict()["state"].items())]
+
+
+def test_refresh_masters_keeps_the_masters_nothing_wrote() -> None:
+    model, opt = _trained_bf16()
+    before = _masters(opt)
+    assert any(not same_bits(m, m.to(torch.bfloat16).float()) for m in before)  # low bits
+    opt.refresh_masters()  # nothing wrote the weights
+    assert all(same_bits(a, b) for a, b in zip(before, _masters(opt)))
+    with torch.no_grad():
+        model[1].weight.data.add_(1.0)  # through .data: no version counter moves
+    opt.refresh_masters([model[1].weight, torch.zeros(1)])  # (a stranger is passed over)
+    after = _masters(opt)
+    assert same_bits(after[2], model[1].weight.float())  # the written one: its weight
+    assert all(same_bits(before[i], after[i]) for i in (0, 1, 3))  # the others: kept
+
+
+# -- checkpoints that do not match --------------------------------------------------------
+@pytest.mark.parametrize("which", ["full_offload", "offload"])
+def test_a_checkpoint_in_another_parameter_order_is_refused_whole(which: str) -> None:
+    """Two parameters of one size and other shapes, saved in one order and loaded in the
+    other: refused (torch's AdamW refuses it at the next step), nothing changed."""
+    from pipeoff.optim import OffloadOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False),
+                                torch.nn.Linear(6, 4, bias=False))
+    a, b = model[0].weight, model[1].weight
+
+    def make(params: list[torch.Tensor]) -> Any:
+        if which == "full_offload":
+            return FullOffloadOptimizer(model, torch.optim.AdamW, params=params, lr=1e-2)
+        return OffloadOptimizer(params, torch.optim.AdamW, lr=1e-2)
+
+    saved_opt = make([a, b])
+    model(torch.randn(2, 4)).sum().backward()
+    saved_opt.step()
+    saved_opt.zero_grad()
+    saved = copy.deepcopy(saved_opt.state_dict())
+    del saved_opt
+    opt = make([b, a])
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises((ConfigError, ValueError), match=r"shape|size"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for i, entry in before["state"].items():
+        for k, v in entry.items():
+            assert same_bits(torch.as_tensor(v), torch.as_tensor(after["state"][i][k])), (i, k)
+
+
+# -- per-step figures ---------------------------------------------------------------------
+def test_step_stats_count_the_bytes_that_moved() -> None:
+    """h2d_bytes: the weights of the parameters that had a gradient, unpadded (an idle
+    expert with no tokens copies nothing back); d2h_bytes: the gradients shipped."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(13, 7),
+                                 "idle": torch.nn.Linear(5, 3)}).to(torch.bfloat16)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="none")
+    model["used"](torch.randn(2, 13, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    stats = opt.last_step_stats
+    used = sum(p.numel() * p.element_size() for p in model["used"].parameters())
+    assert stats.h2d_bytes == used  # 13 * 7 * 2 + 7 * 2, no 64-byte padding, no idle layer
+    assert stats.d2h_bytes == used

@@ -79,7 +79,14 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
             f"{[len(s['params']) for s in saved_groups]} parameters per group saved, "
             f"{[len(g['params']) for g in param_groups]} here")
     by_id = {}
-    for s, g in zip(saved_groups, param_groups):
+    for gi, (s, g) in enumerate(zip(saved_groups, param_groups)):
+        saved_names, names = s.get("param_names"), g.get("param_names")
+        if saved_names is not None and names is not None and list(saved_names) != list(names):
+            bad = next(k for k, (a, b) in enumerate(zip(saved_names, names)) if a != b)
+            raise ConfigError(
+                f"param group {gi}: the state dict's parameter {bad} is "
+                f"{saved_names[bad]!r}, this optimizer's is {names[bad]!r} (a checkpoint "
+                "saved with the parameters in another order); nothing was loaded")
         for pid, p in zip(s["params"], g["params"]):
             by_id[pid] = registry.position(p)
     plan: Plan = []
@@ -91,10 +98,17 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
         rec = registry[i]
         keys = registry.state_keys(param_groups[rec.group])
         for key, val in entry.items():
-            if elementwise(key, val, keys) and local(val).numel() != rec.numel:
+            if not elementwise(key, val, keys):
+                continue
+            # torch's shapes (global, for a DTensor): one of the same size but another
+            # shape is another parameter's state (a checkpoint in another order), which
+            # torch's optimizers refuse at the next step.
+            if tuple(val.shape) != tuple(rec.param.shape) or local(val).numel() != rec.numel:
                 raise ConfigError(
-                    f"state {key!r} of {rec.name!r} has {local(val).numel()} "
-                    f"elements, the parameter {rec.numel}")
+                    f"state {key!r} of parameter {pid} ({rec.name!r}) has shape "
+                    f"{tuple(val.shape)}, the parameter {tuple(rec.param.shape)} (a "
+                    "checkpoint saved with the parameters in another order, or of another "
+                    "model); nothing was loaded")
         plan.append((i, entry))
     return plan
 

@@ -372,10 +372,16 @@ class ParamRegistry:
         (``model.load_state_dict``, an initializer: their version counters moved)."""
         return [rec for rec in self.params if rec.local._version != rec.version]
 
-    def adopt(self, changed: Sequence[OffloadedParam]) -> None:
+    def adopt(self, changed: Sequence[OffloadedParam], *, outside: bool = True) -> int:
         """Make the weights written from outside the masters, unless a weight holds
-        exactly its master's cast (a checkpoint of this very state)."""
-        self.outside_writes += len(changed)
+        exactly its master's cast (a checkpoint of this very state, or a weight nothing
+        wrote: the FP32 master's low bits are kept). Returns how many were adopted.
+
+        ``outside``: the writes were found by their version counters (counted in
+        :attr:`outside_writes`), not asked for (``refresh_masters()``)."""
+        if outside:
+            self.outside_writes += len(changed)
+        adopted = 0
         with torch.no_grad():
             for rec in changed:
                 loc = rec.local
@@ -383,4 +389,6 @@ class ParamRegistry:
                 m = rec.flat_master
                 if not torch.equal(w.view(torch.uint8), m.to(w.dtype).view(torch.uint8)):
                     m.copy_(w)
+                    adopted += 1
                 rec.version = loc._version
+        return adopted
