@@ -371,8 +371,13 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                                     [t.element_size() for t in locals_], options.bucket_bytes)
         # Take the staging a sync holds now, not inside it (pinned allocation
         # stalls the device and, under NCCL, can deadlock against peers).
-        reserve_for(diloco_graph(self._buckets, self._chunks, self._device),
-                    self._schedule())
+        self._form_first = (options.schedule == "pipelined"
+                            and int(self._fragment_sync_delay) > 0)
+        """The decision comes later than the preparing step: the formation goes first and
+        ``prepare_sync`` waits for it (nothing may write the parameters while it reads
+        them), the all-reduces run under the next inner steps."""
+        reserve_for(diloco_graph(self._buckets, self._chunks, self._device,
+                                 form_first=self._form_first), self._schedule())
         return self
 
     def _schedule(self) -> Any:
@@ -405,9 +410,18 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             raise RuntimeError("a DiLoCo fragment sync is already in flight")
         self._failed: BaseException | None = None
         self._ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
-                                        self._work()), self._schedule())
+                                        self._work(), form_first=self._form_first),
+                           self._schedule())
         if self._options.schedule == "synchronous":
             self._settle("staged")
+        elif self._form_first and not _faults.disabled("diloco_formed_wait"):
+            # Hazard: the pseudo-gradients formed from parameters that the caller
+            # writes once step() returns (a clamp, a load_state_dict, an inner
+            # optimizer writing weights during the next backward): they are read
+            # before step() returns (on CUDA the caller's stream waits; every later
+            # write on it, and the inner optimizer's copies that follow the next
+            # backward's gradients, come after).
+            self.wait_formed()
 
     def _settle(self, task: str) -> None:
         """Wait for ``task``; a failure is kept for ``perform_sync`` (which reports
@@ -548,9 +562,11 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         params, backups, grads = self._params, self._backups, self._host_grads
         manager, cuda, alpha = self._manager, self._cuda, self._fragment_update_alpha
         synchronous = self._options.schedule == "synchronous"
+        form_first = self._form_first
 
         formed: set[int] = set()
-        """Buckets whose pseudo-gradients were formed whole (set by their task, read by
+        """Buckets whose pseudo-gradients are formed whole in the staging their all-reduce
+        reads (set by their pseudograd task, or with form_first their upload; read by
         their all-reduce, which runs after it: the graph orders them)."""
 
         def pseudograd(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
@@ -564,6 +580,31 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                                non_blocking=cuda)
                     # torchft: original.to(device) - local.
                     part.sub_(_region(_local(params[pc.param]), pc).reshape(-1))
+                if not form_first:
+                    formed.add(k)
+
+            return run
+
+        def stage(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                flat = ctx.buffer(dev, b.dtype)
+                for pc in b.pieces:
+                    # non_blocking: the host pseudo-gradients are pinned, read next by
+                    # this bucket's upload, which waits for this task.
+                    _flat(grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
+                        flat[pc.offset:pc.offset + pc.numel], non_blocking=cuda)
+
+            return run
+
+        def upload(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
+            def run(ctx: TaskContext) -> None:
+                flat = ctx.buffer(dev, b.dtype)
+                for pc in b.pieces:
+                    # non_blocking: nothing writes the host pseudo-gradients until this
+                    # bucket's d2h, after its all-reduce.
+                    flat[pc.offset:pc.offset + pc.numel].copy_(
+                        _flat(grads[pc.param])[pc.start:pc.start + pc.numel],
+                        non_blocking=cuda)
                 formed.add(k)
 
             return run
@@ -627,7 +668,7 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             return run
 
         return DiLoCoWork(pseudograd=pseudograd, allreduce=allreduce, d2h=d2h, outer=outer,
-                          write=write)
+                          write=write, stage=stage, upload=upload)
 
 
 # -- tensor helpers -------------------------------------------------------------------

@@ -14,8 +14,15 @@ A sync is one execution from ``prepare_sync`` to the end of ``perform_sync``:
   peers wait for it); ``d2h:b{k}`` stages the average in the host
   pseudo-gradients;
 * ``formed`` (null) once every pseudo-gradient is formed: after it, nothing of
-  the sync reads the parameters until the commit, so the caller's next inner
-  step may write them;
+  the sync reads the parameters until the commit, so the caller may write them;
+* with ``form_first`` (a sync whose decision comes ``fragment_sync_delay``
+  steps later, pipelined): the formation does not wait for the all-reduces.
+  ``stage:b{k}`` copies each formed bucket to the host pseudo-gradients (its
+  device staging is free again), and ``upload:b{k}`` copies it back into
+  staging ``r:b{k}`` for its all-reduce. ``formed`` then comes after a pass over
+  the link each way, not after the averaging, so ``prepare_sync`` can wait for
+  it before anything may write the parameters again (one more pass each way over
+  the link, in exchange);
 * ``staged`` (null) once every average is on the host; ``perform_sync`` calls
   ``should_commit()`` then, and opens the gate ``commit`` with the decision;
 * per chunk ``c`` of whole parameters, ``outer:c{c}`` on the ``outer_step`` host
@@ -55,6 +62,11 @@ class DiLoCoWork:
     """``(k, bucket, device buffer)``: average them over the replica groups."""
     d2h: Callable[[int, Bucket, str], Work]
     """``(k, bucket, device buffer)``: stage the average in the host pseudo-gradients."""
+    stage: Callable[[int, Bucket, str], Work] | None = None
+    """``form_first``: ``(k, bucket, device buffer)``: the formed bucket to the host."""
+    upload: Callable[[int, Bucket, str], Work] | None = None
+    """``form_first``: ``(k, bucket, device buffer)``: the formed bucket back into staging
+    for its all-reduce."""
     outer: Callable[[int, Sequence[int]], Work]
     """``(c, parameter indices)``: the outer step of chunk ``c``, if committed."""
     write: Callable[[int, Bucket, str], Work]
@@ -82,23 +94,41 @@ def outer_chunks(numels: Sequence[int], itemsizes: Sequence[int],
 
 
 def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],
-                 device: torch.device | str | None, work: DiLoCoWork | None = None) -> TaskGraph:
+                 device: torch.device | str | None, work: DiLoCoWork | None = None, *,
+                 form_first: bool = False) -> TaskGraph:
     """The graph of one fragment sync (see the module docstring); shape-only without
     ``work``."""
     g = TaskGraph(device=device)
     g.add_gate("commit")
     formed, staged = [], []
+
+    def averaged(k: int, b: Bucket, dev: str, after: str) -> None:
+        g.add_task(f"allreduce:b{k}", TaskKind.ALLREDUCE,
+                   work.allreduce(k, b, dev) if work else None,
+                   deps=[after], buffers=[dev], nbytes=b.nbytes, must_run=True)
+        staged.append(g.add_task(f"d2h:b{k}", TaskKind.D2H,
+                                 work.d2h(k, b, dev) if work else None,
+                                 deps=[f"allreduce:b{k}"], buffers=[dev], nbytes=b.nbytes))
+
+    # Tasks are issued in the order they are added, within the budget: bucket by bucket,
+    # or with form_first every formation before any all-reduce.
     for k, b in enumerate(buckets):
         dev = g.add_buffer(f"device:b{k}", b.nbytes, where="device")
         formed.append(g.add_task(f"pseudograd:b{k}", TaskKind.H2D,
                                  work.pseudograd(k, b, dev) if work else None,
                                  buffers=[dev], nbytes=b.nbytes))
-        g.add_task(f"allreduce:b{k}", TaskKind.ALLREDUCE,
-                   work.allreduce(k, b, dev) if work else None,
-                   deps=[f"pseudograd:b{k}"], buffers=[dev], nbytes=b.nbytes, must_run=True)
-        staged.append(g.add_task(f"d2h:b{k}", TaskKind.D2H,
-                                 work.d2h(k, b, dev) if work else None,
-                                 deps=[f"allreduce:b{k}"], buffers=[dev], nbytes=b.nbytes))
+        if not form_first:
+            averaged(k, b, dev, formed[-1])
+            continue
+        assert work is None or work.stage is not None
+        formed[-1] = g.add_task(f"stage:b{k}", TaskKind.D2H,
+                                work.stage(k, b, dev) if work and work.stage else None,
+                                deps=[f"pseudograd:b{k}"], buffers=[dev], nbytes=b.nbytes)
+    for k, b in enumerate(buckets if form_first else ()):
+        r = g.add_buffer(f"r:b{k}", b.nbytes, where="device")
+        averaged(k, b, r, g.add_task(f"upload:b{k}", TaskKind.H2D,
+                                     work.upload(k, b, r) if work and work.upload else None,
+                                     deps=[f"stage:b{k}"], buffers=[r], nbytes=b.nbytes))
     g.add_task("formed", TaskKind.HOST, None, deps=formed)
     g.add_task("staged", TaskKind.HOST, None, deps=staged)
     chunk_of = {i: c for c, chunk in enumerate(chunks) for i in chunk}

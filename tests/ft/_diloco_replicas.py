@@ -60,6 +60,8 @@ class Setup:
     fragments: Callable[[nn.Module, int], list[nn.Module]] | None = None
     pre_build: Callable[[int, nn.Module, Any], None] | None = None
     """``(replica, model, outer optimizers)`` before DiLoCo is built (a resume)."""
+    post_step: Callable[[nn.Module], None] | None = None
+    """``(model)`` after every inner ``step()`` (a weight clip the loop does)."""
 
 
 def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str, Any],
@@ -105,6 +107,8 @@ def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str,
                 if on_step is not None:
                     on_step(replica_id, step, diloco)
                 opt.step()
+                if setup.post_step is not None:
+                    setup.post_step(model)
                 out.params.append([p.detach().clone() for p in model.parameters()])
                 out.traces.append(getattr(diloco, "last_trace", None))
             wait = getattr(opt, "wait_for_step", None)

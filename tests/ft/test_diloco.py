@@ -691,3 +691,64 @@ def test_a_fragment_sync_keeps_the_other_fragments_fp32_masters(mode: str) -> No
     assert len(seen) == 2 * 6  # two replicas, a fragment sync every 2 of 12 steps
     assert all(kept for kept, _ in seen)
     assert any(low for _, low in seen)  # the masters held bits below BF16's
+
+
+# -- nothing the caller writes is read in the background -----------------------------------
+def _clamp_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.25, 0.25)  # a weight clip after step(), as loops do
+
+
+def _full_offload_backward(model: nn.Module) -> optim.Optimizer:
+    from pipeoff.optim import FullOffloadOptimizer
+
+    # Its chunks write the weights during the next backward, before step() is called.
+    return FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                overlap="backward")
+
+
+def _plain_adamw(model: nn.Module) -> optim.Optimizer:
+    return optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+@pytest.mark.parametrize("writer", ["clamp", "full_offload_backward"])
+def test_writes_after_the_preparing_step_do_not_reach_the_pseudo_gradients(
+        mode: str, writer: str) -> None:
+    """fragment_sync_delay=1: the pseudo-gradients are formed before the preparing
+    step() returns, so a weight clip after it, or an inner optimizer writing weights
+    during the next backward, leaves them (and the backup and outer momentum) as
+    torchft's. The formation of each bucket is delayed, so that without the wait the
+    writes would come first."""
+    cfg: dict[str, Any] = {"sync_every": 4, "fragment_sync_delay": 1,
+                           "fragment_update_alpha": 0.5}
+    if writer == "clamp":
+        cfg["setup"] = Setup(post_step=_clamp_weights)
+        ref_cfg = dict(cfg)
+    else:
+        cfg["inner"] = _full_offload_backward
+        ref_cfg = {**cfg, "inner": _plain_adamw}
+    with pipeoff.testing.delay_task(r"pseudograd:b\d+", 0.02):
+        runs = run(mode, **cfg)
+    assert_bitwise(runs, reference(**ref_cfg))
+
+
+@pytest.mark.timeout(180)
+def test_without_the_formation_wait_a_weight_clip_corrupts_the_sync() -> None:
+    """The formation is held until the next inner step begins, so the clip after the
+    preparing step() has run before it: without the wait, its result reaches the
+    pseudo-gradients."""
+    cfg: dict[str, Any] = {"sync_every": 4, "fragment_sync_delay": 1,
+                           "fragment_update_alpha": 0.5, "setup": Setup(post_step=_clamp_weights)}
+    with pipeoff.testing.disable("diloco_formed_wait"), \
+            pipeoff.testing.hold_task(r"pseudograd:b\d+") as release:
+
+        def let_go_once_prepared(replica: int, step: int, diloco: Any) -> None:
+            if any(getattr(f, "_ex", None) is not None for f in diloco._fragments):
+                release.set()  # a sync is in flight: its preparing step and clip ran
+
+        runs = run("pipelined", **cfg, on_step=let_go_once_prepared)
+    with pytest.raises(AssertionError):
+        assert_bitwise(runs, reference(**cfg))
