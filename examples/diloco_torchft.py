@@ -8,8 +8,10 @@ Each replica trains a two-block model split into two DiLoCo fragments, with
 AdamW inside and torchtitan's outer optimizer (SGD, lr 0.7, momentum 0.9,
 Nesterov) per fragment, through ``pipeoff.ft.DiLoCo(...,
 offload_to_cpu=True)``: at every fragment sync the pseudo-gradients are
-formed bucket by bucket in bounded device staging, averaged while the next
-inner step runs (``fragment_sync_delay=1``), staged in host memory, and on
+formed bucket by bucket in bounded device staging (and staged to the host
+before ``step()`` returns, so nothing the loop writes next reaches them),
+averaged while the next inner step runs (``fragment_sync_delay=1``), staged
+in host memory, and on
 commit the outer step runs in host memory and the result is merged into the
 model (``fragment_update_alpha=0.5``). Nothing of the outer optimizer lives
 on the device. The last sync's trace is saved (open it in

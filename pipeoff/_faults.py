@@ -274,9 +274,9 @@ MUTATIONS = frozenset({
   DDP's reducer wrote the reduced gradient (a callback queued behind DDP's).
 * ``"adopt_waits_readers"``: full offload's wait for the transfers reading the
   masters before it adopts weights written from outside as masters.
-* ``"diloco_formed_wait"``: DiLoCo's wait, before an inner step, for the sync in
-  flight to have formed its pseudo-gradients (they read the parameters the step
-  writes; ``fragment_sync_delay`` > 0).
+* ``"diloco_formed_wait"``: DiLoCo's wait, before the preparing ``step()`` returns,
+  for the sync it launched to have formed its pseudo-gradients (they read the
+  parameters the caller and the next inner steps write; ``fragment_sync_delay`` > 0).
 * ``"grad_read_wait"``: a full-offload gradient placeholder's wait, when the loop
   reads it (a clip call's norm), for the host folds of the gradients.
 * ``"grad_edit_wait"``: full offload's wait, before a gradient the loop put in

@@ -244,17 +244,6 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         if isinstance(opt, AsyncStep):
             opt.wait_for_step()
 
-    def _step_pre_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
-                       _kwargs: dict[str, Any]) -> None:
-        super()._step_pre_hook(_optim, _args, _kwargs)
-        if _faults.disabled("diloco_formed_wait"):
-            return
-        for f in self._fragments:
-            if isinstance(f, _OffloadedFragment):
-                # Hazard: this inner step writing parameters that a sync's
-                # pseudo-gradient tasks (fragment_sync_delay > 0) still read.
-                f.wait_formed()
-
     def _step_post_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
                         _kwargs: dict[str, Any]) -> None:
         nxt = self._local_step + 1

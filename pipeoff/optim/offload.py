@@ -91,6 +91,7 @@ def _wrapped(params: Any, optimizer_class: Any, optimizer: Any,
         raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
                           "and optimizer_class to build one (torchao's form)")
     refuse_foreign(kwargs, "OffloadOptimizer")
+    kwargs.pop("offload_gradients", None)  # (False, torchao's default: what this does)
     cls = torch.optim.AdamW if optimizer_class is None else optimizer_class
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
             cls, OffloadOptimizer):

@@ -157,9 +157,20 @@ SWITCHES = (
        "reads the old ones: it delivers a torn mix"),
     _switch("diloco_formed_wait", "pipeoff/ft/_diloco.py", (
         "tests/ft/test_diloco_cuda.py::test_offloaded_modes_match_torchft_under_delays",
-        "tests/ft/test_diloco.py::test_delayed_tasks_change_no_bit",
+        "tests/ft/test_diloco.py::test_a_removed_formed_wait_changes_the_result",
+        "tests/ft/test_diloco.py::"
+        "test_without_the_formation_wait_a_weight_clip_corrupts_the_sync",
     ), "with fragment_sync_delay > 0 the next inner step writes parameters that the "
        "sync's pseudo-gradient tasks have not read yet: a wrong pseudo-gradient"),
+    _switch("grad_read_wait", "pipeoff/optim/_full_offload/_grads.py", (
+        "tests/optim/test_full_offload_clip.py::test_a_clip_call_waits_for_the_host_folds",
+    ), "the loop's clip call reads a host gradient sum whose last fold has not "
+       "written it: a norm (and a clip coefficient) of part of the gradient"),
+    _switch("grad_edit_wait", "pipeoff/optim/_full_offload/_lifecycle.py", (
+        "tests/optim/test_full_offload_clip.py::"
+        "test_a_gradient_set_by_hand_waits_for_the_folds_it_replaces",
+    ), "a gradient set by hand replaces a host sum that a fold still writes: the fold "
+       "lands on the replacement"),
 )
 
 # -- B. review findings: edits that the switches do not cover ----------------------------

@@ -34,7 +34,13 @@ def local(t: Any) -> torch.Tensor:
 
 
 def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap: str,
-             fsdp_flag: bool, max_norm: float | None = None) -> dict[str, Any]:
+             fsdp_flag: bool, max_norm: float | None = None,
+             loop_clip: bool = False) -> dict[str, Any]:
+    """``loop_clip``: the loop clips with torch's clip_grad_norm_ on the model's DTensor
+    gradients (FullOffloadOptimizer's placeholders), the reference with the same call
+    on DTensors of its FP32 sums; else the optimizer clips with ``max_norm``."""
+    from torch.distributed.tensor import DTensor
+
     from pipeoff.optim import FullOffloadOptimizer
 
     ref = shard(make_model(dtype), mesh)
@@ -43,7 +49,8 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
     masters = [local(p).detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
     opt = FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                               accumulate=accumulate, overlap=overlap, max_norm=max_norm)
+                               accumulate=accumulate, overlap=overlap,
+                               max_norm=None if loop_clip else max_norm)
     norms: list[tuple[float, float]] = []
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(3):
@@ -72,7 +79,21 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                 mine(x).float().square().mean().backward()
         for j, m in enumerate(masters):
             m.grad = acc.get(j)
-        if max_norm is not None:
+        if loop_clip:
+            assert max_norm is not None
+            boxed = []
+            for p, m in zip(params, masters):
+                d = DTensor.from_local(m, p.device_mesh, p.placements, shape=p.shape,
+                                       stride=p.stride(), run_check=False)
+                d.grad = DTensor.from_local(m.grad, p.device_mesh, p.placements,
+                                            shape=p.shape, stride=p.stride(), run_check=False)
+                boxed.append(d)
+            want = torch.nn.utils.clip_grad_norm_(boxed, max_norm)
+            for m, d in zip(masters, boxed):
+                m.grad = local(d.grad)
+            got = torch.nn.utils.clip_grad_norm_(mine.parameters(), max_norm)
+            norms.append((float(local(got.full_tensor())), float(local(want.full_tensor()))))
+        elif max_norm is not None:
             # The global norm over the ranks' shards: the norm of each local sum,
             # the local total, then one all-reduced square.
             local_total = torch.linalg.vector_norm(torch.stack(
@@ -99,7 +120,7 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                 local(p).copy_(m)
                 m.grad = None
         opt.step()
-        if max_norm is not None:
+        if max_norm is not None and not loop_clip:
             got = opt.grad_norm
             assert got is not None
             norms[-1] = (*norms[-1], float(got))  # type: ignore[assignment]
@@ -147,7 +168,9 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
                      (torch.float32, "cpu", "none", True),
                      (torch.bfloat16, "cpu", "backward", False),
                      (torch.float32, "cpu", "none", False, 0.05),
-                     (torch.float32, "gpu", "forward", False, 0.05)]:
+                     (torch.float32, "gpu", "forward", False, 0.05),
+                     (torch.float32, "cpu", "forward", False, 0.05, True),
+                     (torch.bfloat16, "gpu", "none", False, 0.05, True)]:
             try:
                 out[case] = run_case(rank, mesh, *case)
             except Exception as err:  # reported to the test, named

@@ -92,7 +92,7 @@ def ddp_case(rank: int, kind: str) -> dict[str, Any]:
             xs = [torch.randn(4, 16, generator=g) for _ in range(micro)]
             for k, x in enumerate(xs):
                 last = k == len(xs) - 1
-                use_no_sync = kind in ("no_sync", "backward", "clip") and not last
+                use_no_sync = kind in ("no_sync", "backward", "clip", "loop_clip") and not last
                 for model in (ref, mine):
                     with model.no_sync() if use_no_sync else contextlib.nullcontext():
                         model(x).square().mean().backward()
@@ -100,6 +100,10 @@ def ddp_case(rank: int, kind: str) -> dict[str, Any]:
                 ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm,
                                                           foreach=False)
                 norms.append((float(opt.grad_norm), float(ref_norm)))  # type: ignore[arg-type]
+            elif kind == "loop_clip":  # the loop's own clip call, on the DDP module
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                my_norm = torch.nn.utils.clip_grad_norm_(mine.parameters(), 0.05)
+                norms.append((float(my_norm), float(ref_norm)))
             ref_opt.step()
             ref_opt.zero_grad()
             opt.step()
@@ -119,7 +123,7 @@ def ddp_worker(rank: int, world: int, port: int, queue: Any) -> None:
     try:
         out = {kind: _named(kind, ddp_case, rank) for kind in (
             "plain", "no_sync", "accumulate", "backward", "bucket_view", "wrapped_after",
-            "clip", "mutation")}
+            "clip", "loop_clip", "mutation")}
         queue.put((rank, pack(out)))
     except BaseException as err:  # noqa: BLE001 - reported to the test
         import traceback

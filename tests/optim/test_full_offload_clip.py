@@ -502,3 +502,35 @@ def test_step_stats_count_the_bytes_that_moved() -> None:
     used = sum(p.numel() * p.element_size() for p in model["used"].parameters())
     assert stats.h2d_bytes == used  # 13 * 7 * 2 + 7 * 2, no 64-byte padding, no idle layer
     assert stats.d2h_bytes == used
+
+
+# -- the frameworks' own clip calls --------------------------------------------------------
+def test_accelerates_clip_grad_norm() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, wrapped = accelerator.prepare(model, opt)
+    norms = []
+    for step in batches(3, 2):
+        for b in step:
+            accelerator.backward(loss_fn(model, b))
+            ref.micro_step(lambda m, b=b: loss_fn(m, b))
+        mine = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append((mine, ref.step(_torch)))
+        wrapped.step()
+        wrapped.zero_grad()
+    opt.wait_for_step()
+    check(model, ref, norms)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_with_the_loops_clip_call() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model)
+    opt.attach()  # its hooks run before every module, compiled or not
+    compiled = torch.compile(model, backend="aot_eager")  # eager's bits
+    norms = run(compiled, opt, ref, batches(3, 2), _torch, marked=False)
+    check(model, ref, norms)

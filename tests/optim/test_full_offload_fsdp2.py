@@ -27,8 +27,10 @@ def results() -> dict[int, dict[Any, Any]]:
     (torch.bfloat16, "cpu", "backward", False),
     (torch.float32, "cpu", "none", False, 0.05),
     (torch.float32, "gpu", "forward", False, 0.05),
+    (torch.float32, "cpu", "forward", False, 0.05, True),
+    (torch.bfloat16, "gpu", "none", False, 0.05, True),
 ], ids=["fp32-cpu-backward", "fp32-gpu-forward", "fsdp2_flag-none", "bf16-cpu-backward",
-        "clip-none", "clip-gpu-forward"])
+        "clip-none", "clip-gpu-forward", "loop-clip-fp32", "loop-clip-bf16"])
 def test_bitwise_equal_under_fsdp2_with_uneven_shards(results: dict[int, dict[Any, Any]],
                                                       case: Any) -> None:
     for rank in (0, 1):
@@ -59,3 +61,16 @@ def test_clipping_under_fsdp2_uses_one_global_norm(results: dict[int, dict[Any, 
     # its last bits between ranks).
     assert ([(m, r) for m, _, r in results[0][case]["norms"]]
             == [(m, r) for m, _, r in results[1][case]["norms"]])
+
+
+@pytest.mark.parametrize("case", [(torch.float32, "cpu", "forward", False, 0.05, True),
+                                  (torch.bfloat16, "gpu", "none", False, 0.05, True)],
+                         ids=["fp32", "bf16"])
+def test_the_loops_clip_call_on_fsdp2s_dtensor_gradients(results: dict[int, dict[Any, Any]],
+                                                         case: Any) -> None:
+    """torch's clip_grad_norm_(model.parameters()) on the placeholders (DTensors over
+    HostGrads): the norm DTensor reduces over the mesh is torch's on the FP32 sums,
+    bitwise, the weights too (test above), on uneven shards."""
+    for rank in (0, 1):
+        norms = results[rank][case]["norms"]
+        assert norms and all(mine == want and mine > 0.05 for mine, want in norms), norms

@@ -389,7 +389,8 @@ def test_a_checkpoint_of_another_shape_or_grouping_is_refused_whole() -> None:
     before = copy.deepcopy(opt.state_dict())
     bad = copy.deepcopy(sd)
     bad["state"][0]["exp_avg"] = torch.zeros(2)
-    with pytest.raises(ConfigError, match="'temperature' has 2 elements"):
+    with pytest.raises(ConfigError,
+                       match=r"'exp_avg' of parameter 0 \('temperature'\) has shape \(2,\)"):
         opt.load_state_dict(bad)
     regrouped = copy.deepcopy(sd)
     regrouped["param_groups"] = [dict(sd["param_groups"][0], params=[0]),

@@ -31,7 +31,7 @@ def ddp() -> dict[int, Any]:
 
 
 @pytest.mark.parametrize("kind", ["plain", "no_sync", "accumulate", "backward", "bucket_view",
-                                  "wrapped_after", "clip"])
+                                  "wrapped_after", "clip", "loop_clip"])
 def test_under_ddp_the_reduced_gradient_is_stepped(ddp: dict[int, Any], kind: str) -> None:
     """Bitwise DDP with plain AdamW on every rank; no gradient is left on the device;
     the ranks agree."""
@@ -46,6 +46,14 @@ def test_under_ddp_the_norm_is_not_summed_over_replicas(ddp: dict[int, Any]) -> 
     for rank in (0, 1):
         for mine, ref in ddp[rank]["clip"]["norms"]:
             assert mine == pytest.approx(ref, rel=1e-6), rank
+
+
+def test_under_ddp_the_loops_clip_call_sees_the_reduced_norm(ddp: dict[int, Any]) -> None:
+    """torch's clip_grad_norm_ on the DDP module's parameters, called by the loop between
+    the last backward and step(): the norm of the reduced gradient, to the bit."""
+    for rank in (0, 1):
+        norms = ddp[rank]["loop_clip"]["norms"]
+        assert len(norms) == 3 and all(mine == ref for mine, ref in norms), (rank, norms)
 
 
 def test_under_ddp_taking_the_gradient_before_the_reducer_wrote_it_diverges(

@@ -53,15 +53,19 @@ class ModelFinder:
         self._found = found
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         ref = weakref.ref(self)
+        handle: Any = None
 
         def hook(module: torch.nn.Module, args: Any) -> None:
             finder = ref()
             if finder is not None:
                 finder._look(module)
+            elif handle is not None:
+                handle.remove()  # (its optimizer is gone)
 
-        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
             _compat.dynamo_disable(hook))
-        weakref.finalize(self, self._handle.remove)
+        self._handle: Any = handle
+        weakref.finalize(self, handle.remove)
 
     @property
     def searching(self) -> bool:

@@ -162,13 +162,14 @@ def _slots_in(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             yield from (t._slot for t in a if isinstance(t, HostGrad))
 
 
-class NeedsRealGradient(PipeoffError):
+class NeedsRealGradient(GradientError):
     """An operation on a gradient placeholder that needs the gradient's values.
 
     Raised (and handled) inside :class:`HostGrad`: the operation is run again on the
-    real gradient. It reaches the caller only through a DTensor parameter's
-    placeholder, where the operation cannot be re-run (norms and in-place scaling
-    work there).
+    real gradient. It reaches the caller only where the operation cannot be re-run:
+    through a DTensor parameter's placeholder (norms and in-place scaling work there)
+    or from C++ code that writes ``.grad`` itself (DDP's reducer copying into a
+    gradient the loop left in place).
     """
 
 
@@ -466,8 +467,10 @@ class LoopGrads:
     def _on_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = sorted({s.rec.name for s in _slots_in(args, kwargs)})
         raise NeedsRealGradient(
-            f"{func} on the gradient of {names} needs its values: under a DTensor "
-            "parameter FullOffloadOptimizer's placeholder answers norms "
+            f"{func} on the gradient of {names} needs its values, and it reached "
+            "FullOffloadOptimizer's placeholder where the real gradient cannot be put "
+            "in its place (a DTensor parameter's placeholder, or C++ code such as DDP's "
+            "reducer writing .grad): there the placeholder answers norms "
             "(torch.linalg.vector_norm, clip_grad_norm_) and in-place scaling only")
 
     # -- the host sums ------------------------------------------------------------------------

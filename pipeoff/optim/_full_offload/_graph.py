@@ -202,8 +202,11 @@ def micro_step_graph(
                               # One optimizer element per parameter (the cost
                               # model charges host tasks per 4 bytes).
                               nbytes=sum(params[i].numel for i in chunk) * 4)
+            # The weights cross the link unpadded (the buffer's 64-byte alignment stays
+            # on the host): what the lane reports moving when every parameter steps.
+            moved = sum(params[i].numel * params[i].weight_itemsize for i in chunk)
             h2d = g.add_task(f"h2d:{k}", TaskKind.H2D, _bind1(work.h2d if work else None, k),
-                             deps=[step], buffers=bufs, nbytes=wbytes)
+                             deps=[step], buffers=bufs, nbytes=moved)
             ends += [step, h2d]
     g.add_task("done", TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
     return g

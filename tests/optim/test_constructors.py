@@ -1,0 +1,133 @@
+"""Both optimizers in torchao's form, ``(params, optimizer_class, **optimizer_kwargs)``,
+beside their own: the same bits, and the knobs other tools use named for what they are."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from pipeoff import ConfigError
+from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+    return [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")],
+             "weight_decay": 0.1},
+            {"params": [p for n, p in m.named_parameters() if n.endswith("bias")],
+             "weight_decay": 0.0}]
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    getattr(opt, "wait_for_step", lambda: None)()
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("form", ["positional", "keyword", "model"])
+def test_full_offload_from_param_groups_is_the_grouped_adamw_run(form: str) -> None:
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    if form == "positional":
+        opt = FullOffloadOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2)
+    elif form == "keyword":
+        opt = FullOffloadOptimizer(_groups(model), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=_groups(model), lr=1e-2)
+    _train(ref, ref_opt)
+    _train(model, opt)
+    assert _same(ref, model)
+    assert opt.model is model  # found at the first forward (or given)
+    assert [n for n, _ in model.named_parameters()] == [
+        r.name for r in sorted(opt._registry, key=lambda r: [id(p) for p in model.parameters()
+                                                              ].index(id(r.param)))]
+
+
+def test_full_offload_defaults_to_adamw_as_torchao() -> None:
+    model = _model()
+    assert FullOffloadOptimizer(model.parameters(), lr=1e-3).optimizer_class is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("form", ["instance", "torchao", "keyword"])
+def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
+    ref = _model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    if form == "instance":
+        opt = OffloadOptimizer(torch.optim.AdamW(_groups(model), lr=1e-2), mode="overlap")
+    elif form == "torchao":
+        opt = OffloadOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2, mode="overlap")
+    else:
+        opt = OffloadOptimizer(_groups(model), optimizer_class=torch.optim.AdamW, lr=1e-2,
+                               mode="overlap")
+    _train(ref, ref_opt)
+    _train(model, opt)
+    assert _same(ref, model)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda m: OffloadOptimizer(torch.optim.AdamW(m.parameters()), torch.optim.AdamW),
+     "either an optimizer instance"),
+    (lambda m: OffloadOptimizer(torch.optim.AdamW(m.parameters()), lr=1e-3),
+     r"with an instance, \['lr'\]"),
+    (lambda m: OffloadOptimizer(m.parameters(), dict), "optimizer_class must be"),
+    (lambda m: OffloadOptimizer(m.parameters(), torch.optim.AdamW, betas=1),
+     "AdamW refused"),
+    (lambda m: OffloadOptimizer(m.parameters(), offload_gradients=True),
+     "use FullOffloadOptimizer"),
+    (lambda m: OffloadOptimizer(m.parameters(), minimal_size=4096), "minimal_size"),
+    (lambda m: OffloadOptimizer(m.parameters(), device="cuda"), "device"),
+    (lambda m: OffloadOptimizer(), "needs an optimizer"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), offload_gradients=False),
+     "always takes the gradients to the host"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), pin_memory=False), "pins"),
+    (lambda m: FullOffloadOptimizer(m, params=m.parameters(), minimal_size=1), "minimal_size"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), params=m.parameters()), "not both"),
+    (lambda m: FullOffloadOptimizer(next(m.parameters())), "a single tensor"),
+    (lambda m: FullOffloadOptimizer(3), "must be a torch.nn.Module"),
+])
+def test_mixed_forms_and_other_tools_knobs_are_refused_by_name(make: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make(_model())
+
+
+def test_offload_gradients_false_is_what_offload_optimizer_does() -> None:
+    model = _model()
+    OffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False, lr=1e-3)
+
+
+def test_a_model_found_late_keeps_the_names_and_its_wrapper_probe() -> None:
+    """Built from parameters; the model's first forward gives it the model (names for
+    errors and gates), and no global hook stays."""
+    model = _model()
+    opt = FullOffloadOptimizer(list(model.parameters()), lr=1e-2)
+    assert opt.model is None
+    with pytest.raises(ConfigError, match="attach\\(\\) needs the model"):
+        opt.attach()
+    before = len(torch.nn.modules.module._global_forward_pre_hooks)  # (the finder's)
+    model(torch.randn(2, 8)).sum().backward()
+    assert opt.model is model
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == before - 1  # gone
+    opt.step()
+    opt.attach()  # now it knows the model
+    opt.wait_for_step()
