@@ -534,3 +534,30 @@ def test_a_compiled_model_with_the_loops_clip_call() -> None:
     compiled = torch.compile(model, backend="aot_eager")  # eager's bits
     norms = run(compiled, opt, ref, batches(3, 2), _torch, marked=False)
     check(model, ref, norms)
+
+
+def test_a_grad_scaler_unscales_the_real_gradients_and_skips_nothing_silently() -> None:
+    """torch.amp.GradScaler: unscale_ reads every gradient, so they come back (in the
+    parameter's dtype, here FP32); unscaled, clipped and stepped, the run is bitwise
+    plain AdamW's with the same scaler, and a non-finite gradient skips the step in both."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for step in range(4):
+        x = torch.randn(8, 16)
+        if step == 2:
+            x[0, 0] = float("inf")  # a non-finite gradient: both scalers skip the step
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            scaler.scale(m(x).pow(2).mean()).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    opt.wait_for_step()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 1024.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert same_bits(p, q)
