@@ -37,7 +37,7 @@ def local(t: Any) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def worker(group: int, rank: int, attempt: int, lighthouse: str, ports: dict[str, int],
+def worker(group: int, rank: int, attempt: int, lighthouse: str, rendezvous: str,
            optimizer: str, queue: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -47,10 +47,16 @@ def worker(group: int, rank: int, attempt: int, lighthouse: str, ports: dict[str
 
     from pipeoff.optim import OffloadOptimizer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports['fsdp']}",
-                            rank=rank, world_size=2)
-    store = dist.TCPStore("127.0.0.1", ports["store"], is_master=rank == 0,
-                          wait_for_workers=False)
+    # No port is chosen before it is bound: a port found free and bound later was
+    # taken in between by another rank's Lighthouse client or Manager (EADDRINUSE
+    # in CI). The group meets in a file; rank 0's store takes a port from the OS and
+    # tells rank 1 over that group.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=2)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) \
+        if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=0)
     mesh = init_device_mesh("cpu", (2,))
     model = make_model()
     for i in (0, 2, 3):
@@ -72,7 +78,7 @@ def worker(group: int, rank: int, attempt: int, lighthouse: str, ports: dict[str
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=2,
         load_state_dict=load_state_dict, state_dict=state_dict,
-        replica_id=f"group{group}", store_addr="127.0.0.1", store_port=store.port,
+        replica_id=f"group{group}", store_addr="127.0.0.1", store_port=port[0],
         rank=rank, world_size=2, lighthouse_addr=lighthouse, use_async_quorum=False,
         timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
     )

@@ -10,7 +10,8 @@ AdamW (issue 10).
 
 from __future__ import annotations
 
-import socket
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -21,17 +22,6 @@ import torch.multiprocessing as mp
 from tests.ft import _hsdp_worker as hw
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _run(optimizer: str) -> dict[tuple[int, int, int], Any]:
     from torchft.coordination import LighthouseServer
 
@@ -39,14 +29,15 @@ def _run(optimizer: str) -> dict[tuple[int, int, int], Any]:
     queue = ctx.SimpleQueue()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     procs: dict[tuple[int, int, int], Any] = {}
+    tmp = tempfile.mkdtemp(prefix="pipeoff-hsdp-")
     results: dict[tuple[int, int, int], Any] = {}
 
     def start(group: int, attempt: int) -> None:
-        fsdp, store = _ports(2)
+        rendezvous = f"{tmp}/group{group}-attempt{attempt}"
         for rank in (0, 1):
             p = ctx.Process(target=hw.worker, args=(
-                group, rank, attempt, lighthouse.address(), {"fsdp": fsdp, "store": store},
-                optimizer, queue), daemon=True)
+                group, rank, attempt, lighthouse.address(), rendezvous, optimizer, queue),
+                daemon=True)
             p.start()
             procs[(group, rank, attempt)] = p
 
@@ -78,6 +69,7 @@ def _run(optimizer: str) -> dict[tuple[int, int, int], Any]:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
