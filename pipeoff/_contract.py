@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pipeoff.execution import Completion, Execution
 
 __all__ = ["AsyncStep", "Attachable", "Health", "HostState", "MasterCopy",
-           "OffloadedOptimizer", "StepWrites"]
+           "OffloadedOptimizer", "StepCount", "StepWrites", "steps_taken"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +112,22 @@ class Health:
 
     def __repr__(self) -> str:
         return f"Health(torn={self.torn!r}, dirty={self.dirty!r}, stale={self.stale!r})"
+
+
+@runtime_checkable
+class StepCount(Protocol):
+    """An optimizer that counts its ``step()`` calls (pipeoff's): the number its spans,
+    per-step figures and the syncs that follow a step carry."""
+
+    @property
+    def steps_taken(self) -> int:
+        """``step()`` calls so far."""
+
+
+def steps_taken(opt: Any) -> int | None:
+    """``opt``'s :attr:`StepCount.steps_taken`, or ``None`` for an optimizer that does
+    not count (torch's)."""
+    return opt.steps_taken if isinstance(opt, StepCount) else None
 
 
 @runtime_checkable

@@ -1,12 +1,18 @@
 """The rooms of the code and what each may touch (see docs/concepts.md, "How the code is
 laid out"): checked by reading the sources, as tests/test_compat.py checks upstream
-private names."""
+private names. Room sizes (600 lines, 30 methods), one writer of full offload's
+phase, no private attribute read by string, and a ``PRIVATE_APIS`` row for every
+torchft private name pipeoff touches."""
 
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
+
+from pipeoff import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPEOFF = ROOT / "pipeoff"
@@ -121,3 +127,179 @@ def test_each_upstream_private_name_has_a_compat_row() -> None:
                  "_optimizer_load_state_dict_post_hooks", "DTensor._local_tensor",
                  "OptimizedModule._orig_mod", "Module._compiled_call_impl"):
         assert name in paths, name
+
+
+MAX_LINES = 600
+MAX_METHODS = 30
+
+
+def _modules() -> list[tuple[str, ast.Module, str]]:
+    """Every module of ``pipeoff/``: its path, its tree and its text."""
+    out = []
+    for path in sorted(PIPEOFF.rglob("*.py")):
+        text = path.read_text()
+        out.append((path.relative_to(ROOT).as_posix(), ast.parse(text), text))
+    return out
+
+
+MODULES = _modules()
+
+
+def test_room_sizes() -> None:
+    """No module in ``pipeoff/`` over 600 lines, no class over 30 methods (the guard
+    against the next 1,100-line feature commit)."""
+    big = [f"{rel}: {text.count(chr(10))} lines" for rel, _, text in MODULES
+           if text.count("\n") > MAX_LINES]
+    wide = []
+    for rel, tree, _ in MODULES:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                n = sum(isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in node.body)
+                if n > MAX_METHODS:
+                    wide.append(f"{rel}: class {node.name} has {n} methods")
+    assert not big + wide, "\n".join(big + wide)
+
+
+def test_the_phase_of_an_accumulation_is_written_in_one_place() -> None:
+    """Full offload's ``.phase`` changes only through ``Accumulation.move``, which checks
+    the transition table."""
+    writes = []
+    for rel, tree, _ in MODULES:
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "phase":
+                    writes.append(f"{rel}:{node.lineno}")
+    assert writes == ["pipeoff/optim/_full_offload/_common.py:" + str(_move_line())], writes
+
+
+def _move_line() -> int:
+    rel = "pipeoff/optim/_full_offload/_common.py"
+    tree = next(t for r, t, _ in MODULES if r == rel)
+    move = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "move")
+    return next(n.lineno for n in ast.walk(move) if isinstance(n, ast.Assign))
+
+
+def test_every_phase_is_read() -> None:
+    """Every member of ``Phase`` is read somewhere (the table reads the ends)."""
+    from pipeoff.optim._full_offload._common import Phase
+
+    reads = {node.attr for _, tree, _ in MODULES for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+             and node.value.id == "Phase" and isinstance(node.ctx, ast.Load)}
+    assert {p.name for p in Phase} <= reads, {p.name for p in Phase} - reads
+
+
+FEATURES = ("pipeoff/optim/", "pipeoff/ft/", "pipeoff/transfer/", "pipeoff/trace/",
+            "pipeoff/integrations/")
+
+
+def test_no_feature_module_reads_another_objects_private_attribute_by_string() -> None:
+    """``getattr(obj, "_name")`` hides a reach into another object's privates from
+    grep and from mypy: use a typed protocol (``_contract.py``) instead. An object's
+    own attributes (``getattr(self, ...)``, while it is being built) are its business."""
+    found = []
+    for rel, tree, _ in MODULES:
+        if not rel.startswith(FEATURES):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)
+                    and node.args[1].value.startswith("_")
+                    and not node.args[1].value.startswith("__")
+                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)
+
+
+def _torchft_privates() -> dict[str, set[str]]:
+    """Per private name torchft's classes that pipeoff uses define (attributes their
+    methods set, methods), the ``module:Class`` paths that define it."""
+    lsgd = pytest.importorskip("torchft.local_sgd")
+    manager = pytest.importorskip("torchft.manager")
+    classes = {"torchft.local_sgd:DiLoCo": lsgd.DiLoCo,
+               "torchft.local_sgd:LocalSGD": lsgd.LocalSGD,
+               "torchft.local_sgd:_StreamingDiLoCoFragment": lsgd._StreamingDiLoCoFragment,
+               "torchft.manager:Manager": manager.Manager}
+    out: dict[str, set[str]] = {}
+    for path, cls in classes.items():
+        names = set(vars(cls))
+        for f in vars(cls).values():
+            code = getattr(f, "__code__", None)
+            if code is not None:
+                names.update(code.co_names)
+        for name in names:
+            if name.startswith("_") and not name.startswith("__"):
+                out.setdefault(name, set()).add(path)
+    return out
+
+
+def test_every_torchft_private_name_has_a_private_apis_row() -> None:
+    """A private name of torchft's that ``pipeoff/`` reads, writes or overrides (or
+    imports) is listed in ``_compat.PRIVATE_APIS``: a torchft release that renames it
+    fails ``tests/test_compat.py`` naming it, instead of a sync failing mid-run."""
+    privates = _torchft_privates()
+    rows = {api.path.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            for api in _compat.PRIVATE_APIS if api.package == "torchft"}
+    missing = set()
+    for rel, tree, _ in MODULES:
+        for node in ast.walk(tree):
+            if not rel.startswith(("pipeoff/ft/", "pipeoff/_compat.py")):
+                continue  # (the rooms that touch torchft objects)
+            if isinstance(node, ast.Attribute) and node.attr in privates:
+                name = node.attr
+            elif isinstance(node, ast.FunctionDef) and node.name in privates and rel.startswith(
+                    "pipeoff/ft/"):
+                name = node.name  # an override of torchft's method
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchft"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and alias.name not in rows:
+                        missing.add(f"{rel}:{node.lineno}: import {alias.name}")
+                continue
+            else:
+                continue
+            if name not in rows:
+                missing.add(f"{rel}:{node.lineno}: {name} ({', '.join(sorted(privates[name]))})")
+    assert not missing, "\n".join(sorted(missing))
+
+
+_LANE_STORES = {"res", "shipped.tensor", "rec.scalars", "rec.present", "rec.stepped",
+                "rec.version"}
+"""What full offload's lanes may store (``[Note: lane writes]``): the accumulation's
+``LaneResults`` (``res``), the listed ``OffloadedParam`` fields, ``Shipped.tensor``."""
+
+
+def test_full_offload_lanes_write_only_their_results_and_the_listed_fields() -> None:
+    """Lane work returns what it computed in ``LaneResults`` and writes nothing of the
+    caller's records: every attribute store (and every mutating call on an attribute)
+    in ``_lanes.py`` outside ``__init__`` is one of the listed ones."""
+    rel = "pipeoff/optim/_full_offload/_lanes.py"
+    tree = next(t for r, t, _ in MODULES if r == rel)
+    mutators = {"add", "append", "update", "pop", "clear", "setdefault", "discard",
+                "remove", "extend"}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef) or fn.name in ("__init__", "for_params"):
+            continue
+        for node in ast.walk(fn):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in mutators
+                    and isinstance(node.func.value, ast.Attribute)):
+                targets = [node.func.value]
+            for target in targets:
+                if isinstance(target, ast.Subscript):
+                    target = target.value
+                if not isinstance(target, ast.Attribute):
+                    continue
+                name = ast.unparse(target)
+                if name.split(".", 1)[0] != "res" and name not in _LANE_STORES:
+                    found.append(f"{rel}:{node.lineno} ({fn.name}): {name}")
+    assert not found, "\n".join(found)

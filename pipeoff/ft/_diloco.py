@@ -12,16 +12,16 @@ from torch import nn, optim
 from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
 from torchft.local_sgd import _StreamingDiLoCoFragment
 
-from pipeoff import _accel, _compat, _faults
-from pipeoff._contract import AsyncStep, MasterCopy
+from pipeoff import _accel, _faults
+from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff.executor import execute
-from pipeoff.ft._buckets import Bucket, Piece, TensorInfo, plan_buckets
-from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._buckets import TensorInfo, plan_buckets
+from pipeoff.ft._buckets import local as _local
 from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule, outer_chunks
+from pipeoff.ft._diloco_work import SyncWork
 from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._outer import HostOuterOptimizer, check_outer
-from pipeoff.graph import TaskContext
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
 from pipeoff.trace.lowlevel import SyncStats, train_span
@@ -546,142 +546,19 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         except BaseException:  # noqa: BLE001 - the failure given, or one before it
             pass
 
-    # -- the work of each task ---------------------------------------------------------
     def _work(self) -> DiLoCoWork:
-        params, backups, grads = self._params, self._backups, self._host_grads
-        manager, cuda, alpha = self._manager, self._cuda, self._fragment_update_alpha
-        synchronous = self._options.schedule == "synchronous"
-        form_first = self._form_first
-
-        formed: set[int] = set()
-        """Buckets whose pseudo-gradients are formed whole in the staging their all-reduce
-        reads (set by their pseudograd task, or with form_first their upload; read by
-        their all-reduce, which runs after it: the graph orders them)."""
-
-        def pseudograd(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                flat = ctx.buffer(dev, b.dtype)
-                for pc in b.pieces:
-                    part = flat[pc.offset:pc.offset + pc.numel]
-                    # non_blocking: the backup is pinned host memory that nothing
-                    # writes until this sync's outer step, after its commit.
-                    part.copy_(_flat(backups[pc.param])[pc.start:pc.start + pc.numel],
-                               non_blocking=cuda)
-                    # torchft: original.to(device) - local.
-                    part.sub_(_region(_local(params[pc.param]), pc).reshape(-1))
-                if not form_first:
-                    formed.add(k)
-
-            return run
-
-        def stage(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                flat = ctx.buffer(dev, b.dtype)
-                for pc in b.pieces:
-                    # non_blocking: the host pseudo-gradients are pinned, read next by
-                    # this bucket's upload, which waits for this task.
-                    _flat(grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
-                        flat[pc.offset:pc.offset + pc.numel], non_blocking=cuda)
-
-            return run
-
-        def upload(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                flat = ctx.buffer(dev, b.dtype)
-                for pc in b.pieces:
-                    # non_blocking: nothing writes the host pseudo-gradients until this
-                    # bucket's d2h, after its all-reduce.
-                    flat[pc.offset:pc.offset + pc.numel].copy_(
-                        _flat(grads[pc.param])[pc.start:pc.start + pc.numel],
-                        non_blocking=cuda)
-                formed.add(k)
-
-            return run
-
-        def allreduce(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                # must_run: after a failure of this replica it still joins, so that
-                # its peers are never left waiting. A bucket whose first task never
-                # ran has no staging block: join from a temporary one.
-                flat = (ctx.buffer(dev, b.dtype) if dev in ctx.buffers else
-                        torch.zeros(b.numel, dtype=b.dtype, device=self._device))
-
-                def fill(flat: torch.Tensor) -> None:
-                    if k not in formed:
-                        # Hazard: a peer that commits averaging in what an unformed
-                        # bucket holds (stale staging, a half-written subtraction).
-                        # Contribute a zero pseudo-gradient instead: to the peers,
-                        # this replica did not move in this bucket.
-                        flat.zero_()
-
-                allreduce_bucket(manager, ctx, dev, flat, fill)
-
-            return run
-
-        def d2h(k: int, b: Bucket, dev: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                flat = ctx.buffer(dev, b.dtype)
-                for pc in b.pieces:
-                    # non_blocking (pipelined): the host pseudo-gradients are pinned
-                    # and read only by the outer step, which waits for this task.
-                    _flat(grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
-                        flat[pc.offset:pc.offset + pc.numel], non_blocking=cuda and not synchronous)
-
-            return run
-
-        def outer(c: int, chunk: Sequence[int]) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                if ctx.gate("commit"):
-                    self.outer.step([(backups[i], grads[i]) for i in chunk])
-
-            return run
-
-        def write(k: int, b: Bucket, w: str) -> Callable[[TaskContext], None]:
-            def run(ctx: TaskContext) -> None:
-                committed = ctx.gate("commit")
-                flat = ctx.buffer(w, b.dtype)
-                for pc in b.pieces:
-                    local = _region(_local(params[pc.param]), pc)
-                    src = _flat(backups[pc.param])[pc.start:pc.start + pc.numel]
-                    if not committed:
-                        # torchft's restore_parameters: the backup, unchanged.
-                        local.copy_(src.view(local.shape), non_blocking=cuda)
-                        continue
-                    # torchft: p = new global (restore + outer step), then
-                    # p.lerp_(local snapshot, alpha): the same op, on the device.
-                    new = flat[pc.offset:pc.offset + pc.numel].view(local.shape)
-                    new.copy_(src.view(local.shape), non_blocking=cuda)
-                    new.lerp_(local, alpha)
-                    local.copy_(new)
-
-            return run
-
-        return DiLoCoWork(pseudograd=pseudograd, allreduce=allreduce, d2h=d2h, outer=outer,
-                          write=write, stage=stage, upload=upload)
+        """The lane work of one sync, over this fragment's tensors."""
+        return SyncWork(
+            params=self._params, backups=self._backups, grads=self._host_grads,
+            outer=self.outer, manager=self._manager, device=self._device, cuda=self._cuda,
+            alpha=self._fragment_update_alpha,
+            synchronous=self._options.schedule == "synchronous",
+            form_first=self._form_first).work()
 
 
 # -- tensor helpers -------------------------------------------------------------------
 def _step_number(opt: Any, manager: Any) -> int:
     """The step a sync follows: a pipeoff optimizer's own count (the step just taken),
     else torchft's step."""
-    n = getattr(opt, "_steps_called", None)
-    return n - 1 if isinstance(n, int) and n > 0 else int(manager.current_step())
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
-    outside autograd."""
-    return _compat.local_tensor(p.data)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed flat (host tensors pipeoff or torchft allocated: contiguous)."""
-    return t.view(-1)
-
-
-def _region(local: torch.Tensor, pc: Piece) -> torch.Tensor:
-    """The part of ``local`` that piece ``pc`` covers: the tensor itself when whole
-    (a non-contiguous one is never split), else a flat slice."""
-    if pc.whole:
-        return local
-    return local.view(-1)[pc.start:pc.start + pc.numel]
+    n = steps_taken(opt)
+    return n - 1 if n else int(manager.current_step())

@@ -11,11 +11,12 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
-from pipeoff import _accel, _compat
-from pipeoff._contract import AsyncStep, MasterCopy
+from pipeoff import _accel
+from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
+from pipeoff.ft._buckets import local as _local
 from pipeoff.ft._collective import allreduce_bucket
 from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
@@ -239,8 +240,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
     def _perform_sync(self) -> None:
         opt = self._local_optimizer
-        n = getattr(opt, "_steps_called", None)
-        step = n - 1 if isinstance(n, int) and n > 0 else int(self._manager.current_step())
+        n = steps_taken(opt)
+        step = n - 1 if n else int(self._manager.current_step())
         start = time.perf_counter_ns()
         # The training thread's "sync N" span on a recorded trace.
         with train_span("sync", step):
@@ -410,12 +411,6 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
 
 # -- tensor helpers -------------------------------------------------------------------
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
-    outside autograd."""
-    return _compat.local_tensor(p.data)
-
-
 def _write_back_rfc(param: nn.Parameter, flat: torch.Tensor) -> None:
     """RFC 0003's synchronous write-back of one whole averaged parameter."""
     local = _local(param)

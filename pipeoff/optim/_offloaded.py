@@ -62,6 +62,11 @@ class Offloaded:
     """``(step, exposed_ns)`` of the last step, until its figures went to the hooks."""
     _stats_last: tuple[int, int] | None = None
 
+    @property
+    def steps_taken(self) -> int:
+        """``step()`` calls so far (:class:`pipeoff._contract.StepCount`)."""
+        return self._steps_called
+
     # -- per-step figures ----------------------------------------------------------------
     def register_step_stats_hook(self, hook: Any) -> Any:
         """Call ``hook(stats)`` with every step's :class:`pipeoff.trace.StepStats`, once

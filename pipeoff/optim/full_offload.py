@@ -12,7 +12,6 @@ its parts are in ``pipeoff/optim/_full_offload/`` (see its ``__init__``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import time
@@ -22,54 +21,42 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _compat, _faults
+from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import hook_wait_records, is_failure_of, settle
+from pipeoff._lowlevel import hook_wait_records, settle
 from pipeoff.execution import Execution
 from pipeoff.optim import _host_kernel
 from pipeoff.optim._foreign import refuse_foreign
-from pipeoff.optim._full_offload import _checkpoint
+from pipeoff.optim._full_offload import _common
+from pipeoff.optim._full_offload._common import Accumulation, Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,
     Accumulate,
     FullOffloadConfig,
     Overlap,
-    check_max_norm,
+    check_clip_args,
     check_model,
     chunk_numel_of,
+    model_and_params,
     refuse_environment,
 )
 from pipeoff.optim._full_offload._finder import ModelFinder
-from pipeoff.optim._full_offload._lifecycle import (
-    Accumulation,
-    MicroSteps,
-    Phase,
-    capture_hyper,
-    classify,
-    root_cause,
-    same_hyper,
-    writes_to,
-)
+from pipeoff.optim._full_offload._graph import NORM_ALLREDUCE
+from pipeoff.optim._full_offload._intake import GradientIntake
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
+from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.optim._full_offload._surface import MastersAndCheckpoints
 from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._waits import ForwardWaits
-from pipeoff.staging import reserve_for
 from pipeoff.trace.lowlevel import train_span
 
 __all__ = ["FullOffloadOptimizer"]
 
 
-def _late_write(names: list[str]) -> str:
-    return (f"the weights of {names[:4]} were written after the final backward began: "
-            "under overlap='backward' its chunks step the masters and write the weights "
-            "during that backward, so either this step's update or the write is lost (the "
-            "weights and the masters agree). Write weights after step(), or use "
-            "overlap='forward'")
-
-
-class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
+class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimizer):
     """Full offload: FP32 masters, optimizer state and a gradient accumulator in host memory.
 
     Only ``model``'s compute weights stay on the device; the host holds 16
@@ -184,23 +171,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         timeout: float = 600.0,
         **defaults: Any,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            # torchao's form (and the HF Trainer's optimizer_cls(grouped_params, ...)):
-            # parameters or param groups; the model is found at its first forward.
-            if params is not None:
-                raise ConfigError("give the model and params=, or the parameters alone "
-                                  "(FullOffloadOptimizer(params, optimizer_class)), not both")
-            if isinstance(model, torch.Tensor):
-                raise ConfigError(
-                    "params must be an iterable of parameters or of param group dicts, got "
-                    f"a single tensor of shape {tuple(model.shape)}")
-            if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
-                raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
-                                  f"param groups) to optimize, got {model!r}")
-            params, found = list(model), None
-        else:
-            check_model(model)
-            found = model
+        params, found = model_and_params(model, params)
         refuse_foreign(defaults, "FullOffloadOptimizer")
         chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
@@ -213,9 +184,6 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         # (is_compiling() is process-wide) steering torch.optim into its
         # compiled-code branches on a host lane.
         _compat.eager_math()
-        if isinstance(params, torch.Tensor):
-            raise ConfigError("params must be an iterable of parameters or of param group "
-                              f"dicts, got a single tensor of shape {tuple(params.shape)}")
         probe = config.probe()
         # Decide the native host step now, on the caller's thread and before any
         # parameter is taken: its fallback warning (an error under -W error) then
@@ -235,17 +203,19 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.num_threads = config.num_threads
         self.process_group = config.process_group
         self.timeout = config.timeout
-        # The parameters, their host state, and the micro-step lifecycle.
+        # The parameters and their host state; the lifecycle (the accumulation and the
+        # step in flight); the model sync; the hooks (the intake calls down to both).
         self._registry = ParamRegistry(found, config, probe)
         self._health = Health()  # what a failed step left: torn, dirty, stale
         self._readers = Readers()  # state transfers reading the host state
-        self._micro_steps = MicroSteps(self._registry, config, self._health, self._readers,
-                                       lambda: self.param_groups, self._sync_with_model)
-        # The step in flight (handed over by step(), until wait_for_step()).
-        self._inflight: Accumulation | None = None
+        self._lifecycle = Lifecycle(self._registry, config, self._health, self._readers,
+                                    lambda: self.param_groups)
+        self._model_sync = ModelSync(self._registry, self._lifecycle, config, self._readers,
+                                     lambda: self.param_groups, self.wait_for_step,
+                                     on_indexed=lambda: self._intake.ensure_hooks())
+        self._intake = GradientIntake(self._lifecycle, self._model_sync)
         self.last_trace: Any = None
         self._micro_traces: list[Any] = []  # the last step's other executions' traces
-        self._grad_norm: torch.Tensor | None = None
         # Forward hooks (attach()).
         self._waits = ForwardWaits(self.wait_for_step)
         self._hook_waits: list[tuple[str, int, int]] = []
@@ -265,7 +235,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 raise
             raise ConfigError(f"params: {err}") from None
         self._building = False
-        self._reindex()
+        self._model_sync.reindex()
         if found is not None:
             self._train_spans_on(found)  # forward and backward on a recorded trace's train row
         else:
@@ -274,13 +244,12 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     def _found_model(self, model: torch.nn.Module) -> bool:
         """The model of an optimizer built from parameters, seen in a forward: take it
         (between steps; mid-step it is taken at a later forward)."""
-        if self._micro_steps.phase is not Phase.IDLE or self._inflight is not None:
+        if not self._lifecycle.idle():
             return False
         check_model(model)
         self._registry.adopt_model(model)
         self.model = model
-        self._micro_steps.ensure_hooks()
-        self._reindex()
+        self._model_sync.reindex()
         self._train_spans_on(model)
         return True
 
@@ -298,7 +267,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"param_group must be a dict, got {type(param_group).__name__}")
         if not self._building:
             self.wait_for_step()
-            if self._micro_steps.phase is not Phase.IDLE:
+            if self._lifecycle.phase is not Phase.IDLE:
                 raise ConfigError("add_param_group() between a backward and step(): call it "
                                   "after step() and zero_grad()")
         group = self._registry.check_group(param_group, self.param_groups)
@@ -306,70 +275,16 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         super().add_param_group(group)
         if not self._building:
             try:
-                self._reindex()
+                self._model_sync.reindex()
             except BaseException:
                 self.param_groups[:] = before
-                self._reindex()
+                self._model_sync.reindex()
                 raise
 
-    def _reindex(self) -> None:
-        """Host state and hooks for the parameters of ``param_groups`` (new ones only),
-        and the staging a micro-step holds, reserved now rather than in a hook."""
-        self._registry.index(self.param_groups)
-        self._micro_steps.ensure_hooks()
-        self.host_budget_bytes = self._registry.plan.host_budget_bytes
+    @property
+    def host_budget_bytes(self) -> int:
         """Most bytes of host staging live at once: the slot ring and two chunks' weights."""
-        reserve_for(*self._micro_steps.graph(final=True))
-
-    def _sync_with_model(self) -> None:
-        """At the first gradient of a step and at ``step()``: follow in-place edits of
-        ``param_groups``, then adopt outside writes to the weights (of parameters back
-        in the groups too; a write between micro-steps, or after the last backward,
-        before the step's chunks begin).
-
-        Raises:
-            ConfigError: a weight written after the final backward began under
-                ``overlap="backward"`` (its chunks stepped from the masters already).
-        """
-        self._follow_param_groups()
-        acc = self._micro_steps.acc
-        late = self.overlap == "backward" and acc is not None and acc.final is not None
-        changed = self._registry.written_from_outside()
-        if late and changed:
-            # The chunks stepping during that backward write the weights too: a
-            # weight whose copy has not finished is not (yet) an outside write; the
-            # copy itself notices one that came before it (Accumulation.overwritten).
-            assert acc is not None
-            copied = acc.weights_copied()
-            changed = [rec for rec in changed if id(rec.param) in copied]
-        if not changed:
-            return
-        self.wait_for_step()  # our own writes first
-        # Hazard: adopting the written weights as masters while a transfer
-        # launched after the last step still reads that step's masters.
-        if not _faults.disabled("adopt_waits_readers"):
-            self._readers.wait()
-        self._accel_sync()
-        self._registry.adopt(changed)
-        if late:
-            raise ConfigError(_late_write([rec.name for rec in changed]))
-
-    def _follow_param_groups(self) -> None:
-        """The live ``param_groups`` are the truth: parameters removed from, added to or
-        moved between groups in place are picked up (between steps)."""
-        if not self._registry.changed(self.param_groups):
-            return
-        if self._micro_steps.phase is not Phase.IDLE:
-            raise ConfigError(
-                "param_groups' parameters changed in the middle of gradient accumulation "
-                "(between a backward and step()); change them after step() and zero_grad()")
-        self._registry.check_groups(self.param_groups)
-        self._reindex()
-
-    def _accel_sync(self) -> None:
-        device = self._registry.device
-        if _accel.current().is_device(device):
-            _accel.current().synchronize(device)
+        return self._registry.plan.host_budget_bytes
 
     @property
     def device(self) -> torch.device:
@@ -390,12 +305,12 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Mark the backwards inside as non-final micro-steps (the convention of DDP's
         ``no_sync()``): their gradients are accumulated and nothing steps."""
-        self._micro_steps.settle_deferred()
-        self._micro_steps.no_sync_depth += 1
+        self._lifecycle.settle_deferred()
+        self._intake.no_sync_depth += 1
         try:
             yield
         finally:
-            self._micro_steps.no_sync_depth -= 1
+            self._intake.no_sync_depth -= 1
 
     def attach(self, model: torch.nn.Module | None = None) -> None:
         """Make ``model``'s forward (default: the optimizer's) wait, per module, for the
@@ -461,15 +376,15 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return loss
 
     def _step_finished(self) -> bool:
-        return self._inflight is None
+        return self._lifecycle.inflight is None
 
     def _step(self) -> None:
         refuse_environment()
         _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
         self.wait_for_step()
         self._health.check("step()")
-        self._sync_with_model()
-        micro = self._micro_steps
+        self._model_sync.sync()
+        micro = self._lifecycle
         if micro.phase is Phase.IDLE:
             # A failure that stepped nothing and surfaced after step() returned:
             # refused until zero_grad(), also without new gradients.
@@ -489,27 +404,21 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if micro.acc is None:
             return None  # every gradient was dropped (model.zero_grad()): nothing steps
         hyper = capture_hyper(self.param_groups)
-        acc = micro.acc
-        max_norm = self.max_norm if acc.max_norm is None else acc.max_norm
-        acc = self._inflight = micro.hand_over(hyper, max_norm, edits)
+        acc = micro.hand_over(hyper, edits)
         self._handed_over += 1
         if self.overlap == "backward" and not same_hyper(hyper, acc.hyper):
             self.wait_for_step()
-            raise ConfigError(
-                "param_groups changed after the final backward began: under "
-                "overlap='backward' the chunks step during that backward with the "
-                "hyperparameters of that moment (this step used those); change "
-                "hyperparameters (an LR scheduler's step()) after opt.step()")
+            raise ConfigError(_common.HYPER_CHANGED)
         if not self._asynchronous():
             self._wait_synchronously()
             return None
         self._hook_waits = self._waits.begin(acc.writes(self._registry.device))
-        if "norm_allreduce" in acc.execution.plan.order:
+        if NORM_ALLREDUCE in acc.execution.plan.order:
             # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
             # the caller's next collectives (FSDP2's all-gathers in the next
             # forward) issued on one process group from two threads.
             try:
-                settle(acc.execution, "norm_allreduce", timeout=self.timeout)
+                settle(acc.execution, NORM_ALLREDUCE, timeout=self.timeout)
             except BaseException as err:
                 err.add_note("pipeoff: interrupted while waiting for the clipping norm's "
                              "all-reduce; the step goes on (the forward waits for its "
@@ -549,12 +458,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         or under ``overlap="backward"`` before the final backward. Sharded parameters
         (FSDP2, HSDP) sum their squares over the mesh dimensions they are sharded on.
         """
-        if self._micro_steps.acc is not None:
-            return self._micro_steps.current_norm()
-        acc = self._inflight
-        if acc is not None:
-            return acc.wait_norm(self.timeout)
-        return self._grad_norm
+        return self._lifecycle.norm()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
@@ -584,25 +488,10 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 not a positive number, or a second call in one step.
             RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
         """
-        unbounded = isinstance(max_norm, (int, float)) and max_norm == float("inf")
-        if not unbounded:  # (inf: only the norm, as the HF Trainer asks to log it)
-            max_norm = check_max_norm(max_norm, self.overlap)
-        if float(norm_type) != 2.0:
-            raise ConfigError(f"norm_type must be 2.0: FullOffloadOptimizer computes the "
-                              f"2-norm of the gradients, got {norm_type!r}")
-        if self._micro_steps.phase is Phase.IDLE:
+        max_norm, unbounded = check_clip_args(max_norm, norm_type, self.overlap)
+        norm = self._lifecycle.set_clip(max_norm, unbounded=unbounded)
+        if norm is None:
             return torch.tensor(0.0)
-        norm = self._micro_steps.current_norm()
-        acc = self._micro_steps.acc
-        if norm is None or acc is None:
-            return torch.tensor(0.0)
-        if acc.max_norm is not None:
-            raise ConfigError(
-                "clip_grad_norm_() was called twice in one step: the clipping happens in the "
-                "step, once (torch would clip the clipped gradients again); call it once "
-                "between the last backward and step()")
-        if not (unbounded and self.overlap == "backward"):
-            acc.max_norm = float(max_norm)  # (inf: scaled by 1.0, as torch does)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from "
@@ -621,41 +510,28 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 backward began was overwritten by the step (the step is done).
             KeyboardInterrupt: Ctrl-C while waiting: the step is still in flight.
         """
-        acc = self._inflight
+        lifecycle = self._lifecycle
+        acc = lifecycle.inflight
         if acc is None:
             return
-        ex = acc.execution
         try:
-            ex.wait(timeout=self.timeout)
-        except BaseException as err:
-            if not is_failure_of(err, ex):
-                raise  # interrupted or timed out: still in flight
-            self._end_step(acc)
-            classify(self._health, acc, err)
-            root = root_cause(acc, err)
-            if root is not err:
-                raise root from err
-            raise
-        self._end_step(acc)
-        self._grad_norm = acc.total_norm
-        acc.device_sums.clear()
-        fin = acc.final
-        names: list[str] = []
-        if acc.overwritten and fin is not None and fin.lanes is not None:
-            # The step's copy overwrote a weight written after the final backward began.
-            names = [fin.lanes.params[i].name for i in sorted(acc.overwritten)]
-            acc.overwritten.clear()
+            # The names of weights the step's copy overwrote after they were written
+            # during the final backward.
+            names = lifecycle.wait_step()
+        finally:
+            if lifecycle.inflight is not acc:  # ended (done or failed), not interrupted
+                self._end_step(acc)
         try:
             # The finished step's figures, to the hooks: last, so that a hook that
             # raises leaves no bookkeeping (grad_norm) undone.
             self._emit_stats()
         finally:
             if names:
-                raise ConfigError(_late_write(names))
+                raise ConfigError(late_write_message(names))
 
     def _end_step(self, acc: Accumulation) -> None:
-        self._inflight = None
-        acc.phase = Phase.DONE
+        """The ended step's traces: its earlier micro-steps' and its own, with the
+        forward hooks' waits."""
         # The earlier micro-steps' executions (their gradient copies and folds are this
         # step's too, for its per-step figures); done, as the final one waited for them.
         self._micro_traces = [ms.execution.trace for ms in acc.micro
@@ -670,11 +546,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.last_trace = dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
 
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
-        acc = self._inflight
-        micro = self._micro_steps
-        if acc is None and self.overlap == "backward" and micro.phase is Phase.FINAL:
-            acc = micro.acc  # its chunks step during the final backward, before step()
-        return writes_to(acc, self._registry, param)
+        return self._lifecycle.writes_to(param)
 
     def _step_traces(self) -> list[Any]:
         return list(self._micro_traces)
@@ -694,7 +566,7 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
             KeyboardInterrupt: Ctrl-C while waiting for the discarded micro-steps
                 (call ``zero_grad()`` again).
         """
-        micro = self._micro_steps
+        micro = self._lifecycle
         micro.settle_deferred()
         if micro.phase is not Phase.IDLE:
             if micro.micro is not None:
@@ -707,114 +579,11 @@ class FullOffloadOptimizer(Offloaded, torch.optim.Optimizer):
                     "kept); call step() to wait for it, or use overlap='forward' to be "
                     "able to skip a step", RuntimeWarning, stacklevel=2)
                 self.wait_for_step()  # the step before it (one step in flight at a time)
-                self._inflight = micro.hand_over(None)
+                micro.hand_over(None)
                 self.wait_for_step()
         micro.discard("zero_grad() discarded the micro-step", classify_final=True)
         for rec in self._registry:
             rec.param.grad = None
-
-    # -- the masters and the weights -----------------------------------------------------------
-    def _quiesce(self) -> None:
-        """Wait for every write to masters and weights: the step in flight, and under
-        ``overlap="backward"`` the chunks a final backward started before ``step()``."""
-        self.wait_for_step()
-        failed = self._micro_steps.settle_final_backward()
-        if failed is not None:
-            self.last_trace = failed.trace
-
-    def _quiesce_keeping_failures(self) -> None:
-        """:meth:`_quiesce`, without raising a failed step's error (its state, torn, stale
-        or dirty, is recorded and said by the next step); an interrupt is raised."""
-        try:
-            self.wait_for_step()
-        except BaseException:
-            if self._inflight is not None:
-                raise  # the wait was interrupted: the step is still in flight
-            # The step failed: wait_for_step() classified it.
-        self._quiesce()
-
-    def refresh_device_weights(self) -> None:
-        """Write every device weight from its master (the truth), e.g. after a failed copy."""
-        self._quiesce_keeping_failures()
-        for rec in self._registry:
-            rec.weight_from_master()
-        self._health.stale = None
-
-    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
-        """Make the masters of weights written from outside the (widened) device weights,
-        after something other than this optimizer wrote them through ``.data`` (which
-        bumps no version counter): a committed LocalSGD average or a DiLoCo merge
-        (``pipeoff.ft.LocalSGD`` and ``DiLoCo`` call this themselves, for what their
-        sync wrote). Other writes (``model.load_state_dict``) are noticed at the next
-        step without it.
-
-        A weight that holds exactly its master's cast (nothing wrote it) keeps its
-        FP32 master bit for bit; a written one's master is the widened weight (the
-        master's bits below the compute dtype's precision are lost, as for any write).
-        Without it the next step would overwrite those weights with the old masters.
-
-        Args:
-            params: the parameters whose weights were written (default: all; tensors
-                this optimizer does not step are passed over).
-        """
-        positions = (range(len(self._registry)) if params is None else
-                     [i for i in map(self._registry.position, params) if i is not None])
-        recs = [self._registry[i] for i in positions]
-        self._readers.wait()
-        self._quiesce()
-        # Hazard: reading weights that device work still writes (a merge on the
-        # compute stream, a copy on another).
-        self._accel_sync()
-        self._registry.adopt(recs, outside=False)
-
-    # -- checkpoints -----------------------------------------------------------------------
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        """Per parameter with a step, torch's state (host FP32 tensors) plus ``"master"``."""
-        if getattr(self, "_building", True):
-            return self.__dict__.setdefault("_base_state", {})
-        self._quiesce()
-        return collections.defaultdict(dict, _checkpoint.entries(self._registry))
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.__dict__["_base_state"] = value
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict (host tensors), each entry with its FP32 ``"master"``.
-
-        Raises:
-            StepFailedError: the last step failed after stepping some masters.
-        """
-        self._quiesce()
-        self._health.check("state_dict()", stale=False)
-        self._follow_param_groups()
-        return _checkpoint.pack(self._registry, self.param_groups)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's format (with or without ``"master"`` entries); then every device
-        weight is written from its master. Either all is loaded or nothing.
-
-        Clears a failed or torn step. Creating state never steps the optimizer.
-
-        Raises:
-            ConfigError: not an optimizer state dict, groups of other sizes, or a
-                state tensor of another size than its parameter.
-        """
-        self._readers.wait()
-        self._quiesce_keeping_failures()
-        self._micro_steps.settle_deferred()
-        if self._micro_steps.phase is Phase.IDLE:
-            self._follow_param_groups()
-        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict)
-        # Checked: now write. Gradients accumulated so far belong to the state
-        # being replaced.
-        self._micro_steps.discard("discarded", classify_final=False)
-        self._accel_sync()
-        _checkpoint.load(self._registry, self.param_groups, state_dict["param_groups"], plan)
-        self._health.torn = None
-        self._health.dirty = None
-        self.refresh_device_weights()
 
     def trace_summary(self) -> Any:
         """The summary of the last step's trace (``None`` before one finished)."""

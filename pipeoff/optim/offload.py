@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import time
 import warnings
 from collections.abc import Callable
@@ -17,28 +16,23 @@ from pipeoff import _accel, _compat
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of
-from pipeoff._validate import check_int
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
-from pipeoff.optim._foreign import refuse_foreign
 from pipeoff.optim._graph import Step
 from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._host_state import (
-    check_loaded,
-    check_state_dtypes,
-    loaded_value,
     offload_state,
 )
-from pipeoff.optim._layout import Layout, build_layout, fingerprint
-from pipeoff.optim._offloaded import Offloaded, check_in_model
+from pipeoff.optim._layout import Layout
+from pipeoff.optim._offload_args import _DEFAULT, _Default, staging_args, wrapped
+from pipeoff.optim._offload_layout import HostLayout
+from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
-from pipeoff.optim._step_graph import offload_step
 from pipeoff.optim._tensors import describe as _describe
-from pipeoff.optim._tensors import host_alloc, index_of, memory_order, relaid
+from pipeoff.optim._tensors import index_of
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
-from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
 from pipeoff.trace.lowlevel import train_span
 
@@ -46,65 +40,6 @@ __all__ = ["OffloadOptimizer"]
 
 Mode = Literal["single_pass", "chunked", "overlap"]
 _MODES = ("single_pass", "chunked", "overlap")
-
-DEFAULT_CHUNK_BYTES = 1 << 30
-"""``chunk_bytes`` when neither it nor ``device_budget_bytes`` is given."""
-
-
-class _Default:
-    """The default of ``chunk_bytes``: 1 GiB, or a third of ``device_budget_bytes``."""
-
-    def __repr__(self) -> str:
-        return "DEFAULT_CHUNK_BYTES"
-
-
-_DEFAULT = _Default()
-
-
-def _wrapped(params: Any, optimizer_class: Any, optimizer: Any,
-             kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer to wrap: given (``OffloadOptimizer(opt)``), or built from the
-    parameters, ``optimizer_class`` and its keyword arguments (torchao's form).
-
-    Raises:
-        ConfigError: both forms mixed, or not an optimizer / optimizer class, or the
-            class refused the arguments.
-    """
-    if isinstance(params, torch.optim.Optimizer):
-        if optimizer is not None:
-            raise ConfigError("give the optimizer to wrap once (positionally or as optimizer=)")
-        optimizer, params = params, None
-    if optimizer is not None:
-        if params is not None or optimizer_class is not None or kwargs:
-            extra = sorted(kwargs) + (["params"] if params is not None else []) + (
-                ["optimizer_class"] if optimizer_class is not None else [])
-            raise ConfigError(
-                f"OffloadOptimizer wraps either an optimizer instance or builds one from "
-                f"params and optimizer_class; with an instance, {extra} have no place (set "
-                "hyperparameters on the instance)")
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
-                optimizer, OffloadOptimizer):
-            raise ConfigError(
-                f"optimizer must be a torch.optim.Optimizer to wrap, got {optimizer!r}")
-        return optimizer
-    if params is None:
-        raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
-                          "and optimizer_class to build one (torchao's form)")
-    refuse_foreign(kwargs, "OffloadOptimizer")
-    kwargs.pop("offload_gradients", None)  # (False, torchao's default: what this does)
-    cls = torch.optim.AdamW if optimizer_class is None else optimizer_class
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
-            cls, OffloadOptimizer):
-        raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
-                          f"torch.optim.AdamW, got {cls!r}")
-    if isinstance(params, torch.Tensor):
-        raise ConfigError("params must be an iterable of parameters or of param group "
-                          f"dicts, got a single tensor of shape {tuple(params.shape)}")
-    try:
-        return cls(params, **kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{cls.__name__} refused {sorted(kwargs)}: {err}") from err
-
 
 class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     """Wraps an optimizer; keeps its state in (pinned) host memory and steps it in chunks.
@@ -206,44 +141,25 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         lookahead: int | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        optimizer = _wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
+        optimizer = wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
         if mode not in _MODES:
             raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
-        chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes
-        if isinstance(chunk_bytes, _Default):
-            chunk_bytes = DEFAULT_CHUNK_BYTES
-        check_int("chunk_bytes", chunk_bytes, optional=True, unit="bytes")
-        prefetch_name = "prefetch"
-        if lookahead is not None:
-            if prefetch is not None:
-                raise ConfigError("give prefetch (the new name of lookahead), not both")
-            warnings.warn("OffloadOptimizer(lookahead=...) is now prefetch=...; lookahead will "
-                          "be removed", FutureWarning, stacklevel=2)
-            prefetch, prefetch_name = lookahead, "lookahead"
-        check_int(prefetch_name, prefetch, minimum=0, optional=True)
-        if device_budget_bytes is not None:
-            check_int("device_budget_bytes", device_budget_bytes, unit="bytes", optional=True)
-            if prefetch is not None:
-                raise ConfigError(
-                    f"give {prefetch_name} or device_budget_bytes, not both (got "
-                    f"{prefetch_name}={prefetch!r}, device_budget_bytes={device_budget_bytes!r})")
-            if chunk_bytes_given is None:
-                chunk_bytes = max(1, device_budget_bytes // 3)
-            elif chunk_bytes is None or chunk_bytes > device_budget_bytes:
-                raise ConfigError(
-                    f"device_budget_bytes={device_budget_bytes} must hold one chunk, but "
-                    f"chunk_bytes={chunk_bytes!r}; use chunk_bytes <= device_budget_bytes")
+        chunk_bytes, prefetch = staging_args(chunk_bytes, prefetch, lookahead,
+                                             device_budget_bytes)
         if not isinstance(read_guard, bool):
             raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
         if not isinstance(reserve, bool):
             raise ConfigError(f"reserve must be True or False, got {reserve!r}")
         if mode != "single_pass":
             _update.check_elementwise(optimizer, mode)
+            # Hazard: a compile session that began before the first chunk's math
+            # (is_compiling() is process-wide) steering torch.optim into its
+            # compiled-code branches on a host lane: the session guard goes in now.
+            _compat.eager_math()
         self.inner = optimizer
         self.mode: Mode = mode
         self.chunk_bytes = chunk_bytes
-        self.prefetch: int | None = (
-            None if device_budget_bytes is not None else 2 if prefetch is None else prefetch)
+        self.prefetch: int | None = prefetch
         """Chunks staged ahead of the one being updated (``None`` with a device budget)."""
         self.device_budget_bytes = device_budget_bytes
         """The cap on live device staging, if given instead of ``prefetch``."""
@@ -265,10 +181,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._waits = ForwardWaits(self.wait_for_step)
         self._waits.guard_enabled = read_guard
         self._reserve = reserve
-        self._reserved: dict[tuple[int, str], torch.Tensor] = {}
-        self._staging_reserved: tuple[int, ...] | None = None
-        """The signature of the plan whose staging blocks are reserved."""
-        self._adopt(build_layout(optimizer, chunked=self._chunked, chunk_bytes=chunk_bytes))
+        # The layout of the live groups, host state in it, host memory reserved ahead.
+        self._host = HostLayout(optimizer, chunked=self._chunked, chunk_bytes=chunk_bytes,
+                                pin_memory=self.pin_memory, on_change=self._waits.forget)
         if self._chunked:
             self.verify_plan()
             if reserve:
@@ -307,7 +222,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     @property
     def device(self) -> torch.device:
         """The device of the parameters (their local shards)."""
-        return self._layout.device
+        return self._host.layout.device
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled; save state_dict() instead")
@@ -333,11 +248,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         groups = list(self.inner.param_groups)
         self.inner.add_param_group(param_group)
         try:
-            layout = self._checked_layout()
+            layout = self._host.checked(self._attached)
         except BaseException:
             self.inner.param_groups[:] = groups  # atomic: nothing was added
             raise
-        self._adopt(layout)
+        self._host.adopt(layout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear grads. Setting them to ``None`` never waits; zeroing in place waits
@@ -373,49 +288,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
                               f"'state' and 'param_groups'), got {type(state_dict).__name__}")
-        # The wrapped optimizer's load_state_dict would move every state tensor
-        # to its parameter's device, all at once: on a GPU, the whole optimizer
-        # state this class exists to keep off it. Load the groups through it
-        # (its checks, hooks and hyperparameters) and the state straight to host.
-        saved = state_dict["state"]
-        before = (self.inner.param_groups, self.inner.state)
-        old_state = self.inner.state
-        try:
-            self.inner.load_state_dict({**state_dict, "state": {}})
-            self.inner.state = old_state  # the layout checks below read it
-            ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-            params = itertools.chain.from_iterable(g["params"] for g in self.inner.param_groups)
-            by_id = dict(zip(ids, params))
-            group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
-            # Check everything before anything is written.
-            entries: list[tuple[int, Any, Any, bool, tuple[str, ...]]] = []
-            for pid, entry in saved.items():
-                p = by_id.get(pid)
-                if p is None:
-                    entries.append((pid, None, entry, False, ()))
-                    continue
-                group = group_of[id(p)]
-                on_device = bool(group.get("fused") or group.get("capturable"))
-                keys = _update.state_keys(self.inner, group) if self._chunked else ()
-                for k, v in entry.items():
-                    check_loaded(p, k, v, k in keys)
-                entries.append((pid, p, entry, on_device, keys))
-            # The loaded state is cast to each parameter's dtype: check the rest.
-            layout = self._checked_layout(check_state=False)
-        except BaseException:
-            self.inner.param_groups, self.inner.state = before  # nothing was loaded
-            raise
-        state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
-        for pid, p, entry, on_device, keys in entries:
-            if p is None:
-                state[pid] = entry  # as torch does with ids it does not know
-                continue
-            reuse = old_state.get(p, {})
-            state[p] = {k: loaded_value(p, k, v, step_on_device=on_device, element=k in keys,
-                                        old=reuse.get(k), reserved=self._reserved)
-                        for k, v in entry.items()}
-        self.inner.state = state
-        self._adopt(layout)
+        self._host.load(state_dict, self._attached)
         self._health.torn = None
 
     def wait_for_step(self) -> None:
@@ -485,7 +358,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         st = self._inflight
         # The step in flight indexes parameters by its own layout (param_groups may
         # have been edited since, and a read of `plan` re-plans).
-        layout = self._step_layout if st is not None and self._step_layout else self._layout
+        layout = self._step_layout if st is not None and self._step_layout else self._host.layout
         i = index_of(layout.params, param)
         if st is None or i not in st.updated:
             return None, []
@@ -495,7 +368,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """The local host tensor of a per-element state ``key``; scalar state such as
         ``"step"`` is committed at the end of a step: read it after :meth:`wait_for_step`."""
         st = self._inflight
-        layout = self._step_layout if st is not None and self._step_layout else self._layout
+        layout = self._step_layout if st is not None and self._step_layout else self._host.layout
         i = index_of(layout.params, param)
         host = st.host_state.get(i, {}).get(key) if st is not None else None
         if host is None:
@@ -510,7 +383,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return host
 
     def _stepped_params(self) -> tuple[torch.Tensor, ...]:
-        return self._current_layout().params
+        return self._host.current(self._attached).params
 
     @property
     def last_execution(self) -> Execution | None:
@@ -536,7 +409,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """
         if not self._chunked:
             raise ConfigError("mode='single_pass' has no chunk plan")
-        layout = self._current_layout()
+        layout = self._host.current(self._attached)
         assert layout.plan is not None
         return layout.plan
 
@@ -655,7 +528,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         # a step even when no profiler listens.
         with (torch.profiler.record_function("pipeoff::optim::step")
               if _compat.profiler_enabled() else contextlib.nullcontext()):
-            layout = self._current_layout()
+            layout = self._host.current(self._attached)
             if self.mode == "single_pass":
                 ex, loss = _graph.single_pass(layout, self.inner, closure,
                                               lambda: offload_state(self.inner, layout,
@@ -666,7 +539,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             self._step_layout = layout
             st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
                                prefetch=self.prefetch, budget=self.device_budget_bytes,
-                               reserved=lambda p, k: self._reserved.pop((id(p), k), None))
+                               reserved=lambda p, k: self._host.reserved.pop((id(p), k), None))
             self._inflight = st
             self._last = st.execution
             self._last_waits = []
@@ -707,67 +580,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """
         if not self._chunked:
             return 0
-        layout = self._current_layout()
-        staged = 0
-        plan = layout.plan
-        if plan is not None and self._staging_reserved != plan.signature():
-            local = [_local(p) for p in layout.params]
-            reserved = reserve_for(*offload_step(
-                layout.device, plan, itemsize=[t.element_size() for t in local],
-                nkeys=[len(k) for k in layout.keys], local_numel=[t.numel() for t in local],
-                present=[len(k) for k in layout.keys], updated=range(len(local)),
-                prefetch=self.prefetch, budget=self.device_budget_bytes))
-            staged = sum(reserved.values())
-            self._staging_reserved = plan.signature()
-        want = []
-        for i, p in enumerate(layout.params):
-            st = self.inner.state.get(p, {})
-            want += [(i, k) for k in layout.keys[i]
-                     if st.get(k) is None and (id(p), k) not in self._reserved]
-        hosts = host_alloc([(_local(layout.params[i]).shape, _local(layout.params[i]).dtype,
-                             layout.orders[i]) for i, _ in want], self.pin_memory)
-        for (i, k), h in zip(want, hosts):
-            self._reserved[(id(layout.params[i]), k)] = h
-        return staged + sum(h.numel() * h.element_size() for h in hosts)
+        return self._host.reserve(self._host.current(self._attached), prefetch=self.prefetch,
+                                  budget=self.device_budget_bytes)
 
-    # -- layout ---------------------------------------------------------------
-    def _current_layout(self) -> Layout:
-        """The layout of the live param groups, rebuilt (and checked) if they changed."""
-        sig = fingerprint(self.inner, self._chunked)
-        if sig == self._layout.signature:
-            return self._layout
-        self._adopt(self._checked_layout(sig))
-        self._waits.forget()  # learn the reads of the new parameters too
-        return self._layout
-
-    def _adopt(self, layout: Layout) -> None:
-        """Make ``layout`` the current one: existing host state, and host tensors
-        reserved ahead, follow each parameter's memory order (it changes under
-        ``model.to(memory_format=...)``; chunks are flat slices of both at once)."""
-        # State with values is copied into the new order (offload_state keeps
-        # each element's value); a reserved tensor holds none yet, so it is only
-        # re-strided, and one whose parameter changed shape or dtype is dropped.
-        offload_state(self.inner, layout, chunked=self._chunked, pin=self.pin_memory)
-        for (pid, k), h in list(self._reserved.items()):
-            i = layout.index.get(pid)
-            if i is None or id(layout.params[i]) != pid:
-                continue  # not a parameter now; kept in case it comes back
-            loc = _local(layout.params[i])
-            if h.shape != loc.shape or h.dtype != loc.dtype:
-                del self._reserved[(pid, k)]
-            elif memory_order(h) != layout.orders[i]:
-                self._reserved[(pid, k)] = relaid(h, layout.orders[i])
-        self._layout = layout
-
-    def _checked_layout(self, sig: tuple[Any, ...] | None = None, *,
-                        check_state: bool = True) -> Layout:
-        layout = build_layout(self.inner, chunked=self._chunked, chunk_bytes=self.chunk_bytes,
-                              signature=sig)
-        if self._attached is not None:
-            check_in_model(layout.params, self._attached)
-        if self._chunked and check_state:
-            check_state_dtypes(self.inner, layout)
-        return layout
 
 def _ranges(ks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""

@@ -80,7 +80,7 @@ def _simulated_cuda() -> Iterator[Any]:
     finally:
         _happens.install(prior)
         sim.close()
-    late = sim.unreported()
+    late = sim.reports.unreported()
     if late is not None:
         raise late
 

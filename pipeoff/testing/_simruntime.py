@@ -97,10 +97,10 @@ class SimRuntime:
         self.sim.record_stream(t, stream)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return self.sim.is_pinned(t)
+        return self.sim.memory.is_pinned(t)
 
     def on_device(self, t: torch.Tensor) -> bool:
-        return self.sim.on_device(t)
+        return self.sim.memory.on_device(t)
 
     def empty(self, shape: Any, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
         return self.sim.host_empty(shape, dtype, pinned=pin_memory)
@@ -126,7 +126,7 @@ class SimRuntime:
         return 0
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
-        self.sim._register_range(ptr, nbytes, pinned=True)
+        self.sim.register_range(ptr, nbytes, pinned=True)
         self.registered[ptr] = nbytes
         return 0
 
@@ -134,5 +134,5 @@ class SimRuntime:
         nbytes = self.registered.pop(ptr, None)
         if nbytes is None:
             return 1  # cudaErrorInvalidValue: "not registered"
-        self.sim._host_freed(ptr, ptr + nbytes, True)
+        self.sim.host_freed(ptr, ptr + nbytes, True)
         return 0

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pipeoff import _compat
+from pipeoff._contract import steps_taken
 from pipeoff.trace import _record
 
 __all__ = ["TRAIN_LANE", "install_train_hooks", "train_span"]
@@ -86,7 +87,7 @@ class _Spans:
 
     def step_of(self) -> int:
         owner = self.owner()
-        return int(getattr(owner, "_steps_called", 0)) if owner is not None else 0
+        return (steps_taken(owner) or 0) if owner is not None else 0
 
 
 class _TrainHook:

@@ -140,7 +140,7 @@ SWITCHES = (
         "tests/optim/test_full_offload.py::test_delayed_lanes_change_no_bit",
     ), "a step chunk steps on a gradient sum whose last accumulation is still being "
        "written"),
-    _switch("micro_step_order", "pipeoff/optim/_full_offload/_lifecycle.py", (
+    _switch("micro_step_order", "pipeoff/optim/_full_offload/_launcher.py", (
         "tests/optim/test_full_offload.py::test_micro_steps_that_do_not_wait_for_each_"
         "other_are_wrong[False]",
     ), "a micro-step's accumulation races the previous micro-step's and its step: "
@@ -150,7 +150,7 @@ SWITCHES = (
         "stepped",
     ), "full offload takes param.grad before DDP's reducer wrote the averaged "
        "gradient: each rank steps its own and the replicas diverge"),
-    _switch("adopt_waits_readers", "pipeoff/optim/full_offload.py", (
+    _switch("adopt_waits_readers", "pipeoff/optim/_full_offload/_model_sync.py", (
         "tests/optim/test_full_offload_loops.py::test_a_transfer_delivers_the_step_it_was_"
         "launched_after",
     ), "weights written from outside are adopted as masters while a transfer still "
@@ -295,7 +295,7 @@ REVIEW = (
                "read: the step uses zeros"),
     Mutant(
         name="r16:step-without-norm-allreduce-settle", file="pipeoff/optim/full_offload.py",
-        old='                settle(acc.execution, "norm_allreduce", timeout=self.timeout)\n',
+        old='                settle(acc.execution, NORM_ALLREDUCE, timeout=self.timeout)\n',
         new="                pass\n",
         tests=("tests/optim/test_full_offload.py::test_step_returns_after_the_clipping_norms_all_reduce",),
         hazard="step() returns with the clipping norm's all-reduce in flight: the next "
@@ -319,9 +319,9 @@ REVIEW = (
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
     Mutant(
-        name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco.py",
-        old="                        flat.zero_()\n",
-        new="                        pass\n",
+        name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco_work.py",
+        old="                    flat.zero_()\n",
+        new="                    pass\n",
         tests=("tests/ft/test_diloco.py::test_a_replica_that_fails_alone_contributes_a_zero_"
                "pseudo_gradient",),
         hazard="a replica whose pseudo-gradient task failed joins the all-reduce with what its "

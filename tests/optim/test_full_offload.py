@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import pipeoff
 from pipeoff import ConfigError, GradientError, StepFailedError, StepTimeoutError, testing
 from pipeoff.optim import FullOffloadOptimizer, HostGrad, _accumulate
-from pipeoff.optim._full_offload._lifecycle import MicroSteps
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.staging import pools_for
 from tests.optim.full_reference import Reference
 
@@ -544,14 +544,14 @@ def test_a_gradient_that_never_comes_times_out_naming_the_parameter(
     model = make_model()
     opt = build(model, overlap="none", timeout=0.5)
     # As if autograd never called the end-of-backward callback.
-    monkeypatch.setattr(MicroSteps, "end_backward", lambda self, ms, **kw: None)
+    monkeypatch.setattr(Lifecycle, "end_backward", lambda self, ms, **kw: None)
     loss_fn(model, batches(1, 1, side="never")[0][0]).backward()
-    opt._micro_steps.micro = None
+    opt._lifecycle.micro = None
     with pytest.raises(StepTimeoutError) as info:
         opt.step()
     assert "grad:side.weight" in info.value.pending_gates
     monkeypatch.undo()
-    opt._micro_steps.abandon(opt._inflight.final, "test over")  # type: ignore[union-attr, arg-type]
+    opt._lifecycle.abandon(opt._lifecycle.inflight.final, "test over")  # type: ignore[union-attr, arg-type]
     with contextlib.suppress(BaseException):
         opt.wait_for_step()
 
@@ -573,7 +573,7 @@ def test_a_second_gradient_in_one_backward_is_refused() -> None:
 
     def again(p: torch.Tensor) -> None:
         p.grad = torch.ones_like(p)
-        opt._micro_steps.on_grad(p)
+        opt._intake.on_grad(p)
 
     model.l2.bias.register_post_accumulate_grad_hook(again)
     with pytest.raises(GradientError, match="second gradient for 'l2.bias'"):
@@ -586,7 +586,7 @@ def test_a_hook_outside_a_backward_is_refused() -> None:
     opt = build(model)
     model.l1.bias.grad = torch.ones_like(model.l1.bias)
     with pytest.raises(GradientError, match="outside a backward"):
-        opt._micro_steps.on_grad(model.l1.bias)
+        opt._intake.on_grad(model.l1.bias)
 
 
 @pytest.mark.parametrize("overlap", ["backward", "none"])
@@ -680,7 +680,7 @@ def test_shipped_gradients_are_freed_once_copied(accumulate: str) -> None:
     for k, b in enumerate(data):
         with opt.no_sync() if k < 2 else contextlib.nullcontext():
             loss_fn(model, b).backward()
-        for ms in opt._micro_steps.acc.micro:  # type: ignore[union-attr]
+        for ms in opt._lifecycle.acc.micro:  # type: ignore[union-attr]
             if ms.execution is not None and not (ms.final and k == 2):
                 ms.execution.wait()
         gc.collect()
@@ -689,7 +689,7 @@ def test_shipped_gradients_are_freed_once_copied(accumulate: str) -> None:
     opt.step()
     gc.collect()
     assert all(r() is None for r in refs)
-    assert not opt._inflight
+    assert not opt._lifecycle.inflight
 
 
 # -- found by a review that tried to break it (issue 13) ---------------------------------
@@ -957,15 +957,15 @@ def test_readiness_of_a_parameter_added_while_a_step_is_in_flight() -> None:
     train(opt, model, batches(1, 1))
     b = batches(1, 2, seed=2)[0]
     loss_fn(model, b[0]).backward()  # accumulates: step() makes it the step's gradient
-    assert opt._micro_steps.prev is not None
-    opt._micro_steps.prev.wait()  # its folds are done: only the step's "done" is held below
+    assert opt._lifecycle.launcher.prev is not None
+    opt._lifecycle.launcher.prev.wait()  # its folds are done: only the step's "done" is held below
     with testing.hold_task("done") as release:
         opt.step()  # in flight: its last task is held
         opt.zero_grad()
         opt.param_groups[0]["params"].append(model.side.weight)
         with opt.no_sync():
             loss_fn(model, b[1]).backward()  # the registry follows the edit meanwhile
-        assert not opt._inflight.execution.done()  # type: ignore[union-attr]
+        assert not opt._lifecycle.inflight.execution.done()  # type: ignore[union-attr]
         assert opt.completion_for(model.side.weight) == ()
         assert opt.live_state(model.side.weight, "master")[1] == ()
         assert opt.completion_for(model.l1.weight)  # the step in flight writes it

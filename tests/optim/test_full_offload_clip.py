@@ -561,3 +561,88 @@ def test_a_grad_scaler_unscales_the_real_gradients_and_skips_nothing_silently() 
     assert scalers[0].get_scale() == scalers[1].get_scale() < 1024.0
     for p, q in zip(model.parameters(), ref.parameters()):
         assert same_bits(p, q)
+
+
+# -- found by a fresh helper trying to break the clip path ------------------------------------
+
+def _fp32_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("read", ["data.norm", "abs.max", "norm.twice"])
+def test_a_norm_read_after_a_scaling_is_the_scaled_norm(read: str) -> None:
+    """The loop scales the gradients (1/accumulation), logs a per-parameter figure that
+    needs the values (Lightning's grad_norm: p.grad.data.norm()), then clips: every
+    norm after the scaling is the scaled gradient's, not the one the final fold
+    took before it (a stale cache returned the pre-scaling norm, 4x too large, and
+    clipped to it: other weights)."""
+    model, ref = _fp32_pair()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(4, 8)
+        got = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().mul(100).backward()
+            for p in m.parameters():
+                p.grad.div_(4)
+            if read == "data.norm":
+                logged = [p.grad.data.norm(2) for p in m.parameters()]
+            elif read == "abs.max":
+                logged = [p.grad.abs().max() for p in m.parameters()]
+            else:
+                logged = [p.grad.norm() for p in m.parameters()] + [
+                    p.grad.norm() for p in m.parameters()]
+            total = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            after = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))
+            got.append((logged, total, after))
+            o.step()
+            o.zero_grad()
+        (mine, total, after), (want, want_total, want_after) = got
+        assert all(same_bits(a, b) for a, b in zip(mine, want)), (step, mine, want)
+        assert same_bits(total, want_total) and same_bits(after, want_after), (total, want_total)
+    opt.wait_for_step()
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_one_clip_call_over_placeholders_and_plain_gradients(foreach: bool | None) -> None:
+    """Full offload steps part of the model, a plain AdamW the rest, and the loop clips
+    all of it in one call (``foreach=True`` is torch's default on CUDA): the real
+    gradients are scaled as torch scales them (this raised an AttributeError from
+    the overload's name), the host sums in the step, bitwise one AdamW's."""
+    model, ref = _fp32_pair()
+    opt = FullOffloadOptimizer(list(model[0].parameters()), torch.optim.AdamW, lr=1e-2)
+    opt2 = torch.optim.AdamW(model[2].parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for m in (model, ref):
+            m(x).pow(2).mean().mul(100).backward()
+        assert [type(p.grad) for p in model.parameters()] == [HostGrad, HostGrad,
+                                                               torch.Tensor, torch.Tensor]
+        n = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, foreach=foreach)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, foreach=foreach)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01, foreach=foreach)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01, foreach=foreach)
+        assert same_bits(n, rn), (n, rn)
+        for o in (opt, opt2, ref_opt):
+            o.step()
+            o.zero_grad()
+    opt.wait_for_step()
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_value_reads_outside_aten_give_the_real_gradient() -> None:
+    """``.tolist()`` and ``.numpy()`` (a logging line) read the gradient's values, not
+    torch's refusal for a tensor subclass."""
+    model, ref = _fp32_pair()
+    FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x = torch.randn(4, 8)
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.tolist() == q.grad.tolist()
+        assert (p.grad.numpy() == q.grad.numpy()).all()

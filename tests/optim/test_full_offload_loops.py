@@ -422,7 +422,7 @@ def test_a_transfer_delivers_the_step_it_was_launched_after(write: str) -> None:
     transfer = StateTransfer({"s": LiveTensor.from_optimizer(opt, p, "master")},
                              {"s": LiveTensor(out)})
     other = make_model(seed=9)
-    where = {"load_state_dict": "_sync_with_model", "refresh_masters": "refresh_masters",
+    where = {"load_state_dict": "sync", "refresh_masters": "refresh_masters",
              "optimizer_load": "load_state_dict"}[write]
     with testing.hold_task("copy.*") as release:  # the transfer's read of the master
         ex = transfer.launch()
@@ -525,7 +525,7 @@ def test_a_weight_written_after_a_final_backward_under_backward_overlap_is_refus
                 model.bias.add_(1.0)
         release.set()
     if when == "after_its_copy":
-        acc = opt._micro_steps.acc
+        acc = opt._lifecycle.acc
         assert acc is not None
         acc.execution.wait()
         with torch.no_grad():

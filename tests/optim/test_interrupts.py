@@ -19,7 +19,7 @@ import torch
 from pipeoff import GradientError, StepFailedError
 from pipeoff import testing as pt
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
-from pipeoff.optim._full_offload._lifecycle import MicroSteps
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.transfer import LiveTensor, StateTransfer
 from tests._stacks import stack_of, waiting_in
 
@@ -160,7 +160,7 @@ def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt, ref_model, ref = twins(overlap="none")
     # As if autograd never called the end-of-backward callback.
-    monkeypatch.setattr(MicroSteps, "end_backward", lambda self, ms, **kw: None)
+    monkeypatch.setattr(Lifecycle, "end_backward", lambda self, ms, **kw: None)
     with pt.hold_task("acc:.*") as release:
         backward(model, 0)
         interrupted(opt.step, "step")

@@ -135,13 +135,13 @@ def test_reserved_host_state_follows_the_layout_without_new_memory(mode: str) ->
     mod = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3))
     opt = OffloadOptimizer(torch.optim.AdamW(mod.parameters()), mode=mode,  # type: ignore[arg-type]
                            chunk_bytes=256)
-    before = {k: h.untyped_storage().data_ptr() for k, h in opt._reserved.items()}
+    before = {k: h.untyped_storage().data_ptr() for k, h in opt._host.reserved.items()}
     mod.to(memory_format=CL)
     assert opt.reserve() == 0
-    assert {k: h.untyped_storage().data_ptr() for k, h in opt._reserved.items()} == before
+    assert {k: h.untyped_storage().data_ptr() for k, h in opt._host.reserved.items()} == before
     for p in mod.parameters():
         for k in ("exp_avg", "exp_avg_sq"):
-            assert opt._reserved[(id(p), k)].stride() == p.stride()
+            assert opt._host.reserved[(id(p), k)].stride() == p.stride()
 
 
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -1170,3 +1172,24 @@ def test_check_overlap_says_to_pass_a_loss_fn_for_outputs_it_cannot_use() -> Non
     with pytest.raises(pipeoff.ConfigError, match="pass loss_fn="):
         check_overlap(Strings(), lambda m: torch.optim.AdamW(m.parameters()),
                       [torch.ones(1, 4)] * 2)
+
+
+def test_the_compile_session_guard_is_in_before_the_first_step() -> None:
+    """``OffloadOptimizer(mode="overlap")`` guards torch.compile's session (so that no
+    chunk's math runs while ``is_compiling()`` is set) from its construction: installed
+    lazily at the first chunk, a compile session that began before it (the next
+    forward's recompile, another compiled module called while the step is in flight)
+    was unguarded, and a chunk took torch.optim's compiled-code branch (other bits;
+    found with a compiled model and no attach()). A fresh interpreter: in this one an
+    earlier test has installed it already."""
+    code = (
+        "import torch\n"
+        "original = torch.compiler._compile_session_context\n"
+        "from pipeoff.optim import OffloadOptimizer\n"
+        "assert torch.compiler._compile_session_context is original\n"
+        "p = torch.nn.Parameter(torch.ones(4))\n"
+        "OffloadOptimizer(torch.optim.AdamW([p]), mode='overlap')\n"
+        "assert torch.compiler._compile_session_context is not original, 'no guard'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

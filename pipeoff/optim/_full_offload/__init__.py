@@ -1,20 +1,28 @@
 """The parts of :class:`~pipeoff.optim.FullOffloadOptimizer`, split by concept as FSDP2's
 ``torch/distributed/fsdp/_fully_shard/`` is.
 
-* ``_config``: the arguments, checked once (a frozen value).
+* ``_config``: the arguments, checked once (a frozen value), and the two forms.
 * ``_param``: one parameter's host side (``OffloadedParam``: master, gradient
   accumulator, optimizer state) and the registry that follows ``param_groups``
   and the model (``ParamRegistry``).
-* ``_lifecycle``: the micro-step lifecycle (``MicroSteps``): the hooks, one
-  execution per backward, the end of each backward, the accumulation's phase
-  and the transitions ``step()`` and ``zero_grad()`` drive.
+* ``_graph``: the task graph of a micro-step (``MicroStepPlan``, shared with the
+  simulator) and every task and gate name.
 * ``_lanes``: the work that runs on lanes (``LaneWork``: d2h, fold, norm, step
   chunk, h2d), with the fields lanes write and what orders the caller's reads.
+* ``_common``: the lifecycle's values (``Phase`` and its table ``EDGES``,
+  ``MicroStep``, ``Accumulation``) and what a failure leaves.
+* ``_launcher``: each micro-step's execution, built, launched and ordered.
+* ``_lifecycle``: one owner for the accumulation and the step in flight
+  (``Lifecycle``): every transition.
+* ``_grads``: the placeholders the loop's own calls see in ``param.grad``.
+* ``_edits``: the math of the loop's in-place edits, applied in the step.
+* ``_model_sync``: ``param_groups`` followed, outside writes adopted (``ModelSync``).
+* ``_intake``: the hooks and the wrapper policy (``GradientIntake``), calling down.
+* ``_surface``: the masters, weights and checkpoints part of the surface (a mixin).
 * ``_checkpoint``: state dicts, as functions over the registry.
-* ``_trainers``: what it says when a trainer drives it unprepared (the HF Trainer).
-* ``_graph``: the task graph of a micro-step (``MicroStepPlan``), shared with the
-  simulator.
+* ``_finder``: the model of an optimizer built from parameters.
 
+See ``docs/concepts.md``, "How the code is laid out", for what each may touch.
 ``pipeoff/optim/full_offload.py`` is the thin orchestrator with the
 ``torch.optim.Optimizer`` surface.
 """

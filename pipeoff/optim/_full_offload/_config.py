@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,7 +15,8 @@ from pipeoff._validate import check_int
 from pipeoff.optim import _accumulate, _update
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
-           "Overlap", "check_max_norm", "check_model", "chunk_numel_of", "refuse_environment"]
+           "Overlap", "check_clip_args", "check_max_norm", "check_model", "chunk_numel_of",
+           "model_and_params", "refuse_environment"]
 
 Accumulate = Literal["cpu", "gpu"]
 Overlap = Literal["backward", "forward", "none"]
@@ -191,3 +192,49 @@ def check_model(model: Any) -> None:
                 "parameters and gradients on the host (and copies them synchronously); "
                 "FullOffloadOptimizer needs the compute weights on the device: shard "
                 "without offload_policy")
+
+
+def model_and_params(model: Any, params: Any) -> tuple[Any, torch.nn.Module | None]:
+    """The optimizer's two forms: ``(model, params=None)`` (the model's parameters, or
+    ``params`` of it), or torchao's ``(params)`` alone (parameters or param groups; the
+    HF Trainer's ``optimizer_cls(grouped_params, ...)``), whose model is found at its
+    first forward. Returns the params (``None``: the model's) and the model, if given.
+
+    Raises:
+        ConfigError: both forms mixed; a single tensor; not a module nor an iterable;
+            the model is refused (:func:`check_model`).
+    """
+    if not isinstance(model, torch.nn.Module):
+        if params is not None:
+            raise ConfigError("give the model and params=, or the parameters alone "
+                              "(FullOffloadOptimizer(params, optimizer_class)), not both")
+        if isinstance(model, torch.Tensor):
+            raise ConfigError(
+                "params must be an iterable of parameters or of param group dicts, got "
+                f"a single tensor of shape {tuple(model.shape)}")
+        if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
+            raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
+                              f"param groups) to optimize, got {model!r}")
+        return list(model), None
+    check_model(model)
+    if isinstance(params, torch.Tensor):
+        raise ConfigError("params must be an iterable of parameters or of param group "
+                          f"dicts, got a single tensor of shape {tuple(params.shape)}")
+    return params, model
+
+
+def check_clip_args(max_norm: Any, norm_type: Any, overlap: str) -> tuple[float, bool]:
+    """``clip_grad_norm_()``'s arguments: the norm to clip to, and whether it is ``inf``
+    (only the norm, as the HF Trainer asks to log it).
+
+    Raises:
+        ConfigError: ``max_norm`` not a positive number (or refused under ``overlap``),
+            ``norm_type`` other than 2.
+    """
+    unbounded = isinstance(max_norm, (int, float)) and max_norm == float("inf")
+    if not unbounded:
+        max_norm = check_max_norm(max_norm, overlap)
+    if float(norm_type) != 2.0:
+        raise ConfigError(f"norm_type must be 2.0: FullOffloadOptimizer computes the "
+                          f"2-norm of the gradients, got {norm_type!r}")
+    return float(max_norm), unbounded

@@ -45,21 +45,25 @@ import torch
 
 from pipeoff import _compat, _faults
 from pipeoff._errors import ConfigError, GradientError, PipeoffError
+from pipeoff.optim._full_offload._edits import FOREACH_CLAMP as _FOREACH_CLAMP
+from pipeoff.optim._full_offload._edits import FOREACH_SCALE as _FOREACH_SCALE
+from pipeoff.optim._full_offload._edits import SCALE as _SCALE
+from pipeoff.optim._full_offload._edits import Edit, apply_edits
+from pipeoff.optim._full_offload._edits import value as _value
 from pipeoff.optim._tensors import flat, flat_like, local, wrap_like
 
 if TYPE_CHECKING:
-    from pipeoff.optim._full_offload._lifecycle import Accumulation, MicroSteps
+    from pipeoff.optim._full_offload._common import Accumulation
+    from pipeoff.optim._full_offload._lifecycle import Lifecycle
     from pipeoff.optim._full_offload._param import OffloadedParam
 
-__all__ = ["Edit", "HostGrad", "LoopGrads", "NeedsRealGradient", "apply_edits", "fusable",
-           "incoming_of", "is_placeholder"]
-
-Edit = tuple[Any, ...]
-"""A recorded in-place operation: ``("mul", v)``, ``("div", v)``, ``("clamp", lo, hi)``,
-``("clamp_min", v)``, ``("clamp_max", v)`` or ``("zero",)``; ``v`` a number or a 0-dim
-CPU tensor."""
+__all__ = ["HostGrad", "LoopGrads", "NeedsRealGradient", "incoming_of", "is_placeholder"]
 
 aten = torch.ops.aten
+
+_VALUE_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+"""Reads of the values that bypass aten (a wrapper subclass has no storage to give
+them): they run on the real gradient."""
 
 
 class GradSlot:
@@ -69,7 +73,7 @@ class GradSlot:
     backward), read there; the lanes never touch it.
     """
 
-    __slots__ = ("acc", "edits", "i", "incoming", "owner", "placeholder", "real",
+    __slots__ = ("acc", "applied", "edits", "i", "incoming", "owner", "placeholder", "real",
                  "real_version", "rec", "shown")
 
     def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam) -> None:
@@ -80,6 +84,9 @@ class GradSlot:
         self.rec = rec
         self.edits: list[Edit] = []
         """In-place operations recorded on it, applied to the host sum in the step."""
+        self.applied = False
+        """Edits were applied to the host sum already (a read needed them): the norm the
+        final fold took is not this sum's any more."""
         self.incoming: torch.Tensor | None = None
         """A gradient that autograd added into the placeholder (a backward whose forward
         the optimizer did not see), until the parameter's hook takes it."""
@@ -124,7 +131,7 @@ class HostGrad(torch.Tensor):
         # views of it and writes through them are those of an ordinary tensor.
         kwargs = kwargs or {}
         slots = list(_slots_in(args, kwargs))
-        if not any(s.real is not None for s in slots):
+        if func not in _VALUE_READS and not any(s.real is not None for s in slots):
             marks = [len(s.edits) for s in slots]
             try:
                 with torch._C.DisableTorchFunctionSubclass():
@@ -196,63 +203,6 @@ def incoming_of(grad: torch.Tensor) -> torch.Tensor | None:
     return got
 
 
-def apply_edits(acc: torch.Tensor, edits: Sequence[Edit]) -> None:
-    """Apply recorded in-place operations to a host gradient sum, in order (torch's ops,
-    so each is torch's bits on the FP32 sum)."""
-    for e in edits:
-        kind = e[0]
-        if kind == "mul":
-            acc.mul_(e[1])
-        elif kind == "div":
-            acc.div_(e[1])
-        elif kind == "clamp":
-            acc.clamp_(e[1], e[2])
-        elif kind == "clamp_min":
-            acc.clamp_min_(e[1])
-        elif kind == "clamp_max":
-            acc.clamp_max_(e[1])
-        elif kind == "zero":
-            acc.zero_()
-        else:  # pragma: no cover - recorded by LoopGrads only
-            raise AssertionError(kind)
-
-
-def fusable(edits: Sequence[Edit]) -> bool:
-    """Whether ``edits`` are one multiplication by an FP32 one-element tensor (a clip
-    coefficient), which a kernel may apply inside its pass for the same bits."""
-    if len(edits) != 1 or edits[0][0] != "mul":
-        return False
-    v = edits[0][1]
-    return isinstance(v, torch.Tensor) and v.dtype == torch.float32
-
-
-def _value(v: Any, what: str) -> Any:
-    """A scaling operand as recorded: a number, or a one-element tensor copied to the CPU."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
-        raise GradientError(f"{what} of a FullOffloadOptimizer gradient takes a number or a "
-                            f"one-element tensor, got {type(v).__name__}")
-    if isinstance(v, torch.Tensor):
-        v = local(v)
-        if v.numel() != 1:
-            raise GradientError(
-                f"{what} of a FullOffloadOptimizer gradient by a tensor of shape "
-                f"{tuple(v.shape)}: only scaling by a number or a one-element tensor is "
-                "applied to the host gradient (as clip_grad_norm_ does)")
-        return v.detach().to("cpu", copy=True).reshape(())
-    return v
-
-
-_SCALE = {aten.mul_.Tensor: "mul", aten.mul_.Scalar: "mul",
-          aten.div_.Tensor: "div", aten.div_.Scalar: "div"}
-_FOREACH_SCALE = {
-    aten._foreach_mul_.Scalar: "mul", aten._foreach_mul_.Tensor: "mul",
-    aten._foreach_mul_.ScalarList: "mul", aten._foreach_mul_.List: "mul",
-    aten._foreach_div_.Scalar: "div", aten._foreach_div_.Tensor: "div",
-    aten._foreach_div_.ScalarList: "div", aten._foreach_div_.List: "div"}
-_FOREACH_CLAMP = {aten._foreach_clamp_min_.Scalar: "clamp_min",
-                  aten._foreach_clamp_max_.Scalar: "clamp_max",
-                  aten._foreach_clamp_min_.ScalarList: "clamp_min",
-                  aten._foreach_clamp_max_.ScalarList: "clamp_max"}
 _ALIAS = (aten.detach.default, aten.alias.default)
 
 
@@ -269,7 +219,7 @@ class LoopGrads:
         overlap: the optimizer's overlap mode.
     """
 
-    def __init__(self, micro: MicroSteps, overlap: str) -> None:
+    def __init__(self, micro: Lifecycle, overlap: str) -> None:
         self.micro = micro
         self.overlap = overlap
         self.slots: dict[int, GradSlot] = {}
@@ -331,7 +281,7 @@ class LoopGrads:
             return {}
         slots = self.slots
         clips = self.micro.config.max_norm is not None or acc.max_norm is not None
-        if stepping and clips and any(s.edits for s in slots.values()):
+        if stepping and clips and any(s.edits or s.applied for s in slots.values()):
             raise ConfigError(
                 "the training loop clipped or scaled the gradients (torch.nn.utils."
                 "clip_grad_norm_, clip_grad_value_, mul_) and the optimizer clips them too "
@@ -458,11 +408,18 @@ class LoopGrads:
         operands = (list(operand) if isinstance(operand, (list, tuple)) else
                     [operand] * len(tensors))
         name = func.__name__
+        plain: list[torch.Tensor] = []
+        plain_operands: list[Any] = []
         for t, v in zip(tensors, operands):
             if isinstance(t, HostGrad):
                 self.edit(t._slot, (kind, _value(v, name)))
             else:
-                getattr(torch, name)([t], v if isinstance(operand, (list, tuple)) else operand)
+                plain.append(t)
+                plain_operands.append(v)
+        if plain:
+            # The real gradients among them (a clip call over this optimizer's parameters
+            # and others'): the same op on those, with their own operands.
+            func(plain, plain_operands if isinstance(operand, (list, tuple)) else operand)
 
     def _on_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = sorted({s.rec.name for s in _slots_in(args, kwargs)})
@@ -513,9 +470,10 @@ class LoopGrads:
         acc = self._ready(slot, "the norm of")
         rec = slot.rec
         device = local(rec.param).device
-        if (not slot.edits and dim is None and not keepdim and float(ord) == 2.0
-                and dtype in (None, torch.float32) and slot.i in acc.norms):
-            out = acc.norms[slot.i]  # taken in the final fold, while the sum was hot
+        if (not slot.edits and not slot.applied and dim is None and not keepdim
+                and float(ord) == 2.0 and dtype in (None, torch.float32)
+                and slot.i in acc.results.norms):
+            out = acc.results.norms[slot.i]  # taken in the final fold, while the sum was hot
         else:
             self._apply_now(slot)
             out = torch.linalg.vector_norm(rec.acc, ord, dim, keepdim, dtype=dtype)
@@ -553,6 +511,7 @@ class LoopGrads:
         if slot.edits:
             apply_edits(flat(slot.rec.acc, slot.rec.order), slot.edits)
             slot.edits = []
+            slot.applied = True
 
     def materialize(self, slot: GradSlot) -> torch.Tensor:
         """The gradient on the device, in the parameter's dtype, as ``param.grad`` from now

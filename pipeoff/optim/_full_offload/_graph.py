@@ -40,11 +40,44 @@ from pipeoff import _faults
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
-__all__ = ["FullWork", "MicroStepPlan", "ParamSizes", "host_budget", "micro_step_graph",
-           "micro_step_schedule", "pieces", "whole_param_chunks"]
+__all__ = ["DONE", "NORM", "NORM_ALLREDUCE", "PREV", "REDUCE", "STEP", "FullWork",
+           "MicroStepPlan", "ParamSizes", "grad_gate", "h2d_task", "host_budget",
+           "micro_step_graph", "micro_step_schedule", "norm_task", "pieces", "step_task",
+           "whole_param_chunks"]
 
 ACCUMULATE_LANE = "accumulate"
 STEP_LANE = "host_step"
+
+# The names of a micro-step's gates and tasks: spelled here only.
+PREV = "prev"
+"""Gate: the previous execution that writes accumulators or masters is done."""
+STEP = "step"
+"""Gate: ``step()``'s hyperparameters, clipping norm and gradient edits."""
+REDUCE = "reduce"
+"""Gate: the caller's thread lets the norm's all-reduce go."""
+NORM = "norm"
+NORM_ALLREDUCE = "norm_allreduce"
+DONE = "done"
+
+
+def grad_gate(name: str) -> str:
+    """The gate parameter ``name``'s gradient opens."""
+    return f"grad:{name}"
+
+
+def step_task(k: int) -> str:
+    """The task that steps chunk ``k``'s masters."""
+    return f"step:{k}"
+
+
+def h2d_task(k: int) -> str:
+    """The task that copies chunk ``k``'s weights to the device."""
+    return f"h2d:{k}"
+
+
+def norm_task(order: Sequence[str]) -> str:
+    """The task whose end makes the total norm known, in a graph of task ``order``."""
+    return NORM_ALLREDUCE if NORM_ALLREDUCE in order else NORM
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +185,14 @@ def micro_step_graph(
         work: the callables, or ``None`` for a shape-only graph.
     """
     g = TaskGraph(device)
-    g.add_gate("prev")
+    g.add_gate(PREV)
     if final and step_gate:
-        g.add_gate("step")
+        g.add_gate(STEP)
     last_acc: dict[int, str] = {}
     accs: list[str] = []
     for i in reversed(range(len(params))):
         p = params[i]
-        gate = g.add_gate(f"grad:{p.name}")
+        gate = g.add_gate(grad_gate(p.name))
         for j, (s, e) in enumerate(pieces(p.numel, p.grad_itemsize, slot_bytes)):
             nbytes = (e - s) * p.grad_itemsize
             bufs = [g.add_buffer(f"slot:{i}.{j}", nbytes, where="host")] if nbytes else []
@@ -171,21 +204,21 @@ def micro_step_graph(
                 deps.append(f"acc:{i}.{j - 1}")
             acc = g.add_task(f"acc:{i}.{j}", TaskKind.HOST,
                              _bind2(work.accumulate if work else None, i, j),
-                             deps=deps, gates=[gate, "prev"], buffers=bufs,
+                             deps=deps, gates=[gate, PREV], buffers=bufs,
                              nbytes=(e - s) * 4, lane=ACCUMULATE_LANE)
             accs.append(acc)
             last_acc[i] = acc
     ends = list(accs)
     if final:
-        norm = g.add_task("norm", TaskKind.HOST, work.norm if work else None,
+        norm = g.add_task(NORM, TaskKind.HOST, work.norm if work else None,
                           deps=accs, lane=STEP_LANE if norm_first else ACCUMULATE_LANE,
                           nbytes=4 * len(params))
         total = norm
         if allreduce:
-            g.add_gate("reduce")
-            total = g.add_task("norm_allreduce", TaskKind.ALLREDUCE,
+            g.add_gate(REDUCE)
+            total = g.add_task(NORM_ALLREDUCE, TaskKind.ALLREDUCE,
                                work.allreduce if work else None, deps=[norm],
-                               gates=["reduce"], nbytes=4)
+                               gates=[REDUCE], nbytes=4)
         ends.append(total)
         before_step = [total] if norm_first else []
         for k, chunk in enumerate(chunks):
@@ -196,8 +229,8 @@ def micro_step_graph(
                 # Hazard: stepping a parameter on a gradient sum its last
                 # accumulation has not finished writing.
                 deps += [last_acc[i] for i in chunk]
-            step = g.add_task(f"step:{k}", TaskKind.HOST, _bind1(work.step if work else None, k),
-                              deps=deps, gates=["step"] if step_gate else [], buffers=bufs,
+            step = g.add_task(step_task(k), TaskKind.HOST, _bind1(work.step if work else None, k),
+                              deps=deps, gates=[STEP] if step_gate else [], buffers=bufs,
                               lane=STEP_LANE,
                               # One optimizer element per parameter (the cost
                               # model charges host tasks per 4 bytes).
@@ -205,10 +238,10 @@ def micro_step_graph(
             # The weights cross the link unpadded (the buffer's 64-byte alignment stays
             # on the host): what the lane reports moving when every parameter steps.
             moved = sum(params[i].numel * params[i].weight_itemsize for i in chunk)
-            h2d = g.add_task(f"h2d:{k}", TaskKind.H2D, _bind1(work.h2d if work else None, k),
+            h2d = g.add_task(h2d_task(k), TaskKind.H2D, _bind1(work.h2d if work else None, k),
                              deps=[step], buffers=bufs, nbytes=moved)
             ends += [step, h2d]
-    g.add_task("done", TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
+    g.add_task(DONE, TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
     return g
 
 

@@ -9,21 +9,23 @@ buffer, :meth:`LaneWork.h2d` copies that into the device weights. The math is
 registry's tensors.
 
 [Note: lane writes]
-The lanes write these fields; the caller's thread reads each only after the
-wait named:
+The lanes write only these; the caller's thread reads each only after the wait
+named. What they compute goes into the accumulation's :class:`LaneResults`
+(``Accumulation.results``), never into the caller's records
+(``tests/test_layout.py`` parses this module and fails on any other store):
 
-* ``Accumulation.counts[i]``, ``Accumulation.norms[i]`` (``acc:{i}.{j}``, the
-  ``accumulate`` lane): read by later tasks of the same execution (ordered by
-  the graph's dependencies), and by the next micro-step's lanes after its
-  ``prev`` gate (the previous execution's ``done``). The caller never reads
-  them.
-* ``Accumulation.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``):
+* ``LaneResults.counts[i]``, ``.norms[i]`` (``acc:{i}.{j}``, the ``accumulate``
+  lane): read by later tasks of the same execution (ordered by the graph's
+  dependencies), and by the next micro-step's lanes after its ``prev`` gate
+  (the previous execution's ``done``); the caller edits them (a gradient set
+  by hand) only after waiting for the folds.
+* ``LaneResults.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``):
   the caller reads ``total_norm`` (``grad_norm``) after waiting for the task
   that sets it.
-* ``Accumulation.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
+* ``LaneResults.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
   ``classify`` once the execution is done (waited for, or settled).
-* ``Accumulation.overwritten`` (``h2d:{k}``): read by ``step()`` once the final
-  execution settled.
+* ``LaneResults.overwritten`` (``h2d:{k}``): read by ``wait_for_step()`` once the
+  final execution settled.
 * Host tensors (``OffloadedParam.acc``, ``.master``, ``.state``), ``.scalars``,
   ``.present``, ``.stepped`` (``acc:``, ``step:``): the caller reads them
   (``state_dict``, ``refresh_masters``, a transfer) after ``wait_for_step()``
@@ -36,29 +38,53 @@ wait named:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pipeoff import _accel, _faults
 from pipeoff.graph import TaskContext
 from pipeoff.optim import _accumulate, _host_kernel, _update
-from pipeoff.optim._full_offload import _grads
+from pipeoff.optim._full_offload import _edits
 from pipeoff.optim._full_offload._config import FullOffloadConfig
-from pipeoff.optim._full_offload._graph import FullWork, pieces
+from pipeoff.optim._full_offload._graph import STEP, FullWork, grad_gate, pieces
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.optim._tensors import flat
 
-if TYPE_CHECKING:
-    from pipeoff.optim._full_offload._lifecycle import Accumulation, MicroStep
-
-__all__ = ["LaneWork", "gate_name"]
+__all__ = ["LaneResults", "LaneWork", "gate_name"]
 
 
 def gate_name(rec: OffloadedParam) -> str:
     """The gate a parameter's gradient opens."""
-    return f"grad:{rec.name}"
+    return grad_gate(rec.name)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class LaneResults:
+    """What one accumulation's lanes computed (see ``[Note: lane writes]``)."""
+
+    counts: list[int]
+    """Per parameter, the contributions folded into its host accumulator."""
+    norms: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Per parameter, the 2-norm of its final sum (taken in its final fold)."""
+    partial_norms: dict[tuple[Any, ...], torch.Tensor] = dataclasses.field(
+        default_factory=dict)
+    """Per set of process groups, the 2-norm of the gradients of the parameters sharded
+    over them (``norm``), before ``norm_allreduce``."""
+    total_norm: torch.Tensor | None = None
+    stepped_chunks: set[int] = dataclasses.field(default_factory=set)
+    """Chunks whose masters were all stepped (the host_step lane)."""
+    torn_chunks: set[int] = dataclasses.field(default_factory=set)
+    """Chunks whose step raised after writing some of their masters."""
+    overwritten: set[int] = dataclasses.field(default_factory=set)
+    """Parameters whose weight something else wrote after the last step and before
+    this step's ``h2d`` overwrote it (read after the execution settled)."""
+
+    @classmethod
+    def for_params(cls, n: int) -> LaneResults:
+        return cls(counts=[0] * n)
 
 
 class LaneWork:
@@ -91,15 +117,18 @@ class LaneWork:
         i = self.position.get(id(param))
         return i if i is not None and self.params[i].param is param else None
 
-    def bind(self, acc: Accumulation, ms: MicroStep) -> FullWork:
-        """The work of one micro-step's graph."""
+    def bind(self, res: LaneResults, *, final: bool,
+             hyper: list[dict[str, Any]] | None) -> FullWork:
+        """The work of one micro-step's graph: what it computes goes into ``res`` (the
+        accumulation's), ``final`` steps, ``hyper`` are the hyperparameters captured at
+        launch (``overlap="backward"``; else the ``step`` gate brings them)."""
         return FullWork(
             d2h=lambda i, j, ctx: self.d2h(i, j, ctx),
-            accumulate=lambda i, j, ctx: self.fold(acc, ms, i, j, ctx),
-            step=lambda k, ctx: self.step_chunk(acc, k, ctx),
-            h2d=lambda k, ctx: self.h2d(acc, k, ctx),
-            norm=lambda ctx: self.norm(acc),
-            allreduce=lambda ctx: self.allreduce_norm(acc),
+            accumulate=lambda i, j, ctx: self.fold(res, final, i, j, ctx),
+            step=lambda k, ctx: self.step_chunk(res, hyper, k, ctx),
+            h2d=lambda k, ctx: self.h2d(res, k, ctx),
+            norm=lambda ctx: self.norm(res),
+            allreduce=lambda ctx: self.allreduce_norm(res),
         )
 
     def _threads(self) -> None:
@@ -128,7 +157,7 @@ class LaneWork:
                 _accel.current().record_stream(g, ctx.stream)
             shipped.tensor = None  # the last piece is issued: free it on the device
 
-    def fold(self, acc: Accumulation, ms: MicroStep, i: int, j: int, ctx: TaskContext) -> None:
+    def fold(self, res: LaneResults, final: bool, i: int, j: int, ctx: TaskContext) -> None:
         self._threads()
         rec = self.params[i]
         g = ctx.gate(gate_name(rec))
@@ -141,65 +170,66 @@ class LaneWork:
             s, e = parts[j]
             if e > s:
                 src = ctx.buffer(f"slot:{i}.{j}", g.dtype)
-                dst, first = rec.flat_acc[s:e], acc.counts[i] == 0
+                dst, first = rec.flat_acc[s:e], res.counts[i] == 0
                 if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
                     _accumulate.fold(dst, src, first=first)
             if last:
-                acc.counts[i] += 1
-        if last and ms.final and acc.counts[i] > 0:
-            acc.norms[i] = _accumulate.norm(rec.flat_acc)
+                res.counts[i] += 1
+        if last and final and res.counts[i] > 0:
+            res.norms[i] = _accumulate.norm(rec.flat_acc)
 
     # -- the gradient norm ---------------------------------------------------------------
-    def norm(self, acc: Accumulation) -> None:
+    def norm(self, res: LaneResults) -> None:
         """Per set of groups the parameters are sharded over (one, usually), the 2-norm
         of their gradients; the total when no rank holds another part of them."""
         self._threads()
         keys: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for i in range(len(self.params)):
-            if acc.counts[i] > 0:
-                keys.setdefault(self.norm_groups[i], []).append(acc.norms[i])
+            if res.counts[i] > 0:
+                keys.setdefault(self.norm_groups[i], []).append(res.norms[i])
         partial = {key: torch.linalg.vector_norm(torch.stack(norms), 2.0)
                    for key, norms in keys.items()}
-        acc.partial_norms = partial
+        res.partial_norms = partial
         if not any(partial):  # nothing to reduce: the norm is this rank's
-            acc.total_norm = (next(iter(partial.values())) if len(partial) == 1
+            res.total_norm = (next(iter(partial.values())) if len(partial) == 1
                               else torch.tensor(0.0) if not partial
                               else torch.linalg.vector_norm(torch.stack(list(partial.values())),
                                                             2.0))
 
-    def allreduce_norm(self, acc: Accumulation) -> None:
+    def allreduce_norm(self, res: LaneResults) -> None:
         """The squared norms (float64) summed over the ranks that hold the other shards
         of the same parameters: over the mesh dimensions they are sharded on."""
         import torch.distributed as dist
 
-        mine = acc.partial_norms.get(())  # replicated parameters: every rank has it all
+        mine = res.partial_norms.get(())  # replicated parameters: every rank has it all
         total = torch.zeros((), dtype=torch.float64) if mine is None else mine.double() ** 2
         # Every rank issues the same collectives in the same order: one per
         # group of every key any parameter may have (a rank without gradients
         # for some parameters still joins, with zero).
         for key in self.all_norm_keys:
-            t = acc.partial_norms.get(key)
+            t = res.partial_norms.get(key)
             sq = torch.zeros((), dtype=torch.float64) if t is None else t.double() ** 2
             for group in key:
                 dist.all_reduce(sq, group=group)
             total += sq
-        acc.total_norm = total.sqrt().float()
+        res.total_norm = total.sqrt().float()
 
     # -- the step ----------------------------------------------------------------------
-    def step_chunk(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
+    def step_chunk(self, res: LaneResults, hyper_at_launch: list[dict[str, Any]] | None, k: int,
+                   ctx: TaskContext) -> None:
         self._threads()
         edits: Mapping[int, Sequence[Any]] = {}
         if self.config.overlap != "backward":
-            hyper, max_norm, edits = ctx.gate("step")
+            hyper, max_norm, edits = ctx.gate(STEP)
         else:
-            hyper, max_norm = acc.hyper, None
+            hyper, max_norm = hyper_at_launch, None
         assert hyper is not None
         clip_coef = None
         if max_norm is not None:
-            assert acc.total_norm is not None
+            assert res.total_norm is not None
             # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
-            clip_coef = torch.clamp(max_norm / (acc.total_norm + 1e-6), max=1.0)
-        idx = [i for i in self.plan.chunks[k] if acc.counts[i] > 0]
+            clip_coef = torch.clamp(max_norm / (res.total_norm + 1e-6), max=1.0)
+        idx = [i for i in self.plan.chunks[k] if res.counts[i] > 0]
         # The loop's own edits of each gradient (its clip call's coefficient, say), in
         # its order: one scaling by a clip coefficient goes into the native pass.
         scales: dict[int, float] = {}
@@ -207,10 +237,10 @@ class LaneWork:
             e = edits.get(i)
             if not e:
                 continue
-            if clip_coef is None and _grads.fusable(e):
+            if clip_coef is None and _edits.fusable(e):
                 scales[i] = float(e[0][1])
             else:
-                _grads.apply_edits(self.params[i].flat_acc, e)
+                _edits.apply_edits(self.params[i].flat_acc, e)
         kernel, native = self._native_of(idx, hyper)
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
@@ -221,7 +251,7 @@ class LaneWork:
             if clip_coef is not None:
                 rec.flat_acc.mul_(clip_coef)
             elif i in scales:
-                _grads.apply_edits(rec.flat_acc, edits[i])
+                _edits.apply_edits(rec.flat_acc, edits[i])
             gi = self.groups[i]
             keys = _update.state_keys(self.probe, hyper[gi])
             st = rec.ensure_state(keys, self.pin)
@@ -251,16 +281,16 @@ class LaneWork:
         except BaseException:
             if (any(m._version != v for m, v in zip(masters, versions))
                     or any(g.advanced for g in groups.values())):
-                acc.torn_chunks.add(k)
+                res.torn_chunks.add(k)
             raise
-        acc.stepped_chunks.add(k)
+        res.stepped_chunks.add(k)
         for i in idx:
             rec = self.params[i]
             rec.scalars = scalars[i]
             rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
             rec.stepped = True
         cast = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
-                if acc.counts[i] > 0 and n and i not in cast_done]
+                if res.counts[i] > 0 and n and i not in cast_done]
         if cast:  # (a chunk of empty parameters has no buffer)
             assert w is not None
             for i, off, n, dtype in cast:
@@ -323,9 +353,9 @@ class LaneWork:
             off += -(-(n * dtype.itemsize) // 64) * 64
 
     @torch.no_grad()
-    def h2d(self, acc: Accumulation, k: int, ctx: TaskContext) -> None:
+    def h2d(self, res: LaneResults, k: int, ctx: TaskContext) -> None:
         copies = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
-                  if acc.counts[i] > 0 and n]
+                  if res.counts[i] > 0 and n]
         # What crosses the link: the weights of the stepped parameters, unpadded.
         ctx.moved(sum(n * dtype.itemsize for _, _, n, dtype in copies))
         if not copies:
@@ -335,7 +365,7 @@ class LaneWork:
             rec = self.params[i]
             loc = rec.local
             if loc._version != rec.version:
-                acc.overwritten.add(i)  # written from outside since our last write
+                res.overwritten.add(i)  # written from outside since our last write
             flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
                                        non_blocking=True)
             rec.version = loc._version  # our own write, not an external one

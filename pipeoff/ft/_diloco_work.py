@@ -1,0 +1,186 @@
+"""The lane work of one offloaded DiLoCo sync: each task's callable, over one
+fragment's parameters, backups and host pseudo-gradients.
+
+:class:`SyncWork` is bound to one sync. Its tasks read and write the tensors it
+was given and record what they found in its results record (:class:`SyncResults`:
+which buckets were formed whole); they write nothing of the fragment's. The graph
+(``_diloco_graph.py``) orders them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pipeoff.ft._buckets import Bucket, Piece, local
+from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._diloco_graph import DiLoCoWork
+from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.graph import TaskContext
+
+__all__ = ["SyncResults", "SyncWork"]
+
+Run = Callable[[TaskContext], None]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed flat (host tensors pipeoff or torchft allocated: contiguous)."""
+    return t.view(-1)
+
+
+def _region(loc: torch.Tensor, pc: Piece) -> torch.Tensor:
+    """The part of ``loc`` that piece ``pc`` covers: the tensor itself when whole
+    (a non-contiguous one is never split), else a flat slice."""
+    if pc.whole:
+        return loc
+    return loc.view(-1)[pc.start:pc.start + pc.numel]
+
+
+@dataclasses.dataclass(eq=False)
+class SyncResults:
+    """What one sync's tasks found, written on its lanes only."""
+
+    formed: set[int] = dataclasses.field(default_factory=set)
+    """Buckets whose pseudo-gradients are formed whole in the staging their all-reduce
+    reads (added by their pseudograd task, or with ``form_first`` their upload; read
+    by their all-reduce, which runs after it: the graph orders them)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SyncWork:
+    """The callables of one sync's tasks.
+
+    Attributes:
+        params: the fragment's parameters (their local shards are read and written).
+        backups: torchft's backups of them (pinned host tensors, the global model).
+        grads: the host pseudo-gradients (pinned host tensors, one per parameter).
+        outer: the host outer optimizer (steps the backups).
+        manager: torchft's ``Manager`` (the all-reduces).
+        device: the device of the parameters.
+        cuda: the device is an accelerator (copies are issued ``non_blocking``).
+        alpha: torchft's ``fragment_update_alpha``.
+        synchronous: the synchronous schedule.
+        form_first: the formation goes first (pipelined, ``fragment_sync_delay > 0``):
+            each formed bucket is staged to the host and uploaded again for its
+            all-reduce.
+    """
+
+    params: Sequence[torch.Tensor]
+    backups: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    outer: HostOuterOptimizer
+    manager: Any
+    device: torch.device
+    cuda: bool
+    alpha: float
+    synchronous: bool
+    form_first: bool
+    results: SyncResults = dataclasses.field(default_factory=SyncResults)
+
+    def work(self) -> DiLoCoWork:
+        """The task factories the graph builder takes."""
+        return DiLoCoWork(pseudograd=self.pseudograd, allreduce=self.allreduce, d2h=self.d2h,
+                          outer=self.outer_step, write=self.write, stage=self.stage,
+                          upload=self.upload)
+
+    def pseudograd(self, k: int, b: Bucket, dev: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                part = flat[pc.offset:pc.offset + pc.numel]
+                # non_blocking: the backup is pinned host memory that nothing
+                # writes until this sync's outer step, after its commit.
+                part.copy_(_flat(self.backups[pc.param])[pc.start:pc.start + pc.numel],
+                           non_blocking=self.cuda)
+                # torchft: original.to(device) - local.
+                part.sub_(_region(local(self.params[pc.param]), pc).reshape(-1))
+            if not self.form_first:
+                self.results.formed.add(k)
+
+        return run
+
+    def stage(self, k: int, b: Bucket, dev: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                # non_blocking: the host pseudo-gradients are pinned, read next by
+                # this bucket's upload, which waits for this task.
+                _flat(self.grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
+                    flat[pc.offset:pc.offset + pc.numel], non_blocking=self.cuda)
+
+        return run
+
+    def upload(self, k: int, b: Bucket, dev: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                # non_blocking: nothing writes the host pseudo-gradients until this
+                # bucket's d2h, after its all-reduce.
+                flat[pc.offset:pc.offset + pc.numel].copy_(
+                    _flat(self.grads[pc.param])[pc.start:pc.start + pc.numel],
+                    non_blocking=self.cuda)
+            self.results.formed.add(k)
+
+        return run
+
+    def allreduce(self, k: int, b: Bucket, dev: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            # must_run: after a failure of this replica it still joins, so that
+            # its peers are never left waiting. A bucket whose first task never
+            # ran has no staging block: join from a temporary one.
+            flat = (ctx.buffer(dev, b.dtype) if dev in ctx.buffers else
+                    torch.zeros(b.numel, dtype=b.dtype, device=self.device))
+
+            def fill(flat: torch.Tensor) -> None:
+                if k not in self.results.formed:
+                    # Hazard: a peer that commits averaging in what an unformed
+                    # bucket holds (stale staging, a half-written subtraction).
+                    # Contribute a zero pseudo-gradient instead: to the peers,
+                    # this replica did not move in this bucket.
+                    flat.zero_()
+
+            allreduce_bucket(self.manager, ctx, dev, flat, fill)
+
+        return run
+
+    def d2h(self, k: int, b: Bucket, dev: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                # non_blocking (pipelined): the host pseudo-gradients are pinned
+                # and read only by the outer step, which waits for this task.
+                _flat(self.grads[pc.param])[pc.start:pc.start + pc.numel].copy_(
+                    flat[pc.offset:pc.offset + pc.numel],
+                    non_blocking=self.cuda and not self.synchronous)
+
+        return run
+
+    def outer_step(self, c: int, chunk: Sequence[int]) -> Run:
+        def run(ctx: TaskContext) -> None:
+            if ctx.gate("commit"):
+                self.outer.step([(self.backups[i], self.grads[i]) for i in chunk])
+
+        return run
+
+    def write(self, k: int, b: Bucket, w: str) -> Run:
+        def run(ctx: TaskContext) -> None:
+            committed = ctx.gate("commit")
+            flat = ctx.buffer(w, b.dtype)
+            for pc in b.pieces:
+                loc = _region(local(self.params[pc.param]), pc)
+                src = _flat(self.backups[pc.param])[pc.start:pc.start + pc.numel]
+                if not committed:
+                    # torchft's restore_parameters: the backup, unchanged.
+                    loc.copy_(src.view(loc.shape), non_blocking=self.cuda)
+                    continue
+                # torchft: p = new global (restore + outer step), then
+                # p.lerp_(local snapshot, alpha): the same op, on the device.
+                new = flat[pc.offset:pc.offset + pc.numel].view(loc.shape)
+                new.copy_(src.view(loc.shape), non_blocking=self.cuda)
+                new.lerp_(loc, self.alpha)
+                loc.copy_(new)
+
+        return run

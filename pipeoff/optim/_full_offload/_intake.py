@@ -1,0 +1,231 @@
+"""Full offload's gradient intake: the hooks autograd calls, whose backward a gradient
+belongs to, and the wrapper policy (DDP, FSDP2, ``no_sync()``: is this backward the
+final one?).
+
+:class:`GradientIntake` admits a gradient (the owner, the backward, a dense tensor
+of the parameter's dtype) and hands it down to the :class:`Lifecycle`, which
+routes it into a micro-step. It calls down only: the model sync
+(``_model_sync.py``) at a step's first gradient, then the lifecycle.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from pipeoff import _compat
+from pipeoff._errors import GradientError
+from pipeoff.optim._full_offload._common import checked_gradient
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
+from pipeoff.optim._full_offload._model_sync import ModelSync
+
+__all__ = ["GradientIntake"]
+
+_OWNERS: Any = WeakIdKeyDictionary()  # (torch's: keyed by identity, not tensor equality)
+"""Per parameter, the intake (of the newest optimizer over it) that takes its
+gradients: an optimizer built to resume from another's ``state_dict()`` on the
+same model takes them over, and the old one's hooks let them be."""
+
+
+class _GradHook:
+    """A parameter's post-accumulate-grad hook: :meth:`GradientIntake.on_grad` while the
+    optimizer lives. It holds it weakly, so that a deleted optimizer lets go of the
+    model's gradients (its hooks are removed when it is collected)."""
+
+    def __init__(self, intake: GradientIntake) -> None:
+        self.ref = weakref.ref(intake)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        intake = self.ref()
+        if intake is not None:
+            intake.on_grad(p)
+
+
+def _remove_hooks(handles: dict[int, Any], probe: list[Any]) -> None:
+    for handle in list(handles.values()) + probe:
+        handle.remove()
+    handles.clear()
+
+
+class _WrapperProbe:
+    """The model's forward pre-hook that notices a DDP wrapper (:meth:`GradientIntake.see_wrapper`).
+    A copy of the model (``copy.deepcopy``, an EMA) shares it instead of copying the
+    optimizer; the copy's forward is no business of it (the wrapper is checked to
+    wrap the very module)."""
+
+    def __init__(self, intake: GradientIntake) -> None:
+        self.ref = weakref.ref(intake)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        _opaque_probe()(self, module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WrapperProbe:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (torch.save(model)): the copy belongs to no optimizer.
+        return (_inert_probe, ())
+
+
+def _probe(probe: _WrapperProbe, module: torch.nn.Module) -> None:
+    intake = probe.ref()
+    if intake is None or intake.registry.model is not module:
+        return
+    intake.see_wrapper(module)
+    grads = intake.lifecycle.grads
+    if torch.is_grad_enabled() and grads.showing:
+        # The next micro-step's forward: the placeholders leave .grad before autograd
+        # (or a DDP reducer) would accumulate into them.
+        grads.withdraw(stepping=False)
+
+
+_OPAQUE_PROBE: Any = None
+
+
+def _opaque_probe() -> Any:
+    # Opaque to Dynamo: under torch.compile it runs eagerly at every forward.
+    global _OPAQUE_PROBE
+    if _OPAQUE_PROBE is None:
+        _OPAQUE_PROBE = _compat.dynamo_disable(_probe)
+    return _OPAQUE_PROBE
+
+
+class _InertProbe:
+    """What a pickled probe becomes: a forward pre-hook that does nothing."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _inert_probe() -> _InertProbe:
+    return _InertProbe()
+
+
+class GradientIntake:
+    """The hooks on the model's parameters and the policy that says which backward a
+    gradient belongs to.
+
+    Args:
+        lifecycle: where admitted gradients go.
+        model_sync: called at the first gradient of a step, before it is taken in
+            (``param_groups`` followed, outside writes adopted).
+    """
+
+    def __init__(self, lifecycle: Lifecycle, model_sync: ModelSync) -> None:
+        self.lifecycle = lifecycle
+        self.model_sync = model_sync
+        self.registry = lifecycle.registry
+        self.no_sync_depth = 0
+        """Open ``opt.no_sync()`` blocks: backwards inside are non-final."""
+        self._wrapper_probe: Any = None
+        self.grad_hooks: dict[int, Any] = {}
+        """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
+        self._probe_handles: list[Any] = []
+        weakref.finalize(self, _remove_hooks, self.grad_hooks, self._probe_handles)
+
+    def ensure_hooks(self) -> None:
+        """A post-accumulate-grad hook on every parameter of the model, once.
+
+        Hooks stay: a parameter removed from ``param_groups`` is ignored by its
+        hook (its gradient stays in ``.grad``, as with torch), and one added back,
+        or unfrozen, is taken in at once. (A hook registered for the first time
+        during a backward does not fire in it: in-place edits are noticed at the
+        first gradient of the next backward.) A frozen parameter gets its hook
+        with ``requires_grad`` switched on for the call.
+        """
+        model = self.registry.model
+        if self._wrapper_probe is None and model is not None:
+            self._wrapper_probe = model.register_forward_pre_hook(_WrapperProbe(self))
+            self._probe_handles.append(self._wrapper_probe)
+            if self.lifecycle.ddp is None:
+                self.lifecycle.use_wrapper(_compat.data_parallel(model))
+        taken = []
+        for rec in self.registry:
+            before = _OWNERS.get(rec.param)
+            owner = before() if before is not None else None
+            if owner is not None and owner is not self:
+                taken.append(rec.name)
+            _OWNERS[rec.param] = weakref.ref(self)
+        if taken:
+            warnings.warn(
+                f"FullOffloadOptimizer: parameter(s) {taken[:4]}{'...' if len(taken) > 4 else ''} "
+                "belonged to another FullOffloadOptimizer, which no longer receives their "
+                "gradients (the newest optimizer of a parameter takes them; load the old "
+                "one's state_dict() into this one to resume)", RuntimeWarning, stacklevel=4)
+        for p in (model.parameters() if model is not None else self.registry.tensors()):
+            if id(p) in self.grad_hooks:
+                continue
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)
+            try:
+                self.grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_GradHook(self))
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
+
+    def see_wrapper(self, module: torch.nn.Module) -> None:
+        """The model's forward begins: a ``DistributedDataParallel`` put around the model
+        after the optimizer was built (as ``accelerate.prepare`` does) may run it."""
+        if self.lifecycle.ddp is None:
+            ddp = _compat.active_data_parallel()
+            if ddp is not None and any(q is module for q in ddp.modules()):
+                self.lifecycle.use_wrapper(ddp)
+
+    def explicitly_non_final(self) -> bool:
+        """Whether this backward is marked non-final: ``no_sync()``, or the wrapper does
+        not reduce gradients in it (FSDP2's ``set_requires_gradient_sync(False)``,
+        DDP's ``no_sync()``)."""
+        if self.no_sync_depth > 0:
+            return True
+        model = self.registry.model
+        if model is not None and _compat.fsdp_gradient_sync(
+                _compat.compiled_original(model)) is False:
+            return True
+        ddp = self.lifecycle.ddp
+        return ddp is not None and not _compat.ddp_gradient_sync(ddp)
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of every parameter: admit the gradient and hand
+        it to the lifecycle (under DDP, leave it to the wrapper: the end of the backward
+        takes it)."""
+        owner = _OWNERS.get(p)
+        if owner is None or owner() is not self:
+            return  # another (newer) optimizer's parameter, or none's
+        lifecycle = self.lifecycle
+        if lifecycle.grads.showing:
+            # A backward whose forward this optimizer did not see (a submodule called
+            # alone): the placeholders leave .grad now; what autograd added into this
+            # one is its gradient.
+            lifecycle.grads.withdraw(stepping=False)
+        if lifecycle.acc is None and lifecycle.micro is None:
+            self.model_sync.sync()  # the first gradient of a step
+        i = self.registry.position(p)
+        if i is None:
+            return
+        name = self.registry[i].name
+        grad = p.grad
+        if grad is None:
+            return
+        if _compat.backward_id() < 0:
+            raise GradientError(
+                f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
+                "(a post-accumulate-grad hook called by hand?): gradients are taken in "
+                "only from loss.backward()")
+        marked = self.explicitly_non_final  # asked when a micro-step begins
+        if lifecycle.ddp is not None:
+            lifecycle.receive_reduced_later(i, marked=marked)
+            return
+        try:
+            payload = checked_gradient(self.registry[i], grad)
+        except GradientError as err:
+            lifecycle.fail_current(err)
+            raise
+        if lifecycle.health.dirty is not None or lifecycle.health.torn is not None:
+            p.grad = None  # dropped: step() refuses until zero_grad()
+            return
+        lifecycle.receive(i, payload, marked=marked)

@@ -1,0 +1,130 @@
+"""Full offload's model sync: the live ``param_groups`` followed, and writes to the
+weights made from outside adopted as masters, at a step's first gradient and at
+``step()``.
+
+:class:`ModelSync` is a sibling of the gradient intake (which calls it at a step's
+first gradient) and of the optimizer (which calls it at ``step()``); it reads and
+writes the registry and reads the lifecycle. New parameters it indexes are hooked
+through ``on_indexed`` (the intake's ``ensure_hooks``, wired by the optimizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pipeoff import _accel, _faults
+from pipeoff._errors import ConfigError
+from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
+from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.staging import reserve_for
+
+if TYPE_CHECKING:
+    from pipeoff.optim._readers import Readers
+
+__all__ = ["ModelSync", "late_write_message"]
+
+
+def late_write_message(names: list[str]) -> str:
+    """Why weights written after the final backward began are refused
+    (``overlap="backward"``)."""
+    return (f"the weights of {names[:4]} were written after the final backward began: "
+            "under overlap='backward' its chunks step the masters and write the weights "
+            "during that backward, so either this step's update or the write is lost (the "
+            "weights and the masters agree). Write weights after step(), or use "
+            "overlap='forward'")
+
+
+class ModelSync:
+    """Follows ``param_groups`` and adopts outside writes to the weights.
+
+    Args:
+        registry: the parameters and their host state.
+        lifecycle: the accumulation (read: its phase, what its copy wrote).
+        config: the optimizer's configuration.
+        readers: transfers reading the host state (an adoption waits for them).
+        param_groups: the optimizer's live ``param_groups``.
+        wait_for_step: the optimizer's own wait for the step in flight (its writes go
+            first; it keeps the optimizer's trace and per-step figures).
+        on_indexed: called when parameters were indexed anew (the intake hooks them).
+    """
+
+    def __init__(self, registry: ParamRegistry, lifecycle: Lifecycle, config: FullOffloadConfig,
+                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]],
+                 wait_for_step: Callable[[], None], *,
+                 on_indexed: Callable[[], None]) -> None:
+        self.registry = registry
+        self.lifecycle = lifecycle
+        self.config = config
+        self.readers = readers
+        self.param_groups = param_groups
+        self.wait_for_step = wait_for_step
+        self.on_indexed = on_indexed
+
+    def reindex(self) -> None:
+        """Host state for the parameters of ``param_groups`` (new ones only), and the
+        staging a micro-step holds, reserved now rather than in a hook; then the new
+        parameters are hooked."""
+        self.registry.index(self.param_groups())
+        self.on_indexed()
+        reserve_for(*self.lifecycle.launcher.graph(final=True))
+
+    def sync(self) -> None:
+        """At the first gradient of a step and at ``step()``: follow in-place edits of
+        ``param_groups``, then adopt outside writes to the weights (of parameters back
+        in the groups too; a write between micro-steps, or after the last backward,
+        before the step's chunks begin).
+
+        Raises:
+            ConfigError: a weight written after the final backward began under
+                ``overlap="backward"`` (its chunks stepped from the masters already);
+                ``param_groups`` edited mid-accumulation.
+        """
+        self.follow_param_groups()
+        acc = self.lifecycle.acc
+        late = self.config.overlap == "backward" and acc is not None and acc.final is not None
+        changed = self.registry.written_from_outside()
+        if late and changed:
+            # The chunks stepping during that backward write the weights too: a
+            # weight whose copy has not finished is not (yet) an outside write; the
+            # copy itself notices one that came before it (LaneResults.overwritten).
+            assert acc is not None
+            copied = acc.weights_copied()
+            changed = [rec for rec in changed if id(rec.param) in copied]
+        if not changed:
+            return
+        self.wait_for_step()  # our own writes first
+        # Hazard: adopting the written weights as masters while a transfer
+        # launched after the last step still reads that step's masters.
+        if not _faults.disabled("adopt_waits_readers"):
+            self.readers.wait()
+        self.accel_sync()
+        self.registry.adopt(changed)
+        if late:
+            raise ConfigError(late_write_message([rec.name for rec in changed]))
+
+    def follow_param_groups(self) -> bool:
+        """The live ``param_groups`` are the truth: parameters removed from, added to or
+        moved between groups in place are picked up (between steps). Returns whether
+        they were.
+
+        Raises:
+            ConfigError: they changed mid-accumulation.
+        """
+        groups = self.param_groups()
+        if not self.registry.changed(groups):
+            return False
+        if self.lifecycle.acc is not None:
+            raise ConfigError(
+                "param_groups' parameters changed in the middle of gradient accumulation "
+                "(between a backward and step()); change them after step() and zero_grad()")
+        self.registry.check_groups(groups)
+        self.reindex()
+        return True
+
+    def accel_sync(self) -> None:
+        """Wait for the device work that writes the weights (before reading them)."""
+        device = self.registry.device
+        if _accel.current().is_device(device):
+            _accel.current().synchronize(device)

@@ -1,0 +1,148 @@
+"""Full offload's masters, weights and checkpoints: the part of
+:class:`~pipeoff.optim.FullOffloadOptimizer`'s surface that reads and writes the host
+state as a whole (``refresh_masters``, ``refresh_device_weights``, ``state``,
+``state_dict``, ``load_state_dict``), over the registry and the lifecycle.
+
+A mixin, as ``Offloaded`` is: it holds no state of its own; the optimizer sets the
+parts it names below.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff.optim._full_offload import _checkpoint
+from pipeoff.optim._full_offload._common import Phase
+
+if TYPE_CHECKING:
+    from pipeoff._contract import Health
+    from pipeoff.optim._full_offload._intake import GradientIntake
+    from pipeoff.optim._full_offload._lifecycle import Lifecycle
+    from pipeoff.optim._full_offload._model_sync import ModelSync
+    from pipeoff.optim._full_offload._param import ParamRegistry
+    from pipeoff.optim._readers import Readers
+
+__all__ = ["MastersAndCheckpoints"]
+
+
+class MastersAndCheckpoints:
+    """The masters, the device weights and checkpoints of a full-offload optimizer."""
+
+    _registry: ParamRegistry
+    _lifecycle: Lifecycle
+    _model_sync: ModelSync
+    _intake: GradientIntake
+    _readers: Readers
+    _health: Health
+    last_trace: Any
+    param_groups: list[dict[str, Any]]
+
+    def wait_for_step(self) -> None:
+        raise NotImplementedError
+
+    # -- the masters and the weights -----------------------------------------------------------
+    def _quiesce(self) -> None:
+        """Wait for every write to masters and weights: the step in flight, and under
+        ``overlap="backward"`` the chunks a final backward started before ``step()``."""
+        self.wait_for_step()
+        failed = self._lifecycle.settle_final_backward()
+        if failed is not None:
+            self.last_trace = failed.trace
+
+    def _quiesce_keeping_failures(self) -> None:
+        """:meth:`_quiesce`, without raising a failed step's error (its state, torn, stale
+        or dirty, is recorded and said by the next step); an interrupt is raised."""
+        try:
+            self.wait_for_step()
+        except BaseException:
+            if self._lifecycle.inflight is not None:
+                raise  # the wait was interrupted: the step is still in flight
+            # The step failed: wait_for_step() classified it.
+        self._quiesce()
+
+    def refresh_device_weights(self) -> None:
+        """Write every device weight from its master (the truth), e.g. after a failed copy."""
+        self._quiesce_keeping_failures()
+        for rec in self._registry:
+            rec.weight_from_master()
+        self._health.stale = None
+
+    def refresh_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Make the masters of weights written from outside the (widened) device weights,
+        after something other than this optimizer wrote them through ``.data`` (which
+        bumps no version counter): a committed LocalSGD average or a DiLoCo merge
+        (``pipeoff.ft.LocalSGD`` and ``DiLoCo`` call this themselves, for what their
+        sync wrote). Other writes (``model.load_state_dict``) are noticed at the next
+        step without it.
+
+        A weight that holds exactly its master's cast (nothing wrote it) keeps its
+        FP32 master bit for bit; a written one's master is the widened weight (the
+        master's bits below the compute dtype's precision are lost, as for any write).
+        Without it the next step would overwrite those weights with the old masters.
+
+        Args:
+            params: the parameters whose weights were written (default: all; tensors
+                this optimizer does not step are passed over).
+        """
+        positions = (range(len(self._registry)) if params is None else
+                     [i for i in map(self._registry.position, params) if i is not None])
+        recs = [self._registry[i] for i in positions]
+        self._readers.wait()
+        self._quiesce()
+        # Hazard: reading weights that device work still writes (a merge on the
+        # compute stream, a copy on another).
+        self._model_sync.accel_sync()
+        self._registry.adopt(recs, outside=False)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """Per parameter with a step, torch's state (host FP32 tensors) plus ``"master"``."""
+        if getattr(self, "_building", True):
+            return self.__dict__.setdefault("_base_state", {})
+        self._quiesce()
+        return collections.defaultdict(dict, _checkpoint.entries(self._registry))
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.__dict__["_base_state"] = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict (host tensors), each entry with its FP32 ``"master"``.
+
+        Raises:
+            StepFailedError: the last step failed after stepping some masters.
+        """
+        self._quiesce()
+        self._health.check("state_dict()", stale=False)
+        self._model_sync.follow_param_groups()
+        return _checkpoint.pack(self._registry, self.param_groups)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's format (with or without ``"master"`` entries); then every device
+        weight is written from its master. Either all is loaded or nothing.
+
+        Clears a failed or torn step. Creating state never steps the optimizer.
+
+        Raises:
+            ConfigError: not an optimizer state dict, groups of other sizes, or a
+                state tensor of another size than its parameter.
+        """
+        self._readers.wait()
+        self._quiesce_keeping_failures()
+        self._lifecycle.settle_deferred()
+        if self._lifecycle.phase is Phase.IDLE:
+            self._model_sync.follow_param_groups()
+        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict)
+        # Checked: now write. Gradients accumulated so far belong to the state
+        # being replaced.
+        self._lifecycle.discard("discarded", classify_final=False)
+        self._model_sync.accel_sync()
+        _checkpoint.load(self._registry, self.param_groups, state_dict["param_groups"], plan)
+        self._health.torn = None
+        self._health.dirty = None
+        self.refresh_device_weights()

@@ -1,0 +1,115 @@
+"""OffloadOptimizer's arguments: the optimizer to wrap, given or built in torchao's form
+(``OffloadOptimizer(params, optimizer_class, **kwargs)``), and the default of
+``chunk_bytes``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from pipeoff._errors import ConfigError
+from pipeoff._validate import check_int
+from pipeoff.optim._foreign import refuse_foreign
+from pipeoff.optim._offloaded import Offloaded
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "staging_args", "wrapped"]
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""``chunk_bytes`` when neither it nor ``device_budget_bytes`` is given."""
+
+
+class _Default:
+    """The default of ``chunk_bytes``: 1 GiB, or a third of ``device_budget_bytes``."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_CHUNK_BYTES"
+
+
+_DEFAULT = _Default()
+
+
+def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
+             kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer to wrap: given (``OffloadOptimizer(opt)``), or built from the
+    parameters, ``optimizer_class`` and its keyword arguments (torchao's form).
+
+    Raises:
+        ConfigError: both forms mixed, or not an optimizer / optimizer class, or the
+            class refused the arguments.
+    """
+    if isinstance(params, torch.optim.Optimizer):
+        if optimizer is not None:
+            raise ConfigError("give the optimizer to wrap once (positionally or as optimizer=)")
+        optimizer, params = params, None
+    if optimizer is not None:
+        if params is not None or optimizer_class is not None or kwargs:
+            extra = sorted(kwargs) + (["params"] if params is not None else []) + (
+                ["optimizer_class"] if optimizer_class is not None else [])
+            raise ConfigError(
+                f"OffloadOptimizer wraps either an optimizer instance or builds one from "
+                f"params and optimizer_class; with an instance, {extra} have no place (set "
+                "hyperparameters on the instance)")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+                optimizer, Offloaded):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer to wrap, got {optimizer!r}")
+        return optimizer
+    if params is None:
+        raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
+                          "and optimizer_class to build one (torchao's form)")
+    refuse_foreign(kwargs, "OffloadOptimizer")
+    kwargs.pop("offload_gradients", None)  # (False, torchao's default: what this does)
+    cls = torch.optim.AdamW if optimizer_class is None else optimizer_class
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
+            cls, Offloaded):
+        raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
+                          f"torch.optim.AdamW, got {cls!r}")
+    if isinstance(params, torch.Tensor):
+        raise ConfigError("params must be an iterable of parameters or of param group "
+                          f"dicts, got a single tensor of shape {tuple(params.shape)}")
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{cls.__name__} refused {sorted(kwargs)}: {err}") from err
+
+
+def staging_args(chunk_bytes: int | None | _Default, prefetch: int | None,
+                 lookahead: int | None, device_budget_bytes: int | None,
+                 ) -> tuple[int | None, int | None]:
+    """``chunk_bytes`` and ``prefetch`` as the optimizer uses them: the default chunk
+    (1 GiB, or a third of ``device_budget_bytes``), and ``prefetch`` (2 by default,
+    ``None`` under a device budget); ``lookahead`` is its deprecated name.
+
+    Raises:
+        ConfigError: a value out of range, or both of ``prefetch`` and
+            ``lookahead`` (or ``device_budget_bytes``), or a budget smaller than a chunk.
+    """
+    chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes
+    if isinstance(chunk_bytes, _Default):
+        chunk_bytes = DEFAULT_CHUNK_BYTES
+    check_int("chunk_bytes", chunk_bytes, optional=True, unit="bytes")
+    prefetch_name = "prefetch"
+    if lookahead is not None:
+        if prefetch is not None:
+            raise ConfigError("give prefetch (the new name of lookahead), not both")
+        warnings.warn("OffloadOptimizer(lookahead=...) is now prefetch=...; lookahead will "
+                      "be removed", FutureWarning, stacklevel=3)
+        prefetch, prefetch_name = lookahead, "lookahead"
+    check_int(prefetch_name, prefetch, minimum=0, optional=True)
+    if device_budget_bytes is not None:
+        check_int("device_budget_bytes", device_budget_bytes, unit="bytes", optional=True)
+        if prefetch is not None:
+            raise ConfigError(
+                f"give {prefetch_name} or device_budget_bytes, not both (got "
+                f"{prefetch_name}={prefetch!r}, device_budget_bytes={device_budget_bytes!r})")
+        if chunk_bytes_given is None:
+            chunk_bytes = max(1, device_budget_bytes // 3)
+        elif chunk_bytes is None or chunk_bytes > device_budget_bytes:
+            raise ConfigError(
+                f"device_budget_bytes={device_budget_bytes} must hold one chunk, but "
+                f"chunk_bytes={chunk_bytes!r}; use chunk_bytes <= device_budget_bytes")
+    if device_budget_bytes is not None:
+        return chunk_bytes, None
+    return chunk_bytes, 2 if prefetch is None else prefetch
