@@ -53,7 +53,7 @@ def traces() -> dict[str, Trace]:
         for _ in range(3):
             pipeoff.execute(mixed_graph()).wait()
     out["recorded"] = rec.trace
-    from pipeoff.trace._train import train_span
+    from pipeoff._lowlevel import train_span
 
     with pipeoff.trace.record() as rec:  # with the training loop's spans (user annotations)
         for step in range(3):

@@ -74,13 +74,13 @@ def test_no_production_module_imports_pipeoff_testing() -> None:
 
 
 # What only the runtime's own rooms (execution.py, executor/) and its front door
-# (_lowlevel.py) may read of an execution.
+# (_lowlevel/) may read of an execution.
 _RUNTIME_PRIVATES = re.compile(
     r"\._run\b|\._backend\b|\._translate\b|\._finalize\(|\._shifted_trace\b|\._pending_names\b"
     r"|\bfrom_run\(")
 
 
-_RUNTIME = ("pipeoff/execution.py", "pipeoff/_lowlevel.py", "pipeoff/sim/_backend.py")
+_RUNTIME = ("pipeoff/execution.py", "pipeoff/_lowlevel/", "pipeoff/sim/_backend.py")
 """The runtime's rooms besides executor/: the handle, its front door, and the
 simulator's backend (an executor backend that lives with its cost model)."""
 _FEATURES = ("pipeoff/optim/", "pipeoff/ft/", "pipeoff/transfer/")
@@ -94,9 +94,36 @@ def test_features_reach_the_runtime_through_its_front_door_only() -> None:
 
 def test_features_import_no_private_module_of_the_core() -> None:
     """Features use the core's public names and its front door (``pipeoff._lowlevel``),
-    never ``pipeoff.executor._x`` or ``pipeoff.trace._x``."""
-    offenders = _offenders(re.compile(r"pipeoff\.(executor|trace)\._\w+"), only=_FEATURES)
+    never ``pipeoff.executor._x``, ``pipeoff.trace._x`` or ``pipeoff.recording._x``."""
+    offenders = _offenders(re.compile(r"pipeoff\.(executor|trace|recording)\._\w+"),
+                           only=_FEATURES)
     assert not offenders, "\n".join(offenders)
+
+
+def test_features_reach_the_instruments_through_the_front_door() -> None:
+    """The recorder, the train spans and the step figures are the features' through
+    ``pipeoff._lowlevel`` only: one front door, not two."""
+    offenders = _offenders(re.compile(r"\bpipeoff\.recording\b|from pipeoff import recording"
+                                      r"|trace\.lowlevel|trace import lowlevel"),
+                           only=_FEATURES)
+    assert not offenders, "\n".join(offenders)
+
+
+def test_trace_values_import_no_instrument() -> None:
+    """``pipeoff/trace/`` holds values; the instruments (``pipeoff/recording/``) import
+    them, never the other way (its ``__init__`` loads the re-exported recorder on
+    first use, inside a function)."""
+    offenders = []
+    for rel, text in _sources():
+        if not rel.startswith("pipeoff/trace/"):
+            continue
+        for node in ast.parse(text).body:  # module level only: lazy imports are allowed
+            if isinstance(node, ast.ImportFrom) and node.module is not None and (
+                    node.module.startswith("pipeoff.recording")
+                    or node.module in ("pipeoff._lowlevel", "pipeoff.executor")
+                    or node.module.startswith("pipeoff.executor.")):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
 
 
 def test_no_feature_reads_an_optimizers_privates() -> None:

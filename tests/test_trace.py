@@ -248,7 +248,7 @@ def test_record_region_captures_every_execution_and_hook_waits(tmp_path: Path) -
 
 
 def test_recording_off_costs_nothing_and_catches_nothing() -> None:
-    from pipeoff.trace import _record
+    from pipeoff.recording import _recorder as _record
 
     assert not _record.active()
     g = TaskGraph()

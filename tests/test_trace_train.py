@@ -337,8 +337,8 @@ def test_a_forward_that_returns_a_parameter_gains_no_hooks() -> None:
 
 
 def test_failed_copies_move_no_bytes() -> None:
+    from pipeoff._lowlevel import step_stats
     from pipeoff.trace import TaskRecord
-    from pipeoff.trace.lowlevel import step_stats
 
     tasks = (TaskRecord(name="d2h:0", kind="d2h", lane="d2h", start_ns=0, end_ns=10,
                         enqueue_ns=0, nbytes=100),

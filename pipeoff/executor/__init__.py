@@ -10,9 +10,9 @@ from pipeoff._errors import ConfigError
 from pipeoff.executor._backend import Backend
 from pipeoff.executor._run import Run
 from pipeoff.graph import TaskGraph
+from pipeoff.recording import _recorder as recording
 from pipeoff.schedule import Schedule
 from pipeoff.staging import pools_for
-from pipeoff.trace import _record as recording
 
 if TYPE_CHECKING:
     from pipeoff.execution import Execution

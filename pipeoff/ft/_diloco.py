@@ -15,6 +15,7 @@ from torchft.local_sgd import _StreamingDiLoCoFragment
 from pipeoff import _accel, _faults
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
+from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
 from pipeoff.ft._buckets import local as _local
@@ -24,7 +25,6 @@ from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._outer import HostOuterOptimizer, check_outer
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
-from pipeoff.trace.lowlevel import SyncStats, train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
@@ -84,9 +84,9 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     steps within ``device_budget_bytes``; ``"synchronous"`` runs one task at a
     time and ``prepare_sync`` returns only once every average is on the host.
     With ``fragment_sync_delay`` > 0 the all-reduces run under the next inner
-    steps: only the inner optimizer's next ``step()`` waits, and only for the
-    pseudo-gradients to be formed (it is about to write the parameters they
-    read).
+    steps: the preparing ``step()`` returns once the pseudo-gradients are formed
+    (its ``prepare_sync`` waits for them: nothing the caller does next may write
+    the parameters they read), and the averaging goes on in the background.
 
     The outer optimizer must be a ``torch.optim.SGD``, ``Adam`` or ``AdamW``
     (element-wise: stepped per chunk). Its ``param_groups`` stay the user's
@@ -167,6 +167,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         self.last_trace: Trace | None = None
         """The trace of the last offloaded fragment sync (``None`` without offload)."""
         self._stats = SyncStats()
+        self._chosen: int | None = None
+        """The fragment torchft last chose to prepare or sync (its _current_fragment)."""
         self._fragments: list[_StreamingDiLoCoFragment]
         super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
                          backup_device, pin_memory, use_bucketization, bucket_cap_mb,
@@ -244,36 +246,52 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         if isinstance(opt, AsyncStep):
             opt.wait_for_step()
 
+    def _current_fragment(self) -> int:
+        """torchft's own choice of the fragment to prepare or sync, recorded as it makes it.
+
+        torchft calls this after ``start_quorum()`` (which moves a healing
+        replica's step to its peers'), right before it prepares or performs that
+        fragment's sync: pipeoff follows this choice rather than predicting it.
+        """
+        chosen = int(super()._current_fragment())
+        self._chosen = chosen
+        # Hazard: forming pseudo-gradients from (or restoring over) parameters that
+        # an asynchronous inner step is still writing. torchft reads or writes the
+        # fragment's parameters right after this call.
+        self._wait_for_optimizer()
+        return chosen
+
     def _step_post_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
                         _kwargs: dict[str, Any]) -> None:
+        # The span's name only ("sync N", or "prepare N" when the sync's decision
+        # comes fragment_sync_delay steps later) is read ahead from torchft's
+        # schedule; what was synced is what torchft chose (_current_fragment).
         nxt = self._local_step + 1
         syncing = nxt == self._sync_every
         preparing = nxt == self._sync_every - self._fragment_sync_delay
-        if syncing or preparing:
-            # Hazard: forming pseudo-gradients from (or restoring over) parameters
-            # that an asynchronous inner step is still writing.
-            self._wait_for_optimizer()
         step = _step_number(_optim, self._manager) if syncing or preparing else 0
-        fragment = self._fragments[self._current_fragment()] if syncing else None
+        self._chosen = None
         start = time.perf_counter_ns()
-        # The training thread's span on a recorded trace: "sync N" (or "prepare N"
-        # when the sync's decision comes fragment_sync_delay steps later).
         with (train_span("sync" if syncing else "prepare", step)
               if syncing or preparing else contextlib.nullcontext()):
             super()._step_post_hook(_optim, _args, _kwargs)
+        # torchft resets its counter after, and only after, a fragment sync.
+        chosen = self._chosen
+        fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \
+            else None
         if fragment is not None:
             offloaded = isinstance(fragment, _OffloadedFragment)
             self._stats.done(self.last_trace if offloaded else None, step=step,
                              exposed_ns=time.perf_counter_ns() - start,
                              committed=fragment.last_committed if offloaded else None)
         opt = self._local_optimizer
-        if syncing and isinstance(opt, MasterCopy):
+        if fragment is not None and isinstance(opt, MasterCopy):
             # Hazard: an optimizer whose masters are the truth
             # (pipeoff.optim.FullOffloadOptimizer) overwriting the synchronized
             # parameters with its own masters at the next step. A sync writes
             # the parameters whether it commits (the merge) or not (the restore):
-            # the parameters of this fragment, whose masters alone it touched.
-            assert fragment is not None
+            # the parameters of the fragment torchft synced, whose masters alone
+            # it touched.
             opt.refresh_masters(list(fragment._model_fragment.parameters()))
         # Last: a hook that raises must not leave the masters unrefreshed.
         self._stats.emit()

@@ -19,10 +19,11 @@ A sync is one execution from ``prepare_sync`` to the end of ``perform_sync``:
   steps later, pipelined): the formation does not wait for the all-reduces.
   ``stage:b{k}`` copies each formed bucket to the host pseudo-gradients (its
   device staging is free again), and ``upload:b{k}`` copies it back into
-  staging ``r:b{k}`` for its all-reduce. ``formed`` then comes after a pass over
-  the link each way, not after the averaging, so ``prepare_sync`` can wait for
-  it before anything may write the parameters again (one more pass each way over
-  the link, in exchange);
+  staging ``r:b{k}`` for its all-reduce. The formation (the ``pseudograd:b{k}``
+  tasks, which ``prepare_sync`` waits for before anything may write the
+  parameters again) then ends after a pass over the link, not after the
+  averaging (one more pass each way over the link, in exchange); ``formed``
+  marks it on the trace;
 * ``staged`` (null) once every average is on the host; ``perform_sync`` calls
   ``should_commit()`` then, and opens the gate ``commit`` with the decision;
 * per chunk ``c`` of whole parameters, ``outer:c{c}`` on the ``outer_step`` host

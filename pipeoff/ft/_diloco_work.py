@@ -3,7 +3,10 @@ fragment's parameters, backups and host pseudo-gradients.
 
 :class:`SyncWork` is bound to one sync. Its tasks read and write the tensors it
 was given and record what they found in its results record (:class:`SyncResults`:
-which buckets were formed whole); they write nothing of the fragment's. The graph
+which buckets were formed whole). What they write is the sync's own: the
+fragment's backups and host pseudo-gradients, the host outer optimizer's state
+(its ``.grad`` set for the step and cleared after), never the fragment's
+parameters before the commit, nor the caller's records. The graph
 (``_diloco_graph.py``) orders them.
 """
 

@@ -14,6 +14,7 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 from pipeoff import _accel
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
+from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._buckets import local as _local
@@ -23,7 +24,6 @@ from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
-from pipeoff.trace.lowlevel import SyncStats, train_span
 
 if TYPE_CHECKING:
     from torchft.manager import Manager

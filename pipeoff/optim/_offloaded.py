@@ -16,9 +16,8 @@ import torch
 
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import completions
+from pipeoff._lowlevel import StatsHooks, completions, install_train_hooks, step_stats
 from pipeoff.optim._tensors import describe
-from pipeoff.trace import lowlevel
 
 if TYPE_CHECKING:
     from pipeoff.execution import Completion, Execution
@@ -79,7 +78,7 @@ class Offloaded:
             ConfigError: ``hook`` is not callable.
         """
         if self._stats_hooks is None:
-            self._stats_hooks = lowlevel.StatsHooks()
+            self._stats_hooks = StatsHooks()
         return self._stats_hooks.add(hook)
 
     @property
@@ -93,7 +92,7 @@ class Offloaded:
         if trace is None:
             return None
         step, exposed = self._stats_last
-        return lowlevel.step_stats(trace, step=step, what="step", exposed_ns=exposed,
+        return step_stats(trace, step=step, what="step", exposed_ns=exposed,
                                    also=self._step_traces())
 
     def _step_traces(self) -> list[Any]:
@@ -127,7 +126,7 @@ class Offloaded:
         recorded (replacing the hooks of an earlier model)."""
         for h in self._train_handles or ():
             h.remove()
-        self._train_handles = lowlevel.install_train_hooks(model, self)
+        self._train_handles = install_train_hooks(model, self)
 
     # -- what a subclass answers ---------------------------------------------------------
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:

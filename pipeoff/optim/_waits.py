@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipeoff import _accel, _compat, _faults
 from pipeoff._errors import ConfigError
-from pipeoff.trace import record_hook_wait
+from pipeoff._lowlevel import record_hook_wait
 
 if TYPE_CHECKING:
     from pipeoff._contract import StepWrites

@@ -24,7 +24,7 @@ import torch
 from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import hook_wait_records, settle
+from pipeoff._lowlevel import hook_wait_records, settle, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _host_kernel
 from pipeoff.optim._foreign import refuse_foreign
@@ -51,7 +51,6 @@ from pipeoff.optim._full_offload._surface import MastersAndCheckpoints
 from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._waits import ForwardWaits
-from pipeoff.trace.lowlevel import train_span
 
 __all__ = ["FullOffloadOptimizer"]
 

@@ -15,7 +15,7 @@ import torch
 from pipeoff import _accel, _compat
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import hook_wait_records, is_failure_of
+from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _graph, _update
 from pipeoff.optim._graph import Step
@@ -34,7 +34,6 @@ from pipeoff.optim._tensors import index_of
 from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.trace import Trace
-from pipeoff.trace.lowlevel import train_span
 
 __all__ = ["OffloadOptimizer"]
 

@@ -752,3 +752,44 @@ def test_without_the_formation_wait_a_weight_clip_corrupts_the_sync() -> None:
         runs = run("pipelined", **cfg, on_step=let_go_once_prepared)
     with pytest.raises(AssertionError):
         assert_bitwise(runs, reference(**cfg))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("offload_to_cpu", [True, False])
+def test_the_masters_refreshed_are_those_of_the_fragment_torchft_synced(
+        offload_to_cpu: bool) -> None:
+    """A healing replica's start_quorum() moves its step to its peers' (torchft sets
+    ``_step = max_step``), so torchft syncs another fragment than the step before the
+    quorum names. The masters refreshed are those of the fragment torchft synced: after
+    every sync each BF16 weight is its FP32 master's cast (a stale master would be
+    copied back over the merged weight at the next step)."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    model = _bf16_model(0)
+    inner = FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1)
+    manager = _committing_manager()
+    jumps = [1]
+
+    def start_quorum(*_: Any, **__: Any) -> None:
+        # The first quorum heals this replica one step ahead, as a peer's step would.
+        if jumps:
+            for _ in range(jumps.pop()):
+                manager.should_commit()
+
+    manager.start_quorum.side_effect = start_quorum
+    d = pipeoff.ft.DiLoCo(manager, [model[0], model[1]], inner,
+                          [optim.SGD(model[0].parameters(), lr=0.7),
+                           optim.SGD(model[1].parameters(), lr=0.7)],
+                          4, fragment_sync_delay=0, offload_to_cpu=offload_to_cpu)
+    synced = []
+    with d:
+        for k in range(8):
+            _inner_step(model, inner)
+            if k % 2 == 1:
+                inner.wait_for_step()
+                synced.append(d._chosen)
+                for name, p in model.named_parameters():
+                    master = inner._host_tensor(p, "master")
+                    assert torch.equal(master.to(torch.bfloat16), p.detach()), (k, name)
+    # The first sync was fragment 1 (step 1 after the quorum), not fragment 0.
+    assert synced == [1, 0, 1, 0]

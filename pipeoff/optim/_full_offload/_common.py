@@ -104,7 +104,11 @@ class Accumulation:
 
     results: LaneResults
     """What its lanes computed (counts, norms, the chunks stepped): written on the
-    lanes only, read after the waits ``[Note: lane writes]`` names."""
+    lanes, read after the waits ``[Note: lane writes]`` names; the one caller-side
+    writer is a gradient edit (``Lifecycle.edit_sums``: a replaced or dropped sum's
+    count and norm), after it waited for the folds of the sums it edits. The
+    total norm is not recomputed then: ``grad_norm`` is the norm the step's
+    backward produced, and a clip by ``max_norm`` refuses a replaced sum."""
     phase: Phase = Phase.ACCUMULATING
     micro: list[MicroStep] = dataclasses.field(default_factory=list)
     final: MicroStep | None = None

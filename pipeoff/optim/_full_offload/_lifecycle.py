@@ -216,7 +216,7 @@ class Lifecycle:
         Under a reentrant checkpoint the first gradient may come from the backward
         its recomputation runs *inside* the user's backward: the callback then
         fires when that inner backward ends. The micro-step goes on until the
-        outer one ends (:meth:`on_grad` queues a callback there, or the next
+        outer one ends (:meth:`receive` queues a callback there, or the next
         ``step()``, ``zero_grad()`` or backward settles it).
         """
         if ms.ended:

@@ -1,10 +1,5 @@
-"""The runtime's front door for pipeoff's own features (in the spirit of ``trio.lowlevel``).
-
-Features (``optim``, ``ft``, ``transfer``, the trace recorder) build graphs
-and launch them with :func:`pipeoff.execute`; what they need of an execution
-beyond its public surface goes through the functions here, which are the only
-code outside ``execution.py`` and ``executor/`` that reads an execution's run.
-"""
+"""What features read of an execution beyond its public surface: the only code outside
+``execution.py`` and ``executor/`` that reads an execution's run."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeoff import _dist, _lowlevel
+from pipeoff import _dist
 from pipeoff.trace._records import hook_wait_record, train_record
 from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace
 
@@ -72,6 +72,11 @@ class Recorder:
         return self._trace
 
     def _build(self) -> Trace:
+        # Imported here: the front door (pipeoff._lowlevel) re-exports this room's
+        # instruments, and importing its execution readers at the top would import
+        # the front door's package first, which imports this room.
+        from pipeoff._lowlevel import _execution as _lowlevel
+
         tasks: list[TaskRecord] = []
         buffers: list[BufferRecord] = []
         budgets: dict[str, int | None] = {"device": None, "host": None}

@@ -29,7 +29,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._contract import steps_taken
-from pipeoff.trace import _record
+from pipeoff.recording import _recorder
 
 __all__ = ["TRAIN_LANE", "install_train_hooks", "train_span"]
 
@@ -42,7 +42,7 @@ def train_span(what: str, step: int) -> Iterator[None]:
     """Record the block as the training thread's ``"{what} {step}"`` while recording, and
     as a ``pipeoff::train::{what} {step}`` range while ``torch.profiler`` profiles."""
     profiling = _compat.profiler_enabled()
-    if not _record.active() and not profiling:
+    if not _recorder.active() and not profiling:
         yield
         return
     start = time.perf_counter_ns()
@@ -53,8 +53,8 @@ def train_span(what: str, step: int) -> Iterator[None]:
         else:
             yield
     finally:
-        if _record.active():
-            _record.record_train_span(what, step, start, time.perf_counter_ns())
+        if _recorder.active():
+            _recorder.record_train_span(what, step, start, time.perf_counter_ns())
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:
@@ -136,16 +136,16 @@ def _opaque() -> Any:
 def _run(hook: _TrainHook, out: Any) -> None:
     spans = hook.spans
     if not hook.post:
-        if _record.active():
+        if _recorder.active():
             spans.started.append(time.perf_counter_ns())
         return
     if not spans.started:
         return
     start = spans.started.pop()
-    if not _record.active():
+    if not _recorder.active():
         return
     step = spans.step_of()
-    _record.record_train_span("forward", step, start, time.perf_counter_ns())
+    _recorder.record_train_span("forward", step, start, time.perf_counter_ns())
     t = _first_grad_tensor(out) if torch.is_grad_enabled() else None
     # Only on a tensor of this forward's graph, which the hook goes with: one on a
     # leaf (a forward that returns a parameter) would stay on it for good.
@@ -171,7 +171,7 @@ class _BackwardStart:
 
     def _ended(self) -> None:
         assert self.begun is not None
-        _record.record_train_span("backward", self.step, self.begun, time.perf_counter_ns())
+        _recorder.record_train_span("backward", self.step, self.begun, time.perf_counter_ns())
 
 
 _INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = (
