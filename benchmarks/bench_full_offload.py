@@ -44,7 +44,8 @@ def main() -> None:
                         help="torch thread counts to run (default: 1 and torch's)")
     args = parser.parse_args()
 
-    from pipeoff.optim import _accumulate, _host_kernel, _update
+    from pipeoff.optim import _update
+    from pipeoff.optim._full_offload import _accumulate, _host_kernel
 
     n = args.numel // args.params
     total = n * args.params

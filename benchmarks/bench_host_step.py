@@ -79,7 +79,8 @@ def competing_load(n: int) -> Iterator[None]:
 
 def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]]:
     from pipeoff import _native
-    from pipeoff.optim import _accumulate, _host_kernel, _update
+    from pipeoff.optim import _update
+    from pipeoff.optim._full_offload import _accumulate, _host_kernel
 
     kernel = _host_kernel.host_kernel()
     lib = _native.library()

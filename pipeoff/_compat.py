@@ -558,8 +558,12 @@ disabled_torch_function: Any = torch._C._disabled_torch_function_impl
 """A tensor subclass's ``__torch_function__`` that dispatches at the aten level only."""
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor object it holds, not a view), or ``t``."""
+def local_tensor(t: torch.Tensor, *, data: bool = False) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor object it holds, not a view), or ``t``:
+    pipeoff's one local-shard helper. ``data=True``: of ``t.data``, sharing its storage
+    outside autograd (what LocalSGD and DiLoCo read and write of a parameter)."""
+    if data:
+        t = t.data
     return getattr(t, "_local_tensor", t) if hasattr(t, "placements") else t
 
 

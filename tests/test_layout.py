@@ -330,3 +330,44 @@ def test_full_offload_lanes_write_only_their_results_and_the_listed_fields() -> 
                 if name.split(".", 1)[0] != "res" and name not in _LANE_STORES:
                     found.append(f"{rel}:{node.lineno} ({fn.name}): {name}")
     assert not found, "\n".join(found)
+
+
+def _defined(name: str) -> list[str]:
+    """``path:line`` of each module-level definition of ``name`` in ``pipeoff/``."""
+    out = []
+    for rel, text in _sources():
+        for node in ast.parse(text).body:
+            targets: list[str] = []
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                targets = [node.name]
+            elif isinstance(node, ast.Assign):
+                targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                targets = [node.target.id]
+            if name in targets:
+                out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def test_one_definition_of_elementwise_and_of_the_local_shard() -> None:
+    """One set of element-wise optimizers (DiLoCo's host outer optimizers are a named
+    subset of it) and one local-shard helper, where the meanings agree."""
+    assert [d.split(":")[0] for d in _defined("ELEMENTWISE")] == ["pipeoff/optim/_update.py"]
+    assert [d.split(":")[0] for d in _defined("local_tensor")] == ["pipeoff/_compat.py"]
+    assert _defined("local") == []
+    from pipeoff.ft._outer import HOST_OUTER_OPTIMIZERS
+    from pipeoff.optim import ELEMENTWISE
+
+    assert set(HOST_OUTER_OPTIMIZERS) <= set(ELEMENTWISE)
+
+
+def test_optim_shows_its_two_optimizers() -> None:
+    """Each optimizer's parts are in its own folder; what sits directly in ``optim/``
+    is the two public modules and what both share (imported from both folders'
+    sides, or by another feature)."""
+    top = sorted(p.name for p in (PIPEOFF / "optim").glob("*.py"))
+    assert top == ["__init__.py", "_foreign.py", "_hooks.py", "_offloaded.py", "_plan.py",
+                   "_readers.py", "_tensors.py", "_update.py", "_waits.py",
+                   "full_offload.py", "offload.py"], top
+    assert (PIPEOFF / "optim" / "_offload").is_dir()
+    assert (PIPEOFF / "optim" / "_full_offload").is_dir()

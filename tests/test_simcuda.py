@@ -224,6 +224,31 @@ def test_two_host_threads_writing_one_tensor_unordered_is_a_race() -> None:
     accepted(lambda sim: _two_host_writers(sim, ordered=True))
 
 
+def test_a_native_step_reading_a_pending_copy_is_a_race() -> None:
+    """The native AdamW step reads and writes through raw pointers; it announces its
+    accesses (``pipeoff._happens.native_access``), so the checker sees a step whose
+    gradient a D2H copy is still writing, as it sees an aten operation's."""
+    from pipeoff.optim._full_offload import _host_kernel
+
+    kernel = _host_kernel.host_kernel(warn=False)
+    if kernel is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    hyper = _host_kernel.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                   weight_decay=0.1, decoupled=True, maximize=False)
+
+    def step(sim: Sim, waited: bool) -> None:
+        stream = sim.new_stream(sim.device)
+        grad = late_d2h(sim, stream)  # the copy into grad is still pending
+        if waited:
+            stream.synchronize()
+        param, m, v = (sim.host_empty(1000, torch.float32, pinned=True).zero_()
+                       for _ in range(3))
+        kernel.adam_step(param, grad, m, v, None, hyper, step=1.0, scale=None, threads=1)
+
+    flagged(lambda sim: step(sim, waited=False))
+    accepted(lambda sim: step(sim, waited=True))
+
+
 def test_a_race_nobody_waited_for_is_raised_when_the_device_exits() -> None:
     """A race found in an execution whose wait never comes (or after a test's last
     wait) is not lost: the device raises it at exit."""

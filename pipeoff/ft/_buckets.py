@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeoff import _compat
 from pipeoff._errors import ConfigError
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Piece", "TensorInfo", "local", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "Piece", "TensorInfo", "plan_buckets"]
 
 DEFAULT_BUCKET_BYTES = 16 << 20
 """Bucket size of ``LocalSGD(schedule="pipelined")`` when ``bucket_bytes`` is not given."""
@@ -144,7 +143,4 @@ def plan_buckets(
     return tuple(buckets)
 
 
-def local(p: torch.Tensor) -> torch.Tensor:
-    """The local tensor of ``p`` (its shard for a DTensor), sharing ``p``'s storage,
-    outside autograd: what LocalSGD and DiLoCo read and write of a parameter."""
-    return _compat.local_tensor(p.data)
+

@@ -13,12 +13,12 @@ from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
 from torchft.local_sgd import _StreamingDiLoCoFragment
 
 from pipeoff import _accel, _faults
+from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
-from pipeoff.ft._buckets import local as _local
 from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule, outer_chunks
 from pipeoff.ft._diloco_work import SyncWork
 from pipeoff.ft._options import StagingOptions, check_flag
@@ -355,7 +355,7 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         named = list(self._model_fragment.named_parameters())
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        locals_ = [_local(p) for p in self._params]
+        locals_ = [local_tensor(p, data=True) for p in self._params]
         self._device = locals_[0].device if locals_ else torch.device("cpu")
         self._cuda = _accel.current().is_device(self._device)
         self._backups = [self.original_parameters[name] for name in self._names]

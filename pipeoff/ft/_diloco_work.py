@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pipeoff.ft._buckets import Bucket, Piece, local
+from pipeoff._compat import local_tensor
+from pipeoff.ft._buckets import Bucket, Piece
 from pipeoff.ft._collective import allreduce_bucket
 from pipeoff.ft._diloco_graph import DiLoCoWork
 from pipeoff.ft._outer import HostOuterOptimizer
@@ -99,7 +100,7 @@ class SyncWork:
                 part.copy_(_flat(self.backups[pc.param])[pc.start:pc.start + pc.numel],
                            non_blocking=self.cuda)
                 # torchft: original.to(device) - local.
-                part.sub_(_region(local(self.params[pc.param]), pc).reshape(-1))
+                part.sub_(_region(local_tensor(self.params[pc.param], data=True), pc).reshape(-1))
             if not self.form_first:
                 self.results.formed.add(k)
 
@@ -173,7 +174,7 @@ class SyncWork:
             committed = ctx.gate("commit")
             flat = ctx.buffer(w, b.dtype)
             for pc in b.pieces:
-                loc = _region(local(self.params[pc.param]), pc)
+                loc = _region(local_tensor(self.params[pc.param], data=True), pc)
                 src = _flat(self.backups[pc.param])[pc.start:pc.start + pc.numel]
                 if not committed:
                     # torchft's restore_parameters: the backup, unchanged.

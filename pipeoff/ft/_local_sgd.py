@@ -12,12 +12,12 @@ from torch.distributed.tensor import DTensor
 from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 
 from pipeoff import _accel
+from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
-from pipeoff.ft._buckets import local as _local
 from pipeoff.ft._collective import allreduce_bucket
 from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
@@ -178,7 +178,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         if buckets == self._reserved_for:
             return 0
         params = list(self._model.parameters())
-        device = _local(params[0]).device if params else torch.device("cpu")
+        device = local_tensor(params[0], data=True).device if params else torch.device("cpu")
         reserved = reserve_for(
             sync_graph(buckets, device),
             sync_schedule(buckets, pipelined=self._schedule_name == "pipelined",
@@ -293,7 +293,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     def _plan(self) -> tuple[Bucket, ...]:
         infos = []
         for name, p in self._model.named_parameters():
-            local = _local(p)
+            local = local_tensor(p, data=True)
             if not local.is_floating_point():
                 # torchft's Manager.allreduce averages floating-point tensors
                 # only; caught here, not as a fault at every sync.
@@ -313,7 +313,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     def _offloaded_sync(self) -> bool:
         params = list(self._model.parameters())
         buckets = self._plan()
-        device = _local(params[0]).device if params else torch.device("cpu")
+        device = local_tensor(params[0], data=True).device if params else torch.device("cpu")
         commit: dict[str, bool] = {}
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
@@ -364,7 +364,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
             def fill(flat: torch.Tensor) -> None:
                 for pc in b.pieces:
-                    src = _local(params[pc.param])
+                    src = local_tensor(params[pc.param], data=True)
                     src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
                     flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
 
@@ -413,7 +413,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 # -- tensor helpers -------------------------------------------------------------------
 def _write_back_rfc(param: nn.Parameter, flat: torch.Tensor) -> None:
     """RFC 0003's synchronous write-back of one whole averaged parameter."""
-    local = _local(param)
+    local = local_tensor(param, data=True)
     avg = flat.view(local.shape).to(local.device)  # synchronous copy: RFC non_blocking=False
     if isinstance(param, DTensor):
         param.data.copy_(DTensor.from_local(avg, param.device_mesh, param.placements,
@@ -430,7 +430,7 @@ def _write_back_slice(
     Writing the local tensor keeps the DTensor itself (mesh, placements,
     global shape and stride) as it is.
     """
-    local = _local(param)
+    local = local_tensor(param, data=True)
     if whole:
         dst = local
         src = src.view(local.shape)

@@ -21,12 +21,15 @@ import torch
 from torch import optim
 
 from pipeoff._errors import ConfigError
+from pipeoff.optim._update import ELEMENTWISE
 
-__all__ = ["ELEMENTWISE", "HostOuterOptimizer", "check_outer"]
+__all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "check_outer"]
 
-ELEMENTWISE: tuple[type[optim.Optimizer], ...] = (optim.SGD, optim.Adam, optim.AdamW)
-"""The outer optimizers stepped on the host: element-wise, so that a step of some
-parameters equals the same parameters' part of a step of all."""
+HOST_OUTER_OPTIMIZERS: tuple[type[optim.Optimizer], ...] = tuple(
+    cls for cls in ELEMENTWISE if cls in (optim.SGD, optim.Adam, optim.AdamW))
+"""The outer optimizers DiLoCo steps on the host: those of
+:data:`pipeoff.optim.ELEMENTWISE` (a step of some parameters equals the same
+parameters' part of a step of all) that DiLoCo's outer step accepts."""
 
 
 def check_outer(opt: Any, name: str = "outer_optimizer") -> None:
@@ -38,7 +41,7 @@ def check_outer(opt: Any, name: str = "outer_optimizer") -> None:
             ``capturable`` or ``differentiable`` (CUDA-graph and autograd modes that
             have no host counterpart).
     """
-    if type(opt) not in ELEMENTWISE:
+    if type(opt) not in HOST_OUTER_OPTIMIZERS:
         raise ConfigError(
             f"{name} must be a torch.optim.SGD, Adam or AdamW to be stepped in host memory "
             f"(offload_to_cpu=True), got {type(opt).__name__}: its step is not known to be "

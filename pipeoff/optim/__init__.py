@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeoff.optim._check import OverlapReport, check_overlap
 from pipeoff.optim._full_offload._grads import HostGrad
-from pipeoff.optim._host_kernel import host_step_status
+from pipeoff.optim._full_offload._host_kernel import host_step_status
+from pipeoff.optim._offload._check import OverlapReport, check_overlap
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
 from pipeoff.optim.full_offload import FullOffloadOptimizer

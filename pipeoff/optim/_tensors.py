@@ -1,4 +1,5 @@
-"""Tensor helpers of the offload optimizer: local shards, memory order, DTensor wrapping, arenas."""
+"""Tensor helpers of both optimizers: memory order, DTensor wrapping, arenas (the local
+shard of a DTensor is :func:`pipeoff._compat.local_tensor`, the one helper)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,8 @@ import torch
 
 from pipeoff import _compat
 
-__all__ = ["describe", "flat", "host_alloc", "local", "memory_order", "relaid", "snapshot",
+__all__ = ["describe", "flat", "host_alloc", "memory_order", "relaid", "snapshot",
            "wrap_like"]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return _compat.local_tensor(t)
 
 
 def wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -97,7 +93,7 @@ def snapshot(value: Any) -> Any:
 
 
 def describe(i: int, p: torch.Tensor) -> str:
-    return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype}, on {local(p).device})"
+    return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype}, on {_compat.local_tensor(p).device})"
 
 
 def index_of(params: Sequence[torch.Tensor], param: torch.Tensor) -> int:

@@ -26,9 +26,8 @@ from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, settle, train_span
 from pipeoff.execution import Execution
-from pipeoff.optim import _host_kernel
 from pipeoff.optim._foreign import refuse_foreign
-from pipeoff.optim._full_offload import _common
+from pipeoff.optim._full_offload import _common, _host_kernel
 from pipeoff.optim._full_offload._common import Accumulation, Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,

@@ -13,25 +13,26 @@ from typing import Any, Literal
 import torch
 
 from pipeoff import _accel, _compat
+from pipeoff._compat import local_tensor as _local
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
-from pipeoff.optim import _graph, _update
-from pipeoff.optim._graph import Step
+from pipeoff.optim import _update
 from pipeoff.optim._hooks import set_post_optim_event
-from pipeoff.optim._host_state import (
+from pipeoff.optim._offload import _graph
+from pipeoff.optim._offload._args import _DEFAULT, _Default, staging_args, wrapped
+from pipeoff.optim._offload._graph import Step
+from pipeoff.optim._offload._host_layout import HostLayout
+from pipeoff.optim._offload._host_state import (
     offload_state,
 )
-from pipeoff.optim._layout import Layout
-from pipeoff.optim._offload_args import _DEFAULT, _Default, staging_args, wrapped
-from pipeoff.optim._offload_layout import HostLayout
+from pipeoff.optim._offload._layout import Layout
 from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import index_of
-from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.trace import Trace
 

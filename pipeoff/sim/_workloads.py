@@ -1,7 +1,7 @@
 """Model shapes and shape-only graphs of pipeoff's features, for simulation.
 
 The optimizer's and LocalSGD's graphs come from the features' own builders
-(:mod:`pipeoff.optim._step_graph`, :mod:`pipeoff.ft._sync_graph`), run
+(:mod:`pipeoff.optim._offload._graph_shape`, :mod:`pipeoff.ft._sync_graph`), run
 shape-only (``work=None``) so they cost no memory: a 70B model is a list of
 shapes here, not tensors. A test checks that a real run's trace has the same
 tasks, kinds, bytes and dependencies as the simulated one.
@@ -132,8 +132,8 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
 
 def _optimizer_step(shape: ModelShape, *, chunk_bytes: int | None, prefetch: int,
                     state_bytes_per_elem: int) -> tuple[TaskGraph, Schedule]:
+    from pipeoff.optim._offload._graph_shape import offload_step
     from pipeoff.optim._plan import ParamMeta, plan_chunks
-    from pipeoff.optim._step_graph import offload_step
 
     if state_bytes_per_elem % 4:
         raise ConfigError(f"state_bytes_per_elem must be a multiple of 4 (fp32 state tensors), "

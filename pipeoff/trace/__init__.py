@@ -37,3 +37,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(recording, name)
     raise AttributeError(f"module 'pipeoff.trace' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_INSTRUMENTS})

@@ -260,11 +260,23 @@ def test_failure_before_the_commit_restores_and_the_next_sync_works(mode: str,
 
 
 @pytest.mark.timeout(120)
-def test_a_failed_outer_step_after_commit_raises_with_a_note() -> None:
+def test_a_failed_outer_step_after_commit_raises_with_a_note(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the commit is raised with a note and reported to torchft (so that
+    the replica group's next should_commit() is False and a peer heals it)."""
+    reported: list[BaseException] = []
+    report = Manager.report_error
+
+    def spy(self: Manager, e: Exception) -> None:
+        reported.append(e)
+        report(self, e)
+
+    monkeypatch.setattr(Manager, "report_error", spy)
     with pipeoff.testing.fail_work("outer:c0", lambda: RuntimeError("outer broke")), \
             pytest.raises(RuntimeError, match="outer broke") as info:
         run_diloco({"sync_every": 2, **MODES["pipelined"]}, n_fragments=1, steps=2)
     assert any("partly updated" in n for n in getattr(info.value, "__notes__", []))
+    assert any("outer broke" in str(e) for e in reported), reported
     _assert_pools_idle()
 
 
@@ -557,9 +569,20 @@ def test_torchfts_bucket_cap_mb_sets_the_bucket_size() -> None:
     assert d.bucket_bytes == 4096
 
 
+class _Unreadable:
+    """A parameter whose value cannot be read: its pseudo-gradient's work fails half-way
+    (its backup already copied into the bucket's staging)."""
+
+    @property
+    def data(self) -> Any:
+        raise RuntimeError("replica 0 alone: injected inside the work")
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["before_the_work", "inside_the_work"])
 @pytest.mark.parametrize("mode", ["synchronous", "per_parameter"])
-def test_a_replica_that_fails_alone_contributes_a_zero_pseudo_gradient(mode: str) -> None:
+def test_a_replica_that_fails_alone_contributes_a_zero_pseudo_gradient(
+        mode: str, where: str) -> None:
     """Hazard: a replica whose pseudo-gradient task failed joining the all-reduce with what
     its staging held, so that its healthy peer commits garbage; or skipping the
     all-reduces after the failure, so that its peer waits out the timeout. It joins
@@ -585,6 +608,13 @@ def test_a_replica_that_fails_alone_contributes_a_zero_pseudo_gradient(mode: str
 
                 def pseudograd(k: int, b: Any, dev: str) -> Any:
                     good = work.pseudograd(k, b, dev)
+                    if where == "inside_the_work" and k == fail_param:
+                        # The same work (its results record too) over a parameter
+                        # that fails to be read once the backup is staged.
+                        sync = work.pseudograd.__self__  # the SyncWork
+                        params = list(sync.params)
+                        params[fail_param] = _Unreadable()
+                        return dataclasses.replace(sync, params=params).pseudograd(k, b, dev)
 
                     def run_(ctx: Any) -> None:
                         if k == fail_param:

@@ -29,7 +29,7 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def _run(gpu: Gpu, mode: str, *, steps: int = 6) -> list[torch.Tensor]:
+def _run(gpu: Gpu, mode: str, *, steps: int = 6, delay_s: float = 0.002) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = gpu.module(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 50), nn.Linear(50, 7)))
     manager = _manager(gpu)
@@ -49,7 +49,7 @@ def _run(gpu: Gpu, mode: str, *, steps: int = 6) -> list[torch.Tensor]:
     with pipeoff.ft.DiLoCo(manager, list(model), inner, outer, sync_every=6,
                            fragment_sync_delay=1, fragment_update_alpha=0.5,
                            **MODES[mode]) as diloco, \
-            pipeoff.testing.delay_lane("h2d", 0.002), pipeoff.testing.delay_lane("comm", 0.002):
+            pipeoff.testing.delay_lane("h2d", delay_s), pipeoff.testing.delay_lane("comm", delay_s):
         for _ in range(steps):
             inner.zero_grad()
             model(x).pow(2).mean().backward()
@@ -84,5 +84,38 @@ def test_every_stream_wait_of_the_sync_is_needed(gpu: Gpu, mutation: str) -> Non
     if not gpu.simulated:
         pytest.skip("a real GPU shows a missing wait only by luck")
     with pipeoff.testing.disable(mutation), pytest.raises(pipeoff.testing.DataRaceError):
-        _run(gpu, "pipelined")
+        if mutation == "diloco_formed_wait":
+            _run_with_the_formation_held(gpu)
+        else:
+            # Stream-side sleeps long against a busy host's scheduling: what the
+            # missing stream wait lets through is still pending when it is read.
+            _run(gpu, "pipelined", delay_s=0.05)
         gpu.synchronize()
+
+
+def _run_with_the_formation_held(gpu: Gpu) -> None:
+    """The pseudo-gradients are not even issued until the caller blocks in a wait for
+    them: in ``prepare_sync`` (the formation wait, there) or, without it, in
+    ``perform_sync``, after the next inner step has written the parameters they
+    read. The interleaving is forced, not hoped for from lane delays (a run on a
+    busy machine once formed them before the write, and saw no race)."""
+    from tests._stacks import release_when_waiting
+
+    with pipeoff.testing.hold_task(r"pseudograd:.*") as release:
+        watchers = [release_when_waiting(release, "prepare_sync"),
+                    release_when_waiting(release, "perform_sync")]
+        try:
+            _run(gpu, "pipelined")
+        finally:
+            release.set()
+            for w in watchers:
+                w.join()
+
+
+def test_the_held_formation_is_clean_with_its_wait(gpu: Gpu) -> None:
+    """The same forced interleaving with the formation wait in place raises nothing: the
+    race above is the missing wait's, not the hold's."""
+    if not gpu.simulated:
+        pytest.skip("the hold proves an order on the simulated device")
+    _run_with_the_formation_held(gpu)
+    gpu.synchronize()

@@ -110,7 +110,7 @@ SWITCHES = (
         f"{_TEST_CUDA}::test_an_inline_execution_waits_for_a_block_a_cuda_one_released",
     ), "a host-run task writes a pooled block that a CUDA execution released with its "
        "last copy still in flight", site=True),
-    _switch("record_stream", "pipeoff/optim/_graph.py", (
+    _switch("record_stream", "pipeoff/optim/_offload/_graph.py", (
         f"{_OPTIM_CUDA}::test_the_grad_a_lane_reads_is_fenced_for_the_allocator",
         f"{_OPTIM_CUDA}::test_bitwise_equal",
     ), "the caching allocator hands a dropped gradient's memory to new work while an "
@@ -333,6 +333,69 @@ REVIEW = (
         tests=("tests/optim/test_host_kernel.py::test_a_call_returns_only_when_every_chunk_is_done",),
         hazard="a native kernel returns while helper threads still write its chunks: the "
                "H2D copy (or the next step) reads half-stepped masters"),
+    Mutant(
+        name="r21:main-thread-wait-unsliced", file="pipeoff/executor/_run.py",
+        old="    if threading.current_thread() is not threading.main_thread():\n",
+        new="    if True:\n",
+        tests=("tests/test_wait_slices.py",),
+        hazard="a main-thread wait blocks in one piece: a Ctrl-C that lands just before it "
+               "blocks is raised only when the wait ends (never, on a hung collective)"),
+    Mutant(
+        name="r22:deadline-wait-unsliced", file="pipeoff/executor/_run.py",
+        old="""        left = SIGNAL_CHECK_S if deadline is None else min(
+            SIGNAL_CHECK_S, deadline - time.monotonic())\n""",
+        new="        left = SIGNAL_CHECK_S if deadline is None else deadline - time.monotonic()\n",
+        tests=("tests/test_wait_slices.py",),
+        hazard="a main-thread wait with a deadline blocks until it: a Ctrl-C that lands just "
+               "before it blocks waits for the timeout (a step's timeout, minutes)"),
+    Mutant(
+        name="r23:native-step-unannounced", file="pipeoff/optim/_full_offload/_host_kernel.py",
+        old='        if announce:\n            _happens.native_access("pipeoff_adam_step"',
+        new='        if False:\n            _happens.native_access("pipeoff_adam_step"',
+        tests=("tests/test_simcuda.py::test_a_native_step_reading_a_pending_copy_is_a_race",),
+        hazard="the native step's raw-pointer reads are invisible to the checker: a step "
+               "reading a gradient whose D2H copy is pending goes unreported"),
+    Mutant(
+        name="r24:hand-over-without-readers-wait",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="            # still reads them.\n            self.readers.wait()\n",
+        new="            # still reads them.\n            pass\n",
+        tests=("tests/optim/test_full_offload.py::test_a_transfer_between_the_final_backward_"
+               "and_step_reads_the_masters_before_it",),
+        hazard="step() opens the chunks' gate while a transfer launched after the marked final "
+               "backward still reads the masters: it copies half-stepped masters"),
+    Mutant(
+        name="r25:step-stats-without-wait", file="pipeoff/optim/_offloaded.py",
+        old=("            return None\n        self.wait_for_step()\n"
+             "        trace = self.last_trace"),
+        new="            return None\n        pass\n        trace = self.last_trace",
+        tests=("tests/optim/test_full_offload.py::test_last_step_stats_waits_for_the_step_it_"
+               "describes",),
+        hazard="last_step_stats read while the step is in flight describes the step before "
+               "with this step's number: a logger records wrong figures"),
+    Mutant(
+        name="r26:diloco-formed-marked-before-the-work", file="pipeoff/ft/_diloco_work.py",
+        old="""            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                part = flat[pc.offset:pc.offset + pc.numel]""",
+        new="""            flat = ctx.buffer(dev, b.dtype)
+            if not self.form_first:
+                self.results.formed.add(k)
+            for pc in b.pieces:
+                part = flat[pc.offset:pc.offset + pc.numel]""",
+        tests=("tests/ft/test_diloco.py::test_a_replica_that_fails_alone_contributes_a_zero_"
+               "pseudo_gradient",),
+        hazard="a bucket whose formation failed half-way joins the all-reduce as formed: its "
+               "healthy peer commits an average with the staged backup in it"),
+    Mutant(
+        name="r27:diloco-failure-after-commit-unreported", file="pipeoff/ft/_diloco.py",
+        old="                # should_commit() is False, and raise.\n"
+            "                manager.report_error(err)\n",
+        new="                # should_commit() is False, and raise.\n                pass\n",
+        tests=("tests/ft/test_diloco.py::test_a_failed_outer_step_after_commit_raises_with_a_"
+               "note",),
+        hazard="a replica half-written after its commit is not reported to torchft: its next "
+               "should_commit() is True and no peer ever heals it"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import pipeoff
 from pipeoff import ConfigError, GradientError, StepFailedError, StepTimeoutError, testing
-from pipeoff.optim import FullOffloadOptimizer, HostGrad, _accumulate
+from pipeoff.optim import FullOffloadOptimizer, HostGrad
+from pipeoff.optim._full_offload import _accumulate
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.staging import pools_for
 from tests.optim.full_reference import Reference
@@ -1066,8 +1067,11 @@ def test_a_transfer_between_the_final_backward_and_step_reads_the_masters_before
     target = torch.empty_like(before)
     from tests.transfer.test_transfer import _release_when_waiting_for_readers
 
+    with opt.no_sync():  # a marked micro-step: the unmarked backward below is the final one
+        loss_fn(model, batches(1, 1, seed=3)[0][0]).backward()
     with testing.hold_task("preflight") as release:  # the transfer reads nothing yet
         loss_fn(model, batches(1, 1, seed=2)[0][0]).backward()  # final: waits for step()
+        assert opt._lifecycle.acc is not None and opt._lifecycle.acc.final is not None
         ex = StateTransfer({"m": LiveTensor.from_optimizer(opt, p, "master")},
                            {"m": LiveTensor(target)}).launch()
         watcher = _release_when_waiting_for_readers(release)
@@ -1147,3 +1151,26 @@ def test_a_step_whose_failure_surfaced_late_refuses_until_zero_grad() -> None:
     loss_fn(model, batches(1, 1)[0][0]).backward()
     opt.step()
     opt.wait_for_step()
+
+
+def test_last_step_stats_waits_for_the_step_it_describes() -> None:
+    """Read while the step's chunks are held: the figures are that step's (its number,
+    its chunks), read once it has finished, never the step before's."""
+    from tests._stacks import release_when_waiting
+
+    model = make_model()
+    opt = build(model, overlap="forward")
+    train(opt, model, batches(1, 2))  # two micro-steps: twice the gradient copies
+    first = opt.last_step_stats
+    data = batches(2, 1, seed=5)
+    with testing.hold_task("step:0") as release:
+        loss_fn(model, data[1][0]).backward()
+        opt.step()  # chunk 0 held: the step is in flight
+        watcher = release_when_waiting(release, "last_step_stats")
+        stats = opt.last_step_stats
+    watcher.join()
+    assert first is not None and stats is not None
+    assert (first.step, stats.step) == (0, 1)
+    assert stats.chunks == first.chunks > 0
+    # One micro-step's gradient copies, not the step before's two.
+    assert 0 < stats.d2h_bytes < first.d2h_bytes

@@ -109,7 +109,7 @@ def test_a_removed_wait_before_the_native_fold_is_a_race(gpu: Gpu) -> None:
     can hide that one from the checker.)"""
     if not gpu.simulated:
         pytest.skip("the simulated device names the race; a GPU may just be lucky")
-    from pipeoff.optim import _host_kernel
+    from pipeoff.optim._full_offload import _host_kernel
 
     if _host_kernel.host_kernel() is None:
         pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from pipeoff import _native
-from pipeoff.optim import FullOffloadOptimizer, _host_kernel
-from pipeoff.optim._host_kernel import AdamHyper
+from pipeoff.optim import FullOffloadOptimizer
+from pipeoff.optim._full_offload import _host_kernel
+from pipeoff.optim._full_offload._host_kernel import AdamHyper
 from tests.optim.full_reference import Reference
 from tests.optim.test_full_offload import (
     assert_bitwise,
@@ -209,7 +210,7 @@ def test_other_dispatch_levels_pass_the_self_test(level: str) -> None:
     if level == "avx2" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no AVX2")
     code = ("import torch, warnings; warnings.simplefilter('error')\n"
-            "from pipeoff.optim import _host_kernel as hk\n"
+            "from pipeoff.optim._full_offload import _host_kernel as hk\n"
             "k = hk.host_kernel()\n"
             "print(torch.backends.cpu.get_cpu_capability(), k is not None, "
             "hk.unavailable_reason())\n")
@@ -404,7 +405,7 @@ def test_no_compiler_on_the_path_in_a_fresh_process(tmp_path: Path) -> None:
     """As on a machine without one: PATH has no cc, gcc or clang, and CC is unset."""
     code = ("import warnings, torch\n"
             "from pipeoff import _native\n"
-            "from pipeoff.optim import _host_kernel as hk\n"
+            "from pipeoff.optim._full_offload import _host_kernel as hk\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    assert hk.host_kernel() is None\n"

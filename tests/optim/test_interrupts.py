@@ -21,7 +21,7 @@ from pipeoff import testing as pt
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.transfer import LiveTensor, StateTransfer
-from tests._stacks import stack_of, waiting_in
+from tests._stacks import install, stack_of, waiting_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
 
@@ -57,6 +57,7 @@ def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterat
                 return
             time.sleep(0.001)
 
+    install()
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=watch, daemon=True)
     t.start()

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
-from pipeoff.optim._tensors import flat, flat_like, host_alloc, local, wrap_like
+from pipeoff.optim._tensors import flat, flat_like, host_alloc, wrap_like
 
 __all__ = ["elementwise", "entries", "load", "pack", "plan_load"]
 

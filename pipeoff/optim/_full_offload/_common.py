@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeoff._compat import local_tensor as local
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import GradientError, PipeoffError
 from pipeoff.execution import Execution
 from pipeoff.optim._full_offload._grads import is_placeholder
 from pipeoff.optim._full_offload._graph import h2d_task, norm_task, step_task
 from pipeoff.optim._full_offload._param import ParamRegistry
-from pipeoff.optim._tensors import flat_like, local, snapshot
+from pipeoff.optim._tensors import flat_like, snapshot
 
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._lanes import LaneResults, LaneWork

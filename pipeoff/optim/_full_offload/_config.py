@@ -12,7 +12,8 @@ import torch
 from pipeoff import _compat
 from pipeoff._errors import ConfigError, UnsupportedOptimizerError
 from pipeoff._validate import check_int
-from pipeoff.optim import _accumulate, _update
+from pipeoff.optim import _update
+from pipeoff.optim._full_offload import _accumulate
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
            "Overlap", "check_clip_args", "check_max_norm", "check_model", "chunk_numel_of",

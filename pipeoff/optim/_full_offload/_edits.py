@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import GradientError
-from pipeoff.optim._tensors import local
 
 __all__ = ["FOREACH_CLAMP", "FOREACH_SCALE", "SCALE", "Edit", "apply_edits", "fusable",
            "value"]

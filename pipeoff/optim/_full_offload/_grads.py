@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeoff import _compat, _faults
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError, GradientError, PipeoffError
 from pipeoff.optim._full_offload._edits import FOREACH_CLAMP as _FOREACH_CLAMP
 from pipeoff.optim._full_offload._edits import FOREACH_SCALE as _FOREACH_SCALE
 from pipeoff.optim._full_offload._edits import SCALE as _SCALE
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._full_offload._edits import value as _value
-from pipeoff.optim._tensors import flat, flat_like, local, wrap_like
+from pipeoff.optim._tensors import flat, flat_like, wrap_like
 
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._common import Accumulation

@@ -5,7 +5,7 @@ copies a shipped gradient into a host slot, :meth:`LaneWork.fold` adds it into
 the FP32 accumulator. Per chunk ``k`` of the final micro-step:
 :meth:`LaneWork.step_chunk` steps the masters and casts them into a weight
 buffer, :meth:`LaneWork.h2d` copies that into the device weights. The math is
-``pipeoff.optim._accumulate`` and ``_update``; this module binds it to the
+``pipeoff.optim._full_offload._accumulate`` and ``_update``; this module binds it to the
 registry's tensors.
 
 [Note: lane writes]
@@ -46,8 +46,8 @@ import torch
 
 from pipeoff import _accel, _faults
 from pipeoff.graph import TaskContext
-from pipeoff.optim import _accumulate, _host_kernel, _update
-from pipeoff.optim._full_offload import _edits
+from pipeoff.optim import _update
+from pipeoff.optim._full_offload import _accumulate, _edits, _host_kernel
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import STEP, FullWork, grad_gate, pieces
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry

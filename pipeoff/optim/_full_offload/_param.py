@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from pipeoff import _accel
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
-from pipeoff.optim._tensors import flat, host_alloc, index_of, local, memory_order
+from pipeoff.optim._tensors import flat, host_alloc, index_of, memory_order
 
 __all__ = ["OffloadedParam", "ParamRegistry", "norm_groups"]
 

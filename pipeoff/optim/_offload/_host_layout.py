@@ -2,7 +2,7 @@
 they change), the host state that follows each parameter's memory order, and the
 host tensors and staging reserved ahead of the first step.
 
-:class:`HostLayout` owns three facts: the current :class:`~pipeoff.optim._layout.Layout`,
+:class:`HostLayout` owns three facts: the current :class:`~pipeoff.optim._offload._layout.Layout`,
 the host tensors reserved for state that does not exist yet, and the plan whose
 staging is reserved. ``OffloadOptimizer`` reads them; only this object writes them.
 """
@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
+from pipeoff._compat import local_tensor as _local
 from pipeoff.optim import _update
-from pipeoff.optim._host_state import (
+from pipeoff.optim._offload._graph_shape import offload_step
+from pipeoff.optim._offload._host_state import (
     check_loaded,
     check_state_dtypes,
     loaded_value,
     offload_state,
 )
-from pipeoff.optim._layout import Layout, build_layout, fingerprint
+from pipeoff.optim._offload._layout import Layout, build_layout, fingerprint
 from pipeoff.optim._offloaded import check_in_model
-from pipeoff.optim._step_graph import offload_step
 from pipeoff.optim._tensors import host_alloc, memory_order, relaid
-from pipeoff.optim._tensors import local as _local
 from pipeoff.staging import reserve_for
 
 __all__ = ["HostLayout"]

@@ -1,7 +1,7 @@
 """An offload optimizer's state in host memory: moved there, loaded there, checked.
 
 Functions over the wrapped optimizer's ``state`` and a step's
-:class:`~pipeoff.optim._layout.Layout`; :class:`~pipeoff.optim.OffloadOptimizer`
+:class:`~pipeoff.optim._offload._layout.Layout`; :class:`~pipeoff.optim.OffloadOptimizer`
 calls them between steps, on the caller's thread.
 """
 
@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from pipeoff import _accel
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
-from pipeoff.optim._layout import Layout
-from pipeoff.optim._tensors import describe, host_alloc, local, memory_order, wrap_like
+from pipeoff.optim._offload._layout import Layout
+from pipeoff.optim._tensors import describe, host_alloc, memory_order, wrap_like
 
 __all__ = ["check_loaded", "check_state_dtypes", "loaded_value", "offload_state"]
 

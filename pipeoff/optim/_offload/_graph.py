@@ -1,6 +1,6 @@
 """The task graph of one offload-optimizer step: per chunk H2D -> update -> D2H; the single pass.
 
-Graph builders read a :class:`~pipeoff.optim._layout.Layout` and the wrapped
+Graph builders read a :class:`~pipeoff.optim._offload._layout.Layout` and the wrapped
 optimizer's public surface (its ``state`` and ``param_groups``), never the
 ``OffloadOptimizer`` itself.
 """
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from pipeoff import _accel, _compat, _faults
+from pipeoff._compat import local_tensor as _local
 from pipeoff._errors import ConfigError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim import _update
-from pipeoff.optim._layout import Layout
-from pipeoff.optim._step_graph import ChunkTasks, offload_step
+from pipeoff.optim._offload._graph_shape import ChunkTasks, offload_step
+from pipeoff.optim._offload._layout import Layout
 from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import flat, flat_like, host_alloc
-from pipeoff.optim._tensors import local as _local
 from pipeoff.optim._tensors import snapshot as _snapshot
 from pipeoff.optim._tensors import wrap_like as _wrap_like
 from pipeoff.schedule import Schedule

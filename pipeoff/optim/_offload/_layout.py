@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._plan import ChunkPlan, ParamMeta, plan_chunks, planned_numel
-from pipeoff.optim._tensors import describe, local, memory_order
+from pipeoff.optim._tensors import describe, memory_order
 
 __all__ = ["FUSED_ALIGN", "Layout", "build_layout", "fingerprint"]
 

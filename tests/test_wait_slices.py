@@ -1,0 +1,78 @@
+"""Ctrl-C reaches a main thread blocked in an execution's wait, also when the signal
+lands in the window where no blocking call can be interrupted.
+
+A real SIGINT during a blocked lock acquire interrupts it; one that lands after
+the waiting thread's last check and before it blocks does not: CPython has
+only set its flag, and runs the handler at the next bytecode. That window is
+reproduced exactly by ``_thread.interrupt_main()``, which sets the flag without
+a signal. pipeoff's main-thread waits come back to Python every
+``SIGNAL_CHECK_S`` (``executor/_run.py: wait_event``), so the interrupt is
+raised while the task it waits for is still held; an unsliced wait would raise
+it only once the wait ends. The task is held until the interrupt has arrived
+(or, for an unsliced wait, until a generous fallback gives up and releases it,
+so the failure is an assertion, not a hang).
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+
+import pytest
+
+import pipeoff
+import pipeoff.testing
+from pipeoff import TaskGraph, TaskKind
+from tests._stacks import install, stack_of, waiting_in
+
+FALLBACK_S = 20.0
+"""How long the held task waits for the interrupt before it is released anyway (only
+an unsliced wait gets there; a sliced one is interrupted within a slice)."""
+
+
+def _graph() -> TaskGraph:
+    g = TaskGraph()
+    g.add_task("held", TaskKind.HOST, lambda ctx: 1)
+    return g
+
+
+@pytest.mark.parametrize("timeout", [None, 3600.0], ids=["no_deadline", "deadline"])
+@pytest.mark.parametrize("what", ["execution", "task"])
+def test_an_interrupt_in_the_unblockable_window_reaches_the_wait(
+        timeout: float | None, what: str) -> None:
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    interrupted = threading.Event()
+    gave_up = threading.Event()
+    install()
+    with pipeoff.testing.hold_task("held") as release:
+        ex = pipeoff.execute(_graph())
+
+        def watch() -> None:
+            # Ordered by the main thread's stack, not by time: once it waits.
+            while waiting_in(stack_of(main), ("wait",)) is None:
+                if interrupted.wait(0.001):
+                    return
+            _thread.interrupt_main()  # the flag only: no blocking call is interrupted
+            if not interrupted.wait(FALLBACK_S):
+                gave_up.set()
+                release.set()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                if what == "execution":
+                    ex.wait(timeout=timeout)
+                else:
+                    ex.wait("held", timeout=timeout)
+                # An unsliced wait returns once released; the pending flag raises here.
+                threading.Event().wait(0.0)
+        finally:
+            interrupted.set()
+            watcher.join()
+        assert not gave_up.is_set(), "the interrupt came only once the wait had ended"
+        assert not ex.done()  # still held: the wait was interrupted, not over
+        release.set()
+    ex.wait(timeout=60)
+    assert ex.result("held") == 1
