@@ -209,8 +209,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         self._lifecycle = Lifecycle(self._registry, config, self._health, self._readers,
                                     lambda: self.param_groups)
         self._model_sync = ModelSync(self._registry, self._lifecycle, config, self._readers,
-                                     lambda: self.param_groups, self.wait_for_step,
-                                     on_indexed=lambda: self._intake.ensure_hooks())
+                                     lambda: self.param_groups, self.wait_for_step)
         self._intake = GradientIntake(self._lifecycle, self._model_sync)
         self.last_trace: Any = None
         self._micro_traces: list[Any] = []  # the last step's other executions' traces
@@ -233,11 +232,16 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
                 raise
             raise ConfigError(f"params: {err}") from None
         self._building = False
-        self._model_sync.reindex()
+        self._reindex()
         if found is not None:
             self._train_spans_on(found)  # forward and backward on a recorded trace's train row
         else:
             self._finder = ModelFinder(self._registry.tensors, self._found_model)
+
+    def _reindex(self) -> None:
+        """Index the parameters of ``param_groups`` anew, and hook the new ones."""
+        self._model_sync.reindex()
+        self._intake.ensure_hooks()
 
     def _found_model(self, model: torch.nn.Module) -> bool:
         """The model of an optimizer built from parameters, seen in a forward: take it
@@ -247,7 +251,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         check_model(model)
         self._registry.adopt_model(model)
         self.model = model
-        self._model_sync.reindex()
+        self._reindex()
         self._train_spans_on(model)
         return True
 
@@ -273,10 +277,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         super().add_param_group(group)
         if not self._building:
             try:
-                self._model_sync.reindex()
+                self._reindex()
             except BaseException:
                 self.param_groups[:] = before
-                self._model_sync.reindex()
+                self._reindex()
                 raise
 
     @property
@@ -381,7 +385,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
         self.wait_for_step()
         self._health.check("step()")
-        self._model_sync.sync()
+        if self._model_sync.sync():
+            self._intake.ensure_hooks()
         micro = self._lifecycle
         if micro.phase is Phase.IDLE:
             # A failure that stepped nothing and surfaced after step() returned:

@@ -203,7 +203,8 @@ class GradientIntake:
             # one is its gradient.
             lifecycle.grads.withdraw(stepping=False)
         if lifecycle.acc is None and lifecycle.micro is None:
-            self.model_sync.sync()  # the first gradient of a step
+            if self.model_sync.sync():  # the first gradient of a step
+                self.ensure_hooks()  # parameters added to param_groups in place
         i = self.registry.position(p)
         if i is None:
             return

@@ -4,8 +4,10 @@ weights made from outside adopted as masters, at a step's first gradient and at
 
 :class:`ModelSync` is a sibling of the gradient intake (which calls it at a step's
 first gradient) and of the optimizer (which calls it at ``step()``); it reads and
-writes the registry and reads the lifecycle. New parameters it indexes are hooked
-through ``on_indexed`` (the intake's ``ensure_hooks``, wired by the optimizer).
+writes the registry and reads the lifecycle. It says whether it indexed new
+parameters (:meth:`reindex` does; :meth:`sync` and :meth:`follow_param_groups`
+return it): its caller hooks them (``GradientIntake.ensure_hooks``), so the
+intake calls down to it and nothing here calls back.
 """
 
 from __future__ import annotations
@@ -47,30 +49,26 @@ class ModelSync:
         param_groups: the optimizer's live ``param_groups``.
         wait_for_step: the optimizer's own wait for the step in flight (its writes go
             first; it keeps the optimizer's trace and per-step figures).
-        on_indexed: called when parameters were indexed anew (the intake hooks them).
     """
 
     def __init__(self, registry: ParamRegistry, lifecycle: Lifecycle, config: FullOffloadConfig,
                  readers: Readers, param_groups: Callable[[], list[dict[str, Any]]],
-                 wait_for_step: Callable[[], None], *,
-                 on_indexed: Callable[[], None]) -> None:
+                 wait_for_step: Callable[[], None]) -> None:
         self.registry = registry
         self.lifecycle = lifecycle
         self.config = config
         self.readers = readers
         self.param_groups = param_groups
         self.wait_for_step = wait_for_step
-        self.on_indexed = on_indexed
 
     def reindex(self) -> None:
         """Host state for the parameters of ``param_groups`` (new ones only), and the
-        staging a micro-step holds, reserved now rather than in a hook; then the new
-        parameters are hooked."""
+        staging a micro-step holds, reserved now rather than in a hook. The caller
+        hooks the new parameters (``GradientIntake.ensure_hooks``)."""
         self.registry.index(self.param_groups())
-        self.on_indexed()
         reserve_for(*self.lifecycle.launcher.graph(final=True))
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
         """At the first gradient of a step and at ``step()``: follow in-place edits of
         ``param_groups``, then adopt outside writes to the weights (of parameters back
         in the groups too; a write between micro-steps, or after the last backward,
@@ -81,7 +79,7 @@ class ModelSync:
                 ``overlap="backward"`` (its chunks stepped from the masters already);
                 ``param_groups`` edited mid-accumulation.
         """
-        self.follow_param_groups()
+        reindexed = self.follow_param_groups()
         acc = self.lifecycle.acc
         late = self.config.overlap == "backward" and acc is not None and acc.final is not None
         changed = self.registry.written_from_outside()
@@ -93,7 +91,7 @@ class ModelSync:
             copied = acc.weights_copied()
             changed = [rec for rec in changed if id(rec.param) in copied]
         if not changed:
-            return
+            return reindexed
         self.wait_for_step()  # our own writes first
         # Hazard: adopting the written weights as masters while a transfer
         # launched after the last step still reads that step's masters.
@@ -103,6 +101,7 @@ class ModelSync:
         self.registry.adopt(changed)
         if late:
             raise ConfigError(late_write_message([rec.name for rec in changed]))
+        return reindexed
 
     def follow_param_groups(self) -> bool:
         """The live ``param_groups`` are the truth: parameters removed from, added to or

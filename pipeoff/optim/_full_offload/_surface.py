@@ -119,7 +119,8 @@ class MastersAndCheckpoints:
         """
         self._quiesce()
         self._health.check("state_dict()", stale=False)
-        self._model_sync.follow_param_groups()
+        if self._model_sync.follow_param_groups():
+            self._intake.ensure_hooks()
         return _checkpoint.pack(self._registry, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -136,7 +137,8 @@ class MastersAndCheckpoints:
         self._quiesce_keeping_failures()
         self._lifecycle.settle_deferred()
         if self._lifecycle.phase is Phase.IDLE:
-            self._model_sync.follow_param_groups()
+            if self._model_sync.follow_param_groups():
+                self._intake.ensure_hooks()
         plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict)
         # Checked: now write. Gradients accumulated so far belong to the state
         # being replaced.
