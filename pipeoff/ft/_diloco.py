@@ -272,9 +272,20 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         step = _step_number(_optim, self._manager) if syncing or preparing else 0
         self._chosen = None
         start = time.perf_counter_ns()
-        with (train_span("sync" if syncing else "prepare", step)
-              if syncing or preparing else contextlib.nullcontext()):
-            super()._step_post_hook(_optim, _args, _kwargs)
+        try:
+            with (train_span("sync" if syncing else "prepare", step)
+                  if syncing or preparing else contextlib.nullcontext()):
+                super()._step_post_hook(_optim, _args, _kwargs)
+        except BaseException:
+            chosen = self._chosen
+            opt = self._local_optimizer
+            if chosen is not None and isinstance(opt, MasterCopy):
+                # Hazard: a sync that raised after restoring the fragment's
+                # parameters (through .data, which no version counter sees), its
+                # masters then copied back over them at the next step. Adopts only
+                # weights that differ from their master's cast.
+                opt.refresh_masters(list(self._fragments[chosen]._model_fragment.parameters()))
+            raise
         # torchft resets its counter after, and only after, a fragment sync.
         chosen = self._chosen
         fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \

@@ -823,3 +823,33 @@ def test_the_masters_refreshed_are_those_of_the_fragment_torchft_synced(
                     assert torch.equal(master.to(torch.bfloat16), p.detach()), (k, name)
     # The first sync was fragment 1 (step 1 after the quorum), not fragment 0.
     assert synced == [1, 0, 1, 0]
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_refused_before_its_decision_leaves_the_masters_of_the_restored_weights(
+        ) -> None:
+    """A sync that raises after torchft restored the fragment's parameters (outer
+    param_groups reordered, refused before the decision) still refreshes that
+    fragment's FP32 masters under FullOffloadOptimizer: the next step steps the
+    restored weights, not the masters of before."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    model = _bf16_model(0)
+    params = list(model.parameters())
+    inner = FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1)
+    outer = optim.SGD(params[:2], lr=0.7)
+    outer.add_param_group({"params": params[2:], "lr": 0.1})
+    manager = _committing_manager()
+    d = pipeoff.ft.DiLoCo(manager, [model], inner, outer, 2, offload_to_cpu=True)
+    with d:
+        for _ in range(2):
+            _inner_step(model, inner)
+        outer.param_groups.reverse()
+        _inner_step(model, inner)
+        _inner_step(model, inner, step=False)
+        with pytest.raises(ConfigError, match="param_groups changed"):
+            inner.step()
+        inner.wait_for_step()
+        for name, p in model.named_parameters():
+            master = inner._host_tensor(p, "master")
+            assert torch.equal(master.to(torch.bfloat16), p.detach()), name
