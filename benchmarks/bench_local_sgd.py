@@ -7,7 +7,7 @@ A real torchft Lighthouse and two replicas (spawned processes, one rank
 each, ProcessGroupGloo on CPU) sync models of ``--sizes`` million fp32
 parameters. Each replica runs the three modes on the same Manager,
 interleaved sync by sync: the original path,
-``offload_averaged_parameters_to_cpu=True`` with ``schedule="synchronous"`` (RFC
+``offload_to_cpu=True`` with ``schedule="synchronous"`` (RFC
 0003) and with ``schedule="pipelined"``. It reports
 the mean ``_perform_sync`` time per mode, the ratios, and the extra device
 staging high-water (S for the original path's clones, M for the RFC, the
@@ -63,8 +63,8 @@ def _replica(replica_id: int, lighthouse: str, args: argparse.Namespace, q: Any)
         torch.set_num_threads(args.threads)
     modes = {
         "original": {},
-        "RFC sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
-        "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+        "RFC sync": {"offload_to_cpu": True, "schedule": "synchronous"},
+        "pipelined": {"offload_to_cpu": True, "schedule": "pipelined",
                       "bucket_bytes": int(args.bucket_mib * MiB),
                       "device_budget_bytes": int(args.budget_mib * MiB)},
     }

@@ -272,7 +272,7 @@ def local_sgd_nccl() -> str:
     opt.register_step_post_hook(lambda *_: before.__setitem__(
         slice(None), [p.detach().clone() for p in model.parameters()]))
     try:
-        with pipeoff.ft.LocalSGD(manager, model, opt, 2, offload_averaged_parameters_to_cpu=True,
+        with pipeoff.ft.LocalSGD(manager, model, opt, 2, offload_to_cpu=True,
                                  bucket_bytes=1 << 18) as local_sgd:
             for _ in range(4):
                 opt.zero_grad()

@@ -5,7 +5,7 @@
 It starts a torchft Lighthouse and two replica groups (threads here, one rank
 each, ProcessGroupGloo on CPU; on a cluster each replica is its own job). Each
 replica trains a small model and wraps its optimizer in
-``pipeoff.ft.LocalSGD(..., offload_averaged_parameters_to_cpu=True,
+``pipeoff.ft.LocalSGD(..., offload_to_cpu=True,
 schedule="pipelined")``: every ``--sync-every`` steps the parameters are
 packed into buckets, all-reduced bucket by bucket, staged in host memory, and
 written back only if the quorum commits. The last sync's trace is saved (open
@@ -53,7 +53,7 @@ def replica(replica_id: int, lighthouse: str, args: argparse.Namespace) -> tuple
     try:
         with pipeoff.ft.LocalSGD(
             manager, model, opt, args.sync_every,
-            offload_averaged_parameters_to_cpu=True,
+            offload_to_cpu=True,
             schedule="pipelined",
             bucket_bytes=64 << 10,          # 64 KiB buckets: a few per sync for this model
             device_budget_bytes=128 << 10,  # two buckets of device staging in flight

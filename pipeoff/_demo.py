@@ -3,7 +3,7 @@
 A small transformer language model trains for a few steps in two replica
 processes that find each other through a torchft Lighthouse started here.
 Each replica wraps AdamW in ``OffloadOptimizer(mode="overlap")`` and syncs
-with ``pipeoff.ft.LocalSGD(..., offload_averaged_parameters_to_cpu=True)``.
+with ``pipeoff.ft.LocalSGD(..., offload_to_cpu=True)``.
 The run happens twice, once with ``schedule="synchronous"`` (RFC 0003's sequential
 path) and once with ``schedule="pipelined"``, so the two can be compared.
 Replica 0 records each run with ``pipeoff.trace.record``.
@@ -96,7 +96,7 @@ def _replica(replica_id: int, lighthouse: str, schedule: str, cfg: dict[str, Any
         sync_peak = 0
         trace_path = Path(out) / f"trace-{schedule}.json" if replica_id == 0 else None
         with pipeoff.trace.record(trace_path, replica_id=replica_id, schedule=schedule), \
-                LocalSGD(manager, model, opt, cfg["sync_every"], True,
+                LocalSGD(manager, model, opt, cfg["sync_every"], offload_to_cpu=True,
                          schedule=schedule,  # type: ignore[arg-type]
                          bucket_bytes=cfg["bucket_bytes"],
                          device_budget_bytes=cfg["device_budget_bytes"]
@@ -200,7 +200,7 @@ def run_demo(out: Path, quick: bool = False) -> int:
     if not torch.cuda.is_available():
         print("  (CPU-only torch: no pinned memory, so host staging is ordinary memory,\n"
               "   and 'device' staging is host memory too; the graphs are the same)")
-    print("  LocalSGD:  offload_averaged_parameters_to_cpu=True, "
+    print("  LocalSGD:  offload_to_cpu=True, "
           f"{cfg['bucket_bytes'] >> 10} KiB buckets, device budget "
           f"{cfg['device_budget_bytes'] >> 10} KiB\n")
     sync_ms = {}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["check_int"]
+__all__ = ["check_bytes", "check_int", "parse_bytes"]
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False,
@@ -34,3 +35,50 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
             parts.append(also)
         raise ConfigError(f"{' '.join(parts)}, got {value!r}")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+"""SI units are powers of ten (``"1GB"`` is 10**9 bytes), IEC units powers of two
+(``"1GiB"`` is 2**30), as PyTorch's and the HF Hub's tools spell them."""
+
+
+def parse_bytes(text: Any, *, name: str = "size") -> int:
+    """A byte size: an int, or a string as config files write one (``"4096"``,
+    ``"256MiB"``, ``"1GB"``, ``"2e9"``; units ``B``, ``KB``/``MB``/``GB``/``TB`` in
+    powers of ten, ``KiB``/``MiB``/``GiB``/``TiB`` in powers of two, any case).
+    Returns the number of bytes (rounded down to an int).
+
+    Raises:
+        ConfigError: not a size of at least one byte, naming ``name``.
+    """
+    if isinstance(value := text, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    elif isinstance(text, str) and (
+            m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)):
+        number, unit = float(m.group(1)), m.group(2).lower()
+    else:
+        raise ConfigError(f"{name} must be a positive int (bytes) or a size string such "
+                          f"as '256MiB' or '1GB', got {text!r}")
+    if unit not in _UNITS:
+        raise ConfigError(f"{name}: unknown unit in {text!r}; use B, KB, MB, GB "
+                          "(powers of 10) or KiB, MiB, GiB (powers of 2)")
+    value = number * _UNITS[unit]
+    if not value < 2**62:
+        raise ConfigError(f"{name} is too large: {text!r}")
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive int (bytes) or a size string such "
+                          f"as '256MiB' or '1GB', got {text!r} (less than 1 byte)")
+    return int(value)
+
+
+def check_bytes(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """:func:`parse_bytes` of a user-facing argument ``name``; ``None`` passes when
+    ``optional``.
+
+    Raises:
+        ConfigError: ``value`` is not a byte size (the message names ``name``).
+    """
+    if optional and value is None:
+        return None
+    return parse_bytes(value, name=name)

@@ -371,3 +371,40 @@ def test_optim_shows_its_two_optimizers() -> None:
                    "full_offload.py", "offload.py"], top
     assert (PIPEOFF / "optim" / "_offload").is_dir()
     assert (PIPEOFF / "optim" / "_full_offload").is_dir()
+
+
+def test_full_offload_parts_hold_no_method_of_their_optimizer() -> None:
+    # Parts call down, never back up into their owner: no part of a
+    # FullOffloadOptimizer holds the optimizer or one of its bound methods (the
+    # model sync once called the optimizer's wait_for_step). The forward waits'
+    # on_failure is the one call up, and it only raises the step's failure.
+    import torch
+
+    from pipeoff.optim import FullOffloadOptimizer
+
+    model = torch.nn.Linear(4, 4)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW)
+    allowed = {("ForwardWaits", "_on_failure")}
+    seen: set[int] = set()
+
+    def walk(obj: object, depth: int) -> None:
+        if id(obj) in seen or depth > 3 or not type(obj).__module__.startswith("pipeoff."):
+            return
+        seen.add(id(obj))
+        for name, value in vars(obj).items() if hasattr(obj, "__dict__") else ():
+            owner = getattr(value, "__self__", None)
+            if (value is opt or owner is opt) and (type(obj).__name__, name) not in allowed:
+                raise AssertionError(f"{type(obj).__name__}.{name} calls up into the optimizer")
+            walk(value, depth + 1)
+
+    for name in ("_registry", "_lifecycle", "_model_sync", "_intake", "_traces", "_waits"):
+        walk(getattr(opt, name), 0)
+
+
+def test_full_offload_task_gate_and_buffer_names_are_spelled_in_its_graph_module() -> None:
+    # A name re-spelled elsewhere drifts silently: a lane asking for a buffer the
+    # graph no longer declares, a gate opened that no task waits on.
+    literal = re.compile(r"""f?["'](?:grad|step|h2d|d2h|acc|slot|w):|"""
+                         r"""\.(?:gate|buffer|events_for|add_task|add_buffer)\(\s*f?["']""")
+    assert _offenders(literal, only=("pipeoff/optim/_full_offload/",),
+                      skip=("pipeoff/optim/_full_offload/_graph.py",)) == []

@@ -19,10 +19,11 @@ from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
-from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule, outer_chunks
+from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
 from pipeoff.ft._diloco_work import SyncWork
 from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._outer import HostOuterOptimizer, check_outer
+from pipeoff.optim._plan import whole_chunks
 from pipeoff.staging import reserve_for
 from pipeoff.trace import StepStats
 
@@ -385,8 +386,10 @@ class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             limit, limit_name = options.device_budget_bytes, "device_budget_bytes"
         self._buckets = plan_buckets(infos, limit=limit, per_parameter=options.per_parameter,
                                      limit_name=limit_name)
-        self._chunks = outer_chunks([t.numel() for t in locals_],
-                                    [t.element_size() for t in locals_], options.bucket_bytes)
+        # The outer step's chunks: whole parameters under bucket_bytes (empty ones are
+        # stepped too: the optimizer keeps state for them, as torchft's does).
+        self._chunks = whole_chunks([t.numel() * t.element_size() for t in locals_],
+                                    options.bucket_bytes)
         # Take the staging a sync holds now, not inside it (pinned allocation
         # stalls the device and, under NCCL, can deadlock against peers).
         self._form_first = (options.schedule == "pipelined"

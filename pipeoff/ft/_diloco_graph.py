@@ -47,7 +47,7 @@ from pipeoff.ft._buckets import Bucket
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
 
-__all__ = ["OUTER_LANE", "DiLoCoWork", "diloco_graph", "diloco_schedule", "outer_chunks"]
+__all__ = ["OUTER_LANE", "DiLoCoWork", "diloco_graph", "diloco_schedule"]
 
 OUTER_LANE = "outer_step"
 Work = Callable[[TaskContext], Any]
@@ -72,26 +72,6 @@ class DiLoCoWork:
     """``(c, parameter indices)``: the outer step of chunk ``c``, if committed."""
     write: Callable[[int, Bucket, str], Work]
     """``(k, bucket, device buffer)``: merge (committed) or restore (rejected)."""
-
-
-def outer_chunks(numels: Sequence[int], itemsizes: Sequence[int],
-                 chunk_bytes: int | None) -> tuple[tuple[int, ...], ...]:
-    """Whole parameters, in order, in chunks of at most ``chunk_bytes`` (a larger one
-    is a chunk of its own; ``None``: one chunk per parameter). Empty parameters are
-    stepped too: the optimizer keeps state for them, as torchft's does."""
-    chunks: list[tuple[int, ...]] = []
-    cur: list[int] = []
-    size = 0
-    for i, (n, s) in enumerate(zip(numels, itemsizes)):
-        b = n * s
-        if cur and (chunk_bytes is None or size + b > chunk_bytes):
-            chunks.append(tuple(cur))
-            cur, size = [], 0
-        cur.append(i)
-        size += b
-    if cur:
-        chunks.append(tuple(cur))
-    return tuple(chunks)
 
 
 def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],

@@ -19,7 +19,7 @@ from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._collective import allreduce_bucket
-from pipeoff.ft._options import StagingOptions, check_flag
+from pipeoff.ft._options import StagingOptions, offload_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
@@ -40,7 +40,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
     ``_local_step``, :meth:`sync`, one ``start_quorum()`` and one
     ``should_commit()`` per sync are torchft's. Only the averaging in
     ``_perform_sync`` changes, and only when
-    ``offload_averaged_parameters_to_cpu=True``:
+    ``offload_to_cpu=True``:
 
     * ``schedule="synchronous"`` is RFC 0003 exactly, run as a pipeoff graph under
       :meth:`pipeoff.Schedule.synchronous`: for each parameter in turn, copy
@@ -99,9 +99,11 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         model: the model whose parameters are averaged.
         optimizer: the inner optimizer; its step hooks drive :meth:`sync`.
         sync_every: local steps between syncs.
-        offload_averaged_parameters_to_cpu: stage averaged parameters in
-            host memory until commit (RFC 0003). ``False`` is torchft's
-            original path, byte for byte.
+        offload_to_cpu: stage averaged parameters in host memory until commit
+            (RFC 0003's ``offload_averaged_parameters_to_cpu``; DiLoCo's name).
+            ``False`` is torchft's original path, byte for byte.
+        offload_averaged_parameters_to_cpu: the old name of ``offload_to_cpu``,
+            still accepted (also positionally) with a ``FutureWarning``.
         schedule: ``"pipelined"`` (the default) or ``"synchronous"`` (RFC 0003's
             sequential path, like :meth:`pipeoff.Schedule.synchronous`; ``"sync"``
             is its old name, accepted with a ``FutureWarning``); only with the
@@ -133,16 +135,16 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         model: nn.Module,
         optimizer: optim.Optimizer,
         sync_every: int,
-        offload_averaged_parameters_to_cpu: bool = False,
+        offload_averaged_parameters_to_cpu: bool | None = None,
         *,
+        offload_to_cpu: bool | None = None,
         schedule: Literal["pipelined", "synchronous", "sync"] | None = None,
         bucket_bytes: int | Literal["per_parameter"] | None = None,
         device_budget_bytes: int | None = None,
     ) -> None:
         super().__init__(manager, model, optimizer, sync_every)
-        self._offload = check_flag("offload_averaged_parameters_to_cpu",
-                                   offload_averaged_parameters_to_cpu)
-        opts = StagingOptions.resolve(flag="offload_averaged_parameters_to_cpu",
+        self._offload = offload_flag(offload_to_cpu, offload_averaged_parameters_to_cpu)
+        opts = StagingOptions.resolve(flag="offload_to_cpu",
                                       offload=self._offload, schedule=schedule,
                                       bucket_bytes=bucket_bytes,
                                       device_budget_bytes=device_budget_bytes)

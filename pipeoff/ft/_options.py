@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeoff._errors import ConfigError
-from pipeoff._validate import check_int
+from pipeoff._validate import parse_bytes
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES
 
-__all__ = ["PER_PARAMETER", "SCHEDULES", "StagingOptions", "check_flag"]
+__all__ = ["PER_PARAMETER", "SCHEDULES", "StagingOptions", "check_flag", "offload_flag"]
 
 SCHEDULES = ("pipelined", "synchronous")
 PER_PARAMETER = "per_parameter"
@@ -22,6 +22,23 @@ def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def offload_flag(offload_to_cpu: Any, old: Any, old_name: str = (
+        "offload_averaged_parameters_to_cpu")) -> bool:
+    """``offload_to_cpu``, or its old name ``old`` (accepted with a ``FutureWarning``);
+    ``False`` when neither is given.
+
+    Raises:
+        ConfigError: both given, or not a bool.
+    """
+    if old is not None:
+        if offload_to_cpu is not None:
+            raise ConfigError(f"give offload_to_cpu (the new name of {old_name}), not both")
+        warnings.warn(f"LocalSGD({old_name}=...) is now offload_to_cpu=... (DiLoCo's "
+                      f"name); {old_name} will be removed", FutureWarning, stacklevel=3)
+        return check_flag(old_name, old)
+    return check_flag("offload_to_cpu", False if offload_to_cpu is None else offload_to_cpu)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,8 +85,8 @@ class StagingOptions:
             sched = "synchronous"
         if sched not in SCHEDULES:
             raise ConfigError(f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
-        budget = None if device_budget_bytes is None else check_int(
-            "device_budget_bytes", device_budget_bytes, unit="bytes")
+        budget = None if device_budget_bytes is None else parse_bytes(
+            device_budget_bytes, name="device_budget_bytes")
         bucket: int | None
         if bucket_bytes is None:
             # With only a budget given, buckets of half of it: two fit, so one
@@ -80,8 +97,7 @@ class StagingOptions:
         elif bucket_bytes == PER_PARAMETER:
             bucket = None
         else:
-            bucket = check_int("bucket_bytes", bucket_bytes, unit="bytes",
-                               also="or 'per_parameter'")
+            bucket = parse_bytes(bucket_bytes, name="bucket_bytes")
         bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
             "bucket_bytes (device_budget_bytes // 2)")
         if budget is None and bucket is not None:

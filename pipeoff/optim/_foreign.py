@@ -20,8 +20,8 @@ _STATE = "OffloadOptimizer"
 _WHY: dict[str, dict[str, str]] = {
     "offload_gradients": {
         _FULL: "FullOffloadOptimizer always takes the gradients to the host (torchao's "
-               "offload_gradients=True); for state-only offload, with the gradients on the "
-               "device, use OffloadOptimizer",
+               "offload_gradients=True, accepted); for state-only offload, with the "
+               "gradients on the device, use OffloadOptimizer",
         _STATE: "OffloadOptimizer keeps the gradients on the device (torchao's "
                 "offload_gradients=False); for gradients on the host too use "
                 "FullOffloadOptimizer (it also accumulates and clips them, which torchao's "
@@ -36,9 +36,41 @@ _WHY: dict[str, dict[str, str]] = {
         "*": "pipeoff works on the device the parameters are on (torchao's device=); move "
              "the model there first",
     },
-    "pin_memory": {
-        _FULL: "FullOffloadOptimizer pins its host memory whenever an accelerator holds the "
-               "weights (there is nothing to switch)",
+    # DeepSpeed ZeRO-Offload's offload_optimizer keys.
+    "ratio": {
+        "*": "pipeoff offloads all of each parameter's optimizer state (DeepSpeed's "
+             "offload_optimizer.ratio, a partial offload, has no equivalent yet): leave the "
+             "parameters whose state should stay on the device out of the params and step "
+             "them with a plain torch optimizer",
+    },
+    "nvme_path": {
+        "*": "pipeoff offloads to host memory only (DeepSpeed's ZeRO-Infinity NVMe offload "
+             "has no equivalent)",
+    },
+    "buffer_count": {
+        "*": "pipeoff's staging depth is prefetch= (OffloadOptimizer) or slots= "
+             "(FullOffloadOptimizer), DeepSpeed's buffer_count",
+    },
+    "fast_init": {"*": "pipeoff allocates host state at construction (nothing to switch)"},
+    # Megatron-Core's optimizer offload (OptimizerConfig).
+    "optimizer_offload_fraction": {
+        "*": "pipeoff offloads all of each parameter's optimizer state (Megatron's "
+             "optimizer_offload_fraction has no equivalent yet): keep the parameters "
+             "whose state should stay on the device out of the params",
+    },
+    "overlap_cpu_optimizer_d2h_h2d": {
+        "*": "pipeoff always overlaps its copies with the host step (Megatron's "
+             "overlap_cpu_optimizer_d2h_h2d=True); overlap= says what the step hides behind",
+    },
+    "optimizer_cpu_offload": {
+        "*": "this is pipeoff's optimizer: the offload is what it does (Megatron's "
+             "optimizer_cpu_offload=True)",
+    },
+    # FSDP2's fully_shard(offload_policy=CPUOffloadPolicy(...)).
+    "offload_policy": {
+        "*": "pass FSDP2's offload_policy to fully_shard, not to the optimizer; with "
+             "pipeoff, keep the parameters on the device (no CPUOffloadPolicy) and let "
+             "the optimizer hold its state (and under full offload the masters) on the host",
     },
 }
 
@@ -56,6 +88,6 @@ def refuse_foreign(kwargs: Mapping[str, Any], where: str) -> None:
         why = rows.get(where, rows.get("*"))
         if why is None:
             continue
-        if key == "offload_gradients" and where == _STATE and not kwargs[key]:
-            continue  # torchao's default: what OffloadOptimizer does
+        if key == "offload_gradients" and bool(kwargs[key]) == (where == _FULL):
+            continue  # what the optimizer does (the caller drops the key)
         raise ConfigError(f"{where}({key}=...): {why}")

@@ -16,7 +16,8 @@ import torch
 from pipeoff._errors import ConfigError, PlanMismatchError
 from pipeoff._validate import check_int
 
-__all__ = ["Chunk", "ChunkPlan", "ParamMeta", "Segment", "plan_chunks", "planned_numel"]
+__all__ = ["Chunk", "ChunkPlan", "ParamMeta", "Segment", "plan_chunks", "planned_numel",
+           "whole_chunks"]
 
 SLOT_ALIGN_BYTES = 16
 """Each state slot in a chunk's staging buffer starts at a multiple of this."""
@@ -225,3 +226,27 @@ def verify_plan(plan: ChunkPlan, group: object = None) -> None:
             f"{counts}); every rank must wrap the same parameters with the same "
             "optimizer, chunk_bytes and param groups"
         )
+
+
+def whole_chunks(sizes: Sequence[int], bound: int | None, *,
+                 last_first: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Whole items (indices into ``sizes``) packed greedily, in order, into chunks whose
+    sizes sum to at most ``bound``; an item larger than ``bound`` is a chunk of its own,
+    ``None`` gives one item per chunk. ``last_first``: the last item first (the order a
+    backward finishes parameters in). Full offload's optimizer chunks (sizes in
+    elements) and DiLoCo's outer-step chunks (in bytes) both come from here. (Unlike
+    :func:`plan_chunks`, which cuts the flat parameter space into slices by bytes of
+    state.)"""
+    chunks: list[tuple[int, ...]] = []
+    cur: list[int] = []
+    total = 0
+    order = reversed(range(len(sizes))) if last_first else range(len(sizes))
+    for i in order:
+        if cur and (bound is None or total + sizes[i] > bound):
+            chunks.append(tuple(cur))
+            cur, total = [], 0
+        cur.append(i)
+        total += sizes[i]
+    if cur:
+        chunks.append(tuple(cur))
+    return tuple(chunks)

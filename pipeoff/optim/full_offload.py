@@ -13,7 +13,6 @@ its parts are in ``pipeoff/optim/_full_offload/`` (see its ``__init__``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -24,11 +23,12 @@ import torch
 from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import hook_wait_records, settle, train_span
+from pipeoff._lowlevel import settle, train_span
+from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
 from pipeoff.optim._foreign import refuse_foreign
 from pipeoff.optim._full_offload import _common, _host_kernel
-from pipeoff.optim._full_offload._common import Accumulation, Phase, capture_hyper, same_hyper
+from pipeoff.optim._full_offload._common import Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,
     Accumulate,
@@ -47,6 +47,7 @@ from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._full_offload._surface import MastersAndCheckpoints
+from pipeoff.optim._full_offload._traces import StepTraces
 from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._readers import Readers
 from pipeoff.optim._waits import ForwardWaits
@@ -125,8 +126,12 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         chunk_numel: most elements in one optimizer chunk (whole parameters; default
             16 Mi).
         chunk_bytes: or the most bytes of FP32 masters in one chunk (4 per element),
-            as ``OffloadOptimizer`` takes it; one of the two.
+            as ``OffloadOptimizer`` takes it; one of the two. Byte sizes may be
+            strings (``"256MiB"``; ``"1GB"`` is 10**9).
         slot_bytes: bytes of one pinned host slot (a gradient larger ships in pieces).
+        pin_memory: page-lock the host state (masters, moments, sums) when an
+            accelerator holds the weights, as ``OffloadOptimizer`` and FSDP2's
+            ``CPUOffloadPolicy`` do; ``False`` keeps it pageable (slower copies).
         slots: host slots in the ring; host staging is at most ``slots * slot_bytes``
             plus two chunks' weights.
         num_threads: CPU threads of each host lane's kernels: of each native kernel
@@ -161,8 +166,9 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         overlap: Overlap = "forward",
         max_norm: float | None = None,
         chunk_numel: int | None = None,
-        chunk_bytes: int | None = None,
-        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        chunk_bytes: int | str | None = None,
+        slot_bytes: int | str = DEFAULT_SLOT_BYTES,
+        pin_memory: bool = True,
         slots: int = 4,
         num_threads: int | None = None,
         process_group: Any = None,
@@ -171,10 +177,12 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
     ) -> None:
         params, found = model_and_params(model, params)
         refuse_foreign(defaults, "FullOffloadOptimizer")
+        defaults.pop("offload_gradients", None)  # (True: what this does)
         chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
             optimizer_class=optimizer_class, accumulate=accumulate, overlap=overlap,
-            max_norm=max_norm, chunk_numel=chunk_numel, slot_bytes=slot_bytes, slots=slots,
+            max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
+            slot_bytes=parse_bytes(slot_bytes, name="slot_bytes"), slots=slots,
             num_threads=num_threads, process_group=process_group, timeout=timeout,
             defaults=defaults)
         refuse_environment()
@@ -209,13 +217,11 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         self._lifecycle = Lifecycle(self._registry, config, self._health, self._readers,
                                     lambda: self.param_groups)
         self._model_sync = ModelSync(self._registry, self._lifecycle, config, self._readers,
-                                     lambda: self.param_groups, self.wait_for_step)
+                                     lambda: self.param_groups)
         self._intake = GradientIntake(self._lifecycle, self._model_sync)
-        self.last_trace: Any = None
-        self._micro_traces: list[Any] = []  # the last step's other executions' traces
-        # Forward hooks (attach()).
+        # Forward hooks (attach()); the ended step's traces.
         self._waits = ForwardWaits(self.wait_for_step)
-        self._hook_waits: list[tuple[str, int, int]] = []
+        self._traces = StepTraces(self._lifecycle, self._waits)
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._handed_over = 0  # steps launched (step() without gradients launches none)
@@ -415,7 +421,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         if not self._asynchronous():
             self._wait_synchronously()
             return None
-        self._hook_waits = self._waits.begin(acc.writes(self._registry.device))
+        self._traces.begin(acc, self._registry.device)
         if NORM_ALLREDUCE in acc.execution.plan.order:
             # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
             # the caller's next collectives (FSDP2's all-gathers in the next
@@ -513,17 +519,17 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
                 backward began was overwritten by the step (the step is done).
             KeyboardInterrupt: Ctrl-C while waiting: the step is still in flight.
         """
-        lifecycle = self._lifecycle
-        acc = lifecycle.inflight
-        if acc is None:
-            return
+        names: list[str] = []
         try:
             # The names of weights the step's copy overwrote after they were written
             # during the final backward.
-            names = lifecycle.wait_step()
+            names = self._lifecycle.wait_step()
         finally:
-            if lifecycle.inflight is not acc:  # ended (done or failed), not interrupted
-                self._end_step(acc)
+            # A step that ended (done or failed, not interrupted), here or in the model
+            # sync's wait.
+            ended = self._traces.take_ended()
+        if not ended:
+            return
         try:
             # The finished step's figures, to the hooks: last, so that a hook that
             # raises leaves no bookkeeping (grad_norm) undone.
@@ -532,27 +538,22 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
             if names:
                 raise ConfigError(late_write_message(names))
 
-    def _end_step(self, acc: Accumulation) -> None:
-        """The ended step's traces: its earlier micro-steps' and its own, with the
-        forward hooks' waits."""
-        # The earlier micro-steps' executions (their gradient copies and folds are this
-        # step's too, for its per-step figures); done, as the final one waited for them.
-        self._micro_traces = [ms.execution.trace for ms in acc.micro
-                              if not ms.final and ms.execution is not None
-                              and ms.execution.done()]
-        self._waits.end()
-        ex = acc.execution
-        trace = ex.trace
-        # The forward hooks' waits for this step's weights, as OffloadOptimizer's trace has.
-        waits = hook_wait_records(self._hook_waits, ex.origin_ns, trace.metadata.get("rank", 0))
-        self._hook_waits = []
-        self.last_trace = dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
+    @property
+    def last_trace(self) -> Any:
+        """The :class:`pipeoff.trace.Trace` of the last step that ended (``None``
+        before the first)."""
+        self._traces.take_ended()
+        return self._traces.last
+
+    @last_trace.setter
+    def last_trace(self, trace: Any) -> None:
+        self._traces.last = trace
 
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         return self._lifecycle.writes_to(param)
 
     def _step_traces(self) -> list[Any]:
-        return list(self._micro_traces)
+        return list(self._traces.micro)
 
     def _host_tensor(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return self._registry.host_tensor(param, key)

@@ -21,7 +21,7 @@ from pipeoff.execution import Execution
 from pipeoff.optim import _update
 from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._offload import _graph
-from pipeoff.optim._offload._args import _DEFAULT, _Default, staging_args, wrapped
+from pipeoff.optim._offload._args import _DEFAULT, _Default, mode_of, staging_args, wrapped
 from pipeoff.optim._offload._graph import Step
 from pipeoff.optim._offload._host_layout import HostLayout
 from pipeoff.optim._offload._host_state import (
@@ -39,7 +39,6 @@ from pipeoff.trace import Trace
 __all__ = ["OffloadOptimizer"]
 
 Mode = Literal["single_pass", "chunked", "overlap"]
-_MODES = ("single_pass", "chunked", "overlap")
 
 class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     """Wraps an optimizer; keeps its state in (pinned) host memory and steps it in chunks.
@@ -79,8 +78,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     Two forms: an optimizer to wrap, or torchao's (``CPUOffloadOptimizer``'s)::
 
-        OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), mode="overlap")
-        OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, mode="overlap")
+        OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), overlap="forward")
+        OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, overlap="forward")
 
     Args:
         params: the optimizer to wrap (its ``param_groups`` are shared), or the
@@ -89,8 +88,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             ``AdamW``, as torchao's).
         optimizer: the optimizer to wrap, by keyword.
         **optimizer_kwargs: with parameters, the optimizer's hyperparameters (``lr``...).
-        mode: ``"single_pass"``, ``"chunked"`` or ``"overlap"``.
-        chunk_bytes: bound on each chunk's device state, or ``None`` for one chunk.
+        mode: ``"single_pass"``, ``"chunked"`` (the default) or ``"overlap"``.
+        overlap: instead of ``mode``, FullOffloadOptimizer's name: ``"forward"``
+            (``mode="overlap"``) or ``"none"`` (``mode="chunked"``).
+        chunk_bytes: bound on each chunk's device state (an int, or a string such as
+            ``"256MiB"``), or ``None`` for one chunk.
         pin_memory: page-lock the host state (ignored without an accelerator).
         prefetch: chunks staged ahead of the one being updated (default 2).
             Device staging is then at most ``(prefetch + 1)`` of the largest
@@ -130,11 +132,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer] | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        mode: Mode = "chunked",
-        chunk_bytes: int | None | _Default = _DEFAULT,
+        mode: Mode | None = None,
+        overlap: Literal["forward", "none"] | None = None,
+        chunk_bytes: int | str | None | _Default = _DEFAULT,
         pin_memory: bool = True,
         prefetch: int | None = None,
-        device_budget_bytes: int | None = None,
+        device_budget_bytes: int | str | None = None,
         process_group: Any = None,
         read_guard: bool = True,
         reserve: bool = True,
@@ -142,10 +145,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         optimizer = wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
-        if mode not in _MODES:
-            raise ConfigError(f"mode must be one of {_MODES}, got {mode!r}")
-        chunk_bytes, prefetch = staging_args(chunk_bytes, prefetch, lookahead,
-                                             device_budget_bytes)
+        mode = mode_of("chunked" if mode is None and overlap is None else mode, overlap)
+        chunk_bytes, prefetch, device_budget_bytes = staging_args(
+            chunk_bytes, prefetch, lookahead, device_budget_bytes)
         if not isinstance(read_guard, bool):
             raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
         if not isinstance(reserve, bool):

@@ -279,7 +279,8 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
       built by its own graph builder (shape only), buckets and outer-step
       chunks of ``bucket_bytes``.
     """
-    from pipeoff.ft._diloco_graph import diloco_graph, outer_chunks
+    from pipeoff.ft._diloco_graph import diloco_graph
+    from pipeoff.optim._plan import whole_chunks
 
     numels = shape.local_numels
     if variant == "original":
@@ -308,7 +309,7 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
             f"variant must be 'original', 'synchronous' or 'pipelined', got {variant!r}")
     buckets = local_sgd_buckets(shape, per_parameter=False, bucket_bytes=bucket_bytes,
                                 bytes_per_elem=bytes_per_elem)
-    chunks = outer_chunks([n for _, n in numels], [bytes_per_elem] * len(numels), bucket_bytes)
+    chunks = whole_chunks([n * bytes_per_elem for _, n in numels], bucket_bytes)
     return diloco_graph(buckets, chunks, None)
 
 

@@ -20,7 +20,7 @@ import pipeoff.ft
 import pipeoff.testing
 from tests.ft._replicas import ReplicaRun, make_model, run_replicas
 
-OFF = {"offload_averaged_parameters_to_cpu": True}
+OFF = {"offload_to_cpu": True}
 # The model has 16*32+32 + 32*8+8 + 8*3+3 = 835 float32 parameters (3340 bytes).
 PIPELINED: dict[str, dict[str, Any]] = {
     "per_parameter": {**OFF, "bucket_bytes": "per_parameter", "device_budget_bytes": 1024},
@@ -304,12 +304,12 @@ def test_never_mixes_dtypes() -> None:
          "device_budget_bytes=1024 is smaller than one bucket"),
         ({**OFF, "device_budget_bytes": 0}, "device_budget_bytes must be a positive int"),
         ({**OFF, "schedule": "chunked"}, "schedule must be 'pipelined' or 'synchronous'"),
-        ({"schedule": "pipelined"}, "only apply with offload_averaged_parameters_to_cpu=True"),
-        ({"bucket_bytes": 1024}, "only apply with offload_averaged_parameters_to_cpu=True"),
+        ({"schedule": "pipelined"}, "only apply with offload_to_cpu=True"),
+        ({"bucket_bytes": 1024}, "only apply with offload_to_cpu=True"),
         ({"device_budget_bytes": 1024}, "only apply with offload"),
         ({**OFF, "schedule": "synchronous", "bucket_bytes": 0},
          "bucket_bytes must be a positive int"),
-        ({"offload_averaged_parameters_to_cpu": 1}, "must be True or False"),
+        ({"offload_to_cpu": 1}, "must be True or False"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
@@ -317,6 +317,20 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(pipeoff.ConfigError, match=match):
         pipeoff.ft.LocalSGD(_mock_manager(commit=True), model,
                             optim.SGD(model.parameters(), lr=0.1), 1, **kwargs)
+
+
+def test_the_old_name_of_offload_to_cpu_still_works_and_warns() -> None:
+    model = make_model(0)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(FutureWarning, match="now offload_to_cpu"):
+        old = pipeoff.ft.LocalSGD(_mock_manager(commit=True), model, opt, 1,
+                                  offload_averaged_parameters_to_cpu=True)
+    with pytest.warns(FutureWarning, match="now offload_to_cpu"):
+        positional = pipeoff.ft.LocalSGD(_mock_manager(commit=True), model, opt, 1, True)
+    assert old._offload and positional._offload
+    with pytest.raises(pipeoff.ConfigError, match="not both"):
+        pipeoff.ft.LocalSGD(_mock_manager(commit=True), model, opt, 1, True,
+                            offload_to_cpu=True)
 
 
 def test_a_non_floating_parameter_is_refused_at_construction() -> None:

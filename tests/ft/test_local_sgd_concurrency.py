@@ -19,7 +19,7 @@ from torch import nn, optim
 from pipeoff.optim import OffloadOptimizer
 from tests.ft._replicas import run_replicas
 
-PIPELINED = {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+PIPELINED = {"offload_to_cpu": True, "schedule": "pipelined",
              "bucket_bytes": 256, "device_budget_bytes": 512}
 
 

@@ -23,8 +23,8 @@ from tests.gpu_device import Gpu
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
-    "pipelined": {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 4 << 10,
+    "sync": {"offload_to_cpu": True, "schedule": "synchronous"},
+    "pipelined": {"offload_to_cpu": True, "bucket_bytes": 4 << 10,
                   "device_budget_bytes": 8 << 10},
 }
 

@@ -22,10 +22,10 @@ multi_threaded_pg = pytest.importorskip("torch.testing._internal.distributed.mul
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
-    "pipelined_split": {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 24,
+    "sync": {"offload_to_cpu": True, "schedule": "synchronous"},
+    "pipelined_split": {"offload_to_cpu": True, "bucket_bytes": 24,
                         "device_budget_bytes": 48},
-    "pipelined_packed": {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 4096},
+    "pipelined_packed": {"offload_to_cpu": True, "bucket_bytes": 4096},
 }
 
 

@@ -23,8 +23,8 @@ def full(overlap: str) -> Any:
 @pytest.mark.parametrize(("overlap", "kwargs"), [
     ("backward", {}),
     ("forward", {}),
-    ("none", {"offload_averaged_parameters_to_cpu": True}),
-    ("backward", {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"}),
+    ("none", {"offload_to_cpu": True}),
+    ("backward", {"offload_to_cpu": True, "schedule": "synchronous"}),
 ])
 def test_local_sgd_driving_full_offload_matches_plain_sgd(overlap: str,
                                                            kwargs: dict[str, Any]) -> None:

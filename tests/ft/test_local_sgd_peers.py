@@ -21,10 +21,10 @@ from tests.ft._replicas import ReplicaRun, run_replicas
 
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
-    "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+    "sync": {"offload_to_cpu": True, "schedule": "synchronous"},
+    "pipelined": {"offload_to_cpu": True, "schedule": "pipelined",
                   "bucket_bytes": "per_parameter", "device_budget_bytes": 256},
-    "pipelined_split": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+    "pipelined_split": {"offload_to_cpu": True, "schedule": "pipelined",
                         "bucket_bytes": 96, "device_budget_bytes": 192},
 }
 

@@ -16,7 +16,7 @@ def structure(trace: Trace) -> tuple[dict[str, tuple[object, ...]], dict[str, tu
 
 
 def test_a_sync_simulated_is_the_sync_that_runs() -> None:
-    runs = run_replicas({"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 512,
+    runs = run_replicas({"offload_to_cpu": True, "bucket_bytes": 512,
                          "device_budget_bytes": 1024}, syncs=1)
     real = runs[0].traces[0]
     model = make_model(0)

@@ -41,7 +41,7 @@ def test_diloco_sync_stats_match_its_trace_and_reach_a_hook() -> None:
 
 
 def test_local_sgd_sync_stats_on_both_paths() -> None:
-    for kwargs in ({}, {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 256}):
+    for kwargs in ({}, {"offload_to_cpu": True, "bucket_bytes": 256}):
         model = make_model(0)
         inner = optim.SGD(model.parameters(), lr=0.1)
         manager = _committing_manager()
@@ -68,7 +68,7 @@ def test_the_local_sgd_plot_has_its_syncs_on_the_train_row() -> None:
     model = make_model(0)
     inner = optim.AdamW(model.parameters(), lr=1e-3)
     with pipeoff.ft.LocalSGD(_committing_manager(), model, inner, 2,
-                             offload_averaged_parameters_to_cpu=True, bucket_bytes=256,
+                             offload_to_cpu=True, bucket_bytes=256,
                              device_budget_bytes=512), pipeoff.trace.record() as rec:
         for _ in range(4):
             _inner_step(model, inner)
@@ -101,7 +101,7 @@ def _raise_once(fired: list[int]) -> Any:
 def test_a_local_sgd_sync_hook_that_raises_leaves_the_schedule_alone(offload: bool) -> None:
     """The hook runs after torchft reset its step counter: a logger that raises once
     reaches the caller, and the syncs still come every sync_every steps."""
-    kwargs = {"offload_averaged_parameters_to_cpu": True, "bucket_bytes": 256} if offload else {}
+    kwargs = {"offload_to_cpu": True, "bucket_bytes": 256} if offload else {}
     model = make_model(0)
     inner = optim.SGD(model.parameters(), lr=0.1)
     manager = _committing_manager()

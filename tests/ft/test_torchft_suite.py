@@ -25,10 +25,10 @@ from tests.ft._torchft_cases import run_case  # noqa: E402
 BUDGET = 128
 MODES: dict[str, dict[str, Any]] = {
     "original": {},
-    "sync": {"offload_averaged_parameters_to_cpu": True, "schedule": "synchronous"},
+    "sync": {"offload_to_cpu": True, "schedule": "synchronous"},
     # One bucket per parameter keeps torchft's "one all-reduce per parameter" count;
     # 128 bytes of device staging holds the largest parameter of either test model.
-    "pipelined": {"offload_averaged_parameters_to_cpu": True, "schedule": "pipelined",
+    "pipelined": {"offload_to_cpu": True, "schedule": "pipelined",
                   "bucket_bytes": "per_parameter", "device_budget_bytes": BUDGET},
 }
 

@@ -100,7 +100,20 @@ def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
     (lambda m: OffloadOptimizer(), "needs an optimizer"),
     (lambda m: FullOffloadOptimizer(m.parameters(), offload_gradients=False),
      "always takes the gradients to the host"),
-    (lambda m: FullOffloadOptimizer(m.parameters(), pin_memory=False), "pins"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), pin_memory="yes"), "pin_memory must be"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), ratio=0.5), "ratio"),
+    (lambda m: OffloadOptimizer(m.parameters(), nvme_path="/nvme"), "NVMe"),
+    (lambda m: OffloadOptimizer(m.parameters(), buffer_count=4), "prefetch="),
+    (lambda m: FullOffloadOptimizer(m.parameters(), optimizer_offload_fraction=0.5),
+     "optimizer_offload_fraction"),
+    (lambda m: OffloadOptimizer(m.parameters(), overlap_cpu_optimizer_d2h_h2d=True),
+     "always overlaps"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), offload_policy=None), "fully_shard"),
+    (lambda m: OffloadOptimizer(m.parameters(), overlap="backward"), "FullOffloadOptimizer's"),
+    (lambda m: OffloadOptimizer(m.parameters(), overlap="forward", mode="chunked"), "not both"),
+    (lambda m: OffloadOptimizer(m.parameters(), chunk_bytes="1XB"), "chunk_bytes: unknown unit"),
+    (lambda m: FullOffloadOptimizer(m.parameters(), slot_bytes="big"),
+     "slot_bytes must be a positive int"),
     (lambda m: FullOffloadOptimizer(m, params=m.parameters(), minimal_size=1), "minimal_size"),
     (lambda m: FullOffloadOptimizer(m.parameters(), params=m.parameters()), "not both"),
     (lambda m: FullOffloadOptimizer(next(m.parameters())), "a single tensor"),
@@ -114,6 +127,20 @@ def test_mixed_forms_and_other_tools_knobs_are_refused_by_name(make: Any, match:
 def test_offload_gradients_false_is_what_offload_optimizer_does() -> None:
     model = _model()
     OffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False, lr=1e-3)
+    FullOffloadOptimizer(model, offload_gradients=True, lr=1e-3)  # what it does
+
+
+def test_one_convention_for_the_shared_knobs() -> None:
+    # overlap=, pin_memory= and byte sizes as strings mean the same in both optimizers.
+    model = _model()
+    opt = OffloadOptimizer(model.parameters(), overlap="forward", chunk_bytes="1KiB",
+                           device_budget_bytes="3KiB", lr=1e-3)
+    assert (opt.mode, opt.chunk_bytes, opt.device_budget_bytes) == ("overlap", 1024, 3072)
+    assert OffloadOptimizer(model.parameters(), overlap="none").mode == "chunked"
+    full = FullOffloadOptimizer(model, chunk_bytes="4KiB", slot_bytes="1MB",
+                                pin_memory=False, lr=1e-3)
+    assert (full.chunk_numel, full.slot_bytes) == (1024, 10**6)
+    assert full._registry.pin is False
 
 
 def test_a_model_found_late_keeps_the_names_and_its_wrapper_probe() -> None:

@@ -911,6 +911,33 @@ def test_weights_written_outside_the_optimizer_become_the_masters() -> None:
         assert same_bits(p, q)
 
 
+def test_a_step_the_model_sync_waits_for_keeps_its_trace_and_figures() -> None:
+    # A weight written while the step is in flight (after the forward hooks waited
+    # for that weight's chunk): the next backward's first gradient adopts it, and the
+    # model sync waits for the step first, through the lifecycle. The optimizer still
+    # keeps that step's trace and hands its figures to the hooks at the next step().
+    model = make_model()
+    opt = build(model, overlap="forward")
+    got: list[int] = []
+    opt.register_step_stats_hook(lambda s: got.append(s.step))
+    train(opt, model, batches(1, 1))
+    first = opt.last_trace
+    with testing.delay_lane("h2d", 0.05):
+        loss_fn(model, batches(1, 1, seed=3)[0][0]).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model.l1.weight.fill_(0.5)
+        loss_fn(model, batches(1, 1, seed=4)[0][0]).backward()
+    assert opt._lifecycle.inflight is None  # the model sync waited for it
+    assert opt._registry.outside_writes == 1
+    assert opt.last_trace is not first and opt.last_trace is not None
+    assert got == [0]  # (no user hook runs inside a backward)
+    opt.step()
+    opt.wait_for_step()
+    assert got == [0, 1, 2]
+
+
 @pytest.mark.parametrize("call", ["state_dict", "load_state_dict"])
 def test_checkpoints_between_the_final_backward_and_step_wait_for_its_chunks(call: str) -> None:
     model = make_model()

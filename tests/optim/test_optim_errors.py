@@ -26,7 +26,7 @@ def test_mixed_devices_refused() -> None:
         OffloadOptimizer(torch.optim.AdamW([a, b]), mode="chunked")
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1MB"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1XB", "big"])
 def test_bad_chunk_bytes(bad: object) -> None:
     with pytest.raises(pipeoff.ConfigError, match="chunk_bytes"):
         OffloadOptimizer(torch.optim.AdamW(make_net().parameters()), chunk_bytes=bad)  # type: ignore[arg-type]

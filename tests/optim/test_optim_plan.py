@@ -61,3 +61,13 @@ def test_plan_is_a_pure_function_of_the_metadata() -> None:
 def test_bad_chunk_bytes(bad: object) -> None:
     with pytest.raises(pipeoff.ConfigError, match="chunk_bytes"):
         plan_chunks([ParamMeta(numel=4, itemsize=4, nkeys=2, group=0)], bad)  # type: ignore[arg-type]
+
+
+def test_whole_chunks_packs_whole_items_under_the_bound() -> None:
+    from pipeoff.optim._plan import whole_chunks
+
+    sizes = [4, 4, 10, 0, 3, 3]
+    assert whole_chunks(sizes, 8) == ((0, 1), (2,), (3, 4, 5))  # 10 > 8: a chunk alone
+    assert whole_chunks(sizes, 8, last_first=True) == ((5, 4, 3), (2,), (1, 0))
+    assert whole_chunks(sizes, None) == tuple((i,) for i in range(6))  # one per item
+    assert whole_chunks([], 8) == ()

@@ -18,6 +18,7 @@
 * ``_edits``: the math of the loop's in-place edits, applied in the step.
 * ``_model_sync``: ``param_groups`` followed, outside writes adopted (``ModelSync``).
 * ``_intake``: the hooks and the wrapper policy (``GradientIntake``), calling down.
+* ``_traces``: the last ended step's traces (``StepTraces``).
 * ``_surface``: the masters, weights and checkpoints part of the surface (a mixin).
 * ``_checkpoint``: state dicts, as functions over the registry.
 * ``_finder``: the model of an optimizer built from parameters.

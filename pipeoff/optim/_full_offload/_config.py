@@ -11,7 +11,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._errors import ConfigError, UnsupportedOptimizerError
-from pipeoff._validate import check_int
+from pipeoff._validate import check_int, parse_bytes
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate
 
@@ -54,6 +54,8 @@ class FullOffloadConfig:
     """Most elements in one optimizer chunk (whole parameters)."""
     slot_bytes: int = DEFAULT_SLOT_BYTES
     """Bytes of one pinned host slot."""
+    pin_memory: bool = True
+    """Page-lock the host state when an accelerator holds the weights."""
     slots: int = 4
     """Host slots in the ring."""
     num_threads: int | None = None
@@ -86,6 +88,8 @@ class FullOffloadConfig:
         check_int("chunk_numel", self.chunk_numel, as_bound=True)
         check_int("slot_bytes", self.slot_bytes, minimum=16)
         check_int("slots", self.slots, as_bound=True)
+        if not isinstance(self.pin_memory, bool):
+            raise ConfigError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         check_int("num_threads", self.num_threads, optional=True, as_bound=True)
         timeout = self.timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -148,8 +152,9 @@ def chunk_numel_of(chunk_numel: Any, chunk_bytes: Any) -> int:
     if chunk_numel is not None:
         raise ConfigError(f"give chunk_numel or chunk_bytes, not both (got chunk_numel="
                           f"{chunk_numel!r}, chunk_bytes={chunk_bytes!r})")
-    check_int("chunk_bytes", chunk_bytes, minimum=4, unit="bytes")
-    return int(chunk_bytes) // 4
+    nbytes = parse_bytes(chunk_bytes, name="chunk_bytes")
+    check_int("chunk_bytes", nbytes, minimum=4, unit="bytes")
+    return nbytes // 4
 
 
 def refuse_environment() -> None:

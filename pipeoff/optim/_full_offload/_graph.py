@@ -38,12 +38,13 @@ import torch
 
 from pipeoff import _faults
 from pipeoff.graph import TaskContext, TaskGraph, TaskKind
+from pipeoff.optim._plan import whole_chunks
 from pipeoff.schedule import Schedule
 
 __all__ = ["DONE", "NORM", "NORM_ALLREDUCE", "PREV", "REDUCE", "STEP", "FullWork",
            "MicroStepPlan", "ParamSizes", "grad_gate", "h2d_task", "host_budget",
-           "micro_step_graph", "micro_step_schedule", "norm_task", "pieces", "step_task",
-           "whole_param_chunks"]
+           "micro_step_graph", "micro_step_schedule", "norm_task", "pieces", "slot_buffer",
+           "step_task", "weight_buffer"]
 
 ACCUMULATE_LANE = "accumulate"
 STEP_LANE = "host_step"
@@ -75,6 +76,16 @@ def h2d_task(k: int) -> str:
     return f"h2d:{k}"
 
 
+def slot_buffer(i: int, j: int) -> str:
+    """The host slot piece ``j`` of parameter ``i``'s gradient lands in."""
+    return f"slot:{i}.{j}"
+
+
+def weight_buffer(k: int) -> str:
+    """The host buffer chunk ``k``'s weights are cast into before their copy."""
+    return f"w:{k}"
+
+
 def norm_task(order: Sequence[str]) -> str:
     """The task whose end makes the total norm known, in a graph of task ``order``."""
     return NORM_ALLREDUCE if NORM_ALLREDUCE in order else NORM
@@ -104,26 +115,6 @@ class FullWork:
     h2d: Callable[[int, TaskContext], None]
     norm: Callable[[TaskContext], None]
     allreduce: Callable[[TaskContext], None]
-
-
-def whole_param_chunks(numels: Sequence[int], chunk_numel: int) -> list[list[int]]:
-    """Optimizer chunks of whole parameters, last parameter first (the order a
-    backward finishes them), of at most ``chunk_numel`` elements each (a larger
-    parameter is a chunk of its own). (Unlike :func:`pipeoff.optim.plan_chunks`,
-    which cuts the flat parameter space of an :class:`OffloadOptimizer` into
-    slices by bytes of state.)"""
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    n = 0
-    for i in reversed(range(len(numels))):
-        if cur and n + numels[i] > chunk_numel:
-            chunks.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += numels[i]
-    if cur:
-        chunks.append(cur)
-    return chunks
 
 
 def host_budget(params: Sequence[ParamSizes], chunks: Sequence[Sequence[int]], *,
@@ -195,7 +186,7 @@ def micro_step_graph(
         gate = g.add_gate(grad_gate(p.name))
         for j, (s, e) in enumerate(pieces(p.numel, p.grad_itemsize, slot_bytes)):
             nbytes = (e - s) * p.grad_itemsize
-            bufs = [g.add_buffer(f"slot:{i}.{j}", nbytes, where="host")] if nbytes else []
+            bufs = [g.add_buffer(slot_buffer(i, j), nbytes, where="host")] if nbytes else []
             d2h = g.add_task(f"d2h:{i}.{j}", TaskKind.D2H,
                              _bind2(work.d2h if work else None, i, j),
                              gates=[gate], buffers=bufs, nbytes=nbytes)
@@ -223,7 +214,7 @@ def micro_step_graph(
         before_step = [total] if norm_first else []
         for k, chunk in enumerate(chunks):
             wbytes = sum(_aligned(params[i].numel * params[i].weight_itemsize) for i in chunk)
-            bufs = [g.add_buffer(f"w:{k}", wbytes, where="host")] if wbytes else []
+            bufs = [g.add_buffer(weight_buffer(k), wbytes, where="host")] if wbytes else []
             deps = list(before_step)
             if not _faults.disabled("accumulate_dep"):
                 # Hazard: stepping a parameter on a gradient sum its last
@@ -266,7 +257,7 @@ class MicroStepPlan:
     params: tuple[ParamSizes, ...]
     """The parameters, in ``param_groups`` order."""
     chunks: tuple[tuple[int, ...], ...]
-    """Per optimizer chunk, its parameters (:func:`whole_param_chunks`)."""
+    """Per optimizer chunk, its parameters (``pipeoff.optim._plan.whole_chunks``, last first)."""
     slot_bytes: int
     """Most bytes of one host slot (a larger gradient ships in pieces)."""
     host_budget_bytes: int
@@ -276,8 +267,8 @@ class MicroStepPlan:
     def build(cls, params: Sequence[ParamSizes], *, chunk_numel: int, slot_bytes: int,
               slots: int) -> MicroStepPlan:
         """Chunks of at most ``chunk_numel`` elements, ``slots`` host slots of ``slot_bytes``."""
-        chunks = whole_param_chunks([p.numel for p in params], chunk_numel)
-        return cls(params=tuple(params), chunks=tuple(tuple(c) for c in chunks),
+        chunks = whole_chunks([p.numel for p in params], chunk_numel, last_first=True)
+        return cls(params=tuple(params), chunks=chunks,
                    slot_bytes=slot_bytes,
                    host_budget_bytes=host_budget(params, chunks, slot_bytes=slot_bytes,
                                                  slots=slots))

@@ -49,7 +49,14 @@ from pipeoff.graph import TaskContext
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate, _edits, _host_kernel
 from pipeoff.optim._full_offload._config import FullOffloadConfig
-from pipeoff.optim._full_offload._graph import STEP, FullWork, grad_gate, pieces
+from pipeoff.optim._full_offload._graph import (
+    STEP,
+    FullWork,
+    grad_gate,
+    pieces,
+    slot_buffer,
+    weight_buffer,
+)
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.optim._tensors import flat
 
@@ -147,7 +154,7 @@ class LaneWork:
         assert g is not None
         s, e = pieces(rec.numel, shipped.dtype.itemsize, self.config.slot_bytes)[j]
         if e > s:
-            slot = ctx.buffer(f"slot:{i}.{j}", shipped.dtype)
+            slot = ctx.buffer(slot_buffer(i, j), shipped.dtype)
             slot.copy_(g[s:e], non_blocking=True)
         if e == rec.numel or e == s:
             if ctx.stream is not None and not _faults.disabled("record_stream"):
@@ -169,7 +176,7 @@ class LaneWork:
         else:
             s, e = parts[j]
             if e > s:
-                src = ctx.buffer(f"slot:{i}.{j}", g.dtype)
+                src = ctx.buffer(slot_buffer(i, j), g.dtype)
                 dst, first = rec.flat_acc[s:e], res.counts[i] == 0
                 if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
                     _accumulate.fold(dst, src, first=first)
@@ -264,7 +271,7 @@ class LaneWork:
         # kernels bump none) say whether it may have written any.
         masters = [self.params[i].flat_master for i in idx]
         versions = [m._version for m in masters]
-        w = ctx.buffer(f"w:{k}") if any(n for *_, n, _ in self.weight_slices(k)) else None
+        w = ctx.buffer(weight_buffer(k)) if any(n for *_, n, _ in self.weight_slices(k)) else None
         cast_done: set[int] = set()
         try:
             if groups:
@@ -360,7 +367,7 @@ class LaneWork:
         ctx.moved(sum(n * dtype.itemsize for _, _, n, dtype in copies))
         if not copies:
             return
-        w = ctx.buffer(f"w:{k}")
+        w = ctx.buffer(weight_buffer(k))
         for i, off, n, dtype in copies:
             rec = self.params[i]
             loc = rec.local

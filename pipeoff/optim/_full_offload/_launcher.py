@@ -48,15 +48,15 @@ class Launcher:
         micro-step's accumulations wait for it (its ``prev`` gate)."""
 
     def graph(self, *, final: bool, grad_itemsize: Mapping[int, int] | None = None,
-              lanes: LaneWork | None = None, acc: Accumulation | None = None,
-              ms: MicroStep | None = None) -> tuple[TaskGraph, Schedule]:
+              lanes: LaneWork | None = None,
+              acc: Accumulation | None = None) -> tuple[TaskGraph, Schedule]:
         """The graph and schedule of a micro-step (shape-only without ``lanes``)."""
         config = self.config
         plan = self.registry.plan if lanes is None else lanes.plan
         work = None
         if lanes is not None:
-            assert acc is not None and ms is not None
-            work = lanes.bind(acc.results, final=ms.final, hyper=acc.hyper)
+            assert acc is not None
+            work = lanes.bind(acc.results, final=final, hyper=acc.hyper)
         groups = self.registry.norm_groups if lanes is None else lanes.norm_groups
         graph = plan.graph(self.registry.device, final=final,
                            norm_first=config.overlap != "backward",
@@ -64,14 +64,14 @@ class Launcher:
                            grad_itemsize=grad_itemsize, work=work)
         return graph, plan.schedule(config.overlap)
 
-    def launch(self, acc: Accumulation, ms: MicroStep) -> Execution:
-        """Launch ``ms``'s execution (its lane work bound to ``acc``), after the previous."""
+    def launch(self, acc: Accumulation, *, final: bool) -> tuple[Execution, LaneWork]:
+        """Launch a micro-step's execution (its lane work bound to ``acc``'s results),
+        after the previous; returns it and its lane work (the micro-step's to hold)."""
         itemsize = None
-        if ms.final and self.config.accumulate == "gpu":
+        if final and self.config.accumulate == "gpu":
             itemsize = {i: 4 for i in acc.device_sums}
-        ms.lanes = LaneWork(self.registry, self.config)
-        graph, schedule = self.graph(final=ms.final, grad_itemsize=itemsize, lanes=ms.lanes,
-                                     acc=acc, ms=ms)
+        lanes = LaneWork(self.registry, self.config)
+        graph, schedule = self.graph(final=final, grad_itemsize=itemsize, lanes=lanes, acc=acc)
         ex = execute(graph, schedule)
         prev = self.prev
         try:
@@ -90,7 +90,7 @@ class Launcher:
                     ex.gate(name).fail(err)
             raise
         self.prev = ex
-        return ex
+        return ex, lanes
 
     def reduce_norm(self, acc: Accumulation) -> None:
         """Let the final execution all-reduce the norm (its gate ``reduce``): called on

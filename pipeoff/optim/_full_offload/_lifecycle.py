@@ -2,14 +2,12 @@
 through the step in flight to its end, one execution per backward.
 
 The phases, the transition table and the records are in ``_common.py``. The
-:class:`Lifecycle` holds the accumulation in progress (its phase is the
-lifecycle's, ``IDLE`` without one) and the step in flight (``STEPPING`` until
-``wait_for_step()``): every ``.phase`` change is made here, through
-``Accumulation.move``. Its state is written on the thread that runs the
-backward's hooks (the caller's on CPU; autograd's device thread on CUDA, while the
-caller is inside ``backward()``) and on the caller's thread between backwards; the
-lanes write only what ``[Note: lane writes]`` in ``_lanes.py`` lists. The hooks
-themselves are the intake's (``_intake.py``), which calls :meth:`Lifecycle.receive`.
+:class:`Lifecycle` holds the accumulation in progress (``IDLE`` without one) and the
+step in flight (``STEPPING`` until ``wait_for_step()``); every ``.phase`` change is
+made here (``Accumulation.move``). Its state is written on the thread running the
+backward's hooks (the caller's on CPU; autograd's device thread on CUDA) and on the
+caller's between backwards; lanes write only what ``[Note: lane writes]`` in
+``_lanes.py`` lists. The hooks are the intake's (``_intake.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +74,8 @@ class Lifecycle:
         self.inflight: Accumulation | None = None
         """The step in flight (``STEPPING``): handed over by ``step()``, until
         :meth:`wait_step`."""
+        self.ended: Accumulation | None = None
+        """The step that ended, until the optimizer takes its traces (whoever waited)."""
         self.last_norm: torch.Tensor | None = None
         """The total gradient norm of the last step waited for."""
         self.grads = LoopGrads(self, config.overlap)
@@ -197,7 +197,7 @@ class Lifecycle:
         if final:
             self._before_final(acc)
         if final or (self.config.accumulate == "cpu" and self.ddp is None):
-            ms.execution = self.launcher.launch(acc, ms)
+            ms.execution, ms.lanes = self.launcher.launch(acc, final=ms.final)
         acc.marked = acc.marked or marked
         # Launched: only now does the accumulation hold the micro-step (an interrupt
         # or a failure above leaves it as it was).
@@ -402,7 +402,7 @@ class Lifecycle:
         what ``param.grad`` holds."""
         ms = MicroStep(final=True)
         self._before_final(acc)
-        ms.execution = self.launcher.launch(acc, ms)
+        ms.execution, ms.lanes = self.launcher.launch(acc, final=ms.final)
         acc.final = ms
         acc.move(Phase.FINAL)
         acc.micro.append(ms)
@@ -422,11 +422,12 @@ class Lifecycle:
         """``step()``: the accumulation becomes the step in flight (:attr:`inflight`).
         Without a final backward, a final micro-step with no gradient of its own is
         launched now; under ``overlap="forward"`` or ``"none"`` its chunks may start
-        (``hyper``, clipping to :meth:`clip_norm`, the loop's ``edits`` of each
+        (``hyper``, the clipping norm, the loop's ``edits`` of each
         gradient first)."""
         acc = self.acc
         assert acc is not None and self.inflight is None
-        max_norm = self.clip_norm()
+        # The clipping norm: clip_grad_norm_()'s, else the optimizer's max_norm.
+        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
         if acc.final is None:
             self._launch_final(acc)
         elif self.config.overlap != "backward":
@@ -509,20 +510,10 @@ class Lifecycle:
             acc.results.norms.pop(i, None)
 
     # -- the step in flight --------------------------------------------------------------------
-    def clip_norm(self) -> float | None:
-        """The clipping norm of the accumulation: ``clip_grad_norm_()``'s, else the
-        optimizer's ``max_norm``."""
-        acc = self.acc
-        assert acc is not None
-        return self.config.max_norm if acc.max_norm is None else acc.max_norm
-
     def set_clip(self, max_norm: float, *, unbounded: bool) -> torch.Tensor | None:
         """``clip_grad_norm_()``: end the accumulation and clip its step to ``max_norm``
         (``unbounded``: only the norm). Returns the norm, or ``None`` without one.
-
-        Raises:
-            ConfigError: a second call in one step.
-        """
+        Raises ConfigError on a second call in one step."""
         if self.acc is None:
             return None
         norm = self.current_norm()
@@ -583,7 +574,12 @@ class Lifecycle:
 
     def _end_step(self, acc: Accumulation) -> None:
         self.inflight = None
+        self.ended = acc
         acc.move(Phase.DONE)
+
+    def take_ended(self) -> Accumulation | None:
+        acc, self.ended = self.ended, None  # (once)
+        return acc
 
     def writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         """The execution that writes ``param``'s master, moments and weight, and its

@@ -19,7 +19,7 @@ from pipeoff import _accel, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
-from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.staging import reserve_for
 
 if TYPE_CHECKING:
@@ -47,19 +47,15 @@ class ModelSync:
         config: the optimizer's configuration.
         readers: transfers reading the host state (an adoption waits for them).
         param_groups: the optimizer's live ``param_groups``.
-        wait_for_step: the optimizer's own wait for the step in flight (its writes go
-            first; it keeps the optimizer's trace and per-step figures).
     """
 
     def __init__(self, registry: ParamRegistry, lifecycle: Lifecycle, config: FullOffloadConfig,
-                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]],
-                 wait_for_step: Callable[[], None]) -> None:
+                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]]) -> None:
         self.registry = registry
         self.lifecycle = lifecycle
         self.config = config
         self.readers = readers
         self.param_groups = param_groups
-        self.wait_for_step = wait_for_step
 
     def reindex(self) -> None:
         """Host state for the parameters of ``param_groups`` (new ones only), and the
@@ -82,26 +78,36 @@ class ModelSync:
         reindexed = self.follow_param_groups()
         acc = self.lifecycle.acc
         late = self.config.overlap == "backward" and acc is not None and acc.final is not None
-        changed = self.registry.written_from_outside()
-        if late and changed:
-            # The chunks stepping during that backward write the weights too: a
-            # weight whose copy has not finished is not (yet) an outside write; the
-            # copy itself notices one that came before it (LaneResults.overwritten).
-            assert acc is not None
-            copied = acc.weights_copied()
-            changed = [rec for rec in changed if id(rec.param) in copied]
-        if not changed:
+        if not self._written_from_outside(late):
             return reindexed
-        self.wait_for_step()  # our own writes first
+        # Our own writes first: the step in flight, waited for through the lifecycle
+        # (the optimizer takes the ended step's traces and figures from it later).
+        names = self.lifecycle.wait_step()
+        if names:
+            raise ConfigError(late_write_message(names))
         # Hazard: adopting the written weights as masters while a transfer
         # launched after the last step still reads that step's masters.
         if not _faults.disabled("adopt_waits_readers"):
             self.readers.wait()
         self.accel_sync()
+        # Asked again now that the step's copies are done: one that wrote a weight
+        # but had not yet noted its version was no outside write.
+        changed = self._written_from_outside(late)
         self.registry.adopt(changed)
-        if late:
+        if late and changed:
             raise ConfigError(late_write_message([rec.name for rec in changed]))
         return reindexed
+
+    def _written_from_outside(self, late: bool) -> list[OffloadedParam]:
+        changed = self.registry.written_from_outside()
+        acc = self.lifecycle.acc
+        if late and changed and acc is not None:
+            # The chunks stepping during that backward write the weights too: a
+            # weight whose copy has not finished is not (yet) an outside write; the
+            # copy itself notices one that came before it (LaneResults.overwritten).
+            copied = acc.weights_copied()
+            changed = [rec for rec in changed if id(rec.param) in copied]
+        return changed
 
     def follow_param_groups(self) -> bool:
         """The live ``param_groups`` are the truth: parameters removed from, added to or

@@ -219,8 +219,9 @@ class ParamRegistry:
 
     @property
     def pin(self) -> bool:
-        """Whether host state is pinned (an accelerator holds the weights)."""
-        return _accel.current().is_device(self.device)
+        """Whether host state is pinned (an accelerator holds the weights, and
+        ``pin_memory``)."""
+        return self.config.pin_memory and _accel.current().is_device(self.device)
 
     def state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         """The per-element state keys the optimizer keeps for parameters of ``group``."""

@@ -10,11 +10,15 @@ from typing import Any
 import torch
 
 from pipeoff._errors import ConfigError
-from pipeoff._validate import check_int
+from pipeoff._validate import check_bytes, check_int, parse_bytes
 from pipeoff.optim._foreign import refuse_foreign
 from pipeoff.optim._offloaded import Offloaded
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "staging_args", "wrapped"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "mode_of", "staging_args", "wrapped"]
+
+MODES = ("single_pass", "chunked", "overlap")
+"""OffloadOptimizer's modes; ``overlap=`` names the last two as FullOffloadOptimizer does."""
+_OVERLAP = {"forward": "overlap", "none": "chunked"}
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """``chunk_bytes`` when neither it nor ``device_budget_bytes`` is given."""
@@ -75,12 +79,35 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
         raise ConfigError(f"{cls.__name__} refused {sorted(kwargs)}: {err}") from err
 
 
-def staging_args(chunk_bytes: int | None | _Default, prefetch: int | None,
-                 lookahead: int | None, device_budget_bytes: int | None,
-                 ) -> tuple[int | None, int | None]:
+def mode_of(mode: Any, overlap: Any) -> Any:
+    """The mode from ``mode=`` or from ``overlap=`` (the name both optimizers share:
+    ``"forward"`` is ``mode="overlap"``, ``"none"`` is ``mode="chunked"``).
+
+    Raises:
+        ConfigError: an unknown value, or both given and disagreeing.
+    """
+    if overlap is None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        return mode
+    if overlap not in _OVERLAP:
+        hint = (" (OffloadOptimizer steps after the backward: its chunks overlap the "
+                "next forward; overlap='backward' is FullOffloadOptimizer's)"
+                if overlap == "backward" else "")
+        raise ConfigError(f"overlap must be 'forward' or 'none', got {overlap!r}{hint}")
+    if mode is not None and mode != _OVERLAP[overlap]:
+        raise ConfigError(f"give overlap= or mode=, not both (got overlap={overlap!r}, "
+                          f"mode={mode!r})")
+    return _OVERLAP[overlap]
+
+
+def staging_args(chunk_bytes: int | str | None | _Default, prefetch: int | None,
+                 lookahead: int | None, device_budget_bytes: int | str | None,
+                 ) -> tuple[int | None, int | None, int | None]:
     """``chunk_bytes`` and ``prefetch`` as the optimizer uses them: the default chunk
     (1 GiB, or a third of ``device_budget_bytes``), and ``prefetch`` (2 by default,
-    ``None`` under a device budget); ``lookahead`` is its deprecated name.
+    ``None`` under a device budget); ``lookahead`` is its deprecated name; and the
+    budget in bytes (sizes may be strings such as ``"256MiB"``).
 
     Raises:
         ConfigError: a value out of range, or both of ``prefetch`` and
@@ -89,7 +116,7 @@ def staging_args(chunk_bytes: int | None | _Default, prefetch: int | None,
     chunk_bytes_given = None if isinstance(chunk_bytes, _Default) else chunk_bytes
     if isinstance(chunk_bytes, _Default):
         chunk_bytes = DEFAULT_CHUNK_BYTES
-    check_int("chunk_bytes", chunk_bytes, optional=True, unit="bytes")
+    chunk_bytes = check_bytes("chunk_bytes", chunk_bytes, optional=True)
     prefetch_name = "prefetch"
     if lookahead is not None:
         if prefetch is not None:
@@ -99,7 +126,7 @@ def staging_args(chunk_bytes: int | None | _Default, prefetch: int | None,
         prefetch, prefetch_name = lookahead, "lookahead"
     check_int(prefetch_name, prefetch, minimum=0, optional=True)
     if device_budget_bytes is not None:
-        check_int("device_budget_bytes", device_budget_bytes, unit="bytes", optional=True)
+        device_budget_bytes = parse_bytes(device_budget_bytes, name="device_budget_bytes")
         if prefetch is not None:
             raise ConfigError(
                 f"give {prefetch_name} or device_budget_bytes, not both (got "
@@ -111,5 +138,5 @@ def staging_args(chunk_bytes: int | None | _Default, prefetch: int | None,
                 f"device_budget_bytes={device_budget_bytes} must hold one chunk, but "
                 f"chunk_bytes={chunk_bytes!r}; use chunk_bytes <= device_budget_bytes")
     if device_budget_bytes is not None:
-        return chunk_bytes, None
-    return chunk_bytes, 2 if prefetch is None else prefetch
+        return chunk_bytes, None, device_budget_bytes
+    return chunk_bytes, 2 if prefetch is None else prefetch, None
