@@ -1,7 +1,7 @@
 """FSDP2 training with an offloaded AdamW whose step overlaps the next forward.
 
 Two gloo processes on the CPU (``mp.spawn``) train a small MLP sharded with
-FSDP2. ``OffloadOptimizer(mode="overlap")`` keeps the AdamW state in host
+FSDP2. ``OffloadOptimizer(overlap="forward")`` keeps the AdamW state in host
 memory and steps it in chunks on pipeoff's lanes; ``attach`` makes each FSDP
 module's forward wait only for the chunks holding its shards (and those of the
 modules it prefetches). Prints each step's loss and the last step's trace summary.
@@ -50,7 +50,7 @@ def train(rank: int, world: int, port: int, steps: int) -> None:
         model = build(init_device_mesh("cpu", (world,)))
         opt = OffloadOptimizer(
             torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01),
-            mode="overlap", chunk_bytes=64 * 1024,
+            overlap="forward", chunk_bytes=64 * 1024,
         )
         opt.attach(model)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)

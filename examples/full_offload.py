@@ -22,6 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
+MAX_NORM = 0.1  # this small model's norms are about 0.2: every step is clipped
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 128, dim: int = 64) -> None:
@@ -54,7 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyLM().to(torch.bfloat16)  # on a GPU: .cuda(); only these weights stay there
     opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True,
-                               accumulate="cpu", overlap="forward", max_norm=1.0)
+                               accumulate="cpu", overlap="forward", max_norm=MAX_NORM)
     opt.attach()  # each module's forward waits only for its own weights
     # Every step's figures to a logger, once the step has finished: here a list of
     # dicts; wandb.log(stats.as_dict(), step=stats.step) or TensorBoard's
@@ -82,7 +83,11 @@ def main() -> None:
         sched.step()
         print(f"step {step}: loss {total:.4f}", flush=True)
     opt.wait_for_step()  # before reading the optimizer's results on this thread
-    print(f"last gradient norm {float(opt.grad_norm):.4f} (max_norm 1.0)")
+    norm = float(opt.grad_norm)  # the total norm before clipping, as torch returns it
+    scale = min(1.0, MAX_NORM / (norm + 1e-6))  # torch's clip_grad_norm_ coefficient
+    print(f"last gradient norm {norm:.4f}, max_norm {MAX_NORM}: "
+          + (f"clipped (the step used the gradients scaled by {scale:.3f})"
+             if scale < 1.0 else "not clipped"))
     last = logged[-1]
     print(f"logged {len(logged)} steps' figures; the last: "
           + ", ".join(f"{k.removeprefix('pipeoff/')} {v:.3g}" for k, v in last.items()

@@ -117,7 +117,7 @@ def main() -> None:
     model = copy.deepcopy(reference)
     # On a GPU, the AdamW state lives in pinned host memory.
     runs["OffloadOptimizer"] = model, train(model, args.steps, OffloadOptimizer,
-                                            mode="overlap", chunk_bytes=16384)
+                                            overlap="forward", chunk_bytes=16384)
 
     model = copy.deepcopy(reference)
     # overlap="forward" (the default): the host step runs under the next forward.

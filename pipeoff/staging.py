@@ -10,8 +10,8 @@ block, so reuse never races and the host never blocks.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +20,8 @@ import torch
 
 from pipeoff import _accel, _happens
 from pipeoff._errors import ConfigError
+
+_log = logging.getLogger("pipeoff")
 
 if TYPE_CHECKING:
     from pipeoff.graph import TaskGraph
@@ -90,12 +92,10 @@ class StagingPool:
         if pinned and not _can_pin():
             if not _pin_warned:
                 _pin_warned = True
-                warnings.warn(
-                    "pipeoff: pinned host memory needs an accelerator; this torch has none, "
-                    "so host staging uses ordinary (pageable) memory",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                # Information, not a warning: nothing to act on (a CPU-only torch has no
+                # page-locked memory, and nothing needs it there).
+                _log.info("pinned host memory needs an accelerator; this torch has none, "
+                          "so host staging uses ordinary (pageable) memory")
             pinned = False
         self.pinned = pinned
         self._lock = threading.Lock()
