@@ -7,7 +7,7 @@ from typing import Any
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["check_bytes", "check_int", "parse_bytes"]
+__all__ = ["check_bytes", "check_int", "parse_bytes", "short_repr"]
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False,
@@ -82,3 +82,13 @@ def check_bytes(name: str, value: Any, *, optional: bool = False) -> int | None:
     if optional and value is None:
         return None
     return parse_bytes(value, name=name)
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages (a param group's
+    repr lists every tensor: thousands of characters)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    close = text[-1] if text[-1] in ")]}>" else ""
+    return f"{text[:limit - 5]} ...{close} ({type(value).__name__})"

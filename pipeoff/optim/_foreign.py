@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from pipeoff._errors import ConfigError
 
-__all__ = ["refuse_foreign"]
+__all__ = ["optimizer_class_of", "refuse_foreign"]
 
 _FULL = "FullOffloadOptimizer"
 _STATE = "OffloadOptimizer"
@@ -91,3 +93,21 @@ def refuse_foreign(kwargs: Mapping[str, Any], where: str) -> None:
         if key == "offload_gradients" and bool(kwargs[key]) == (where == _FULL):
             continue  # what the optimizer does (the caller drops the key)
         raise ConfigError(f"{where}({key}=...): {why}")
+
+
+def optimizer_class_of(value: Any) -> Any:
+    """``value``, or the ``torch.optim`` class a config file names (``"AdamW"``, any
+    case, as torchtitan's ``name`` and HF's ``optim`` give it); other values pass
+    through to the caller's own check.
+
+    Raises:
+        ConfigError: a string that names no ``torch.optim`` optimizer.
+    """
+    if not isinstance(value, str):
+        return value
+    names = {k.lower(): getattr(torch.optim, k) for k in dir(torch.optim)}
+    cls = names.get(value.lower().replace("_", ""))
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer_class {value!r} names no torch.optim optimizer; give a "
+                          "class (torch.optim.AdamW) or its name ('AdamW', 'SGD', 'Adam')")
+    return cls

@@ -26,7 +26,7 @@ from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import settle, train_span
 from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
-from pipeoff.optim._foreign import refuse_foreign
+from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
 from pipeoff.optim._full_offload import _common, _host_kernel
 from pipeoff.optim._full_offload._common import Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
@@ -180,7 +180,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimiz
         defaults.pop("offload_gradients", None)  # (True: what this does)
         chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
-            optimizer_class=optimizer_class, accumulate=accumulate, overlap=overlap,
+            optimizer_class=optimizer_class_of(optimizer_class), accumulate=accumulate,
+            overlap=overlap,
             max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
             slot_bytes=parse_bytes(slot_bytes, name="slot_bytes"), slots=slots,
             num_threads=num_threads, process_group=process_group, timeout=timeout,

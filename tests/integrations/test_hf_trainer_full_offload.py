@@ -229,3 +229,44 @@ def test_prepare_trainer_is_a_no_op_now(tmp_path: Path) -> None:
     with pytest.warns(FutureWarning, match="no longer needed"):
         assert prepare_trainer(trainer) is trainer
     assert trainer.accelerator.clip_grad_norm_ == clip
+
+
+def _resumable(model: Any, opt: torch.optim.Optimizer, out: Path) -> Any:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_grad_norm=1.0, max_steps=4, learning_rate=1e-2, lr_scheduler_type="linear",
+        warmup_steps=1, report_to=[], use_cpu=True, save_strategy="steps", save_steps=2,
+        logging_steps=1, seed=SEED, data_seed=SEED, dataloader_num_workers=0,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_hf.Tokens(32),
+                                   optimizers=(opt, None))
+    trainer.remove_callback(transformers.PrinterCallback)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["full_offload", "offload"])
+def test_resuming_the_trainers_checkpoint_is_bitwise_the_uninterrupted_run(
+        optimizer: str, tmp_path: Path) -> None:
+    # The Trainer saves optimizer.pt (torch's state dict, with each master under full
+    # offload) and loads it into a fresh optimizer: the resumed run ends where the
+    # uninterrupted one did, bit for bit.
+    def make(model: Any) -> torch.optim.Optimizer:
+        if optimizer == "full_offload":
+            return full_offload(model)
+        return OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                weight_decay=0.01, overlap="forward", chunk_bytes="16KiB")
+
+    init = tiny_llama()
+    whole = copy.deepcopy(init)
+    whole_opt = make(whole)
+    _resumable(whole, whole_opt, tmp_path / "whole").train()
+    resumed = copy.deepcopy(init)
+    opt = make(resumed)
+    _resumable(resumed, opt, tmp_path / "whole").train(
+        resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    for o in (whole_opt, opt):
+        o.wait_for_step()  # type: ignore[attr-defined]
+    assert not all(torch.equal(p, q) for p, q in zip(init.parameters(), whole.parameters()))
+    for (name, p), q in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), name

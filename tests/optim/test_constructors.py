@@ -158,3 +158,22 @@ def test_a_model_found_late_keeps_the_names_and_its_wrapper_probe() -> None:
     opt.step()
     opt.attach()  # now it knows the model
     opt.wait_for_step()
+
+
+def test_optimizer_class_by_name_as_config_files_give_it() -> None:
+    model = _model()
+    assert FullOffloadOptimizer(model, "AdamW", lr=1e-3).optimizer_class is torch.optim.AdamW
+    assert isinstance(OffloadOptimizer(model.parameters(), "sgd", lr=0.1).inner,
+                      torch.optim.SGD)
+    with pytest.raises(ConfigError, match="names no torch.optim optimizer"):
+        OffloadOptimizer(model.parameters(), "adamw_torch_fused")
+
+
+def test_errors_do_not_dump_whole_param_groups() -> None:
+    model = torch.nn.Linear(256, 256)
+    groups = [{"params": list(model.parameters())}]
+    for make in (lambda: OffloadOptimizer(optimizer=groups),  # type: ignore[arg-type]
+                 lambda: FullOffloadOptimizer(groups[0]["params"][0])):
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert len(str(err.value)) < 400, str(err.value)

@@ -11,7 +11,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._errors import ConfigError, UnsupportedOptimizerError
-from pipeoff._validate import check_int, parse_bytes
+from pipeoff._validate import check_int, parse_bytes, short_repr
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate
 
@@ -183,7 +183,7 @@ def check_model(model: Any) -> None:
         ConfigError: naming what was given.
     """
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {model!r}")
+        raise ConfigError(f"model must be a torch.nn.Module, got {short_repr(model)}")
     for m in model.modules():
         cls = type(m)
         if cls.__name__ == "PureDistributedDataParallel" and cls.__module__.startswith("torchft"):
@@ -220,7 +220,7 @@ def model_and_params(model: Any, params: Any) -> tuple[Any, torch.nn.Module | No
                 f"a single tensor of shape {tuple(model.shape)}")
         if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
             raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
-                              f"param groups) to optimize, got {model!r}")
+                              f"param groups) to optimize, got {short_repr(model)}")
         return list(model), None
     check_model(model)
     if isinstance(params, torch.Tensor):

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from pipeoff._errors import ConfigError
-from pipeoff._validate import check_bytes, check_int, parse_bytes
-from pipeoff.optim._foreign import refuse_foreign
+from pipeoff._validate import check_bytes, check_int, parse_bytes, short_repr
+from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
 from pipeoff.optim._offloaded import Offloaded
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "mode_of", "staging_args", "wrapped"]
@@ -58,18 +58,18 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
                 optimizer, Offloaded):
             raise ConfigError(
-                f"optimizer must be a torch.optim.Optimizer to wrap, got {optimizer!r}")
+                f"optimizer must be a torch.optim.Optimizer to wrap, got {short_repr(optimizer)}")
         return optimizer
     if params is None:
         raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
                           "and optimizer_class to build one (torchao's form)")
     refuse_foreign(kwargs, "OffloadOptimizer")
     kwargs.pop("offload_gradients", None)  # (False, torchao's default: what this does)
-    cls = torch.optim.AdamW if optimizer_class is None else optimizer_class
+    cls = torch.optim.AdamW if optimizer_class is None else optimizer_class_of(optimizer_class)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
             cls, Offloaded):
         raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
-                          f"torch.optim.AdamW, got {cls!r}")
+                          f"torch.optim.AdamW, got {short_repr(cls)}")
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
