@@ -26,6 +26,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pipeoff._native._signatures import SIGNATURES
+
 __all__ = ["CFLAGS", "SOURCE", "library", "turned_off", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("hoststep.c")
@@ -39,17 +41,6 @@ CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-pthread",
           "-fno-math-errno")
 """Compiler flags. No -ffast-math: the kernels are IEEE to the bit."""
 
-_I, _L, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "pipeoff_adam_step": (_I, [_P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _F, _F, _F, _F, _F, _F,
-                               _F, _F, _I, _I, _L, _I, _I]),
-    "pipeoff_adam_fold_step": (_I, [_P, _P, _P, _P, _P, _P, _I, _L, _I, _F, _F, _F, _F, _F, _F,
-                                    _F, _F, _F, _F, _I, _I, _L, _I, _I]),
-    "pipeoff_adam_fast": (_I, []),
-    "pipeoff_fold": (_I, [_P, _P, _I, _L, _I, _I]),
-    "pipeoff_scale": (_I, [_P, _L, _F, _I]),
-    "pipeoff_abi_version": (_I, []),
-}
 ABI_VERSION = 2
 
 _lock = threading.Lock()
@@ -153,9 +144,11 @@ def _load() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler found (set CC, or install cc, gcc or clang)")
     lib = ctypes.CDLL(str(_build(cc)))
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    # The one table of signatures, which tests/test_native_signatures.py checks
+    # against hoststep.c's definitions (ctypes itself checks nothing).
+    for name, (restype, args) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
+        fn.restype, fn.argtypes = restype, [t for _, t in args]
     if lib.pipeoff_abi_version() != ABI_VERSION:
         raise OSError(f"the cached library's ABI is {lib.pipeoff_abi_version()}, "
                       f"not {ABI_VERSION}")
