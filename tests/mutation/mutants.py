@@ -396,6 +396,14 @@ REVIEW = (
                "note",),
         hazard="a replica half-written after its commit is not reported to torchft: its next "
                "should_commit() is True and no peer ever heals it"),
+    Mutant(
+        name="r28:native-arguments-reordered", file="pipeoff/_native/hoststep.c",
+        old="int64_t n, int adam_wd, float wd, float decay, float sign, float scale,",
+        new="int64_t n, int adam_wd, float decay, float wd, float sign, float scale,",
+        tests=("tests/test_native_signatures.py::test_the_bound_signatures_are_the_c_"
+               "definitions",),
+        hazard="two same-type arguments of a native kernel swapped in C but not in the ctypes "
+               "table: every AdamW step with weight decay silently computes the wrong update"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)
