@@ -404,6 +404,16 @@ REVIEW = (
                "definitions",),
         hazard="two same-type arguments of a native kernel swapped in C but not in the ctypes "
                "table: every AdamW step with weight decay silently computes the wrong update"),
+    Mutant(
+        name="r29:norm-allreduce-skipped-without-gradients",
+        file="pipeoff/optim/_full_offload/_lanes.py",
+        old="        for key in self.all_norm_keys:\n",
+        new="        for key in [k for k in self.all_norm_keys if k in res.partial_norms]:\n",
+        tests=("tests/optim/test_full_offload_ranks.py::test_a_rank_without_gradients_of_a_"
+               "group_still_joins_its_norm_all_reduce",),
+        hazard="a rank holding no gradient of a set of groups (an expert no token reached) "
+               "skips their norm all-reduce: its peers pair the wrong collectives or wait, "
+               "and it clips by its own norm"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)

@@ -257,3 +257,66 @@ def dcp_worker(rank: int, world: int, port: int, queue: Any, *, phase: str, path
         queue.put((rank, pack({"error": traceback.format_exc()})))
     finally:
         dist.destroy_process_group()
+
+
+class _Experts(nn.Module):
+    """A replicated layer and an expert-parallel one: its weight a DTensor sharded by
+    rows over the ranks, each rank's forward using its own rows (to_local(), no
+    collective). A rank whose batch routes no token to its expert skips it."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        g = torch.Generator().manual_seed(3)
+        self.shared = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.shared.weight.copy_(torch.randn(8, 8, generator=g))
+        self.expert = nn.Parameter(distribute_tensor(torch.randn(16, 8, generator=g), mesh,
+                                                     [Shard(0)]))
+
+    def forward(self, x: torch.Tensor, routed: bool) -> torch.Tensor:
+        h = self.shared(x)
+        if routed:
+            h = h + nn.functional.linear(h, self.expert.to_local())
+        return h
+
+
+def expert_norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    """The clipping norm when rank 1 holds no gradient of its expert shard (no token
+    routed to it): it still joins the expert group's all-reduce, with zero, so both
+    ranks get sqrt(own replicated sq + the experts' sq summed over ranks)."""
+    init(rank, world, port)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from pipeoff.optim import FullOffloadOptimizer
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = _Experts(mesh)
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, max_norm=0.5,
+                                   timeout=20.0)
+        norms = []
+        g = torch.Generator().manual_seed(10 + rank)
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=g), routed=rank == 0).square().mean().backward()
+            # The reference, from the gradients the backward left (before the norm's
+            # own all-reduce, which must pair with the peer's).
+            shared = sum(float(p.grad.float().square().sum())  # type: ignore[union-attr]
+                         for p in model.shared.parameters())
+            eg = model.expert.grad
+            expert = torch.zeros((), dtype=torch.float64) if eg is None else (
+                eg.to_local().double().square().sum())
+            dist.all_reduce(expert)
+            norms.append((float(opt.grad_norm),  # type: ignore[arg-type]
+                          (shared + float(expert)) ** 0.5))
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        queue.put((rank, pack({"norms": norms})))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        queue.put((rank, pack({"error": traceback.format_exc()})))
+    finally:
+        dist.destroy_process_group()

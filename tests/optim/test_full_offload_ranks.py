@@ -99,3 +99,14 @@ def test_torch_dcp_resume_across_world_sizes_loads_the_state(tmp_path: Path, sav
             else:
                 assert val == got, (fqn, key)
         assert float(entry["step"]) == 2.0  # the saved state, not the template's
+
+
+def test_a_rank_without_gradients_of_a_group_still_joins_its_norm_all_reduce() -> None:
+    """Expert parallelism: rank 1 routes no token to its expert, so it holds no gradient
+    of the expert group's parameters; it joins that group's all-reduce with zero
+    (skipping it would leave rank 0 waiting, and rank 1 clip by its own norm)."""
+    res = _run(loops_worker.expert_norm_worker)
+    for rank in (0, 1):
+        assert "error" not in res[rank], res[rank]["error"]
+        for mine, ref in res[rank]["norms"]:
+            assert mine == pytest.approx(ref, rel=1e-5), (rank, mine, ref)
