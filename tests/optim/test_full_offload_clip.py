@@ -646,3 +646,31 @@ def test_value_reads_outside_aten_give_the_real_gradient() -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.tolist() == q.grad.tolist()
         assert (p.grad.numpy() == q.grad.numpy()).all()
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_one_clip_call_over_two_optimizers_parameters(foreach: bool) -> None:
+    # torchtitan's train step clips every model part's gradients in one call, each part
+    # with its own FullOffloadOptimizer: each placeholder answers through its own
+    # optimizer (one foreach norm or scale over both once failed with a GradientError).
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)]
+    refs = [copy.deepcopy(p) for p in parts]
+    opts = [FullOffloadOptimizer(p, torch.optim.AdamW, lr=1e-2) for p in parts]
+    ref_opt = torch.optim.AdamW([q for r in refs for q in r.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=g) * 10
+        for model, step in ((parts, opts), (refs, [ref_opt])):
+            model[1](model[0](x)).square().mean().backward()
+            params = [q for m in model for q in m.parameters()]
+            norm = torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=foreach)
+            assert float(norm) > 0.5  # it clips
+            for o in step:
+                o.step()
+                o.zero_grad()
+    for o in opts:
+        o.wait_for_step()
+    for m, r in zip(parts, refs):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert torch.equal(p, q)

@@ -140,8 +140,7 @@ class HostGrad(torch.Tensor):
             except NeedsRealGradient:
                 for s, n in zip(slots, marks):
                     del s.edits[n:]  # (a composite op that scaled, then needed values)
-        owner = slots[0].loop_grads()
-        return func(*_real(owner, args), **{k: _real(owner, v) for k, v in kwargs.items()})
+        return func(*_real(args), **{k: _real(v) for k, v in kwargs.items()})
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
@@ -181,11 +180,13 @@ class NeedsRealGradient(GradientError):
     """
 
 
-def _real(owner: LoopGrads, a: Any) -> Any:
+def _real(a: Any) -> Any:
+    # Each placeholder by its own optimizer's LoopGrads: one foreach call may span
+    # the parameters of several (torchtitan clips all model parts in one call).
     if isinstance(a, HostGrad):
-        return owner.materialize(a._slot)
+        return a._slot.loop_grads().materialize(a._slot)
     if isinstance(a, (list, tuple)):
-        return type(a)(_real(owner, t) for t in a)
+        return type(a)(_real(t) for t in a)
     return a
 
 
@@ -360,7 +361,7 @@ class LoopGrads:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One aten operation with a placeholder among its arguments."""
         if any(s.real is not None for s in _slots_in(args, kwargs)):
-            return func(*_real(self, args), **{k: _real(self, v) for k, v in kwargs.items()})
+            return func(*_real(args), **{k: _real(v) for k, v in kwargs.items()})
         if func in _ALIAS or (func is aten.view.default and _same_shape(args[0], args[1])):
             return _slot_of(args[0]).alias()
         if func is aten.linalg_vector_norm.default:
@@ -368,7 +369,8 @@ class LoopGrads:
         if func is aten._foreach_norm.Scalar:
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
             dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-            return [self.norm(t._slot, ord_, dtype=dtype) if isinstance(t, HostGrad)
+            return [t._slot.loop_grads().norm(t._slot, ord_, dtype=dtype)
+                    if isinstance(t, HostGrad)
                     else torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in args[0]]
         if func in _SCALE:
             self.edit(_slot_of(args[0]), (_SCALE[func], _value(args[1], _SCALE[func])))
@@ -412,8 +414,8 @@ class LoopGrads:
         plain: list[torch.Tensor] = []
         plain_operands: list[Any] = []
         for t, v in zip(tensors, operands):
-            if isinstance(t, HostGrad):
-                self.edit(t._slot, (kind, _value(v, name)))
+            if isinstance(t, HostGrad):  # (by its own optimizer's LoopGrads)
+                t._slot.loop_grads().edit(t._slot, (kind, _value(v, name)))
             else:
                 plain.append(t)
                 plain_operands.append(v)
