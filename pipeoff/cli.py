@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,29 @@ class _UsageError(Exception):
 
 
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+_SIZE_OPTIONS = {"chunk_bytes": "--chunk-bytes", "bucket_bytes": "--bucket-bytes",
+                 "device_budget_bytes": "--device-budget"}
+"""How errors about sizes name them: by the option a user typed."""
+
+
+def _version() -> str:
+    """The installed distribution's version, else the package's ``__version__``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pipeoff")
+    except metadata.PackageNotFoundError:
+        import pipeoff
+
+        return str(getattr(pipeoff, "__version__", "unknown"))
+
+
+def _group_help(parser: argparse.ArgumentParser, hint: str) -> int:
+    """A command group run without a command: its commands' help, and what to run."""
+    parser.print_help()
+    sys.stdout.flush()  # (the help first, then the line saying what to run)
+    print(f"\n{parser.prog}: choose a command; {hint}", file=sys.stderr)
+    return 2
 
 
 def _width(text: str) -> float:
@@ -43,8 +67,8 @@ def _cmd_trace_summary(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace_diff(args: argparse.Namespace) -> int:
-    from pipeoff.trace import Trace
-    from pipeoff.trace._trace import fmt_bytes
+    from pipeoff.trace import Trace, TraceSummary
+    from pipeoff.trace._format import fmt_bytes, predicted_line
 
     a = Trace.load(args.a).summary()
     b = Trace.load(args.b).summary()
@@ -52,6 +76,7 @@ def _cmd_trace_diff(args: argparse.Namespace) -> int:
         ("makespan ms", a.makespan_us / 1e3, b.makespan_us / 1e3, "time"),
         ("critical path ms", a.critical_path_us / 1e3, b.critical_path_us / 1e3, "time"),
         ("efficiency", a.efficiency, b.efficiency, "num"),
+        ("lanes busy %", a.busy_pct, b.busy_pct, "num"),
         ("comm overlap %", a.comm_overlap_pct, b.comm_overlap_pct, "num"),
         ("comm hidden %", a.comm_hidden_pct, b.comm_hidden_pct, "num"),
         ("copy overlap %", a.copy_overlap_pct, b.copy_overlap_pct, "num"),
@@ -73,11 +98,24 @@ def _cmd_trace_diff(args: argparse.Namespace) -> int:
             return fmt_bytes(int(v))
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    print(f"{'metric':<22} {'A':>14} {'B':>14} {'B/A':>8}")
-    print(f"{'':<22} {Path(args.a).name[:14]:>14} {Path(args.b).name[:14]:>14}")
-    for name, va, vb, kind in rows:
-        ratio = f"{vb / va:.2f}x" if va and vb is not None and va is not None else "n/a"
-        print(f"{name:<22} {show(va, kind):>14} {show(vb, kind):>14} {ratio:>8}")
+    def head(path: str, summary: TraceSummary) -> str:
+        return Path(path).name + (" (predicted)" if summary.predicted_by is not None else "")
+
+    shown_as = {"efficiency": "efficiency (path/makespan)"}  # (JSON keeps the short names)
+    table = [(shown_as.get(name, name), show(va, kind), show(vb, kind),
+              f"{vb / va:.2f}x" if va and vb is not None and va is not None else "n/a")
+             for name, va, vb, kind in rows]
+    heads = ("A: " + head(args.a, a), "B: " + head(args.b, b))
+    # Columns as wide as their content: file names are never cut.
+    w0 = max(len("metric"), *(len(r[0]) for r in table))
+    w1 = max(len(heads[0]), *(len(r[1]) for r in table))
+    w2 = max(len(heads[1]), *(len(r[2]) for r in table))
+    for summary in (a, b):
+        if summary.predicted_by is not None:
+            print(f"{'A' if summary is a else 'B'}: {predicted_line(summary.predicted_by)}")
+    print(f"{'metric':<{w0}} {heads[0]:>{w1}} {heads[1]:>{w2}} {'B/A':>8}")
+    for name, sa, sb, ratio in table:
+        print(f"{name:<{w0}} {sa:>{w1}} {sb:>{w2}} {ratio:>8}")
     return 0
 
 
@@ -85,21 +123,26 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
     from pipeoff.trace import Trace
     from pipeoff.trace._plot import plot
 
-    out = Path(args.output)
+    out = Path(args.output) if args.output is not None else Path(Path(args.file).stem + ".png")
     if not out.suffix:
         out = out.with_suffix(".png")
     if out.suffix.lower() not in _PLOT_SUFFIXES:
         raise _UsageError(f"--output must end in {', '.join(_PLOT_SUFFIXES)}; got {str(out)!r}")
-    out = plot(Trace.load(args.file), out, arrows=args.arrows, width=args.width)
-    print(f"wrote {out}")
+    trace = Trace.load(args.file)
+    if args.output is None:
+        # Nothing lands in the current folder unless asked: a fresh temporary folder.
+        out = Path(tempfile.mkdtemp(prefix="pipeoff-plot-")) / out.name
+    out = plot(trace, out, arrows=args.arrows, width=args.width)
+    print(f"wrote {out}" + (" (no -o given: a temporary folder)" if args.output is None
+                            else ""))
     return 0
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from pipeoff.sim import CostModel
-    from pipeoff.sim._compare import FEATURE_SCHEDULES, compare, parse_bytes
-    from pipeoff.sim._workloads import model_shape
-    from pipeoff.trace._trace import fmt_bytes
+    from pipeoff._validate import parse_bytes
+    from pipeoff.sim import CostModel, model_shape
+    from pipeoff.sim._compare import FEATURE_SCHEDULES, SCHEDULE_NOTES, compare
+    from pipeoff.trace._format import fmt_bytes
 
     shape = model_shape(args.model, fsdp=args.fsdp)
     schedules = tuple(s.strip() for s in (args.schedules or ",".join(
@@ -113,9 +156,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cost = CostModel.preset(args.preset, participants=replicas)
     preds = compare(
         shape, args.feature, schedules, cost,
-        chunk_bytes=parse_bytes(args.chunk_bytes), prefetch=args.prefetch,
-        bucket_bytes=parse_bytes(args.bucket_bytes),
-        device_budget_bytes=parse_bytes(args.device_budget) if args.device_budget else None,
+        chunk_bytes=parse_bytes(args.chunk_bytes, name="--chunk-bytes"),
+        prefetch=args.prefetch,
+        bucket_bytes=parse_bytes(args.bucket_bytes, name="--bucket-bytes"),
+        device_budget_bytes=(parse_bytes(args.device_budget, name="--device-budget")
+                             if args.device_budget else None),
+        names=_SIZE_OPTIONS,
     )
     if args.trace_dir:
         for p in preds:
@@ -123,18 +169,35 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{
             "schedule": p.schedule, "time_ms": p.time_ms, "peak_device_bytes": p.peak_device_bytes,
-            "peak_host_bytes": p.peak_host_bytes, "efficiency": p.efficiency, "bound": p.bound,
+            "peak_host_bytes": p.peak_host_bytes, "host_state_bytes": p.host_state_bytes,
+            "host_state": p.host_state, "peak_host_staging_bytes": p.peak_host_staging_bytes,
+            "efficiency": p.efficiency, "bound": p.bound, "predicted": True,
+            "cost_model": cost.name,
         } for p in preds], indent=2))
         return 0
     print(f"PREDICTED by the {cost.name} cost model (not measured): {args.feature}, "
           f"{shape.name} ({shape.params / 1e9:.2f}B params) sharded over {shape.fsdp} ranks")
     base = preds[0].time_ms
     print(f"{'schedule':<13} {'time ms':>10} {'vs first':>9} {'peak device':>12} "
-          f"{'peak host':>11} {'efficiency':>10}  bound")
+          f"{'peak host*':>11} {'efficiency':>10}  bound")
     for p in preds:
         print(f"{p.schedule:<13} {p.time_ms:>10.2f} {p.time_ms / base:>8.2f}x "
               f"{fmt_bytes(p.peak_device_bytes):>12} {fmt_bytes(p.peak_host_bytes):>11} "
               f"{p.efficiency:>10.2f}  {p.bound}")
+    # What the memory columns count, per schedule where it differs.
+    states: dict[tuple[int, str], list[str]] = {}
+    for p in preds:
+        states.setdefault((p.host_state_bytes, p.host_state), []).append(p.schedule)
+    for (nbytes, what), names in states.items():
+        who = f" ({', '.join(names)})" if len(states) > 1 else ""
+        print(f"* peak host{who}: " + (f"{what}, {fmt_bytes(nbytes)} per rank, + peak host "
+                                       "staging" if nbytes else
+                                       f"peak host staging only ({what})"))
+    print("  peak device: device staging only (not the weights, gradients or activations "
+          "training holds anyway)")
+    note = SCHEDULE_NOTES.get(args.feature)
+    if note:
+        print(f"  schedules: {note}; vs first: time over the first row's")
     return 0
 
 
@@ -149,20 +212,27 @@ def _parser() -> argparse.ArgumentParser:
         prog="pipeoff",
         description="pipeoff: pipelined CPU offload for PyTorch training. "
                     "Run the demo, simulate schedules at scale, inspect traces.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"pipeoff {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    p.set_defaults(group=(p, "e.g. `pipeoff demo`; `pipeoff COMMAND --help` for its options"))
 
     demo = sub.add_parser("demo", help="run the CPU demo, write a trace and print its summary")
     demo.add_argument("--out", default="pipeoff-demo", help="output folder (default: %(default)s)")
     demo.add_argument("--quick", action="store_true", help="a shorter run (used by the tests)")
     demo.set_defaults(fn=_cmd_demo)
 
-    sim = sub.add_parser("simulate", help="predict schedules at model scale with a cost model")
+    sim = sub.add_parser("simulate", help="predict schedules at model scale with a cost model",
+                         epilog="Sizes: bytes (4096, 2e9) or with a unit; KB, MB, GB are "
+                                "powers of 10 (1GB = 10^9 bytes), KiB, MiB, GiB powers of 2 "
+                                "(1GiB = 2^30 bytes).")
     sim.add_argument("--model", default="8b",
                      help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
     sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
     sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer",
                                               "diloco"],
-                     default="optimizer")
+                     default="optimizer",
+                     help="the pipeoff feature whose schedules to predict (default: "
+                          "%(default)s)")
     sim.add_argument("--schedules", help="comma-separated; default: all for the feature")
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
     sim.add_argument("--replicas", type=int,
@@ -179,7 +249,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.set_defaults(fn=_cmd_simulate)
 
     trace = sub.add_parser("trace", help="inspect traces")
-    tsub = trace.add_subparsers(dest="trace_command", required=True)
+    tsub = trace.add_subparsers(dest="trace_command", metavar="COMMAND", title="commands")
+    trace.set_defaults(group=(trace, "e.g. `pipeoff trace summary FILE`; "
+                                     "`pipeoff trace COMMAND --help` for its options"))
     summ = tsub.add_parser("summary", help="makespan, critical path, lane busy, staging peaks")
     summ.add_argument("file", help="a trace JSON written by pipeoff")
     summ.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -191,8 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     diff.set_defaults(fn=_cmd_trace_diff)
     plot = tsub.add_parser("plot", help="a Gantt chart PNG: one row per lane, staging below")
     plot.add_argument("file", help="a trace JSON written by pipeoff")
-    plot.add_argument("-o", "--output", default="trace.png",
-                      help="image path: .png, .svg or .pdf (%(default)s)")
+    plot.add_argument("-o", "--output",
+                      help="image path: .png, .svg or .pdf (default: a new temporary folder, "
+                           "whose path is printed)")
     plot.add_argument("--arrows", action="store_true", help="draw cross-lane dependencies")
     plot.add_argument("--width", type=_width, default=12.0, help="inches (%(default)s)")
     plot.set_defaults(fn=_cmd_trace_plot)
@@ -202,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipeoff`` console script. Bad input exits with code 2."""
     args = _parser().parse_args(argv)
+    if getattr(args, "fn", None) is None:  # a command group without its command
+        parser, hint = args.group
+        return _group_help(parser, hint)
     try:
         return int(args.fn(args))
     except (PipeoffError, OSError, _UsageError) as err:  # OSError: a path that is not usable

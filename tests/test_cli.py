@@ -149,11 +149,12 @@ def test_malformed_traces_exit_2_with_a_message(
     [
         (["trace", "summary", "."], "is a directory"),
         (["simulate", "--schedules", ","], "no schedule given"),
-        (["simulate", "--chunk-bytes", "1e400"], "byte size too large"),
+        (["simulate", "--chunk-bytes", "1e400"], "--chunk-bytes is too large"),
+        (["simulate", "--bucket-bytes", "1XB"], "--bucket-bytes: unknown unit"),
         (["simulate", "--lookahead", "0"], "prefetch must be an int >= 1"),
         (["simulate", "--prefetch", "0"], "prefetch must be an int >= 1"),
         (["simulate", "--feature", "local-sgd", "--bucket-bytes", "1"],
-         "bucket_bytes=1 cuts 8b into"),
+         "--bucket-bytes=1 cuts 8b into"),
         (["simulate", "--preset", "cpu_here", "--replicas", "8"], "--replicas applies"),
     ],
 )
@@ -179,3 +180,101 @@ def test_plot_output_path(tmp_path: Path, demo_trace: Path,
     with pytest.raises(SystemExit) as info:
         main(["trace", "plot", str(demo_trace), "--width", "nan"])
     assert info.value.code == 2
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    from pipeoff.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pipeoff {metadata.version('pipeoff')}"
+
+
+@pytest.mark.parametrize(("argv", "commands", "hint"), [
+    ([], ("demo", "simulate", "trace"), "pipeoff COMMAND --help"),
+    (["trace"], ("summary", "diff", "plot"), "pipeoff trace summary FILE"),
+])
+def test_a_command_group_alone_shows_its_commands_and_what_to_run(
+        capsys: pytest.CaptureFixture[str], argv: list[str], commands: tuple[str, ...],
+        hint: str) -> None:
+    from pipeoff.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert all(c in out for c in commands), out
+    assert "choose a command" in err and hint in err
+    assert "required" not in err and "trace_command" not in out + err
+
+
+def _sim_trace(tmp_path: Path, name: str = "a-very-long-trace-name-indeed.json") -> Path:
+    import pipeoff
+    from pipeoff import TaskGraph, TaskKind
+
+    g = TaskGraph()
+    g.add_task("c", TaskKind.H2D, nbytes=1 << 20)
+    g.add_task("o", TaskKind.OPTIMIZER_CHUNK, deps=["c"], nbytes=1 << 20)
+    return pipeoff.execute(g, backend="sim").trace.save(tmp_path / name)
+
+
+def test_diff_columns_are_as_wide_as_their_content(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoff.cli import main
+
+    a = _sim_trace(tmp_path)
+    b = _sim_trace(tmp_path, "another-quite-long-trace-name.json")
+    assert main(["trace", "diff", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {a.name} (predicted)" in out and f"B: {b.name} (predicted)" in out
+    assert "PREDICTED by pipeoff's simulator" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("metric", "makespan ms"))]
+    assert len({len(r) for r in rows}) == 1  # aligned under the widened headers
+
+
+def test_plot_without_output_writes_nothing_into_the_current_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from pipeoff.cli import main
+
+    trace = _sim_trace(tmp_path)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main(["trace", "plot", str(trace)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("wrote ") and out.endswith("(no -o given: a temporary folder)")
+    written = Path(out.removeprefix("wrote ").split(" (no -o")[0])
+    assert written.stat().st_size > 0 and written.parent != cwd
+    assert list(cwd.iterdir()) == []
+    written.unlink()
+    written.parent.rmdir()
+
+
+def test_simulate_counts_the_host_state_and_says_what_peak_host_is(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoff.cli import main
+
+    assert main(["simulate", "--model", "0.6b", "--feature", "optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "peak host*" in out and "* peak host: AdamW state (2 x FP32)" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("pipelined")]
+    assert rows and rows[0][5] != "0"  # "<n> GiB/MiB", not "0 B"
+    assert main(["simulate", "--model", "0.6b", "--feature", "optimizer", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(p["host_state_bytes"] > 0 and p["predicted"] for p in data)
+    assert all(p["peak_host_bytes"] == p["host_state_bytes"] + p["peak_host_staging_bytes"]
+               for p in data)
+
+
+def test_a_too_small_budget_names_the_options_to_change(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeoff.cli import main
+
+    assert main(["simulate", "--model", "8b", "--device-budget", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-budget=1000000000 bytes" in err
+    assert "raise --device-budget to at least 1GiB" in err and "lower --chunk-bytes" in err
+    assert "Traceback" not in err

@@ -13,7 +13,7 @@ import pipeoff
 import pipeoff.testing
 from pipeoff import ConfigError, Schedule, TaskGraph, TaskKind
 from pipeoff.sim import CostModel
-from pipeoff.sim._compare import compare, parse_bytes
+from pipeoff.sim._compare import FEATURE_SCHEDULES, compare, parse_bytes
 from pipeoff.sim._workloads import local_sgd_graph, model_shape, optimizer_graph
 
 GB = 1e9
@@ -172,8 +172,52 @@ def test_parse_bytes() -> None:
     assert parse_bytes("256MiB") == 256 << 20
     assert parse_bytes("1GiB") == 1 << 30
     assert parse_bytes("2e9") == 2 * 10**9
-    with pytest.raises(ConfigError, match="not a byte size"):
+    with pytest.raises(ConfigError, match="must be a positive int"):
         parse_bytes("lots")
+
+
+def test_the_simulator_parses_sizes_with_the_one_shared_parser() -> None:
+    """Issue 34: pipeoff.sim._compare keeps no parser of its own; SI units are powers of
+    ten, IEC powers of two, and errors name the argument."""
+    from pipeoff import _validate
+
+    assert parse_bytes is _validate.parse_bytes
+    assert parse_bytes("1GB") == 10**9 and parse_bytes("1TiB") == 1 << 40
+    with pytest.raises(ConfigError, match="--chunk-bytes"):
+        parse_bytes("1XB", name="--chunk-bytes")
+
+
+def test_a_budget_below_a_buffer_says_how_big_it_must_be_and_what_to_lower() -> None:
+    from pipeoff import BudgetError
+
+    shape = model_shape("8b", fsdp=8)
+    with pytest.raises(BudgetError) as info:
+        compare(shape, "optimizer", ("pipelined",), CostModel.h200_pcie5(),
+                device_budget_bytes=10**9, names={"device_budget_bytes": "--device-budget",
+                                                  "chunk_bytes": "--chunk-bytes"})
+    msg = str(info.value)
+    assert "raise --device-budget to at least 1GiB" in msg
+    assert "or lower --chunk-bytes (now 1073741824 bytes" in msg
+    assert "powers of 10" in msg  # 1GB is not 1GiB
+    with pytest.raises(BudgetError, match="lower bucket_bytes"):
+        compare(shape, "local-sgd", ("pipelined",), CostModel.h200_pcie5(),
+                device_budget_bytes=100 << 20)
+
+
+def test_predictions_count_the_host_state_each_feature_places() -> None:
+    """Issue 34: the optimizer's state, full offload's masters, DiLoCo's backup are on the
+    host; ``peak host`` counts them, not staging alone."""
+    shape = model_shape("0.6b", fsdp=8)
+    s_bytes = 4 * sum(n for _, n in shape.local_numels)
+    cost = CostModel.h200_pcie5()
+    expect = {"optimizer": 2, "full-offload": 4, "local-sgd": 0, "transfer": 0, "diloco": 3}
+    for feature, k in expect.items():
+        for p in compare(shape, feature, (FEATURE_SCHEDULES[feature][-1],), cost):
+            assert p.host_state_bytes == k * s_bytes, feature
+            assert p.peak_host_bytes == p.host_state_bytes + p.peak_host_staging_bytes
+            assert p.host_state
+    (orig,) = compare(shape, "diloco", ("original",), cost)
+    assert orig.host_state_bytes == s_bytes  # torchft's backup
 
 
 def test_compare_h200_predictions_have_the_expected_shape() -> None:
@@ -223,7 +267,7 @@ def test_simulate_cli(tmp_path: Path) -> None:
         (("--model", "{shapes}"), "is not valid JSON"),
         (("--schedules", "magic"), "unknown schedule 'magic'"),
         (("--preset", "tpu"), "unknown cost model preset"),
-        (("--chunk-bytes", "lots"), "not a byte size"),
+        (("--chunk-bytes", "lots"), "--chunk-bytes must be a positive int (bytes) or a size"),
     ],
 )
 def test_simulate_cli_bad_input(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
@@ -250,3 +294,11 @@ def test_diloco_predictions_bound_device_memory() -> None:
     assert pred["pipelined"].time_ms < pred["synchronous"].time_ms
     tasks = {t.name.split(":")[0] for t in pred["pipelined"].trace.tasks}
     assert {"pseudograd", "allreduce", "d2h", "outer", "write"} <= tasks
+
+
+def test_a_transfer_budget_the_planner_refuses_is_a_config_error() -> None:
+    from pipeoff.sim import ModelShape, transfer_graph_shape
+
+    shape = ModelShape(name="tiny", global_shapes=(("w", (8, 8)),), fsdp=2)
+    with pytest.raises(ConfigError, match="budget_bytes=1 cannot transfer tiny"):
+        transfer_graph_shape(shape, budget_bytes=1)

@@ -319,3 +319,58 @@ def test_a_task_that_says_what_it_moved_is_traced_with_that(schedule: str) -> No
     sched = Schedule.synchronous() if schedule == "synchronous" else Schedule.pipelined()
     trace = pipeoff.execute(g, sched).trace
     assert {t.name: t.nbytes for t in trace.tasks} == {"copy": 7, "other": 100}
+
+
+# -- issue 34: a prediction is marked as one wherever it is shown ---------------------------
+
+def _predicted() -> Trace:
+    g = TaskGraph()
+    g.add_task("in", TaskKind.H2D, nbytes=1 << 20)
+    g.add_task("opt", TaskKind.OPTIMIZER_CHUNK, deps=["in"], nbytes=1 << 20)
+    return pipeoff.execute(g, backend="sim").trace
+
+
+def test_a_simulated_trace_is_marked_predicted_through_save_and_load(tmp_path: Path) -> None:
+    trace = _predicted()
+    assert trace.predicted_by == "pipeoff's simulator"
+    again = Trace.load(trace.save(tmp_path / "sim.json"))
+    for t in (trace, again):
+        s = t.summary()
+        assert s.predicted_by == "pipeoff's simulator" and s.to_dict()["predicted"] is True
+        first = s.format().splitlines()[0]
+        assert first.startswith("PREDICTED by pipeoff's simulator, not measured")
+    names = [e["args"]["name"] for e in trace.to_chrome()["traceEvents"]
+             if e.get("name") == "process_name"]
+    assert names == ["rank 0 (PREDICTED by pipeoff's simulator, not measured)"]  # Perfetto
+    measured = pipeoff.execute(_graph_of(_predicted()), backend="inline").trace
+    assert measured.predicted_by is None
+    assert not measured.summary().format().startswith("PREDICTED")
+
+
+def _graph_of(trace: Trace) -> TaskGraph:
+    g = TaskGraph()
+    for t in trace.tasks:
+        g.add_task(t.name, TaskKind(t.kind), deps=list(t.deps), nbytes=t.nbytes)
+    return g
+
+
+def test_a_prediction_stays_marked_when_recorded_merged_or_from_compare(tmp_path: Path) -> None:
+    from pipeoff.sim import CostModel, compare, model_shape
+
+    with pipeoff.trace.record() as rec:
+        _predicted()
+    assert rec.trace.predicted_by is not None
+    assert Trace.merge([_predicted(), Trace(tasks=())], metadata={"rank": 0}).predicted_by
+    (p,) = compare(model_shape("0.6b"), "optimizer", ("pipelined",), CostModel.h200_pcie5())
+    loaded = Trace.load(p.trace.save(tmp_path / "p.json"))
+    assert loaded.predicted_by == "pipeoff's simulator (h200_pcie5 cost model)"
+
+
+def test_the_plot_title_of_a_prediction_says_so() -> None:
+    pytest.importorskip("matplotlib")
+    from pipeoff.trace._plot import figure
+
+    assert figure(_predicted()).axes[0].get_title().startswith(
+        "PREDICTED by pipeoff's simulator, not measured")
+    measured = pipeoff.execute(_graph_of(_predicted()), backend="inline").trace
+    assert "PREDICTED" not in figure(measured).axes[0].get_title()

@@ -142,7 +142,7 @@ def test_the_plot_has_the_train_row_on_top_step_lines_and_min_widths(
     legend = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"train: forward", "train: backward", "train: step"} <= legend
     if kind == "full_offload":
-        assert "waiting for gradients (gate)" in legend
+        assert "waiting for gradients from the backward (gate)" in legend
     drawn = {p.get_facecolor() for p in bars}
     shown = {h.get_facecolor() for h in ax.get_legend().legend_handles}
     assert drawn <= shown
@@ -166,11 +166,12 @@ def test_the_summary_says_what_each_figure_is_of(recorded: tuple[str, Trace, Any
     kind, trace, _ = recorded
     text = trace.summary().format()
     assert "of pipeoff's own work (not the training step)" in text
+    assert "lanes busy" in text and "of the makespan has a task running on some" in text
     assert "training loop     3 steps" in text
     if kind == "full_offload":
         assert "full offload" in text and "of gradients to the host per micro-step" in text
         assert "(full offload stages on the host)" in text
-        assert "not a fault" in text
+        assert "not a fault" in text and "for gradients from the backward (" in text
 
 
 @pytest.mark.parametrize("make", [_overlap, _full], ids=["overlap", "full_offload"])
@@ -395,3 +396,151 @@ def test_a_copy_with_no_gradient_to_ship_moves_no_bytes() -> None:
     assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "d2h") == 0
     assert opt.last_step_stats.d2h_bytes == grad_bytes
     assert sum(t.nbytes for t in opt.last_trace.tasks if t.kind == "h2d") == grad_bytes
+
+
+# -- issue 34: a recorded window of steps ---------------------------------------------------
+
+def _recorded_steps(trace: Trace) -> list[int]:
+    return sorted(set(_spans(trace).get("step", [])))
+
+
+@pytest.mark.parametrize("make", [_overlap, _full], ids=["overlap", "full_offload"])
+def test_a_window_keeps_only_its_steps(make: Any) -> None:
+    model, opt = make()
+    window = pipeoff.trace.RecordWindow(wait=1, warmup=1, active=2, repeat=1)
+    with pipeoff.trace.record(window=window, replica=1) as rec:
+        _train(model, opt, 7, micro=2 if make is _full else 1)
+        opt.wait_for_step()
+    trace = rec.trace
+    assert _recorded_steps(trace) == [2, 3]
+    assert sorted(set(_spans(trace)["forward"])) == [2, 3]  # their forwards and backwards too
+    assert sorted(set(_spans(trace)["backward"])) == [2, 3]
+    per_step = 3 if make is _full else 1  # full offload: 2 micro-steps and the host step
+    assert trace.summary().executions == 2 * per_step
+    assert rec.steps_seen == 7
+    assert trace.metadata["steps_recorded"] == [2, 3] and trace.metadata["replica"] == 1
+
+
+def test_a_torch_profiler_schedule_is_a_window_too() -> None:
+    model, opt = _overlap()
+    with pipeoff.trace.record(window=torch.profiler.schedule(
+            wait=0, warmup=1, active=1, repeat=2)) as rec:
+        _train(model, opt, 6)
+        opt.wait_for_step()
+    assert _recorded_steps(rec.trace) == [1, 3]
+
+
+def test_max_steps_bounds_what_a_long_region_keeps() -> None:
+    model, opt = _overlap()
+    with pipeoff.trace.record(max_steps=2) as rec:
+        _train(model, opt, 6)
+        opt.wait_for_step()
+        # Dropped as the run goes, not when the trace is built: memory stays bounded.
+        assert len(rec._executions) <= 2
+    assert _recorded_steps(rec.trace) == [4, 5]
+    assert rec.trace.metadata["steps_recorded"] == [4, 5]
+
+
+def test_steps_counted_by_hand_as_with_the_profiler() -> None:
+    model, opt = _overlap()
+    with pipeoff.trace.record(window=pipeoff.trace.RecordWindow(active=1, skip_first=2)) as rec:
+        for _ in range(4):
+            _train(model, opt, 2)  # two optimizer steps per "step" of the region
+            rec.step()
+        opt.wait_for_step()
+    assert _recorded_steps(rec.trace) == [4, 5, 6, 7]  # region steps 2 and 3
+
+
+def test_window_arguments_are_checked() -> None:
+    with pytest.raises(pipeoff.ConfigError, match="RecordWindow.active"):
+        pipeoff.trace.RecordWindow(active=0)
+    with pytest.raises(pipeoff.ConfigError, match="max_steps"):
+        with pipeoff.trace.record(max_steps=0):
+            pass
+    with pytest.raises(pipeoff.ConfigError, match="window must be"):
+        with pipeoff.trace.record(window=3):  # type: ignore[arg-type]
+            pass
+
+
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+def test_record_window_matches_torch_profiler_schedule() -> None:
+    from torch.profiler import ProfilerAction
+
+    for kw in ({"wait": 1, "warmup": 1, "active": 2, "repeat": 1},
+               {"wait": 0, "warmup": 2, "active": 1, "repeat": 0, "skip_first": 3},
+               {"wait": 2, "warmup": 0, "active": 3, "repeat": 2, "skip_first": 1}):
+        ours = pipeoff.trace.RecordWindow(**kw)
+        theirs = torch.profiler.schedule(**kw)
+        for step in range(40):
+            recorded = theirs(step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+            assert ours.records(step) == recorded, (kw, step)
+
+
+# -- issue 34: plots that never overlap their labels, gates named by their feature -------
+
+def test_step_labels_never_overlap_on_a_trace_of_many_short_steps() -> None:
+    from pipeoff.trace import TaskRecord
+
+    tasks = []
+    for k in range(80):  # steps 1 ms apart, unevenly: labels would run into each other
+        t0 = k * 1_000_000 + (k % 7) * 40_000
+        tasks.append(TaskRecord(name=f"step {k}", kind="train", lane="train", start_ns=t0,
+                                end_ns=t0 + 100_000))
+        tasks.append(TaskRecord(name=f"opt{k}", kind="optimizer_chunk", lane="compute",
+                                start_ns=t0 + 100_000, end_ns=t0 + 600_000))
+    fig, _ = _figure(Trace(tasks=tuple(tasks)))
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_text().startswith("step ")]
+    assert len(labels) == 80  # one per step, the overlapping ones hidden
+    shown = [t for t in labels if t.get_visible()]
+    assert 2 <= len(shown) < 80 and shown[0].get_text() == "step 0"
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in shown), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+    dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert len(dashed) == 80  # every boundary still drawn
+    title = ax.title.get_window_extent(renderer)
+    assert all(b.y1 <= title.y0 for b in boxes)  # nor the title
+
+
+def test_gates_are_named_by_what_they_wait_for_in_their_feature() -> None:
+    from pipeoff.trace import TaskRecord
+
+    def gate(name: str, end: int) -> TaskRecord:
+        return TaskRecord(name=name, kind="gate", lane="gates", start_ns=0, end_ns=end)
+
+    tasks = (gate("x0/commit", 5_000), gate("x1/grad:w", 2_000), gate("x1/prev", 1_000),
+             TaskRecord(name="x0/outer:c0", kind="host", lane="outer_step", start_ns=5_000,
+                        end_ns=9_000, gates=("x0/commit",)),
+             TaskRecord(name="x1/d2h:w", kind="d2h", lane="d2h", start_ns=2_000,
+                        end_ns=3_000, gates=("x1/grad:w", "x1/prev")))
+    text = Trace(tasks=tasks).summary().format()
+    gate_line = next(ln for ln in text.splitlines() if ln.startswith("gate waits"))
+    assert "the quorum's commit decision (should_commit) (1 gate, 0.005 ms)" in gate_line
+    assert "gradients from the backward (1 gate" in gate_line
+    diloco = Trace(tasks=tasks[:1] + tasks[3:4]).summary().format()
+    assert "gradients from the backward" not in diloco  # not a fixed wording
+    fig, _ = _figure(Trace(tasks=tasks))
+    handles = {h.get_label(): h.get_hatch() for h in fig.axes[0].get_legend().legend_handles}
+    gates = {k: v for k, v in handles.items() if k.endswith("(gate)")}
+    assert "waiting for the quorum's commit decision (should_commit) (gate)" in gates
+    assert len(set(gates.values())) == len(gates) == 3  # told apart, not one grey hatch
+
+
+def test_one_step_summary_explains_a_high_efficiency_beside_idle_lanes() -> None:
+    """Issue 34: ``efficiency 1.00`` beside ``busy 1.6 %`` read as a contradiction: the
+    summary now says the lanes were idle waiting for their inputs."""
+    from pipeoff.trace import TaskRecord
+
+    tasks = (TaskRecord(name="grad:w", kind="gate", lane="gates", start_ns=0,
+                        end_ns=98_000),
+             TaskRecord(name="d2h:w", kind="d2h", lane="d2h", start_ns=0, end_ns=1_000),
+             TaskRecord(name="acc:w", kind="host", lane="accumulate", start_ns=98_000,
+                        end_ns=100_000, gates=("grad:w",), deps=("d2h:w",)))
+    s = Trace(tasks=tasks).summary()
+    assert s.efficiency == 1.0 and s.busy_pct < 5
+    text = s.format()
+    eff = next(ln for ln in text.splitlines() if ln.startswith("efficiency"))
+    assert "the lanes were idle 97 % of the makespan, waiting for their inputs" in eff
+    assert "lanes busy        3.0 % of the makespan has a task running on some pipeoff lane" \
+        in text

@@ -45,6 +45,7 @@ def train_span(what: str, step: int) -> Iterator[None]:
     if not _recorder.active() and not profiling:
         yield
         return
+    _recorder.enter_step(step)  # (a recorded region counts its steps by these numbers)
     start = time.perf_counter_ns()
     try:
         if profiling:
@@ -137,6 +138,7 @@ def _run(hook: _TrainHook, out: Any) -> None:
     spans = hook.spans
     if not hook.post:
         if _recorder.active():
+            _recorder.enter_step(spans.step_of())
             spans.started.append(time.perf_counter_ns())
         return
     if not spans.started:

@@ -2,7 +2,11 @@
 
 ``pipeoff.execute(graph, schedule, backend="sim", cost_model=CostModel.h200_pcie5())``
 returns an ordinary :class:`~pipeoff.Execution` whose trace holds predicted
-times, so every trace tool works on predictions too.
+times, so every trace tool works on predictions too; each marks them as
+predicted (the trace's ``backend: "sim"`` metadata, kept through save and
+load). :func:`model_shape` and the features' shape-only graphs
+(:func:`optimizer_graph`, ...) build what to simulate at model scale, and
+:func:`compare` predicts a feature's schedules side by side.
 """
 
 from __future__ import annotations
@@ -11,9 +15,41 @@ from typing import Any
 
 from pipeoff.executor import register_backend
 from pipeoff.sim._backend import SimBackend
+from pipeoff.sim._compare import FEATURE_SCHEDULES, Prediction, compare
 from pipeoff.sim._costmodel import CostModel
+from pipeoff.sim._workloads import (
+    MODEL_PRESETS,
+    ModelShape,
+    diloco_graph_shape,
+    full_offload_graph,
+    full_offload_schedule,
+    local_sgd_graph,
+    model_shape,
+    optimizer_graph,
+    optimizer_schedule,
+    transfer_graph_shape,
+)
 
-__all__ = ["CostModel"]
+__all__ = [
+    # cost models
+    "CostModel",
+    # model shapes
+    "MODEL_PRESETS",
+    "ModelShape",
+    "model_shape",
+    # the features' graphs, shape only
+    "diloco_graph_shape",
+    "full_offload_graph",
+    "full_offload_schedule",
+    "local_sgd_graph",
+    "optimizer_graph",
+    "optimizer_schedule",
+    "transfer_graph_shape",
+    # side-by-side predictions (``pipeoff simulate``)
+    "FEATURE_SCHEDULES",
+    "Prediction",
+    "compare",
+]
 
 
 def _sim_backend(cost_model: Any) -> SimBackend:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import re
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeoff._errors import ConfigError
+from pipeoff._errors import BudgetError, ConfigError
 from pipeoff._validate import check_int
+from pipeoff._validate import parse_bytes as parse_bytes  # (its old home: one parser now)
+from pipeoff.graph import TaskGraph
 from pipeoff.schedule import Schedule
 from pipeoff.sim._costmodel import CostModel
 from pipeoff.sim._workloads import (
@@ -19,8 +22,10 @@ from pipeoff.sim._workloads import (
     transfer_graph_shape,
 )
 from pipeoff.trace import Trace
+from pipeoff.trace._format import fmt_bytes
 
-__all__ = ["FEATURE_SCHEDULES", "Prediction", "compare", "critical_lane", "parse_bytes"]
+__all__ = ["FEATURE_SCHEDULES", "SCHEDULE_NOTES", "Prediction", "compare", "critical_lane",
+           "host_state", "parse_bytes"]
 
 FEATURE_SCHEDULES = {
     "optimizer": ("single_pass", "sync_chunks", "pipelined"),
@@ -29,44 +34,97 @@ FEATURE_SCHEDULES = {
     "transfer": ("synchronous", "pipelined"),
     "diloco": ("original", "synchronous", "pipelined"),
 }
+SCHEDULE_NOTES = {
+    "optimizer": "single_pass: all the state to the device at once; sync_chunks: one chunk "
+                 "at a time, each waited for; pipelined: pipeoff's chunks, prefetched",
+    "local-sgd": "original: torchft's own sync, everything on the device (no offload: the "
+                 "fast baseline, at the most device memory); rfc: RFC 0003's sequential "
+                 "offload; pipelined: pipeoff's bucketed offload",
+    "full-offload": "none: the host step after the backward, nothing overlapped; "
+                    "pipelined: the host step and the weights' copies under the next forward",
+    "transfer": "synchronous: one round at a time; pipelined: pipeoff's overlapped rounds",
+    "diloco": "original: torchft's DiLoCo (outer state on the device); synchronous and "
+              "pipelined: pipeoff's DiLoCo(offload_to_cpu=True)",
+}
+"""What each feature's schedules are, for the table's readers."""
 _LANE_BOUND = {"h2d": "link", "d2h": "link", "compute": "compute", "comm": "comm",
                "host": "host", "main": "serial", "accumulate": "host", "host_step": "host",
                "d2d": "hbm"}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
+_NAMES = {"chunk_bytes": "chunk_bytes", "bucket_bytes": "bucket_bytes",
+          "device_budget_bytes": "device_budget_bytes"}
+"""How errors name the size arguments (the CLI passes its option names)."""
+_SIZE_OF = {"optimizer": "chunk_bytes", "local-sgd": "bucket_bytes", "diloco": "bucket_bytes"}
+"""The size each feature's staging buffers are made of, which a budget must hold."""
 
 
-def parse_bytes(text: str) -> int:
-    """``"256MiB"`` -> 268435456; also plain ints and ``1e9``.
+def host_state(feature: str, schedule: str, shape: ModelShape) -> tuple[int, str]:
+    """The host memory ``feature`` keeps for a rank under ``schedule`` besides its staging:
+    ``(bytes, what)``, with S the rank's local parameters in FP32 (4 bytes each).
 
-    Raises:
-        ConfigError: not a positive size.
+    - ``optimizer``: the optimizer state (AdamW: two FP32 tensors, 2S);
+    - ``full-offload``: FP32 masters, AdamW state and FP32 gradient sums (4S);
+    - ``diloco``: the backup of the global parameters (S; torchft keeps it there too),
+      with ``offload_to_cpu`` also the pseudo-gradients and the outer SGD momentum (3S);
+    - ``local-sgd`` and ``transfer``: none (LocalSGD's host copy of the averages is its
+      host staging; a transfer's source masters are full offload's, not counted).
     """
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgG]?i?[bB]?)\s*", str(text))
-    if not m:
-        raise ConfigError(f"not a byte size: {text!r} (use e.g. 4096, 256MiB, 1GiB, 2e9)")
-    try:
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    except (KeyError, ValueError):
-        raise ConfigError(f"not a byte size: {text!r} (use e.g. 4096, 256MiB, 1GiB)") from None
-    if not value < 2**62:  # also inf and nan
-        raise ConfigError(f"byte size too large: {text!r}")
-    if value < 1:
-        raise ConfigError(f"byte size must be at least 1, got {text!r}")
-    return int(value)
+    s = 4 * sum(n for _, n in shape.local_numels)
+    if feature == "optimizer":
+        return 2 * s, "AdamW state (2 x FP32)"
+    if feature == "full-offload":
+        return 4 * s, "FP32 masters, AdamW state, FP32 gradient sums (4 x FP32)"
+    if feature == "diloco":
+        if schedule == "original":
+            return s, "backup of the global parameters (FP32)"
+        return 3 * s, "backup, pseudo-gradients, outer SGD momentum (3 x FP32)"
+    if feature == "transfer":
+        return 0, "the FP32 masters it reads are full offload's, not counted"
+    return 0, "LocalSGD keeps nothing else there: its host copy of the averages is staging"
 
 
 MAX_SIM_TASKS = 200_000  # beyond this a graph takes minutes to build and simulate
 
 
-def _check_pieces(name: str, size: int, shape: ModelShape) -> None:
+def _check_pieces(name: str, size: int, shape: ModelShape,
+                  names: Mapping[str, str] = _NAMES) -> None:
     """Refuse a chunk or bucket size that would cut the model into too many tasks."""
     pieces = shape.params * 4 // size  # at least fp32 parameters' worth of bytes
     if pieces * 3 > MAX_SIM_TASKS:
         least = shape.params * 4 * 3 // MAX_SIM_TASKS + 1
         raise ConfigError(
-            f"{name}={size} cuts {shape.name} into about {pieces} pieces, more than the "
-            f"simulator takes; use at least {least} bytes")
+            f"{names.get(name, name)}={size} cuts {shape.name} into about {pieces} pieces, "
+            f"more than the simulator takes; raise it to at least {least} bytes "
+            f"({fmt_bytes(least)})")
+
+
+def _typeable(n: int) -> str:
+    """``n`` bytes as a size string that parses back to at least ``n``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _check_budget(graph: TaskGraph, sched: Schedule, feature: str, sizes: Mapping[str, int],
+                  names: Mapping[str, str]) -> None:
+    """Refuse a budget below the largest staging buffer it must hold, saying how big it
+    must be at least and what to change."""
+    for where in ("device", "host"):
+        cap = sched.device_budget_bytes if where == "device" else sched.host_budget_bytes
+        big = max((b for b in graph.buffers.values() if b.where == where),
+                  key=lambda b: b.nbytes, default=None)
+        if cap is None or big is None or big.nbytes <= cap:
+            continue
+        budget = names.get("device_budget_bytes", "device_budget_bytes")
+        size = _SIZE_OF.get(feature)
+        hint = (f", or lower {names.get(size, size)} (now {sizes[size]} bytes, "
+                f"{fmt_bytes(sizes[size])}), which sets that buffer's size" if size else "")
+        units = (" (KB, MB, GB are powers of 10, KiB, MiB, GiB powers of 2)"
+                 if cap % 1000 == 0 and cap % 1024 else "")
+        raise BudgetError(
+            f"{budget}={cap} bytes ({fmt_bytes(cap)}) is less than {where} staging buffer "
+            f"{big.name!r} needs, {big.nbytes} bytes ({fmt_bytes(big.nbytes)}): raise "
+            f"{budget} to at least {_typeable(big.nbytes)}{hint}{units}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,11 +134,20 @@ class Prediction:
     schedule: str
     time_ms: float
     peak_device_bytes: int
+    """The high-water mark of device staging."""
     peak_host_bytes: int
+    """Host memory: :attr:`host_state_bytes` plus the high-water mark of host staging."""
     efficiency: float
     bound: str
     """What limits it: ``link``, ``compute``, ``comm``, ``host`` or ``serial``."""
     trace: Trace
+    """The predicted trace (its metadata names the cost model)."""
+    host_state_bytes: int = 0
+    """The host memory the feature keeps besides staging (:func:`host_state`)."""
+    host_state: str = ""
+    """What that memory is."""
+    peak_host_staging_bytes: int = 0
+    """The high-water mark of host staging."""
 
 
 def critical_lane(trace: Trace) -> str:
@@ -102,14 +169,20 @@ def compare(
     prefetch: int = 2,
     bucket_bytes: int = 256 << 20,
     device_budget_bytes: int | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> list[Prediction]:
     """Predict each of ``schedules`` for ``feature`` on ``shape`` with ``cost``.
 
+    ``names`` maps the size arguments (``chunk_bytes``, ``bucket_bytes``,
+    ``device_budget_bytes``) to the names errors use for them (the CLI's options).
+
     Raises:
         ConfigError: an unknown feature or schedule, no schedule, a prefetch
-            below 1, or a chunk or bucket size that makes too many tasks.
+            below 1, or a chunk, bucket or budget size that makes too many tasks.
+        BudgetError: a budget smaller than a staging buffer it must hold (the message
+            says how big it must be at least, and what else to lower).
     """
-    import pipeoff
+    from pipeoff.executor import execute
 
     if feature not in FEATURE_SCHEDULES:
         raise ConfigError(f"feature must be one of {sorted(FEATURE_SCHEDULES)}, got {feature!r}")
@@ -117,10 +190,14 @@ def compare(
     if not schedules:
         raise ConfigError(f"no schedule given; known for {feature}: {', '.join(known)}")
     check_int("prefetch", prefetch, as_bound=True)
+    names = {**_NAMES, **(names or {})}
     if feature == "optimizer" and set(schedules) - {"single_pass"}:
-        _check_pieces("chunk_bytes", chunk_bytes, shape)
+        _check_pieces("chunk_bytes", chunk_bytes, shape, names)
     if feature in ("local-sgd", "diloco") and set(schedules) - {"original"}:
-        _check_pieces("bucket_bytes", bucket_bytes, shape)
+        _check_pieces("bucket_bytes", bucket_bytes, shape, names)
+    if feature == "transfer" and device_budget_bytes is not None:
+        _check_pieces("device_budget_bytes", device_budget_bytes, shape, names)
+    sizes = {"chunk_bytes": chunk_bytes, "bucket_bytes": bucket_bytes}
     for requested in schedules:
         if requested not in known:
             raise ConfigError(
@@ -161,12 +238,16 @@ def compare(
                 graph = local_sgd_graph(shape, variant="pipelined", bucket_bytes=bucket_bytes)
                 sched = Schedule.pipelined(
                     device_budget_bytes=device_budget_bytes or 2 * bucket_bytes)
-        trace = pipeoff.execute(graph, sched, backend="sim", cost_model=cost).trace
+        _check_budget(graph, sched, feature, sizes, names)
+        trace = execute(graph, sched, backend="sim", cost_model=cost).trace
+        trace = dataclasses.replace(trace, metadata={**trace.metadata, "cost_model": cost.name})
         s = trace.summary()
+        state, what = host_state(feature, name, shape)
         out.append(Prediction(
             schedule=name, time_ms=s.makespan_us / 1e3,
             peak_device_bytes=s.peak_device_staging_bytes,
-            peak_host_bytes=s.peak_host_staging_bytes, efficiency=s.efficiency,
-            bound=critical_lane(trace), trace=trace,
+            peak_host_bytes=state + s.peak_host_staging_bytes, efficiency=s.efficiency,
+            bound=critical_lane(trace), trace=trace, host_state_bytes=state, host_state=what,
+            peak_host_staging_bytes=s.peak_host_staging_bytes,
         ))
     return out

@@ -322,7 +322,7 @@ def transfer_graph_shape(shape: ModelShape, *, budget_bytes: int, wire: str = "d
     import torch
 
     from pipeoff.transfer._graph import transfer_graph
-    from pipeoff.transfer._plan import ALIGN, Piece, plan_transfer
+    from pipeoff.transfer._plan import ALIGN, Piece, PlanRefusal, plan_transfer
 
     world = shape.fsdp
     dtype = {2: torch.bfloat16, 4: torch.float32}[target_itemsize]
@@ -338,8 +338,14 @@ def transfer_graph_shape(shape: ModelShape, *, budget_bytes: int, wire: str = "d
     targets = [[Piece(key=name, global_shape=g, offsets=(0,) * len(g), sizes=g, dtype=dtype)
                 for name, g in shape.global_shapes] for _ in range(world)]
     capacity = budget_bytes // 2 if budget_bytes // 2 >= ALIGN else budget_bytes
-    plan = plan_transfer(sources, targets, capacity=[capacity] * world,
-                         casts=[[("*", dtype)]] * world, local_capacity=[budget_bytes] * world)
+    try:
+        plan = plan_transfer(sources, targets, capacity=[capacity] * world,
+                             casts=[[("*", dtype)]] * world,
+                             local_capacity=[budget_bytes] * world)
+    except PlanRefusal as err:  # the planner's own reason, for the first piece refused
+        rank_, key, reason = err.problems[0]
+        raise ConfigError(f"budget_bytes={budget_bytes} cannot transfer {shape.name}: "
+                          f"rank {rank_}, {key!r}: {reason}") from None
     names = {name: "host" for name, _ in shape.global_shapes}
     return transfer_graph(plan, rank, src_where=names,
                           dst_where=dict.fromkeys(names, "device"), wire=wire, device=None)

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from pipeoff.trace._stats import StepStats
 from pipeoff.trace._trace import BufferRecord, TaskRecord, Trace, TraceSummary
+from pipeoff.trace._window import RecordWindow
 
 if TYPE_CHECKING:
     from pipeoff.recording import Recorder, record, record_hook_wait
 
 __all__ = [
     "BufferRecord",
+    "RecordWindow",
     "Recorder",
     "StepStats",
     "TaskRecord",

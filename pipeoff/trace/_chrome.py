@@ -76,9 +76,13 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
                  # The training loop's row on top, as in `pipeoff trace plot`.
                  "args": {"sort_index": 0 if t.lane == "train" else tid}}
             )
+    # Perfetto shows the process names: a prediction says so there too.
+    predicted = trace.predicted_by
+    suffix = f" (PREDICTED by {predicted}, not measured)" if predicted is not None else ""
     for rank in sorted({r for r, _ in tids}):
         events.append(
-            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+            {"ph": "M", "name": "process_name", "pid": rank,
+             "args": {"name": f"rank {rank}{suffix}"}}
         )
     streams: dict[tuple[int, str], int] = {}
     for t in trace.tasks:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeoff._errors import ConfigError
-from pipeoff.trace._records import GATE, HOOK_WAIT, TRAIN, TaskRecord, train_step
+from pipeoff.trace._format import predicted_line
+from pipeoff.trace._records import GATE, HOOK_WAIT, TRAIN, TaskRecord, gate_meaning, train_step
 from pipeoff.trace._trace import Trace
 
 __all__ = ["MIN_WIDTH_FRACTION", "plot"]
@@ -29,6 +30,8 @@ _TRAIN_COLORS = {
     "prepare": "#DADAEB",
 }
 _GATE_COLOR = "#D9D9D9"
+_GATE_HATCHES = ("///", "\\\\\\", "xxx", "...", "|||", "---")
+"""One hatch per kind of gate on a plot, so that each legend entry is told apart."""
 _LABELS = {
     "h2d": "host to device copy",
     "d2h": "device to host copy",
@@ -135,15 +138,15 @@ def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any 
     for t in tasks:
         for gate_name in t.gates:  # (prefixed like the gate's record in a recorded region)
             waiting_lane.setdefault((t.rank, gate_name), t.lane)
-    gate_kinds: set[str] = set()
+    gate_kinds: dict[str, str] = {}  # legend label -> hatch
     for g in gates:
         lane = waiting_lane.get((g.rank, g.name))
         if lane is None or (g.rank, lane) not in row:
             continue
         label = _gate_label(g.name)
-        gate_kinds.add(label)
+        hatch = gate_kinds.setdefault(label, _GATE_HATCHES[len(gate_kinds) % len(_GATE_HATCHES)])
         ax.barh(row[(g.rank, lane)], max((g.end_ns - g.start_ns) / 1e6, min_ms),
-                left=g.start_ns / 1e6, height=0.85, color=_GATE_COLOR, hatch="///",
+                left=g.start_ns / 1e6, height=0.85, color=_GATE_COLOR, hatch=hatch,
                 edgecolor="#BDBDBD", linewidth=0, zorder=1)
     merged = 0
     kinds: set[str] = set()
@@ -171,10 +174,12 @@ def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any 
         if ts is not None and ts[0] == "step":
             steps.append((t.end_ns / 1e6, ts[1]))
     steps.sort()
+    step_labels = []
     for x, n in steps:
         for a in (ax, ax2):
             a.axvline(x, ls="--", lw=0.7, color="#636363", zorder=0)
-        ax.text(x, -0.55, f"step {n}", fontsize=7, ha="right", va="bottom", color="#636363")
+        step_labels.append(ax.text(x, -0.55, f"step {n}", fontsize=7, ha="right", va="bottom",
+                                   color="#636363"))
     if arrows:
         by_name = {(t.rank, t.name): t for t in tasks}
         for t in tasks:
@@ -194,12 +199,15 @@ def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any 
              f"last task's end)")
     if train:
         title += f"; axis from {x0:.2f} to {x1:.2f} ms, the training loop's spans on top"
-    ax.set_title(title, fontsize=9)
+    if s.predicted_by is not None:
+        title = predicted_line(s.predicted_by) + "\n" + title
+    ax.set_title(title, fontsize=9, color="#B22222" if s.predicted_by is not None else "black",
+                 pad=22 if steps else 6)  # (above the step labels)
     handles = [patch(color=_TRAIN_COLORS.get(k) or _COLORS.get(k, "#9D755D"),
                      label=(f"train: {k}" if k in _TRAIN_COLORS else _LABELS.get(k, k)))
                for k in sorted(kinds, key=lambda k: (k not in _TRAIN_COLORS, k))]
-    for label in sorted(gate_kinds):
-        handles.append(patch(facecolor=_GATE_COLOR, hatch="///", edgecolor="#BDBDBD",
+    for label, hatch in gate_kinds.items():
+        handles.append(patch(facecolor=_GATE_COLOR, hatch=hatch, edgecolor="#BDBDBD",
                              label=label))
     if any(t.status == "failed" for t in tasks):
         handles.append(patch(facecolor="white", edgecolor="#D62728", label="failed"))
@@ -220,16 +228,25 @@ def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any 
     ax2.set_ylabel("MiB live")
     ax2.set_xlabel("ms")
     fig.tight_layout()
+    _thin_labels(fig, step_labels)
     return fig
 
 
+def _thin_labels(fig: Any, labels: list[Any], pad_px: float = 8.0) -> None:
+    """Hide step labels that would overlap the last one shown, left to right: with many
+    steps close together every few are labelled (each dashed line stays)."""
+    if len(labels) < 2:
+        return
+    renderer = fig.canvas.get_renderer()
+    right = float("-inf")
+    for text in labels:  # in time order
+        box = text.get_window_extent(renderer)
+        if box.x0 < right + pad_px:
+            text.set_visible(False)
+        else:
+            right = box.x1
+
+
 def _gate_label(name: str) -> str:
-    """What a gate stands for: ``grad:...`` gates wait for the backward's gradients."""
-    base = name.rsplit("/", 1)[-1]
-    if base.startswith("grad:"):
-        return "waiting for gradients (gate)"
-    if base in ("prev",):
-        return "waiting for the previous micro-step (gate)"
-    if base in ("step", "commit", "reduce"):
-        return f"waiting for {'step()' if base == 'step' else base} (gate)"
-    return "waiting for an input (gate)"
+    """The legend entry of a gate: what its lanes wait for, as its feature names it."""
+    return f"waiting for {gate_meaning(name)} (gate)"

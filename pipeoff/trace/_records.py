@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["COMM_KINDS", "COMPUTE_KINDS", "COPY_KINDS", "GATE", "HOOK_WAIT", "MARKERS", "TRAIN",
-           "BufferRecord", "Status", "TaskRecord", "hook_wait_record", "staging_timeline",
-           "train_record", "train_step"]
+           "BufferRecord", "Status", "TaskRecord", "gate_meaning", "hook_wait_record",
+           "staging_timeline", "train_record", "train_step"]
 
 Status = Literal["ok", "failed", "cancelled"]
 
@@ -73,6 +73,28 @@ MARKERS = (HOOK_WAIT, GATE, TRAIN)
 COPY_KINDS = ("d2h", "h2d")
 COMPUTE_KINDS = ("optimizer_chunk",)
 COMM_KINDS = ("allreduce",)
+
+
+_GATE_MEANINGS = {
+    # Full offload (pipeoff/optim/_full_offload/_graph.py).
+    "prev": "the previous micro-step's writes",
+    "step": "step()'s hyperparameters, clipping and gradient edits",
+    "reduce": "the caller letting the clipping norm's all-reduce go",
+    # DiLoCo (pipeoff/ft/_diloco_graph.py).
+    "commit": "the quorum's commit decision (should_commit)",
+}
+
+
+def gate_meaning(name: str) -> str:
+    """What a gate's lanes wait for, from the name its feature gave it (a recorded
+    region's ``x3/`` prefix aside): full offload's ``grad:<param>`` gates wait for the
+    backward's gradients, its ``prev``, ``step`` and ``reduce`` for the previous
+    micro-step, ``step()`` and the norm's all-reduce; DiLoCo's ``commit`` for the
+    quorum's decision. Any other gate: an input from outside the execution."""
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith("grad:"):
+        return "gradients from the backward"
+    return _GATE_MEANINGS.get(base, "inputs from outside the execution")
 
 
 def hook_wait_record(name: str, start_ns: int, end_ns: int, *, origin_ns: int,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeoff.trace import _chrome
+from pipeoff.trace._format import fmt_bytes
 from pipeoff.trace._records import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -20,12 +21,13 @@ from pipeoff.trace._records import (
     TRAIN,
     BufferRecord,
     TaskRecord,
+    gate_meaning,
     staging_timeline,
     train_step,
 )
 
 __all__ = ["GATE", "HOOK_WAIT", "TRAIN", "BufferRecord", "TaskRecord", "Trace", "TraceSummary",
-           "fmt_bytes"]
+           "fmt_bytes", "gate_meaning"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +40,10 @@ class TraceSummary:
     """A lower bound on the makespan for these task durations: the longer of the
     longest dependency chain and the busiest lane's total busy time."""
     efficiency: float
-    """``critical_path_us / makespan_us``; 1.0 means nothing could go faster."""
+    """``critical_path_us / makespan_us``, of pipeoff's lanes (not the training step): 1.0
+    means no schedule of these tasks, given their dependencies, gates and issue times,
+    finishes sooner. Lanes that mostly wait for their inputs (gates) can be at 1.0 while
+    :attr:`busy_pct` is low: the inputs, not the schedule, set the pace."""
     lane_busy_us: tuple[tuple[str, float], ...]
     """Per lane, the time some task of it was running."""
     peak_device_staging_bytes: int
@@ -77,12 +82,20 @@ class TraceSummary:
     execution_makespan_us: tuple[float, float, float] | None = None
     """Min, median and max of the executions' makespans (several only)."""
     busy_pct: float = 100.0
-    """Share of the makespan during which some task ran: a recorded region's host
-    time between executions (forward, backward) is the rest."""
+    """Share of the makespan during which some task ran on any of pipeoff's lanes; the
+    rest is every lane idle: waiting for gates or for the host to issue work, and in a
+    recorded region the training loop's own time between executions."""
     gates: int = 0
     """Gates (inputs from outside the executions) recorded."""
     gate_wait_total_us: float = 0.0
     """The time lanes waited for gates to open, summed over the gates."""
+    gate_waits_by: tuple[tuple[str, int, float], ...] = ()
+    """Per kind of input the gates stand for (:func:`gate_meaning`, named by the feature
+    that built them: ``"gradients from the backward"``, ``"the quorum's commit decision
+    (should_commit)"``), ``(meaning, gates, wait_us)``, longest wait first."""
+    predicted_by: str | None = None
+    """What predicted the trace's times when a simulation made it (``"pipeoff's simulator
+    (h200_pcie5 cost model)"``); ``None`` for a measured trace."""
     longest: tuple[tuple[str, str, float], ...] = ()
     """The 10 longest tasks as ``(name, lane, duration_us)``."""
     train_steps: int = 0
@@ -133,6 +146,9 @@ class TraceSummary:
             "busy_pct": self.busy_pct,
             "gates": self.gates,
             "gate_wait_total_us": self.gate_wait_total_us,
+            "gate_waits_by": [list(x) for x in self.gate_waits_by],
+            "predicted": self.predicted_by is not None,
+            "predicted_by": self.predicted_by,
             "longest": [list(x) for x in self.longest],
             "train_steps": self.train_steps,
             "train_median_us": dict(self.train_median_us),
@@ -143,86 +159,11 @@ class TraceSummary:
         }
 
     def format(self) -> str:
-        """A plain-text table of the summary."""
+        """A plain-text table of the summary: each line says what its figure is of, and a
+        predicted trace's first line says so."""
+        from pipeoff.trace._format import format_summary
 
-        def pct(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.1f} %"
-
-        lines = [
-            f"tasks             {self.tasks} ({self.failed} failed, {self.cancelled} cancelled):"
-            " pipeoff's own tasks",
-            f"makespan          {self.makespan_us / 1e3:.3f} ms: pipeoff's lanes, from the first"
-            " task's start to the last task's end",
-            f"critical path     {self.critical_path_us / 1e3:.3f} ms: a lower bound on that"
-            " makespan for these task durations",
-            f"efficiency        {self.efficiency:.2f}: critical path / makespan, of pipeoff's own"
-            " work (not the training step)"
-            + (", time-weighted over the executions (see below)" if self.executions > 1
-               else ""),
-            f"busy              {self.busy_pct:.1f} % of the makespan has a pipeoff task running"
-            " (the rest is the training loop's own time)",
-            f"comm overlap      {pct(self.comm_overlap_pct)} of collective time under compute"
-            " (HTA's comm/comp overlap)",
-            f"comm hidden       {pct(self.comm_hidden_pct)} of collective time under copies or"
-            " compute",
-            f"copy overlap      {pct(self.copy_overlap_pct)} of copy time under compute or"
-            " collectives",
-            f"device staging    peak {fmt_bytes(self.peak_device_staging_bytes)}"
-            f" / budget {fmt_bytes(self.device_budget_bytes)}: pipeoff's device buffers"
-            + (" (the budget is each execution's)"
-               if self.executions > 1 and self.device_budget_bytes is not None else "")
-            + (" (full offload stages on the host)" if self.offload_d2h_bytes is not None
-               else ""),
-            f"host staging      peak {fmt_bytes(self.peak_host_staging_bytes)}"
-            f" / budget {fmt_bytes(self.host_budget_bytes)}: pipeoff's host buffers"
-            + (" (the budget is each execution's)"
-               if self.executions > 1 and self.host_budget_bytes is not None else ""),
-            f"hook waits        {self.hook_waits}, total {self.hook_wait_total_us / 1e3:.3f} ms,"
-            f" worst {self.hook_wait_max_us / 1e3:.3f} ms",
-        ]
-        if self.execution_efficiency is not None and self.execution_makespan_us is not None:
-            lo, mid, hi = self.execution_efficiency
-            mlo, mmid, mhi = (x / 1e3 for x in self.execution_makespan_us)
-            lines.append(f"executions        {self.executions}: efficiency {lo:.2f} / {mid:.2f} / "
-                         f"{hi:.2f}, makespan {mlo:.3f} / {mmid:.3f} / {mhi:.3f} ms "
-                         "(min / median / max)")
-        if self.gates:
-            lines.append(f"gate waits        {self.gates} gates, lanes waited "
-                         f"{self.gate_wait_total_us / 1e3:.3f} ms in total: lanes idle until"
-                         " their inputs came (gradients from the backward), not a fault")
-        if self.train_steps or self.train_median_us:
-            parts = ", ".join(f"{'step()' if k == 'step' else k} {us / 1e3:.3f} ms"
-                              for k, us in self.train_median_us)
-            lines.append(f"training loop     {self.train_steps} steps; medians on the training"
-                         f" thread: {parts}")
-        if self.offload_d2h_bytes is not None:
-            lines.append(f"full offload      {fmt_bytes(self.offload_d2h_bytes)} of gradients to"
-                         f" the host per micro-step (median); host time: fold "
-                         f"{self.offload_fold_us / 1e3:.3f} ms, step "
-                         f"{self.offload_step_us / 1e3:.3f} ms (totals)")
-        if self.offload_drain_us is not None:
-            lines.append(f"exposed drain     {self.offload_drain_us / 1e3:.3f} ms (median): from a"
-                         " step's final backward's end to its last fold's end")
-        lines.append("lane busy")
-        for lane, busy_pct in self.lane_busy_pct:
-            lines.append(f"  {lane:<15} {busy_pct:6.1f} %")
-        if self.longest:
-            lines.append("longest tasks")
-            for name, lane, dur in self.longest:
-                lines.append(f"  {dur / 1e3:9.3f} ms  {lane:<10} {name}")
-        return "\n".join(lines)
-
-
-def fmt_bytes(n: int | None) -> str:
-    """``1536`` -> ``"1.50 KiB"``; ``None`` -> ``"unbounded"``."""
-    if n is None:
-        return "unbounded"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GiB"
+        return format_summary(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,7 +177,20 @@ class Trace:
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    """Free-form facts: backend, schedule, rank, wall-clock origin (``origin_unix_ns``)."""
+    """Free-form facts: backend, schedule, rank, wall-clock origin (``origin_unix_ns``).
+    ``backend: "sim"`` (or ``predicted: True``, for a recorded region with simulated
+    executions) marks a prediction, and ``cost_model`` names its cost model; they
+    survive :meth:`save` and :meth:`load` (see :attr:`predicted_by`)."""
+
+    @property
+    def predicted_by(self) -> str | None:
+        """What predicted this trace's times (``"pipeoff's simulator (h200_pcie5 cost
+        model)"``), or ``None`` when they were measured."""
+        meta = self.metadata
+        if meta.get("backend") != "sim" and meta.get("predicted") is not True:
+            return None
+        model = meta.get("cost_model")
+        return "pipeoff's simulator" + (f" ({model} cost model)" if model else "")
 
     # -- analysis -----------------------------------------------------------
     def _ran(self) -> list[TaskRecord]:
@@ -351,6 +305,10 @@ class Trace:
         busy = self.lane_busy_ns()
         waits = [t.duration_ns for t in self.tasks if t.kind == HOOK_WAIT]
         gates = [t.duration_ns for t in self.tasks if t.kind == GATE]
+        by_meaning: dict[str, list[int]] = {}
+        for t in self.tasks:
+            if t.kind == GATE:
+                by_meaning.setdefault(gate_meaning(t.name), []).append(t.duration_ns)
         ran = sorted(self._ran(), key=lambda t: -t.duration_ns)[:10]
         return TraceSummary(
             makespan_us=makespan / 1e3,
@@ -378,6 +336,9 @@ class Trace:
             longest=tuple((t.name, t.lane, t.duration_ns / 1e3) for t in ran),
             gates=len(gates),
             gate_wait_total_us=sum(gates) / 1e3,
+            gate_waits_by=tuple(sorted(((m, len(w), sum(w) / 1e3) for m, w in by_meaning.items()),
+                                       key=lambda x: (-x[2], x[0]))),
+            predicted_by=self.predicted_by,
             **self._train_figures(),
             **self._offload_figures(),
         )
@@ -474,13 +435,20 @@ class Trace:
         traces = list(traces)
         if not traces:
             return cls(tasks=(), metadata=dict(metadata or {}))
+        meta = dict(metadata or traces[0].metadata)
+        if any(t.predicted_by is not None for t in traces) and not _marked(meta):
+            meta["predicted"] = True  # a prediction stays marked as one
         return cls(
             tasks=tuple(t for tr in traces for t in tr.tasks),
             buffers=tuple(b for tr in traces for b in tr.buffers),
             device_budget_bytes=traces[0].device_budget_bytes,
             host_budget_bytes=traces[0].host_budget_bytes,
-            metadata=dict(metadata or traces[0].metadata),
+            metadata=meta,
         )
+
+
+def _marked(meta: Mapping[str, Any]) -> bool:
+    return meta.get("backend") == "sim" or meta.get("predicted") is True
 
 
 def _spread(values: list[float]) -> tuple[float, float, float] | None:
