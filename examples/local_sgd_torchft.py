@@ -13,12 +13,19 @@ it in https://ui.perfetto.dev or run ``pipeoff trace summary FILE``) and its
 summary printed.
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+
+# torchft's Rust lighthouse and manager log every quorum at INFO on stderr (the Python
+# logger's level does not reach them): only their errors. Read when torchft loads its
+# extension, so set before the imports below.
+os.environ.setdefault("RUST_LOG", "error")
 
 import torch
 import torch.distributed as dist
@@ -74,7 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sync-every", type=int, default=2)
-    ap.add_argument("--trace", default="local_sgd_trace.json", help="where to save the trace")
+    ap.add_argument("--trace", default=None,
+                    help="where to save the trace (default: none saved)")
     args = ap.parse_args()
     logging.getLogger("torchft").setLevel(logging.WARNING)
 
@@ -92,8 +100,9 @@ def main() -> None:
     if trace is None:
         print("no sync ran (steps < sync-every)")
         return
-    trace.save(args.trace)
-    print(f"last sync trace saved to {args.trace}")
+    if args.trace:
+        trace.save(args.trace)
+        print(f"last sync trace saved to {args.trace}")
     print(trace.summary().format())
 
 

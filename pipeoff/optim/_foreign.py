@@ -35,8 +35,41 @@ _WHY: dict[str, dict[str, str]] = {
              "them out of the params",
     },
     "device": {
-        "*": "pipeoff works on the device the parameters are on (torchao's device=); move "
-             "the model there first",
+        "*": "the offload target is always host (CPU) memory (DeepSpeed's device='cpu'; "
+             "NVMe has no equivalent), and the compute stays on the device the parameters "
+             "are on (torchao's device=): keep the model on the accelerator",
+    },
+    "gradient_clipping": {
+        _FULL: "use max_norm= (DeepSpeed's gradient_clipping), or the loop's own "
+               "torch.nn.utils.clip_grad_norm_",
+        _STATE: "clip in the loop with torch.nn.utils.clip_grad_norm_ before step() "
+                "(DeepSpeed's gradient_clipping; the gradients stay on the device)",
+    },
+    "max_norm": {
+        _STATE: "OffloadOptimizer leaves the gradients on the device: clip them in the loop "
+                "with torch.nn.utils.clip_grad_norm_ before step() (max_norm= is "
+                "FullOffloadOptimizer's, whose gradients are on the host)",
+    },
+    "offload_optimizer": {
+        "*": "pass the keys of DeepSpeed's offload_optimizer dict as pipeoff's own: "
+             "pin_memory=, slots= or prefetch= (buffer_count); see docs/migrating.md",
+    },
+    "offload_param": {
+        "*": "pipeoff keeps the compute weights on the device (DeepSpeed's offload_param, "
+             "ZeRO-Infinity, has no equivalent); FullOffloadOptimizer moves the FP32 "
+             "masters, optimizer state and gradients to the host",
+    },
+    "slots": {
+        _STATE: "slots= is FullOffloadOptimizer's host slot count; OffloadOptimizer's "
+                "staging depth is prefetch=",
+    },
+    "prefetch": {
+        _FULL: "prefetch= is OffloadOptimizer's staging depth; FullOffloadOptimizer's is "
+               "slots= (host slots a gradient travels through)",
+    },
+    "mode": {
+        _FULL: "FullOffloadOptimizer takes overlap='forward', 'backward' or 'none' "
+               "(OffloadOptimizer's mode='overlap' is overlap='forward')",
     },
     # DeepSpeed ZeRO-Offload's offload_optimizer keys.
     "ratio": {
