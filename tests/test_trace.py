@@ -374,3 +374,20 @@ def test_the_plot_title_of_a_prediction_says_so() -> None:
         "PREDICTED by pipeoff's simulator, not measured")
     measured = pipeoff.execute(_graph_of(_predicted()), backend="inline").trace
     assert "PREDICTED" not in figure(measured).axes[0].get_title()
+
+
+def test_plotting_leaves_matplotlibs_backend_alone(tmp_path: Path) -> None:
+    # A notebook's backend is the user's: plot() draws on a figure of its own.
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    from pipeoff.trace._plot import plot
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg", force=True)  # a backend the user chose, not Agg
+    try:
+        plot(_predicted(), tmp_path / "p.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before, force=True)
+    assert (tmp_path / "p.png").stat().st_size > 0

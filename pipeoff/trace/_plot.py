@@ -73,6 +73,25 @@ def _bars(records: list[TaskRecord], min_ms: float, key: Any) -> list[_Bar]:
     return out
 
 
+class _OwnFigures:
+    """The two pyplot calls the plot makes, on a figure of its own with the Agg canvas:
+    pyplot's global backend and figure list are left alone (``matplotlib.use("Agg")``
+    would switch a notebook's backend)."""
+
+    @staticmethod
+    def subplots(*args: Any, figsize: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=figsize)
+        FigureCanvasAgg(fig)
+        return fig, fig.subplots(*args, **kwargs)
+
+    @staticmethod
+    def close(fig: Any) -> None:
+        """Nothing to close: no pyplot figure was made."""
+
+
 def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 12.0,
          dpi: int = 100) -> Path:
     """Draw ``trace`` as a Gantt chart PNG at ``out``.
@@ -88,15 +107,12 @@ def plot(trace: Trace, out: str | Path, *, arrows: bool = False, width: float = 
         ConfigError: matplotlib is not installed (``pip install 'pipeoff[plot]'``).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
         raise ConfigError(
             "plotting needs matplotlib: pip install 'pipeoff[plot]'"
         ) from None
+    plt = _OwnFigures()
     fig = figure(trace, arrows=arrows, width=width, plt=plt, patch=Patch)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,11 +125,9 @@ def figure(trace: Trace, *, arrows: bool = False, width: float = 12.0, plt: Any 
            patch: Any = None) -> Any:
     """The matplotlib figure :func:`plot` saves (its axes: the Gantt chart, then staging)."""
     if plt is None or patch is None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         from matplotlib.patches import Patch as patch
+
+        plt = _OwnFigures()
     shown = [t for t in trace.tasks if t.status != "cancelled"]
     train = [t for t in shown if t.kind == TRAIN]
     tasks = [t for t in shown if t.kind not in (TRAIN, GATE)]
