@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import logging
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -250,6 +251,8 @@ _kernel: HostKernel | None = None
 _why: str | None = None
 _decided = False
 _warned = False
+_broken = False  # the kernel built but failed its self-test: a bug to report
+_log = logging.getLogger("pipeoff")
 
 
 def host_kernel(*, warn: bool = True, stacklevel: int = 2) -> HostKernel | None:
@@ -266,14 +269,17 @@ def host_kernel(*, warn: bool = True, stacklevel: int = 2) -> HostKernel | None:
                 _decide()
     if warn and _kernel is None and not _warned and not _native.turned_off():
         _warned = True
-        warnings.warn(f"pipeoff: the fused host step is off, {_why}; full offload runs "
-                      "torch's fused AdamW, fold and cast instead (the same bits, more "
-                      "passes over memory)", RuntimeWarning, stacklevel=stacklevel)
+        what = (f"pipeoff: the fused host step is off, {_why}; full offload runs torch's "
+                "fused AdamW, fold and cast instead (the same bits, more passes over memory)")
+        if _broken:  # a kernel that computes other bits than torch: the user should know
+            warnings.warn(what + "; please report it", RuntimeWarning, stacklevel=stacklevel)
+        else:  # no compiler, or a CPU it does not know: expected, nothing to act on
+            _log.info(what)
     return _kernel
 
 
 def _decide() -> None:
-    global _kernel, _why, _decided
+    global _kernel, _why, _decided, _broken
     lib = _native.library()
     level = torch.backends.cpu.get_cpu_capability()
     if lib is None:
@@ -291,6 +297,7 @@ def _decide() -> None:
             _kernel = kernel
         else:
             _why = f"its self-test against torch's fused AdamW failed: {mismatch}"
+            _broken = True
     _decided = True
 
 
@@ -319,9 +326,9 @@ def host_step_status() -> str:
 
 
 def _reset_for_tests() -> None:
-    global _kernel, _why, _decided, _warned
+    global _kernel, _why, _decided, _warned, _broken
     with _lock:
-        _kernel, _why, _decided, _warned = None, None, False, False
+        _kernel, _why, _decided, _warned, _broken = None, None, False, False, False
 
 
 # -- the self-test ----------------------------------------------------------------------
