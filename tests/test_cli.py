@@ -156,6 +156,8 @@ def test_malformed_traces_exit_2_with_a_message(
         (["simulate", "--feature", "local-sgd", "--bucket-bytes", "1"],
          "--bucket-bytes=1 cuts 8b into"),
         (["simulate", "--preset", "cpu_here", "--replicas", "8"], "--replicas applies"),
+        (["simulate", "--feature", "full-offload", "--device-budget", "1GiB"],
+         "--device-budget does not apply to full-offload"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(

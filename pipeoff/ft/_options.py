@@ -75,7 +75,7 @@ class StagingOptions:
             extra = [k for k, v in given.items() if v is not None]
             if extra:
                 shown = ", ".join(f"{k}={given[k]!r}" for k in extra)
-                raise ConfigError(f"{', '.join(extra)} only apply with {flag}=True; "
+                raise ConfigError(f"{', '.join(extra)} apply only with {flag}=True; "
                                   f"got {flag}=False and {shown}")
         sched = "pipelined" if schedule is None else schedule
         if sched == "sync":

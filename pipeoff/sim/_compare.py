@@ -197,6 +197,12 @@ def compare(
         _check_pieces("bucket_bytes", bucket_bytes, shape, names)
     if feature == "transfer" and device_budget_bytes is not None:
         _check_pieces("device_budget_bytes", device_budget_bytes, shape, names)
+    if feature == "full-offload" and device_budget_bytes is not None:
+        # a budget silently ignored would print figures for another configuration
+        raise ConfigError(
+            f"{names.get('device_budget_bytes', 'device_budget_bytes')} does not apply to "
+            "full-offload: its device staging is set by the optimizer's host slots "
+            "(slots x slot bytes), not by a budget; leave it out")
     sizes = {"chunk_bytes": chunk_bytes, "bucket_bytes": bucket_bytes}
     for requested in schedules:
         if requested not in known:

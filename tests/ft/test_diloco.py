@@ -332,8 +332,8 @@ def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"offload_to_cpu": 1}, "offload_to_cpu must be True or False, got 1"),
-    ({"schedule": "pipelined"}, "only apply with offload_to_cpu=True"),
-    ({"bucket_bytes": 64}, "only apply with offload_to_cpu=True"),
+    ({"schedule": "pipelined"}, "apply only with offload_to_cpu=True"),
+    ({"bucket_bytes": 64}, "apply only with offload_to_cpu=True"),
     ({"offload_to_cpu": True, "schedule": "eager"}, "schedule must be 'pipelined' or"),
     ({"offload_to_cpu": True, "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
     ({"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 32},

@@ -26,9 +26,9 @@ warns, naming why, when it falls back to torch's path.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import logging
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
