@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -48,3 +50,25 @@ def _fmt(c: object) -> str:
     if isinstance(c, float):
         return f"{c:.3g}" if abs(c) < 100 else f"{c:.0f}"
     return str(c)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def competing_load(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes for the duration of the block (a training host's
+    dataloader workers, or the other ranks of a node)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(0.5)  # let them get scheduled
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()

@@ -36,45 +36,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import table  # noqa: E402
+from _harness import competing_load, table  # noqa: E402
 
 BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff": 44, "pipeoff kernels": 40,
          "pipeoff step+cast": 30, "one pass (kernel)": 32,
          "three passes": 48, "naive": 44,
          "fold floor": 10, "fold: native": 10, "fold: torch pieces": 10, "fold: whole add": 10}
 """Logical bytes per parameter each variant moves (the floors: the one-pass minimum)."""
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def competing_load(n: int) -> Iterator[None]:
-    """``n`` CPU-bound processes for the duration of the block."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        time.sleep(0.5)  # let them get scheduled
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
 
 
 def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]]:

@@ -105,6 +105,19 @@ def test_host_step_benchmark_quick() -> None:
 
 
 @pytest.mark.slow  # runs a benchmark script (subprocess)
+def test_outer_step_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_outer_step.py"),
+                          "--numel", "262144", "--params", "2", "--rounds", "1",
+                          "--threads", "1"], capture_output=True, text=True, timeout=120)
+    if "no native kernel here" in res.stderr + res.stdout:
+        pytest.skip("no native kernels on this machine")
+    assert res.returncode == 0, res.stderr
+    assert "bitwise: checked" in res.stdout
+    for name in ("floor", "native", "torch for-loop", "torch foreach"):
+        assert f"| {name}" in res.stdout
+
+
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nothing to refuse")
 def test_gpu_diloco_refuses_without_a_gpu_and_runs_on_the_simulated_device() -> None:
     script = str(ROOT / "benchmarks" / "gpu_diloco.py")

@@ -9,6 +9,8 @@
  *   pipeoff_adam_fold_step  the same with the last micro-step's BF16 gradient folded
  *                       into the FP32 sum (or taken alone) inside the pass: the
  *                       final micro-step of full offload in one pass over memory;
+ *   pipeoff_sgd_step    torch's for-loop SGD step (momentum, dampening, Nesterov,
+ *                       weight decay, maximize) in one pass: DiLoCo's outer step;
  *   pipeoff_fold        acc = grad (widened) or acc += grad, BF16 or FP32 grad;
  *   pipeoff_scale       a[i] *= s in place (the benchmarks' bandwidth floor).
  *
@@ -365,6 +367,119 @@ int pipeoff_adam_fold_step(float *p, const float *g, const uint16_t *g16, float 
 /* Which instances run here (a bit set: 1 plain, 2 fused AVX2, 4 fused AVX-512). */
 int pipeoff_adam_fast(void) { return 1 | (have_fma() ? 2 : 0) | (have_avx512() ? 4 : 0); }
 
+/* ---------------------------------------------------------------- SGD */
+
+/* torch's for-loop SGD (torch.optim.sgd._single_tensor_sgd), which its CPU
+ * optimizers run by default, is four or five element-wise ops, each a pass over
+ * memory: g + wd p, buf * momentum, + (1 - dampening) g, g + momentum buf,
+ * p + (-lr) g. Each `a.add(b, alpha=x)` is aten's ufunc add, whose vector body
+ * is fmadd(b, x, a) and whose scalar loop `a + x * b` its compiler contracts on
+ * x86 FMA builds: one fma each (`fma` 1), or none at the DEFAULT level (`fma` 0).
+ * The multiply by momentum is a plain multiply. Here they are one pass: 16 bytes
+ * per element with momentum (read g, p, buf; write p, buf), 12 without. */
+typedef struct {
+    float *restrict p, *restrict buf;
+    const float *restrict g;
+    float sign;       /* -1 to maximize (torch negates the gradient), else 1 */
+    float wd;         /* float(weight_decay) */
+    float momentum;   /* float(momentum) */
+    float c;          /* float(1 - dampening) */
+    float neg_lr;     /* float(-lr) */
+    int has_wd;       /* weight_decay != 0 */
+    int mode;         /* 0 no momentum; 1 the first step (buf = g); 2 buf = buf m + c g */
+    int nesterov;
+    int fma;
+} sgd_args;
+
+static inline __attribute__((always_inline)) float sgd_add(float a, float b, float x, int fma) {
+    return fma ? fmaf(b, x, a) : a + x * b;  /* aten's a.add(b, alpha=x) */
+}
+
+static inline __attribute__((always_inline)) void sgd_loop(const sgd_args *a, int64_t b,
+                                                            int64_t e, int fma, int has_wd,
+                                                            int mode, int nesterov) {
+    float *restrict P = a->p, *restrict B = a->buf;
+    const float *restrict G = a->g;
+    const float wd = a->wd, mom = a->momentum, c = a->c, neg_lr = a->neg_lr;
+    /* torch negates (maximize) or takes the gradient as it is: a sign flip of its
+     * bits, never a multiply (which would quiet a signalling NaN that torch's
+     * clone into the first momentum buffer keeps) */
+    const uint32_t flip = a->sign < 0 ? 0x80000000u : 0u;
+    for (int64_t i = b; i < e; i++) {
+        uint32_t gbits;
+        memcpy(&gbits, &G[i], 4);
+        gbits ^= flip;
+        float g;
+        memcpy(&g, &gbits, 4);
+        float p = P[i];
+        if (has_wd) g = sgd_add(g, p, wd, fma);
+        if (mode) {
+            float bb = mode == 1 ? g : sgd_add(B[i] * mom, g, c, fma);
+            B[i] = bb;
+            g = nesterov ? sgd_add(g, bb, mom, fma) : bb;
+        }
+        P[i] = sgd_add(p, g, neg_lr, fma);
+    }
+}
+
+#define SGD_NEST(F, WD, MODE)                                            \
+    do {                                                                 \
+        if (a->nesterov) sgd_loop(a, b, e, F, WD, MODE, 1);              \
+        else sgd_loop(a, b, e, F, WD, MODE, 0);                          \
+    } while (0)
+#define SGD_MODE(F, WD)                                                  \
+    do {                                                                 \
+        if (a->mode == 0) sgd_loop(a, b, e, F, WD, 0, 0);                \
+        else if (a->mode == 1) SGD_NEST(F, WD, 1);                       \
+        else SGD_NEST(F, WD, 2);                                         \
+    } while (0)
+#define SGD_CASES(F)                                                     \
+    do {                                                                 \
+        if (a->has_wd) SGD_MODE(F, 1);                                   \
+        else SGD_MODE(F, 0);                                             \
+    } while (0)
+
+#ifdef HAVE_X86_FMA
+__attribute__((target("avx2,fma"))) static void sgd_fused(const sgd_args *a, int64_t b,
+                                                            int64_t e) {
+    SGD_CASES(1);
+}
+WIDE512 static void sgd_fused512(const sgd_args *a, int64_t b, int64_t e) { SGD_CASES(1); }
+#endif
+
+static void sgd_plain(const sgd_args *a, int64_t b, int64_t e) { SGD_CASES(0); }
+
+/* fmaf without the instruction: correctly rounded in software (slow, but the bits). */
+static void sgd_soft(const sgd_args *a, int64_t b, int64_t e) { SGD_CASES(1); }
+
+static void sgd_range(void *arg, int64_t b, int64_t e) {
+    const sgd_args *a = (const sgd_args *)arg;
+    if (a->fma == 0) {
+        sgd_plain(a, b, e);
+#ifdef HAVE_X86_FMA
+    } else if (have_avx512()) {
+        sgd_fused512(a, b, e);
+    } else if (have_fma()) {
+        sgd_fused(a, b, e);
+#endif
+    } else {
+        sgd_soft(a, b, e);
+    }
+}
+
+/* One torch SGD step of n elements: p, and buf with momentum (NULL without), in
+ * place from g (not written). `mode` 1 is the first step (buf is written, not
+ * read). Returns 0, or -1 for arguments it does not take. */
+int pipeoff_sgd_step(float *p, float *buf, const float *g, int64_t n, float sign, float wd,
+                     float momentum, float c, float neg_lr, int has_wd, int mode, int nesterov,
+                     int fma, int threads) {
+    if (n < 0 || mode < 0 || mode > 2 || (mode != 0 && buf == NULL)) return -1;
+    sgd_args a = {p, buf, g, sign, wd, momentum, c, neg_lr, has_wd, mode, nesterov != 0,
+                  fma != 0};
+    parallel(sgd_range, &a, n, threads);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the fold */
 
 typedef struct {
@@ -435,4 +550,4 @@ int pipeoff_scale(float *a, int64_t n, float s, int threads) {
     return 0;
 }
 
-int pipeoff_abi_version(void) { return 2; }
+int pipeoff_abi_version(void) { return 3; }

@@ -21,6 +21,8 @@ import torch
 from torch import optim
 
 from pipeoff._errors import ConfigError
+from pipeoff.ft._outer_kernel import native_takes, outer_kernel, sgd_hyper
+from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
 __all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "check_outer"]
@@ -96,6 +98,8 @@ class HostOuterOptimizer:
         self.host: optim.Optimizer = type(user)(groups)  # type: ignore[call-arg]
         self._layout = self._ids()
         self._by_host = {id(h): h for g in self.host.param_groups for h in g["params"]}
+        self._group_of = {id(h): gi for gi, g in enumerate(self.host.param_groups)
+                          for h in g["params"]}
         self.sync_from_user()
 
     def _ids(self) -> list[list[int]]:
@@ -150,10 +154,28 @@ class HostOuterOptimizer:
 
     def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and
-        only them: torch's optimizers skip a parameter without ``.grad``."""
+        only them: torch's optimizers skip a parameter without ``.grad``.
+
+        An SGD whose groups the native kernel takes (:func:`sgd_hyper`) steps in one
+        pass per parameter over the rank's cores, bitwise torch's step; any other
+        runs torch's ``step()`` on the host tensors."""
         mine = [(h, g) for h, g in pairs if id(h) in self._by_host]
         if not mine:
             return
+        groups = self.host.param_groups
+        hypers = [sgd_hyper(type(self.host), groups[self._group_of[id(h)]]) for h, _ in mine]
+        if all(x is not None and native_takes(h, g, self.host.state.get(h))
+               for (h, g), x in zip(mine, hypers, strict=True)):
+            kernel = outer_kernel()
+            if kernel is not None:
+                threads = default_threads()
+                for (h, g), hyper in zip(mine, hypers, strict=True):
+                    assert hyper is not None
+                    # no state without momentum, as torch (a state entry would show
+                    # in state_dict())
+                    state = self.host.state[h] if hyper.momentum != 0 else {}
+                    kernel.sgd_step(h, g, state, hyper, threads=threads)
+                return
         try:
             for h, g in mine:
                 h.grad = g

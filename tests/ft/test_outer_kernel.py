@@ -1,0 +1,258 @@
+"""DiLoCo's native outer SGD step (``pipeoff.ft._outer_kernel``): bitwise torch's CPU
+``torch.optim.SGD`` in every configuration it takes, torch's own step for the rest,
+a self-test that turns a wrong kernel off, and the real DiLoCo sync taking it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import optim
+
+from pipeoff import _native
+from pipeoff.ft import _outer_kernel
+from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.optim._full_offload._host_kernel import _values
+
+
+@pytest.fixture
+def native() -> None:
+    """Skips where the native kernels cannot be built (no C compiler)."""
+    if _native.library() is None:
+        pytest.skip(f"no native kernels: {_native.unavailable_reason()}")
+
+
+needs_native = pytest.mark.usefixtures("native")
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """The kernel decision forgotten before and after (the build cache kept)."""
+    _native._reset_for_tests()
+    _outer_kernel._reset_for_tests()
+    yield
+    _native._reset_for_tests()
+    _outer_kernel._reset_for_tests()
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes the native step was called for (outside its self-test)."""
+    seen: list[int] = []
+    real = _outer_kernel.OuterKernel.sgd_step
+
+    def spy(self: Any, param: torch.Tensor, *a: Any, **k: Any) -> None:
+        if threading.current_thread().name != "pipeoff-self-test":
+            seen.append(param.numel())
+        real(self, param, *a, **k)
+
+    monkeypatch.setattr(_outer_kernel.OuterKernel, "sgd_step", spy)
+    return seen
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+CONFIGS = {
+    "diloco-nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "plain": {"lr": 0.5},
+    "momentum-dampening": {"lr": 0.1, "momentum": 0.8, "dampening": 0.25},
+    "weight-decay-maximize": {"lr": 0.3, "momentum": 0.9, "nesterov": True,
+                              "weight_decay": 0.05, "maximize": True},
+    "weight-decay-only": {"lr": 1e-2, "weight_decay": 0.1},
+}
+
+
+def _host_pair(kw: dict[str, Any], shapes: list[tuple[int, ...]], seed: int = 0,
+               ) -> tuple[HostOuterOptimizer, optim.Optimizer, list[torch.Tensor],
+                          list[torch.Tensor]]:
+    """A HostOuterOptimizer over host copies of ``shapes``, and torch's SGD over others."""
+    gen = torch.Generator().manual_seed(seed)
+    device = [torch.nn.Parameter(_values(int(torch.Size(s).numel()), gen)[0].view(s))
+              for s in shapes]
+    host = [p.detach().clone() for p in device]
+    ref = [p.detach().clone() for p in device]
+    user = optim.SGD(device, **kw)
+    mirror = HostOuterOptimizer(user, {id(p): h for p, h in zip(device, host)})
+    return mirror, optim.SGD(ref, **kw), host, ref
+
+
+@needs_native
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bitwise_torchs_sgd_over_steps_and_value_classes(config: str, calls: list[int]) -> None:
+    """Subnormals, infinities, NaNs and signed zeros included; a length torch splits
+    over its threads; three steps (the momentum buffer's first step and later)."""
+    kw = CONFIGS[config]
+    shapes = [(7,), (33, 5), (100_003,), (0,)]
+    mirror, ref_opt, host, ref = _host_pair(kw, shapes)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        grads = [_values(h.numel(), gen)[1].view(h.shape) for h in host]
+        mirror.step(list(zip(host, grads)))
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        ref_opt.step()
+        assert all(_same(a, b) for a, b in zip(host, ref))
+    assert len(calls) == 3 * len(shapes)
+    mine, theirs = mirror.state_dict(), ref_opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for k, st in theirs["state"].items():
+        assert st.keys() == mine["state"][k].keys()
+        assert _same(mine["state"][k]["momentum_buffer"], st["momentum_buffer"])
+
+
+@needs_native
+def test_the_step_continues_torchs_state_and_edited_hyperparameters(calls: list[int]) -> None:
+    """State that torch's SGD made (a loaded checkpoint) is continued, and an ``lr``
+    edited between syncs (a schedule) is the one stepped with."""
+    kw = CONFIGS["diloco-nesterov"]
+    mirror, ref_opt, host, ref = _host_pair(kw, [(64,), (9, 3)])
+    grads = [torch.randn(h.shape) for h in host]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    ref_opt.step()  # torch's first step, into a checkpoint
+    mirror.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # (as from a file)
+    for h, r in zip(host, ref):
+        h.copy_(r)
+    for lr in (0.5, 0.25):
+        mirror.user.param_groups[0]["lr"] = lr
+        mirror.sync_from_user()
+        ref_opt.param_groups[0]["lr"] = lr
+        grads = [torch.randn(h.shape) for h in host]
+        mirror.step(list(zip(host, grads)))
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        ref_opt.step()
+        assert all(_same(a, b) for a, b in zip(host, ref))
+    assert calls
+
+
+@needs_native
+@pytest.mark.parametrize("why", ["foreach", "tensor-lr", "bf16", "adam"])
+def test_what_the_kernel_does_not_take_runs_torchs_step(why: str, calls: list[int]) -> None:
+    dtype = torch.bfloat16 if why == "bf16" else torch.float32
+    device = [torch.nn.Parameter(torch.randn(40, dtype=dtype))]
+    host = [device[0].detach().clone()]
+    ref = [device[0].detach().clone()]
+    kw: dict[str, Any] = {"lr": torch.tensor(0.5) if why == "tensor-lr" else 0.5,
+                          "momentum": 0.9}
+    if why == "foreach":
+        kw["foreach"] = True
+
+    def make(ps: Any) -> optim.Optimizer:
+        return optim.Adam(ps, lr=0.5) if why == "adam" else optim.SGD(ps, **kw)
+
+    mirror = HostOuterOptimizer(make(device), {id(device[0]): host[0]})
+    ref_opt = make(ref)
+    for _ in range(2):
+        g = torch.randn(40, dtype=dtype)
+        mirror.step([(host[0], g)])
+        ref[0].grad = g.clone()
+        ref_opt.step()
+    assert _same(host[0], ref[0])
+    assert calls == []
+
+
+def test_sgd_hyper_names_what_it_takes() -> None:
+    group = {"lr": 0.7, "momentum": 0.9, "dampening": 0, "weight_decay": 0,
+             "nesterov": True, "maximize": False, "foreach": None, "fused": None,
+             "differentiable": False}
+    hyper = _outer_kernel.sgd_hyper(optim.SGD, group)
+    assert hyper == _outer_kernel.SgdHyper(lr=0.7, momentum=0.9, dampening=0.0,
+                                           weight_decay=0.0, nesterov=True, maximize=False)
+    for change in ({"foreach": True}, {"fused": True}, {"differentiable": True},
+                   {"lr": torch.tensor(0.7)}, {"weight_decay": torch.tensor(0.1)}):
+        assert _outer_kernel.sgd_hyper(optim.SGD, {**group, **change}) is None, change
+    assert _outer_kernel.sgd_hyper(optim.Adam, group) is None
+
+
+@needs_native
+def test_a_kernel_that_differs_from_torch_is_turned_off_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, fresh: None, calls: list[int]) -> None:
+    level = torch.backends.cpu.get_cpu_capability()
+    if level not in _outer_kernel.SGD_FMA:
+        pytest.skip(f"no kernel at dispatch level {level}")
+    # the wrong rounding: an fma where torch has none, or none where it has one
+    monkeypatch.setitem(_outer_kernel.SGD_FMA, level, 1 - _outer_kernel.SGD_FMA[level])  # type: ignore[index]
+    with pytest.warns(RuntimeWarning, match="self-test against torch.optim.SGD failed"):
+        assert _outer_kernel.outer_kernel() is None
+    assert _outer_kernel.outer_step_status().startswith("torch: its self-test")
+    mirror, ref_opt, host, ref = _host_pair(CONFIGS["diloco-nesterov"], [(50,)])
+    g = torch.randn(50)
+    mirror.step([(host[0], g)])
+    ref[0].grad = g.clone()
+    ref_opt.step()
+    assert _same(host[0], ref[0]) and calls == []  # torch's step, the same bits
+
+
+def test_no_compiler_says_so_on_the_logger_and_steps_with_torch(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+        fresh: None) -> None:
+    monkeypatch.setenv("PIPEOFF_CACHE_DIR", str(tmp_path / "cache"))  # nothing built
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="pipeoff"):
+        warnings.simplefilter("error")
+        assert _outer_kernel.outer_kernel() is None
+        mirror, ref_opt, host, ref = _host_pair(CONFIGS["diloco-nesterov"], [(50,)])
+        g = torch.randn(50)
+        mirror.step([(host[0], g)])
+    ref[0].grad = g.clone()
+    ref_opt.step()
+    assert _same(host[0], ref[0])
+    said = [r.getMessage() for r in caplog.records if "outer SGD step is off" in r.getMessage()]
+    assert len(said) == 1 and "nonexistent" in said[0], said
+
+
+def test_pipeoff_native_0_turns_it_off_silently(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture,
+                                                fresh: None) -> None:
+    monkeypatch.setenv("PIPEOFF_NATIVE", "0")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="pipeoff"):
+        warnings.simplefilter("error")
+        assert _outer_kernel.outer_kernel() is None
+    assert not [r for r in caplog.records if "outer SGD" in r.getMessage()]
+    assert "PIPEOFF_NATIVE" in _outer_kernel.outer_step_status()
+
+
+@needs_native
+def test_bad_tensors_are_refused_by_name() -> None:
+    kernel = _outer_kernel.outer_kernel()
+    if kernel is None:
+        pytest.skip(_outer_kernel.outer_step_status())
+    hyper = _outer_kernel.sgd_hyper(optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0,
+                                                "weight_decay": 0})
+    assert hyper is not None
+    with pytest.raises(ValueError, match="grad must be a contiguous FP32"):
+        kernel.sgd_step(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), {}, hyper,
+                        threads=1)
+    with pytest.raises(ValueError, match="momentum_buffer must be"):
+        kernel.sgd_step(torch.zeros(4), torch.zeros(4), {"momentum_buffer": torch.zeros(3)},
+                        hyper, threads=1)
+
+
+# -- in the real sync -------------------------------------------------------------------
+@needs_native
+@pytest.mark.timeout(120)
+def test_the_pipelined_sync_steps_natively_bitwise_torchft(calls: list[int]) -> None:
+    """Two replicas behind a real Lighthouse, torchft's outer SGD with Nesterov: the
+    sync's outer step is the native one, and the replicas are torchft's bit for bit."""
+    from tests.ft._diloco_replicas import assert_bitwise
+    from tests.ft.test_diloco import reference, run
+
+    cfg = {"sync_every": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+           "n_fragments": 2}
+    assert_bitwise(run("pipelined", **cfg), reference(**cfg))
+    assert calls
