@@ -1,7 +1,8 @@
 """pipeoff's native kernels: one C file, compiled at first use, called through ``ctypes``.
 
 Why this shape (docs/host_step.md): the file needs no torch headers, so it
-survives torch upgrades and builds in about a second with any C compiler; ``ctypes``
+survives torch upgrades and builds with any C compiler (once per machine: about 15 s on
+2 cores for every vector width); ``ctypes``
 calls release the GIL, so a lane's kernel runs beside the training thread. A
 machine without a compiler (or with ``PIPEOFF_NATIVE=0``) runs torch's kernels
 instead, and :func:`library` says why.

@@ -157,7 +157,7 @@ _said = False
 def outer_kernel() -> OuterKernel | None:
     """The native outer SGD step, or ``None`` (torch's step; :func:`outer_step_status`
     says why). Built, checked against torch and decided once per process; the
-    first call on a machine builds the library (about a second)."""
+    first call on a machine builds the library (about 15 s on 2 cores, once)."""
     global _said
     if not _decided:
         with _lock:

@@ -317,8 +317,8 @@ def unavailable_reason() -> str | None:
 def host_step_status() -> str:
     """How :class:`~pipeoff.optim.FullOffloadOptimizer` steps ``fused=True`` Adam/AdamW
     on this machine: ``"native (AVX512, 8 threads)"``, or ``"torch: <why not native>"``.
-    The first call builds and checks the kernel (about a second, once per machine
-    and process)."""
+    The first call on a machine builds the kernels (about 15 s on 2 cores; later
+    processes load the cached build) and each process checks them once."""
     kernel = host_kernel(warn=False)  # the reason is returned instead
     if kernel is None:
         return f"torch: {_why or _native.unavailable_reason()}"
