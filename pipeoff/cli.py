@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -140,7 +141,7 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from pipeoff._validate import parse_bytes
-    from pipeoff.sim import CostModel, model_shape
+    from pipeoff.sim import CostModel, HostCosts, HostNode, model_shape
     from pipeoff.sim._compare import FEATURE_SCHEDULES, SCHEDULE_NOTES, compare
     from pipeoff.trace._format import fmt_bytes
 
@@ -154,6 +155,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
     replicas = 2 if args.replicas is None else args.replicas
     cost = CostModel.preset(args.preset, participants=replicas)
+    host = args.host or ("flat" if args.preset == "cpu_here" else "native")
+    if host != "flat" and args.preset == "cpu_here":
+        raise _UsageError(f"--host {host} models an H200 node's host; cpu_here measures this "
+                          "machine's host rate (flat): leave --host out, or use --preset "
+                          "h200_pcie5")
+    if args.no_numa_binding and host == "flat":
+        raise _UsageError("--no-numa-binding applies to the host-node model (--host native "
+                          "or torch), not to --host flat")
+    if host != "flat":
+        node = HostNode.h200_node(numa_bound=not args.no_numa_binding)
+        cost = dataclasses.replace(cost, name=f"{cost.name} + {node.name} ({host} host kernels)",
+                                   host=HostCosts(node=node, design=host))
     preds = compare(
         shape, args.feature, schedules, cost,
         chunk_bytes=parse_bytes(args.chunk_bytes, name="--chunk-bytes"),
@@ -177,6 +190,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"PREDICTED by the {cost.name} cost model (not measured): {args.feature}, "
           f"{shape.name} ({shape.params / 1e9:.2f}B params) sharded over {shape.fsdp} ranks")
+    if cost.host is not None:
+        n = cost.host.node
+        per = ", ".join(f"{lane} {b:g} B" for lane, b in cost.host.bytes_per_elem.items())
+        print(f"  host: {n.ranks} ranks sharing {n.dram_gbps:.1f} GB/s of DRAM and {n.cores} "
+              f"cores ({'NUMA-bound' if n.numa_bound else 'no NUMA binding'}): "
+              f"{n.rank_gbps:.1f} GB/s and {n.threads_per_rank} threads per rank; bytes per "
+              f"element: {per} (--host flat: the old flat rate)")
     base = preds[0].time_ms
     print(f"{'schedule':<13} {'time ms':>10} {'vs first':>9} {'peak device':>12} "
           f"{'peak host*':>11} {'efficiency':>10}  bound")
@@ -244,6 +264,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="LocalSGD/DiLoCo bucket (%(default)s)")
     sim.add_argument("--device-budget", help="device staging budget (default: from the above; "
                      "for transfer, the bucket size)")
+    sim.add_argument("--host", choices=["native", "torch", "flat"],
+                     help="how host work is costed: native (default with h200_pcie5): an H200 "
+                          "node's DRAM shared by its 8 ranks, at the bytes pipeoff's native "
+                          "kernels move; torch: the same node at torch's kernels' bytes; "
+                          "flat: one host rate per rank, nothing shared (the old model; the "
+                          "default with cpu_here)")
+    sim.add_argument("--no-numa-binding", action="store_true",
+                     help="with the host-node model: ranks not bound to a socket")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")
     sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sim.set_defaults(fn=_cmd_simulate)

@@ -17,6 +17,7 @@ from pipeoff.executor import register_backend
 from pipeoff.sim._backend import SimBackend
 from pipeoff.sim._compare import FEATURE_SCHEDULES, Prediction, compare
 from pipeoff.sim._costmodel import CostModel
+from pipeoff.sim._hostnode import HOST_OP_BYTES, HostCosts, HostNode
 from pipeoff.sim._workloads import (
     MODEL_PRESETS,
     ModelShape,
@@ -33,6 +34,9 @@ from pipeoff.sim._workloads import (
 __all__ = [
     # cost models
     "CostModel",
+    "HOST_OP_BYTES",
+    "HostCosts",
+    "HostNode",
     # model shapes
     "MODEL_PRESETS",
     "ModelShape",

@@ -6,8 +6,9 @@ overhead each (with ``max_in_flight``, task *i* is issued only after task
 *i - max_in_flight* finished). Copies are simulated as fluids: a copy's rate
 changes when a copy in the other direction starts or ends, which is how
 bidirectional contention slows both; optimizer chunks and copies can be set
-to slow each other too (they share memory bandwidth on a CPU). Task ``work``
-is never called.
+to slow each other too (they share memory bandwidth on a CPU). With a host
+model (:class:`~pipeoff.sim.HostCosts`) the rank's host tasks and pinned copies
+share its part of the node's memory bandwidth. Task ``work`` is never called.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from pipeoff.sim._costmodel import CostModel
 
 _COPY = {TaskKind.H2D: "h2d", TaskKind.D2H: "d2h"}
 _EPS = 1e-12  # seconds: a picosecond is simultaneous
+
+
+def _op_lane(run: Run, i: int) -> str:
+    """The lane that names what host task ``i`` does: the one its graph gave it (a
+    synchronous schedule runs every task on one lane, the op is the same)."""
+    return run.tasks[i].lane or run.plan.lanes[i]
 
 
 class SimBackend(HostBackend):
@@ -46,7 +53,44 @@ class SimBackend(HostBackend):
             return c.allreduce_s(t.nbytes) + 2 * t.nbytes / (c.hbm_gbps * 1e9)
         if t.kind is TaskKind.OPTIMIZER_CHUNK:
             return c.optimizer_s(t.nbytes)
-        return c.optimizer_s(t.nbytes, on_host=True) if t.nbytes else 0.0
+        if not t.nbytes:
+            return 0.0
+        if c.host is not None:
+            s = c.host.task_seconds(_op_lane(run, i), t.nbytes / c.optimizer_bytes_per_elem)
+            if s is not None:
+                return s
+        return c.optimizer_s(t.nbytes, on_host=True)
+
+    def _host_draw(self, run: Run, i: int, speed: float) -> float:
+        """Bytes per second of host memory task ``i`` draws at ``speed``: a copy its
+        link rate (a pinned buffer read or written), a host task on a lane the host
+        model knows all of the rank's bandwidth, others nothing."""
+        t = run.tasks[i]
+        c = self.cost
+        if c.host is None or not t.nbytes or run.plan.lanes[i] == "d2d":
+            return 0.0
+        if t.kind in _COPY:
+            return speed * c.copy_rate(_COPY[t.kind], False)
+        if t.kind is TaskKind.HOST and _op_lane(run, i) in c.host.bytes_per_elem:
+            return speed * c.host.rank_bytes_per_s
+        return 0.0
+
+    def speeds(self, run: Run, working: list[int]) -> dict[int, float]:
+        """Share of full speed each of ``working`` runs at while they all run: the
+        link and compute contention of :meth:`speed`, then, with a host model, the
+        rank's host memory bandwidth shared in proportion to what each draws."""
+        kinds = {run.tasks[i].kind for i in working}
+        out = {i: self.speed(run, i, kinds) for i in working}
+        if self.cost.host is None:
+            return out
+        draw = {i: self._host_draw(run, i, out[i]) for i in working}
+        total = sum(draw.values())
+        cap = self.cost.host.rank_bytes_per_s
+        if total > cap:
+            for i, d in draw.items():
+                if d:
+                    out[i] *= cap / total
+        return out
 
     def speed(self, run: Run, i: int, active_kinds: set[TaskKind]) -> float:
         """Share of full speed task ``i`` runs at while ``active_kinds`` run."""
@@ -135,8 +179,7 @@ class SimBackend(HostBackend):
                     work_left[i] = self.full_speed_seconds(run, i)
                     progressed = True
             working = [i for i in work_left if i not in delay_left]
-            kinds = {run.tasks[i].kind for i in working}
-            speeds = {i: self.speed(run, i, kinds) for i in working}
+            speeds = self.speeds(run, working)
             # The next event: a delay or a task ends, or the host issues a lane's head.
             candidates = [now + d for d in delay_left.values()]
             candidates += [now + work_left[i] / speeds[i] for i in working]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
+from pipeoff.sim._hostnode import HostCosts
 
 __all__ = ["CostModel"]
 
@@ -22,6 +23,12 @@ class CostModel:
     (copy engines and the host link share work). A ring all-reduce of ``b``
     bytes over ``n`` participants costs ``2 (n-1)/n * b / interconnect`` plus
     ``2 (n-1)`` hops of latency. Every task pays ``launch_overhead_s``.
+
+    With ``host`` (a :class:`~pipeoff.sim.HostCosts`), a host task on a lane it knows
+    costs its elements times the bytes each moves over the rank's share of the
+    node's memory bandwidth, and the rank's host tasks and pinned copies running at
+    once share that bandwidth; without it (the flat model) every host task runs at
+    ``cpu_optimizer_elems_per_s`` and nothing shares.
     """
 
     name: str = "custom"
@@ -54,11 +61,17 @@ class CostModel:
     """Host cost of issuing one task."""
     optimizer_bytes_per_elem: int = 4
     """How many of an optimizer chunk's ``nbytes`` are one element (fp32: 4)."""
+    host: HostCosts | None = None
+    """The rank's host node (:class:`~pipeoff.sim.HostCosts`), or ``None``: the flat
+    host rate above."""
 
     def __post_init__(self) -> None:
+        if self.host is not None and not isinstance(self.host, HostCosts):
+            raise ConfigError(f"CostModel.host must be a pipeoff.sim.HostCosts or None, "
+                              f"got {self.host!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "name":
+            if f.name in ("name", "host"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ConfigError(f"CostModel.{f.name} must be a finite number, got {v!r}")
