@@ -10,7 +10,8 @@ checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
 ``cuda_tests_sanitizer.txt`` (under ``TORCH_CUDA_SANITIZER=1``), ``optimizer.md`` (from
 ``gpu_optimizer.py``), ``full_offload.md`` (from ``gpu_full_offload.py``),
 ``transfer.md`` (from ``gpu_transfer.py``),
-``local_sgd_staging.md``, ``sim_vs_measured.md``,
+``local_sgd_staging.md``, ``sim_vs_measured.md``, the host node's DRAM bandwidth per
+rank and DiLoCo's outer step (``host_node.py``, ``bench_outer_step.py``),
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
 """
@@ -18,6 +19,7 @@ Without a GPU it says so and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -245,6 +247,15 @@ def main() -> int:
     log("5d/7 GPU DiLoCo sync: torchft's against pipeoff's offloaded ones")
     sections.append("## DiLoCo sync\n\n" + run_script(
         "gpu_diloco.py", out, ["--quick"] if args.quick else [], timeout=240))
+
+    log("5e/7 the host node: DRAM bandwidth per rank and DiLoCo's outer step on the host")
+    sections.append("## The host node (for the simulator's host-node model)\n\n" + run_script(
+        "host_node.py", out, ["--mib", "512" if args.quick else "2048", "--ranks", "1", "2",
+                              "8", "--rounds", "3" if args.quick else "5"], timeout=120)
+        + "\n" + run_script(
+        "bench_outer_step.py", out, ["--numel", str(32 << 20), "--params", "2", "--rounds",
+                                     "3" if args.quick else "7", "--threads", "1", "2",
+                                     str(len(os.sched_getaffinity(0)))], timeout=120))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

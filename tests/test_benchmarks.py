@@ -105,6 +105,17 @@ def test_host_step_benchmark_quick() -> None:
 
 
 @pytest.mark.slow  # runs a benchmark script (subprocess)
+def test_host_node_benchmark_quick() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_node.py"),
+                          "--mib", "16", "--ranks", "1", "2", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120)
+    if "no native kernel here" in res.stderr:
+        pytest.skip("no native kernels on this machine")
+    assert res.returncode == 0, res.stderr
+    assert "GB/s per rank" in res.stdout and "h200_node assumes" in res.stdout
+
+
+@pytest.mark.slow  # runs a benchmark script (subprocess)
 def test_outer_step_benchmark_quick() -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_outer_step.py"),
                           "--numel", "262144", "--params", "2", "--rounds", "1",
