@@ -256,3 +256,41 @@ def test_the_pipelined_sync_steps_natively_bitwise_torchft(calls: list[int]) -> 
            "n_fragments": 2}
     assert_bitwise(run("pipelined", **cfg), reference(**cfg))
     assert calls
+
+
+@needs_native
+def test_on_the_simulated_device_only_host_memory_reaches_the_kernel(calls: list[int]) -> None:
+    """Native code must not touch device memory: tensors the (simulated) accelerator
+    counts as device memory step with torch; pinned host backups step natively, with
+    the accesses announced to the device's checker, bitwise torch."""
+    from pipeoff import _accel
+    from pipeoff.testing import simulated_cuda
+
+    kw = CONFIGS["diloco-nesterov"]
+    gen = torch.Generator().manual_seed(3)
+    start = _values(300, gen)[0]
+    grads = [_values(300, gen)[1] for _ in range(2)]
+    ref = [start.clone()]
+    ref_opt = optim.SGD(ref, **kw)
+    for g in grads:
+        ref[0].grad = g.clone()
+        ref_opt.step()
+    with simulated_cuda() as device:
+        accel = _accel.current()
+        for pinned in (False, True):
+            calls.clear()
+            user_p = torch.nn.Parameter(start.clone())
+            if pinned:
+                host = device.host_empty((300,), torch.float32, pinned=True)
+                host.copy_(start)
+                g_host = [device.host_empty((300,), torch.float32, pinned=True) for _ in grads]
+                for a, b in zip(g_host, grads):
+                    a.copy_(b)
+            else:
+                host, g_host = start.clone(), [g.clone() for g in grads]  # "device" memory
+                assert accel.on_device(host)
+            mirror = HostOuterOptimizer(optim.SGD([user_p], **kw), {id(user_p): host})
+            for g in g_host:
+                mirror.step([(host, g)])
+            assert _same(host, ref[0]), pinned
+            assert (calls == [300, 300]) if pinned else (calls == []), (pinned, calls)
