@@ -11,6 +11,8 @@
  *                       final micro-step of full offload in one pass over memory;
  *   pipeoff_sgd_step    torch's for-loop SGD step (momentum, dampening, Nesterov,
  *                       weight decay, maximize) in one pass: DiLoCo's outer step;
+ *   pipeoff_adam_moments, pipeoff_adam_apply  torch's for-loop Adam/AdamW step in two
+ *                       passes around torch's own sqrt: DiLoCo's outer Adam;
  *   pipeoff_fold        acc = grad (widened) or acc += grad, BF16 or FP32 grad;
  *   pipeoff_scale       a[i] *= s in place (the benchmarks' bandwidth floor).
  *
@@ -480,6 +482,161 @@ int pipeoff_sgd_step(float *p, float *buf, const float *g, int64_t n, float sign
     return 0;
 }
 
+/* ---------------------------------------------------------------- outer Adam */
+
+/* torch's for-loop Adam/AdamW (torch.optim.adam._single_tensor_adam), what a CPU
+ * Adam runs by default, is seven or eight element-wise ops, each a pass over
+ * memory (about 80 bytes per element for AdamW). Its square root is torch's own
+ * `sqrt`, which on torch's MKL builds is MKL's vsSqrt and not correctly rounded
+ * (1 ulp apart from sqrtf in about a fifth of the elements), so it cannot be
+ * redone here bit for bit: the step is two passes with torch's sqrt between,
+ *   pipeoff_adam_moments  g = -g (maximize), g = g + wd p (Adam), m = lerp(m, g, w),
+ *                         v = v b2 + (c2 g) g                     20 bytes (24 Adam wd)
+ *   torch.sqrt(v, out=s)                                          8 bytes
+ *   pipeoff_adam_apply    p = p decay + (-step_size m) / (s / bc2_sqrt + eps)  16 bytes
+ * The fused multiply-adds are aten's: lerp's vector body is fmadd(w, g - m, m)
+ * (its scalar loop `m + w (g - m)` contracted alike on FMA builds), addcmul's
+ * `v + (c2 g) g` and add's `g + wd p` contracted; the caller takes only a lerp
+ * weight below 0.5 (beta1 above 0.5), where torch's body and scalar loops agree,
+ * since torch's threads give each chunk a scalar tail of its own. */
+typedef struct {
+    float *restrict m, *restrict v;
+    const float *restrict g, *restrict p;
+    uint32_t flip;   /* 0x80000000 to maximize: torch negates the gradient's bits */
+    int adam_wd;
+    float wd, w, beta2, c2;
+} moments_args;
+
+static inline __attribute__((always_inline)) void moments_loop(const moments_args *a,
+                                                                int64_t b, int64_t e, int fma,
+                                                                int adam_wd) {
+    float *restrict M = a->m, *restrict V = a->v;
+    const float *restrict G = a->g, *restrict P = a->p;
+    const float wd = a->wd, w = a->w, beta2 = a->beta2, c2 = a->c2;
+    const uint32_t flip = a->flip;
+    for (int64_t i = b; i < e; i++) {
+        uint32_t gbits;
+        memcpy(&gbits, &G[i], 4);
+        gbits ^= flip;
+        float g;
+        memcpy(&g, &gbits, 4);
+        if (adam_wd) g = fma ? fmaf(P[i], wd, g) : g + wd * P[i];
+        float m = M[i];
+        M[i] = fma ? fmaf(w, g - m, m) : m + w * (g - m);
+        float vb = V[i] * beta2;
+        float cg = c2 * g;
+        V[i] = fma ? fmaf(cg, g, vb) : vb + cg * g;
+    }
+}
+
+#define MOMENTS_CASES(F)                                 \
+    do {                                                 \
+        if (a->adam_wd) moments_loop(a, b, e, F, 1);     \
+        else moments_loop(a, b, e, F, 0);                \
+    } while (0)
+
+typedef struct {
+    moments_args args;
+    int fma;
+} moments_job;
+
+#ifdef HAVE_X86_FMA
+__attribute__((target("avx2,fma"))) static void moments_fused(const moments_args *a,
+                                                                int64_t b, int64_t e) {
+    MOMENTS_CASES(1);
+}
+WIDE512 static void moments_fused512(const moments_args *a, int64_t b, int64_t e) {
+    MOMENTS_CASES(1);
+}
+#endif
+static void moments_plain(const moments_args *a, int64_t b, int64_t e) { MOMENTS_CASES(0); }
+static void moments_soft(const moments_args *a, int64_t b, int64_t e) { MOMENTS_CASES(1); }
+
+static void moments_range(void *arg, int64_t b, int64_t e) {
+    const moments_job *j = (const moments_job *)arg;
+    if (j->fma == 0) {
+        moments_plain(&j->args, b, e);
+#ifdef HAVE_X86_FMA
+    } else if (have_avx512()) {
+        moments_fused512(&j->args, b, e);
+    } else if (have_fma()) {
+        moments_fused(&j->args, b, e);
+#endif
+    } else {
+        moments_soft(&j->args, b, e);
+    }
+}
+
+/* Adam's moments of n elements in place from g (not written); p is read for Adam's
+ * L2 term only (adam_wd), else it may be NULL. Returns 0, or -1. */
+int pipeoff_adam_moments(float *m, float *v, const float *g, const float *p, int64_t n,
+                         int maximize, int adam_wd, float wd, float w, float beta2, float c2,
+                         int fma, int threads) {
+    if (n < 0 || (adam_wd && p == NULL)) return -1;
+    moments_job j = {{m, v, g, p, maximize ? 0x80000000u : 0u, adam_wd != 0, wd, w, beta2, c2},
+                     fma != 0};
+    parallel(moments_range, &j, n, threads);
+    return 0;
+}
+
+typedef struct {
+    float *restrict p;
+    const float *restrict m, *restrict s;
+    int has_decay;
+    float decay, bc2_sqrt, eps, neg_step_size;
+} apply_args;
+
+static inline __attribute__((always_inline)) void apply_loop(const apply_args *a, int64_t b,
+                                                              int64_t e, int has_decay) {
+    float *restrict P = a->p;
+    const float *restrict M = a->m, *restrict S = a->s;
+    const float decay = a->decay, bc2_sqrt = a->bc2_sqrt, eps = a->eps;
+    const float c = a->neg_step_size;
+    for (int64_t i = b; i < e; i++) {
+        float p = has_decay ? P[i] * decay : P[i];
+        float denom = S[i] / bc2_sqrt + eps;
+        P[i] = p + (c * M[i]) / denom; /* aten's addcdiv: self + (value t1) / t2 */
+    }
+}
+
+#ifdef HAVE_X86_FMA
+WIDE512 static void apply_wide(const apply_args *a, int64_t b, int64_t e) {
+    if (a->has_decay) apply_loop(a, b, e, 1);
+    else apply_loop(a, b, e, 0);
+}
+__attribute__((target("avx2"))) static void apply_avx2(const apply_args *a, int64_t b,
+                                                         int64_t e) {
+    if (a->has_decay) apply_loop(a, b, e, 1);
+    else apply_loop(a, b, e, 0);
+}
+#endif
+
+static void apply_range(void *arg, int64_t b, int64_t e) {
+    const apply_args *a = (const apply_args *)arg;
+#ifdef HAVE_X86_FMA
+    if (have_avx512()) {
+        apply_wide(a, b, e);
+        return;
+    }
+    if (have_fma()) {
+        apply_avx2(a, b, e);
+        return;
+    }
+#endif
+    if (a->has_decay) apply_loop(a, b, e, 1);
+    else apply_loop(a, b, e, 0);
+}
+
+/* Adam's update of p (n elements) from m and s = torch.sqrt(v), neither written. */
+int pipeoff_adam_apply(float *p, const float *m, const float *s, int64_t n, int has_decay,
+                       float decay, float bc2_sqrt, float eps, float neg_step_size,
+                       int threads) {
+    if (n < 0) return -1;
+    apply_args a = {p, m, s, has_decay != 0, decay, bc2_sqrt, eps, neg_step_size};
+    parallel(apply_range, &a, n, threads);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the fold */
 
 typedef struct {
@@ -550,4 +707,4 @@ int pipeoff_scale(float *a, int64_t n, float s, int threads) {
     return 0;
 }
 
-int pipeoff_abi_version(void) { return 3; }
+int pipeoff_abi_version(void) { return 4; }

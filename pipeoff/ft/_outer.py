@@ -21,7 +21,7 @@ import torch
 from torch import optim
 
 from pipeoff._errors import ConfigError
-from pipeoff.ft._outer_kernel import native_takes, outer_kernel, sgd_hyper
+from pipeoff.ft._outer_kernel import SgdHyper, native_takes, outer_hyper, outer_kernel
 from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
@@ -156,14 +156,16 @@ class HostOuterOptimizer:
         """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and
         only them: torch's optimizers skip a parameter without ``.grad``.
 
-        An SGD whose groups the native kernel takes (:func:`sgd_hyper`) steps in one
-        pass per parameter over the rank's cores, bitwise torch's step; any other
-        runs torch's ``step()`` on the host tensors."""
+        An SGD, Adam or AdamW whose groups the native kernels take
+        (:func:`~pipeoff.ft._outer_kernel.outer_hyper`) steps in one pass per
+        parameter (SGD) or two around torch's square root (Adam) over the rank's
+        cores, bitwise torch's step; any other runs torch's ``step()`` on the host
+        tensors."""
         mine = [(h, g) for h, g in pairs if id(h) in self._by_host]
         if not mine:
             return
         groups = self.host.param_groups
-        hypers = [sgd_hyper(type(self.host), groups[self._group_of[id(h)]]) for h, _ in mine]
+        hypers = [outer_hyper(type(self.host), groups[self._group_of[id(h)]]) for h, _ in mine]
         if all(x is not None and native_takes(h, g, self.host.state.get(h))
                for (h, g), x in zip(mine, hypers, strict=True)):
             kernel = outer_kernel()
@@ -171,10 +173,11 @@ class HostOuterOptimizer:
                 threads = default_threads()
                 for (h, g), hyper in zip(mine, hypers, strict=True):
                     assert hyper is not None
-                    # no state without momentum, as torch (a state entry would show
-                    # in state_dict())
-                    state = self.host.state[h] if hyper.momentum != 0 else {}
-                    kernel.sgd_step(h, g, state, hyper, threads=threads)
+                    # no state for SGD without momentum, as torch (a state entry
+                    # would show in state_dict())
+                    plain = isinstance(hyper, SgdHyper) and hyper.momentum == 0
+                    state = {} if plain else self.host.state[h]
+                    kernel.step(h, g, state, hyper, threads=threads)
                 return
         try:
             for h, g in mine:

@@ -1,21 +1,38 @@
-"""DiLoCo's outer SGD step in one native pass, bitwise torch's CPU ``torch.optim.SGD``.
+"""DiLoCo's outer step in native passes, bitwise torch's CPU ``torch.optim.SGD``, ``Adam``
+and ``AdamW``.
 
 torch's CPU SGD (its for-loop, the default for CPU tensors) is four or five
 element-wise ops per parameter, each a pass over the pseudo-gradient, the
 parameter or the momentum buffer: about 44 bytes per element with Nesterov
 momentum. ``pipeoff_sgd_step`` (``pipeoff/_native/hoststep.c``) does the same IEEE
 operations in one pass, 20 bytes per element with momentum (12 without), over the
-rank's cores. Its fused
-multiply-adds are where aten's ufunc ``add(..., alpha=)`` has them at each CPU
-dispatch level (:data:`SGD_FMA`), and :func:`outer_kernel` checks that against
-torch at first use: a kernel that differs is not used (a ``RuntimeWarning``), a
-machine without a compiler or at an unknown level runs torch's step (said once
-on the ``pipeoff`` logger). ``PIPEOFF_NATIVE=0`` turns it off.
+rank's cores.
 
-Which groups take it (:func:`sgd_hyper`): ``torch.optim.SGD`` itself with plain
-numbers for its hyperparameters, ``foreach`` and ``fused`` unset or ``False``
-(torch's for-loop, which is what a CPU SGD runs by default), no
-``differentiable``. Others run torch's own step, as before.
+torch's CPU Adam/AdamW (its for-loop) is seven or eight passes, about 80 bytes per
+element. Its square root is torch's own ``sqrt``, which on torch's MKL builds is
+MKL's and not correctly rounded (it differs from IEEE ``sqrtf`` in about a fifth of
+the elements, by one ulp), so it is not redone natively: ``pipeoff_adam_moments``
+(the gradient's sign and L2 term, ``exp_avg``'s lerp, ``exp_avg_sq``'s update),
+torch's ``sqrt`` of ``exp_avg_sq``, then ``pipeoff_adam_apply`` (AdamW's decay,
+the denominator, the addcdiv), in rounds of :data:`_ADAM_CHUNK` elements: 44 bytes
+per element through the passes, with one FP32 temporary of a round (16 MiB; torch's
+own step makes two the size of the parameter). Few, large rounds: each round is
+three parallel regions (torch's ``sqrt`` one of them, on torch's intra-op threads),
+and a region costs a scheduling quantum per thread on a busy host.
+
+Their fused multiply-adds are where aten's element-wise kernels have them at each
+CPU dispatch level (:data:`ATEN_FMA`), and :func:`outer_kernel` checks that
+against torch at first use: a kernel that differs is not used (a
+``RuntimeWarning``), a machine without a compiler or at an unknown level runs
+torch's step (said once on the ``pipeoff`` logger). ``PIPEOFF_NATIVE=0`` turns it
+off.
+
+Which groups take it (:func:`outer_hyper`): ``torch.optim.SGD``, ``Adam`` or
+``AdamW`` itself with plain numbers for its hyperparameters, ``foreach`` and
+``fused`` unset or ``False`` (torch's for-loop, which is what a CPU optimizer runs
+by default), no ``differentiable``; for Adam, no ``amsgrad`` and ``beta1`` above
+0.5 (where torch's vector body and scalar loops round its lerp alike). Others run
+torch's own step, as before.
 """
 
 from __future__ import annotations
@@ -31,16 +48,18 @@ import torch
 from torch.autograd.graph import increment_version
 
 from pipeoff import _accel, _happens, _native
+from pipeoff.optim._full_offload._host_kernel import AdamHyper, _same
 
-__all__ = ["SGD_FMA", "OuterKernel", "SgdHyper", "native_takes", "outer_kernel",
-           "outer_step_status", "sgd_hyper"]
+__all__ = ["ATEN_FMA", "AdamHyper", "OuterKernel", "SgdHyper", "adam_hyper", "native_takes",
+           "outer_hyper", "outer_kernel", "outer_step_status", "sgd_hyper"]
 
-SGD_FMA: Mapping[str, int] = {"DEFAULT": 0, "AVX2": 1, "AVX512": 1}
-"""Per torch CPU dispatch level, whether aten's ``a.add(b, alpha=x)`` is one fused
-multiply-add (1: its vector body's ``fmadd`` and its scalar loop, contracted by
-the compiler) or a multiply then an add (0). Found on torch 2.13 (DEFAULT and
-AVX2 measured; AVX512 is its vector body's ``fmadd``, which the self-test checks
-on the first machine that has it)."""
+ATEN_FMA: Mapping[str, int] = {"DEFAULT": 0, "AVX2": 1, "AVX512": 1}
+"""Per torch CPU dispatch level, whether aten's element-wise multiply-adds are one
+fused multiply-add (1: ``a.add(b, alpha=x)``, ``lerp``'s and ``addcmul``'s vector
+bodies' ``fmadd`` and their scalar loops, contracted by the compiler) or a multiply
+then an add (0). Found on torch 2.13 (DEFAULT and AVX2 measured; AVX512 is its
+vector bodies' ``fmadd``, which the self-test checks on the first machine that has
+it)."""
 
 _log = logging.getLogger("pipeoff")
 
@@ -75,6 +94,42 @@ def sgd_hyper(optimizer_class: type[torch.optim.Optimizer],
                     maximize=bool(group.get("maximize", False)))
 
 
+def adam_hyper(optimizer_class: type[torch.optim.Optimizer],
+               group: Mapping[str, Any]) -> AdamHyper | None:
+    """``group``'s hyperparameters if the native step is bitwise what
+    ``optimizer_class`` does with them (``torch.optim.Adam`` or ``AdamW``'s for-loop
+    step with plain numbers, no ``amsgrad``, ``0.5 < beta1 < 1`` and
+    ``0 <= beta2 < 1``), else ``None`` (torch's step)."""
+    if optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    if group.get("foreach") or group.get("fused") or group.get("differentiable") \
+            or group.get("capturable") or group.get("amsgrad"):
+        return None
+    betas = group.get("betas")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        return None
+    values = (group.get("lr"), *betas, group.get("eps"), group.get("weight_decay", 0.0))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None  # a Tensor lr or beta: torch's path
+    lr, beta1, beta2, eps, weight_decay = (float(v) for v in values)  # type: ignore[arg-type]
+    # torch's lerp below weight 0.5 is one expression in its vector body and its
+    # scalar loops (each of torch's threads has a tail of its own); beta2 below 1
+    # keeps the bias correction's square root real, as torch's constructor does
+    if not (0.5 < beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        return None
+    decoupled = group.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)
+    return AdamHyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     decoupled=bool(decoupled), maximize=bool(group.get("maximize", False)))
+
+
+def outer_hyper(optimizer_class: type[torch.optim.Optimizer],
+                group: Mapping[str, Any]) -> SgdHyper | AdamHyper | None:
+    """:func:`sgd_hyper` or :func:`adam_hyper`, whichever ``optimizer_class`` is."""
+    if optimizer_class is torch.optim.SGD:
+        return sgd_hyper(optimizer_class, group)
+    return adam_hyper(optimizer_class, group)
+
+
 def _fp32_1d(t: Any, n: int) -> bool:
     return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous()
             and t.numel() == n and t.device.type == "cpu" and t.layout == torch.strided)
@@ -82,28 +137,122 @@ def _fp32_1d(t: Any, n: int) -> bool:
 
 def native_takes(param: torch.Tensor, grad: torch.Tensor,
                  state: Mapping[str, Any] | None) -> bool:
-    """Whether :meth:`OuterKernel.sgd_step` takes these tensors: contiguous FP32 CPU
-    ``param`` and ``grad`` of one size, and a momentum buffer (if any) alike. BF16
-    backups, say, run torch's step."""
+    """Whether :meth:`OuterKernel.step` takes these tensors: contiguous FP32 CPU
+    ``param`` and ``grad`` of one size, and the state's tensors (a momentum buffer,
+    Adam's moments; if any) alike, Adam's ``step`` a CPU scalar. BF16 backups, say,
+    run torch's step."""
     n = param.numel()
-    buf = None if state is None else state.get("momentum_buffer")
-    tensors = (param, grad) if buf is None else (param, grad, buf)
+    state = state or {}
+    held = [state[k] for k in ("momentum_buffer", "exp_avg", "exp_avg_sq") if k in state]
+    if "max_exp_avg_sq" in state:
+        return False
+    if ("exp_avg" in state) != ("exp_avg_sq" in state) or ("exp_avg" in state) != (
+            "step" in state):
+        return False
+    if "step" in state:
+        step = state["step"]
+        if not (isinstance(step, torch.Tensor) and step.dim() == 0 and step.device.type == "cpu"
+                and step.dtype in (torch.float32, torch.float64)):
+            return False
+    tensors = (param, grad, *held)
     # Host memory as the accelerator sees it too: the simulated device counts a
     # CPU tensor it did not see allocated as host (torchft's unpinned backups) as
     # device memory, which native code must not touch; torch's step runs there.
     accel = _accel.current()
     return (_fp32_1d(param, n) and _fp32_1d(grad, n) and grad.shape == param.shape
-            and (buf is None or _fp32_1d(buf, n))
+            and all(_fp32_1d(t, n) for t in held)
             and not any(accel.on_device(t) for t in tensors))
 
 
+def _check(name: str, t: torch.Tensor, n: int) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n \
+            or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous FP32 CPU tensor of {n} elements, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 class OuterKernel:
-    """The native SGD step at one dispatch level's rounding (:data:`SGD_FMA`)."""
+    """The native outer steps at one dispatch level's rounding (:data:`ATEN_FMA`)."""
 
     def __init__(self, lib: Any, level: str) -> None:
         self.lib = lib
         self.level = level
-        self.fma = SGD_FMA[level]
+        self.fma = ATEN_FMA[level]
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, state: MutableMapping[str, Any],
+             hyper: SgdHyper | AdamHyper, *, threads: int, announce: bool = True) -> None:
+        """:meth:`sgd_step` or :meth:`adam_step`, whichever ``hyper`` is for."""
+        if isinstance(hyper, SgdHyper):
+            self.sgd_step(param, grad, state, hyper, threads=threads, announce=announce)
+        else:
+            self.adam_step(param, grad, state, hyper, threads=threads, announce=announce)
+
+    def adam_step(self, param: torch.Tensor, grad: torch.Tensor,
+                  state: MutableMapping[str, Any], hyper: AdamHyper, *, threads: int,
+                  announce: bool = True, chunk: int | None = None) -> None:
+        """One ``torch.optim.Adam``/``AdamW`` step (its for-loop) of ``param`` with
+        gradient ``grad`` (not written), and of ``state`` (``step``, ``exp_avg``,
+        ``exp_avg_sq``), created on the first step as torch creates it.
+
+        ``param`` and ``grad``: contiguous FP32 CPU tensors of one shape, not
+        overlapping; the moments alike. ``announce=False`` keeps the native accesses
+        from a checker (the self-test's tensors, which it does not know). ``chunk``:
+        elements per round of the passes (default :data:`_ADAM_CHUNK`; the
+        self-test's odd one puts chunk edges at every alignment).
+
+        Raises:
+            ValueError: the tensors are not of that kind.
+        """
+        n = param.numel()
+        _check("param", param, n)
+        _check("grad", grad, n)
+        if not state:
+            # torch's Adam._init_group: a CPU step counter, zeroed moments
+            dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=dtype)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        m, v, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        _check("exp_avg", m, n)
+        _check("exp_avg_sq", v, n)
+        h = hyper
+        step_t += 1  # as torch, before the math
+        step = step_t.item()
+        # The scalars as torch's Python computes them, in double (its ``** 0.5``, not
+        # ``math.sqrt``), each rounded to float by ctypes as aten rounds a scalar.
+        bc1 = 1.0 - h.beta1 ** step
+        bc2 = 1.0 - h.beta2 ** step
+        wd = h.weight_decay
+        adam_wd = int(not h.decoupled and wd != 0)
+        if n == 0:  # (an empty one has no storage)
+            return
+        if announce:
+            _happens.native_access("pipeoff_adam_step", reads=(grad, m, v, param),
+                                   writes=(m, v, param))
+        increment_version([m, v, param])
+        # Round by round, so that the square root's temporary is a round's, not the
+        # parameter's (torch's step makes two of the parameter's size).
+        chunk = chunk or _ADAM_CHUNK
+        root = torch.empty(min(n, chunk), dtype=torch.float32)
+        pp, mp, vp, gp = param.data_ptr(), m.data_ptr(), v.data_ptr(), grad.data_ptr()
+        v_flat = v.view(-1)  # contiguous, checked
+        for a in range(0, n, chunk):
+            k = min(chunk, n - a)
+            off = 4 * a  # FP32 bytes
+            rc = self.lib.pipeoff_adam_moments(
+                mp + off, vp + off, gp + off, pp + off if adam_wd else None, k,
+                int(h.maximize), adam_wd, wd, 1.0 - h.beta1, h.beta2, 1.0 - h.beta2, self.fma,
+                threads)
+            if rc != 0:
+                raise RuntimeError(f"pipeoff_adam_moments refused its arguments (rc={rc})")
+            # torch's own square root, whose bits native code cannot reproduce (MKL's
+            # on this build); elementwise, so a chunk's bits are the whole tensor's
+            torch.sqrt(v_flat[a:a + k], out=root[:k])
+            rc = self.lib.pipeoff_adam_apply(
+                pp + off, mp + off, root.data_ptr(), k, int(h.decoupled and wd != 0),
+                1.0 - h.lr * wd, bc2 ** 0.5, h.eps, -(h.lr / bc1), threads)
+            if rc != 0:
+                raise RuntimeError(f"pipeoff_adam_apply refused its arguments (rc={rc})")
 
     def sgd_step(self, param: torch.Tensor, grad: torch.Tensor,
                  state: MutableMapping[str, Any], hyper: SgdHyper, *, threads: int,
@@ -121,11 +270,8 @@ class OuterKernel:
             ValueError: the tensors are not of that kind.
         """
         n = param.numel()
-        for name, t in (("param", param), ("grad", grad)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n \
-                    or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a contiguous FP32 CPU tensor of {n} elements, "
-                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        _check("param", param, n)
+        _check("grad", grad, n)
         h = hyper
         buf: torch.Tensor | None = None
         mode = 0
@@ -167,9 +313,10 @@ _said = False
 
 
 def outer_kernel() -> OuterKernel | None:
-    """The native outer SGD step, or ``None`` (torch's step; :func:`outer_step_status`
-    says why). Built, checked against torch and decided once per process; the
-    first call on a machine builds the library (about 15 s on 2 cores, once)."""
+    """The native outer steps (SGD, Adam, AdamW), or ``None`` (torch's step;
+    :func:`outer_step_status` says why). Built, checked against torch and decided
+    once per process; the first call on a machine builds the library (about 15 s on
+    2 cores, once)."""
     global _said
     if not _decided:
         with _lock:
@@ -177,7 +324,8 @@ def outer_kernel() -> OuterKernel | None:
                 _decide()
     if _kernel is None and not _said and not _native.turned_off():
         _said = True
-        what = f"pipeoff: DiLoCo's native outer SGD step is off, {_why}; torch's step runs"
+        what = (f"pipeoff: DiLoCo's native outer step (SGD, Adam, AdamW) is off, {_why}; "
+                "torch's step runs")
         if _why is not None and "self-test" in _why:  # other bits than torch: a bug
             warnings.warn(what + " (the same bits, more passes); please report it",
                           RuntimeWarning, stacklevel=2)
@@ -192,9 +340,9 @@ def _decide() -> None:
     level = torch.backends.cpu.get_cpu_capability()
     if lib is None:
         _why = f"the native kernels are unavailable: {_native.unavailable_reason()}"
-    elif level not in SGD_FMA:
-        _why = (f"torch's CPU dispatch level here is {level}, whose rounding of SGD pipeoff "
-                f"does not know (it knows {', '.join(SGD_FMA)})")
+    elif level not in ATEN_FMA:
+        _why = (f"torch's CPU dispatch level here is {level}, whose rounding pipeoff does "
+                f"not know (it knows {', '.join(ATEN_FMA)})")
     else:
         kernel = OuterKernel(lib, level)
         try:
@@ -204,12 +352,12 @@ def _decide() -> None:
         if mismatch is None:
             _kernel = kernel
         else:
-            _why = f"its self-test against torch.optim.SGD failed: {mismatch}"
+            _why = f"its self-test against torch's optimizers failed: {mismatch}"
     _decided = True
 
 
 def outer_step_status() -> str:
-    """How DiLoCo steps a ``torch.optim.SGD`` outer optimizer in host memory:
+    """How DiLoCo steps an SGD, Adam or AdamW outer optimizer in host memory:
     ``"native (AVX2, 8 threads)"``, or ``"torch: <why not native>"``."""
     from pipeoff.optim._full_offload._host_kernel import default_threads
 
@@ -255,16 +403,70 @@ def _apart(fn: Any, kernel: OuterKernel) -> str | None:
     return out[0]  # type: ignore[no-any-return]
 
 
+_ADAM_HYPER = (
+    AdamHyper(lr=0.7, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False),  # an outer AdamW
+    AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False,
+              maximize=True),  # Adam's L2 term, maximize
+    AdamHyper(lr=1e-2, beta1=0.6, beta2=0.99, eps=1e-6, weight_decay=0.0, decoupled=False,
+              maximize=False),
+)
+_ADAM_CHUNK = 1 << 22
+"""Elements in one round of the Adam passes (the square root's temporary: 16 MiB).
+Smaller rounds, whose arrays would stay in cache between the passes, lost more to
+the regions' start-up than they saved: measured on this 2-core machine
+(``bench_outer_step.py``, 16M parameters), 1 Mi elements took 29 ms against 20 ms
+at 4 Mi with two threads, and 115 ms against 43 ms beside two CPU-bound processes
+(torch's ``sqrt`` on two OpenMP threads)."""
+
+_LENGTHS = (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100_003)  # every tail class
+
+
 def self_test(kernel: OuterKernel, *, steps: int = 3) -> str | None:
-    """``None`` if ``kernel`` gives ``torch.optim.SGD``'s bits on this machine (value
-    classes from subnormals to NaNs, lengths on both sides of the vector widths, one
-    that torch splits over its threads, ``steps`` steps of each configuration);
-    else what differed."""
+    """``None`` if ``kernel`` gives ``torch.optim.SGD``'s, ``Adam``'s and ``AdamW``'s
+    bits on this machine (value classes from subnormals to NaNs, lengths on both
+    sides of the vector widths, one that torch splits over its threads, ``steps``
+    steps of each configuration); else what differed."""
+    return _sgd_self_test(kernel, steps) or _adam_self_test(kernel, steps)
+
+
+def _adam_self_test(kernel: OuterKernel, steps: int) -> str | None:
+    from pipeoff.optim._full_offload._host_kernel import _values
+
+    gen = torch.Generator().manual_seed(8765)
+    for h in _ADAM_HYPER:
+        cls = torch.optim.AdamW if h.decoupled else torch.optim.Adam
+        for n in _LENGTHS:
+            p0 = _values(n, gen)[0]
+            ref = p0.clone()
+            opt = cls([ref], lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps,
+                      weight_decay=h.weight_decay, maximize=h.maximize, foreach=False)
+            mine, state = p0.clone(), {}  # type: ignore[var-annotated]
+            for step in range(steps):
+                grad = _values(n, gen)[1]
+                ref.grad = grad
+                opt.step()
+                kernel.adam_step(mine, grad, state, h, threads=2, announce=False,
+                                 chunk=4099)
+                theirs = opt.state[ref]
+                for what, a, b in (("param", mine, ref),
+                                   ("exp_avg", state["exp_avg"], theirs["exp_avg"]),
+                                   ("exp_avg_sq", state["exp_avg_sq"], theirs["exp_avg_sq"]),
+                                   ("step", state["step"], theirs["step"])):
+                    # bitwise, a NaN matching any NaN (which operand's payload an
+                    # operation propagates is not a property of the math)
+                    if a.dtype != b.dtype or not _same(a.reshape(-1), b.reshape(-1)):
+                        return (f"{cls.__name__}'s {what} differs at step {step + 1} of {h} "
+                                f"({n} elements)")
+    return None
+
+
+def _sgd_self_test(kernel: OuterKernel, steps: int) -> str | None:
     from pipeoff.optim._full_offload._host_kernel import _values
 
     gen = torch.Generator().manual_seed(4321)
     for h in _HYPER:
-        for n in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100_003):  # every tail class
+        for n in _LENGTHS:
             p0 = _values(n, gen)[0]
             ref = p0.clone()
             opt = torch.optim.SGD([ref], lr=h.lr, momentum=h.momentum, dampening=h.dampening,
@@ -284,7 +486,7 @@ def self_test(kernel: OuterKernel, *, steps: int = 3) -> str | None:
                     apart = (a.view(torch.int32) != b.view(torch.int32)).nonzero()
                     if len(apart):
                         i = int(apart[0])
-                        return (f"{what} differs in {len(apart)} of {n} elements at step "
+                        return (f"SGD's {what} differs in {len(apart)} of {n} elements at step "
                                 f"{step + 1} of {h} (first at {i}: {float(a[i])!r} vs torch "
                                 f"{float(b[i])!r})")
     return None
