@@ -164,8 +164,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "DiLoCo: the inner optimizer (its step count, waits)"),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._manager",
                "DiLoCo: the replica's Manager"),
-    PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._step_post_hook",
-               "pipeoff.ft.DiLoCo overrides it (its spans and waits)"),
+    *(PrivateAPI("torchft", f"torchft.local_sgd:DiLoCo.{name}",
+                 "pipeoff.ft.DiLoCo overrides it (its spans and waits)")
+      for name in ("_step_pre_hook", "_step_post_hook")),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._register_state_dict_fn",
                "pipeoff.ft.DiLoCo overrides it (the host outer state)"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._local_optimizer",

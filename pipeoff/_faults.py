@@ -243,6 +243,7 @@ MUTATIONS = frozenset({
     "execution_sync", "record_stream", "hook_stream_wait", "fsdp_gather_wait", "gate_wait",
     "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
     "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
+    "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -274,13 +275,19 @@ MUTATIONS = frozenset({
   DDP's reducer wrote the reduced gradient (a callback queued behind DDP's).
 * ``"adopt_waits_readers"``: full offload's wait for the transfers reading the
   masters before it adopts weights written from outside as masters.
-* ``"diloco_formed_wait"``: DiLoCo's wait, before the preparing ``step()`` returns,
-  for the sync it launched to have formed its pseudo-gradients (they read the
-  parameters the caller and the next inner steps write; ``fragment_sync_delay`` > 0).
+* ``"diloco_formed_wait"``: DiLoCo's wait, before the inner step after a sync's
+  preparation, for the sync to have formed its pseudo-gradients (they read the
+  parameters that step writes; ``fragment_sync_delay`` > 0).
+* ``"diloco_formation_guard"``: the write guard that makes an eager write of those
+  parameters on the training thread (a clamp, ``load_state_dict``) wait for them.
 * ``"grad_read_wait"``: a full-offload gradient placeholder's wait, when the loop
   reads it (a clip call's norm), for the host folds of the gradients.
 * ``"grad_edit_wait"``: full offload's wait, before a gradient the loop put in
   ``.grad`` by hand (or dropped) replaces a host sum, for the folds still writing it.
+* ``"diloco_forward_wait"``: the next forward's waits (module hooks, read guard) for
+  the writes of a DiLoCo sync that run on after its decision.
+* ``"diloco_tail_wait"``: DiLoCo's wait for all of a sync's outer step and writes
+  before the next inner step, the next sync, its exit and the readers of its figures.
 """
 
 

@@ -175,6 +175,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         device_budget_bytes=(parse_bytes(args.device_budget, name="--device-budget")
                              if args.device_budget else None),
         names=_SIZE_OPTIONS,
+        tokens=args.seq_len * args.micro_batch if args.feature == "diloco" else None,
+        seq_len=args.seq_len,
+        fragment_sync_delay=args.fragment_sync_delay,
     )
     if args.trace_dir:
         for p in preds:
@@ -185,7 +188,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "peak_host_bytes": p.peak_host_bytes, "host_state_bytes": p.host_state_bytes,
             "host_state": p.host_state, "peak_host_staging_bytes": p.peak_host_staging_bytes,
             "efficiency": p.efficiency, "bound": p.bound, "predicted": True,
-            "cost_model": cost.name,
+            "cost_model": cost.name, "exposed_ms": p.exposed_ms,
         } for p in preds], indent=2))
         return 0
     print(f"PREDICTED by the {cost.name} cost model (not measured): {args.feature}, "
@@ -198,10 +201,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
               f"{n.rank_gbps:.1f} GB/s and {n.threads_per_rank} threads per rank; bytes per "
               f"element: {per} (--host flat: the old flat rate)")
     base = preds[0].time_ms
-    print(f"{'schedule':<13} {'time ms':>10} {'vs first':>9} {'peak device':>12} "
-          f"{'peak host*':>11} {'efficiency':>10}  bound")
+    exposed = any(p.exposed_ms is not None for p in preds)
+    ebase = preds[0].exposed_ms or 1.0
+    print(f"{'schedule':<13} {'time ms':>10} {'vs first':>9} "
+          + (f"{'exposed ms':>11} {'vs first':>9} " if exposed else "")
+          + f"{'peak device':>12} {'peak host*':>11} {'efficiency':>10}  bound")
     for p in preds:
-        print(f"{p.schedule:<13} {p.time_ms:>10.2f} {p.time_ms / base:>8.2f}x "
+        e = (f"{p.exposed_ms:>11.2f} {p.exposed_ms / ebase:>8.2f}x "
+             if exposed and p.exposed_ms is not None else (" " * 22 if exposed else ""))
+        print(f"{p.schedule:<13} {p.time_ms:>10.2f} {p.time_ms / base:>8.2f}x {e}"
               f"{fmt_bytes(p.peak_device_bytes):>12} {fmt_bytes(p.peak_host_bytes):>11} "
               f"{p.efficiency:>10.2f}  {p.bound}")
     # What the memory columns count, per schedule where it differs.
@@ -215,10 +223,40 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                                        f"peak host staging only ({what})"))
     print("  peak device: device staging only (not the weights, gradients or activations "
           "training holds anyway)")
+    if exposed:
+        c = cost.compute
+        print(f"  exposed: how much later the training loop's compute ends with the sync "
+              f"than without it ({args.micro_batch} x {args.seq_len} tokens per rank per "
+              f"step, fragment_sync_delay {args.fragment_sync_delay}, compute at "
+              f"{c.name if c is not None else 'n/a'}); vs first: over the first row's "
+              "exposed time" + ("; time ms: from the sync's preparation to its last "
+                                "write" if args.fragment_sync_delay else ""))
     note = SCHEDULE_NOTES.get(args.feature)
     if note:
         print(f"  schedules: {note}; vs first: time over the first row's")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {v}")
+    return v
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -272,6 +310,14 @@ def _parser() -> argparse.ArgumentParser:
                           "default with cpu_here)")
     sim.add_argument("--no-numa-binding", action="store_true",
                      help="with the host-node model: ranks not bound to a socket")
+    sim.add_argument("--seq-len", type=_positive_int, default=8192,
+                     help="tokens per sequence: the training compute around a DiLoCo sync "
+                          "(default: %(default)s)")
+    sim.add_argument("--micro-batch", type=_positive_int, default=1,
+                     help="sequences per rank per step (default: %(default)s)")
+    sim.add_argument("--fragment-sync-delay", type=_nonnegative_int, default=0,
+                     help="DiLoCo: inner steps between a sync's preparation and its "
+                          "decision (default: %(default)s)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")
     sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sim.set_defaults(fn=_cmd_simulate)

@@ -115,3 +115,22 @@ def release_when_waiting(release: threading.Event, *where: str) -> threading.Thr
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     return t
+
+
+def release_when_any_waiting(release: threading.Event,
+                             *wheres: tuple[str, ...]) -> threading.Thread:
+    """A thread that sets ``release`` once any thread blocks in an execution's wait called
+    from one of ``wheres`` (each a :func:`waiting_in` path); join it after the block."""
+    install()
+
+    def watch() -> None:
+        while not release.is_set():
+            for stack in list(_published.values()):
+                if any(waiting_in(stack, w) is not None for w in wheres):
+                    release.set()
+                    return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t

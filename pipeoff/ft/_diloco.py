@@ -12,25 +12,19 @@ from torch import nn, optim
 from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
 from torchft.local_sgd import _StreamingDiLoCoFragment
 
-from pipeoff import _accel, _faults
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
-from pipeoff.executor import execute
-from pipeoff.ft._buckets import TensorInfo, plan_buckets
-from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
-from pipeoff.ft._diloco_work import SyncWork
+from pipeoff.ft._diloco_fragment import OffloadedFragment
+from pipeoff.ft._diloco_tail import SyncTail
 from pipeoff.ft._options import StagingOptions, check_flag
-from pipeoff.ft._outer import HostOuterOptimizer, check_outer
-from pipeoff.optim._plan import whole_chunks
-from pipeoff.staging import reserve_for
+from pipeoff.ft._outer import check_outer, host_outers
 from pipeoff.trace import StepStats
 
 if TYPE_CHECKING:
     from torchft.manager import Manager
 
-    from pipeoff.execution import Execution
     from pipeoff.trace import Trace
 
 __all__ = ["DiLoCo"]
@@ -165,9 +159,13 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         # Read by _register_state_dict_fn, which torchft's constructor calls.
         self._offload = offload
         self._options = opts
-        self.last_trace: Trace | None = None
-        """The trace of the last offloaded fragment sync (``None`` without offload)."""
+        self._last_trace: Trace | None = None
         self._stats = SyncStats()
+        self._tail: SyncTail | None = None
+        self._outer_hooks: list[Any] = []
+        """The forward waits for a sync's outer step and writes (pipelined, offloaded)."""
+        self._exposed: dict[int, tuple[int, int]] = {}
+        """Per fragment whose sync's tail is in flight: ``(step, ns step() took)``."""
         self._chosen: int | None = None
         """The fragment torchft last chose to prepare or sync (its _current_fragment)."""
         self._fragments: list[_StreamingDiLoCoFragment]
@@ -199,9 +197,59 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     @property
     def last_sync_stats(self) -> StepStats | None:
         """The :class:`pipeoff.trace.StepStats` of the last fragment sync (``what="sync"``;
-        ``committed`` with ``offload_to_cpu``). Without offload only its time: torchft's
-        copies and collectives are not traced."""
+        ``committed`` with ``offload_to_cpu``; ``exposed_ms`` counts the next forward's
+        waits for it). Without offload only its time: torchft's copies and collectives
+        are not traced. Waits for a sync whose outer step and writes are in flight."""
+        self.wait_for_sync()
         return self._stats.last
+
+    @property
+    def last_trace(self) -> Trace | None:
+        """The trace of the last offloaded fragment sync, with the forward hooks' waits
+        for it (``None`` without offload). Waits for a sync in flight, as
+        :attr:`last_sync_stats` does."""
+        self.wait_for_sync()
+        return self._last_trace
+
+    def wait_for_sync(self) -> None:
+        """Block until the last fragment sync has written everything: its outer step
+        (the backup and the outer state) and its writes of the parameters.
+
+        With ``offload_to_cpu=True`` and the pipelined schedule, ``step()`` returns
+        once a sync's quorum has decided, and the outer step and the writes run
+        under the next forward, whose modules each wait for the parameters they
+        read. DiLoCo itself waits before the next inner step, the next sync, its
+        exit and its checkpoint functions. Call this for any other reader of the
+        parameters or the outer state: another thread, a checkpoint of the model
+        taken outside ``state_dict()``, ``torch.compile``'d code that reads a
+        parameter outside its module.
+
+        Raises:
+            Exception: the sync's outer step or write failed (reported to the
+                Manager; raised once, by the first wait that meets it).
+        """
+        tail = self._tail
+        if tail is None:
+            return
+        try:
+            tail.wait()
+        finally:
+            self._settled()
+
+    def _settled(self) -> None:
+        """Record the figures of a tail that ended (wherever it was waited for)."""
+        settled = self._tail.take_settled() if self._tail is not None else None
+        if settled is None:
+            return
+        self._last_trace = settled.trace
+        pending = self._exposed.pop(settled.fragment, None)
+        if pending is None:
+            return
+        step, exposed = pending
+        frag = self._fragments[settled.fragment]
+        self._stats.done(settled.trace, step=step, exposed_ns=exposed + settled.waited_ns,
+                         committed=getattr(frag, "last_committed", None))
+        self._stats.emit()
 
     def register_sync_stats_hook(self, hook: Callable[[StepStats], None]) -> Any:
         """Call ``hook(stats)`` after every fragment sync; returns a handle with
@@ -216,7 +264,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         """The outer optimizer's state dict of ``fragment`` (host tensors under
         ``offload_to_cpu``; the user's optimizer's otherwise)."""
         frag = self._fragments[fragment]
-        if isinstance(frag, _OffloadedFragment):
+        if isinstance(frag, OffloadedFragment):
+            self.wait_for_sync()  # (the outer step writes it)
             return frag.outer.state_dict()
         return frag._outer_optimizer.state_dict()  # type: ignore[no-any-return]
 
@@ -225,22 +274,76 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         # torchft's constructor calls this once its fragments exist and hold the
         # backup: the place to make them offloaded before anything is registered.
         if self._offload:
+            frags = self._fragments
+            # The outer step and the writes under the next forward: pipelined, and not
+            # over an optimizer whose masters are the truth (FullOffloadOptimizer
+            # adopts the synced weights right after the sync, which must be written).
+            if (self._options.schedule == "pipelined"
+                    and not isinstance(self._local_optimizer, MasterCopy) and frags):
+                self._tail = SyncTail(
+                    [(f._model_fragment, list(f._model_fragment.parameters())) for f in frags],
+                    _device_of(frags), self._manager)
+            # Formed under the next forward, its writers waiting for it, unless the inner
+            # optimizer writes the parameters before its next step() (pipeoff's own,
+            # on their lanes, where no guard sees it).
+            guard = not isinstance(self._local_optimizer, (AsyncStep, MasterCopy))
             self._fragments = [
-                _OffloadedFragment.adopt(f, outer, self._options, self._on_trace)
-                for f, outer in zip(self._fragments, _host_outers(self._fragments))]
+                OffloadedFragment.adopt(f, outer, self._options, self._on_trace, self._tail,
+                                        guard)
+                for f, outer in zip(frags, host_outers(frags))]
         super()._register_state_dict_fn()
 
+    def __enter__(self) -> DiLoCo:
+        if self._tail is not None:
+            self._tail.install()
+            outers = {id(f._outer_optimizer): f._outer_optimizer for f in self._fragments}
+            self._outer_hooks = [o.register_state_dict_pre_hook(self._before_outer_read)
+                                 for o in outers.values()]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def _before_outer_read(self, _optimizer: optim.Optimizer) -> None:
+        """A user's outer optimizer's ``state_dict()`` is about to read the host state it
+        shows (from any thread: a checkpoint writer's too)."""
+        tail = self._tail
+        if tail is not None and tail.in_flight:
+            # Hazard: a checkpoint of outer state the outer step is still writing, or
+            # missing the state its first step creates (shown once it is done).
+            tail.wait_done()
+            for f in self._fragments:
+                if isinstance(f, OffloadedFragment):
+                    f.outer.alias()  # (the training thread's settle does the same again)
+
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
-        for f in self._fragments:
-            if isinstance(f, _OffloadedFragment):
-                # Hazard: lanes left waiting forever for the decision of a sync
-                # that was prepared but will never be performed.
-                f.abandon(exc_value if isinstance(exc_value, BaseException) else
-                          PipeoffError("DiLoCo exited with a fragment sync in flight"))
+        try:
+            # Hazard: leaving the block (and the model to its readers) while the last
+            # sync's outer step and writes still run.
+            self.wait_for_sync()
+        finally:
+            if self._tail is not None:
+                self._tail.remove()
+                for h in self._outer_hooks:
+                    h.remove()
+                self._outer_hooks = []
+            for f in self._fragments:
+                if isinstance(f, OffloadedFragment):
+                    # Hazard: lanes left waiting forever for the decision of a sync
+                    # that was prepared but will never be performed.
+                    f.abandon(exc_value if isinstance(exc_value, BaseException) else
+                              PipeoffError("DiLoCo exited with a fragment sync in flight"))
         return bool(super().__exit__(exc_type, exc_value, traceback))
 
     def _on_trace(self, trace: Trace) -> None:
-        self.last_trace = trace
+        self._last_trace = trace
+
+    def _step_pre_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],
+                       _kwargs: dict[str, Any]) -> None:
+        # Hazard: the inner step writing parameters that the last sync's merge is
+        # still writing (the read guard sees its eager ops; compiled ones it does not).
+        self.wait_for_sync()
+        for f in self._fragments:
+            if isinstance(f, OffloadedFragment):
+                f.wait_formed()  # (a sync in flight may still read the parameters)
+        super()._step_pre_hook(_optim, _args, _kwargs)
 
     def _wait_for_optimizer(self) -> None:
         opt = self._local_optimizer
@@ -292,10 +395,15 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \
             else None
         if fragment is not None:
-            offloaded = isinstance(fragment, _OffloadedFragment)
-            self._stats.done(self.last_trace if offloaded else None, step=step,
-                             exposed_ns=time.perf_counter_ns() - start,
-                             committed=fragment.last_committed if offloaded else None)
+            offloaded = isinstance(fragment, OffloadedFragment)
+            exposed = time.perf_counter_ns() - start
+            if self._tail is not None and self._tail.in_flight:
+                # Its figures once its tail is done (the next forward's waits count).
+                self._exposed[chosen] = (step, exposed)  # type: ignore[index]
+            else:
+                self._stats.done(self._last_trace if offloaded else None, step=step,
+                                 exposed_ns=exposed,
+                                 committed=fragment.last_committed if offloaded else None)
         opt = self._local_optimizer
         if fragment is not None and isinstance(opt, MasterCopy):
             # Hazard: an optimizer whose masters are the truth
@@ -309,286 +417,15 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         self._stats.emit()
 
 
-def _host_outers(fragments: Sequence[_StreamingDiLoCoFragment]) -> list[HostOuterOptimizer]:
-    """Per fragment, the host mirror of its outer optimizer, on that fragment's backups.
-
-    One outer optimizer per fragment: each fragment's own backups (a parameter
-    tied across fragments has a backup in each, and each fragment's sync steps
-    its own, as torchft's does). One optimizer shared by the fragments: one
-    mirror over all their backups.
-
-    Raises:
-        ConfigError: a shared outer optimizer over a parameter that two fragments
-            hold (torchft would step it with two backups), or an outer parameter in
-            no fragment.
-    """
-    by_opt: dict[int, list[_StreamingDiLoCoFragment]] = {}
-    for f in fragments:
-        by_opt.setdefault(id(f._outer_optimizer), []).append(f)
-    mirrors: dict[int, HostOuterOptimizer] = {}
-    for key, frags in by_opt.items():
-        host_of: dict[int, torch.Tensor] = {}
-        for f in frags:
-            for name, p in f._model_fragment.named_parameters():
-                if id(p) in host_of and len(frags) > 1:
-                    raise ConfigError(
-                        f"parameter {name!r} is in two model fragments that share one outer "
-                        "optimizer; with offload_to_cpu=True give each fragment its own outer "
-                        "optimizer")
-                host_of[id(p)] = f.original_parameters[name]
-        name = ("outer_optimizer" if len(by_opt) == 1 else
-                f"outer_optimizer[{fragments.index(frags[0])}]")
-        mirrors[key] = HostOuterOptimizer(frags[0]._outer_optimizer, host_of, name)
-    return [mirrors[id(f._outer_optimizer)] for f in fragments]
-
-
-class _OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
-    """A torchft fragment whose sync is a pipeoff execution (see :class:`DiLoCo`)."""
-
-    outer: HostOuterOptimizer
-    _ex: Execution | None
-    _abandoned: PipeoffError | None
-    last_committed: bool = False
-    """Whether the last sync committed."""
-
-    @classmethod
-    def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
-              options: StagingOptions, on_trace: Callable[[Trace], None]) -> _OffloadedFragment:
-        """This class over ``frag``'s own fields (its backup, hooks and settings),
-        with the offloaded sync's: the bucket plan, host pseudo-gradients, and the
-        host outer optimizer; and its staging reserved."""
-        self = cls.__new__(cls)
-        self.__dict__.update(frag.__dict__)
-        self.outer = outer
-        self._options = options
-        self._on_trace = on_trace
-        self._ex = None
-        self._abandoned = None
-        named = list(self._model_fragment.named_parameters())
-        self._names = [name for name, _ in named]
-        self._params = [p for _, p in named]
-        locals_ = [local_tensor(p, data=True) for p in self._params]
-        self._device = locals_[0].device if locals_ else torch.device("cpu")
-        self._cuda = _accel.current().is_device(self._device)
-        self._backups = [self.original_parameters[name] for name in self._names]
-        # The averaged pseudo-gradients, staged in host memory until the commit
-        # (pinned, so that the device-to-host copies are asynchronous).
-        self._host_grads = [_accel.current().host_empty(b.shape, b.dtype, pinned=self._cuda)
-                            for b in self._backups]
-        infos = [TensorInfo(name=name, numel=t.numel(), dtype=t.dtype,
-                            contiguous=t.is_contiguous()) for name, t in zip(self._names, locals_)]
-        for info in infos:
-            if not (info.dtype.is_floating_point or info.dtype.is_complex):
-                raise ConfigError(f"parameter {info.name!r} is {info.dtype}; DiLoCo "
-                                  "synchronizes floating-point and complex parameters only")
-        limit, limit_name = options.bucket_bytes, options.bucket_name
-        if limit is None:
-            limit, limit_name = options.device_budget_bytes, "device_budget_bytes"
-        self._buckets = plan_buckets(infos, limit=limit, per_parameter=options.per_parameter,
-                                     limit_name=limit_name)
-        # The outer step's chunks: whole parameters under bucket_bytes (empty ones are
-        # stepped too: the optimizer keeps state for them, as torchft's does).
-        self._chunks = whole_chunks([t.numel() * t.element_size() for t in locals_],
-                                    options.bucket_bytes)
-        # Take the staging a sync holds now, not inside it (pinned allocation
-        # stalls the device and, under NCCL, can deadlock against peers).
-        self._form_first = (options.schedule == "pipelined"
-                            and int(self._fragment_sync_delay) > 0)
-        """The decision comes later than the preparing step: the formation goes first and
-        ``prepare_sync`` waits for it (nothing may write the parameters while it reads
-        them), the all-reduces run under the next inner steps."""
-        reserve_for(diloco_graph(self._buckets, self._chunks, self._device,
-                                 form_first=self._form_first), self._schedule())
-        return self
-
-    def _schedule(self) -> Any:
-        return diloco_schedule(self._buckets, pipelined=self._options.schedule == "pipelined",
-                               device_budget_bytes=self._options.device_budget_bytes)
-
-    # -- healing ---------------------------------------------------------------------
-    def register_state_dict_fn(self) -> None:
-        # torchft's key and format: {"original_parameters", "outer_optimizer"}, with
-        # the outer state from (and into) the host optimizer.
-        def load_fn(state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
-            for name, param in state_dict["original_parameters"].items():
-                if name in self.original_parameters:
-                    self.original_parameters[name].copy_(param)
-            self.outer.load_state_dict(state_dict["outer_optimizer"])
-
-        def save_fn() -> dict[str, Any]:
-            return {"outer_optimizer": self.outer.state_dict(),
-                    "original_parameters": {name: t.clone() for name, t
-                                            in self.original_parameters.items()}}
-
-        self._manager.register_state_dict_fn(f"StreamingDiLoCoFragment_{self._fragment_id}",
-                                             load_fn, save_fn)
-
-    # -- the sync ----------------------------------------------------------------------
-    def prepare_sync(self) -> None:
-        """Launch the sync: pseudo-gradients formed, averaged and staged on the host
-        under the next inner steps (``"synchronous"``: before returning)."""
-        if self._ex is not None:
-            raise RuntimeError("a DiLoCo fragment sync is already in flight")
-        self._failed: BaseException | None = None
-        self._ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
-                                        self._work(), form_first=self._form_first),
-                           self._schedule())
-        if self._options.schedule == "synchronous":
-            self._settle("staged")
-        elif self._form_first and not _faults.disabled("diloco_formed_wait"):
-            # Hazard: the pseudo-gradients formed from parameters that the caller
-            # writes once step() returns (a clamp, a load_state_dict, an inner
-            # optimizer writing weights during the next backward): they are read
-            # before step() returns (on CUDA the caller's stream waits; every later
-            # write on it, and the inner optimizer's copies that follow the next
-            # backward's gradients, come after).
-            self.wait_formed()
-
-    def _settle(self, task: str) -> None:
-        """Wait for ``task``; a failure is kept for ``perform_sync`` (which reports
-        it and rejects), after the whole execution has stopped."""
-        ex = self._ex
-        assert ex is not None
-        try:
-            ex.wait(task)
-        except Exception as err:  # noqa: BLE001 - reported to the manager at perform_sync
-            self._stop(err)
-
-    def _stop(self, err: BaseException) -> None:
-        ex = self._ex
-        assert ex is not None
-        if self._failed is None:
-            self._failed = err
-        # Hazard: restoring (or the next inner step writing) parameters that a
-        # task of the failed execution still reads. Every task that started
-        # finishes, the all-reduces too (must_run: peers wait for them); the
-        # others never run.
-        try:
-            ex.wait()
-        except Exception:  # noqa: BLE001 - the same failure, kept above
-            pass
-
-    def wait_formed(self) -> None:
-        """Before an inner step: wait until no task of the sync in flight reads the
-        parameters (on CUDA, the caller's stream waits; the host does not)."""
-        ex = self._ex
-        if ex is None or self._failed is not None:
-            return
-        names = [f"pseudograd:b{k}" for k in range(len(self._buckets))]
-        for c in ex.events_for(names):
-            c.wait()
-        if ex.exception is not None:
-            self._stop(ex.exception)
-
-    def wait(self) -> None:
-        """Wait until every average of the sync in flight is on the host."""
-        if self._ex is not None and self._failed is None:
-            self._settle("staged")
-
-    def perform_sync(self) -> bool:
-        """Decide, then step, merge and write (or restore); returns whether committed."""
-        ex = self._ex
-        manager = self._manager
-        self.last_committed = False
-        if ex is None and self._abandoned is not None:
-            # The sync was abandoned (DiLoCo's context exited with it in flight) and
-            # the loop went on: this replica rejects it, as torchft's failure path
-            # does, and the next round starts clean.
-            err, self._abandoned = self._abandoned, None
-            manager.report_error(err)
-            manager.should_commit()
-            self.restore_parameters()
-            return False
-        if ex is None:
-            raise RuntimeError("perform_sync() without prepare_sync()")
-        opened = False
-        try:
-            if self._failed is None:
-                self._settle("staged")
-            if self._failed is not None:
-                # torchft's error path: after report_error this replica group's
-                # should_commit() is False. It is still called once, as in every
-                # sync: the replica group's other ranks wait on it.
-                manager.report_error(self._failed)
-                manager.should_commit()
-                self.restore_parameters()  # torchft's own, synchronous
-                return False
-            try:
-                # Read on this thread before any outer task runs (they wait for the
-                # gate): a learning-rate schedule edits the user's groups, a
-                # checkpoint loads the user's optimizer.
-                self.outer.sync_from_user()
-            except Exception as err:
-                # Found before the decision: this replica rejects, as after any
-                # failure of its own, and the caller sees why.
-                stop = PipeoffError(f"the sync was rejected before its decision: {err}")
-                ex.gate("commit").fail(stop)
-                opened = True
-                self._stop(stop)
-                manager.report_error(err)
-                manager.should_commit()
-                self.restore_parameters()
-                raise
-            committed = bool(manager.should_commit())
-            self.last_committed = committed
-            ex.gate("commit").open(committed)
-            opened = True
-            try:
-                ex.wait()
-                self.outer.alias()  # state the step created, shown in the user's optimizer
-            except Exception as err:
-                # A host step or a write failed after the decision: the parameters
-                # (and, after a commit, the backup and outer state) are partly
-                # written. Tell torchft, so that this replica group's next
-                # should_commit() is False, and raise.
-                manager.report_error(err)
-                err.add_note(
-                    "pipeoff: DiLoCo's sync failed after the quorum "
-                    + ("committed; the backup, the outer state and the parameters are partly "
-                       "updated." if committed else "rejected; the parameters are partly restored.")
-                    + " Restart this replica so that torchft heals it from a peer.")
-                raise
-            return committed
-        except BaseException as err:
-            if not opened and ex.gate("commit").state == "pending":
-                # Ctrl-C (or a failing should_commit) before the decision: stop the
-                # lanes that wait for it, so that nothing of this sync runs on.
-                ex.gate("commit").fail(err)
-            raise
-        finally:
-            self._ex = None
-            self._outer_optimizer.zero_grad()  # as torchft: the parameters' .grad is None after
-            if ex.done():
-                self._on_trace(ex.trace)
-
-    def abandon(self, why: BaseException) -> None:
-        """Stop the sync in flight, if any, without a decision: its all-reduces still
-        run (peers wait for them), nothing is written, and no outer step runs."""
-        ex = self._ex
-        if ex is None:
-            return
-        self._ex = None
-        self._abandoned = PipeoffError(
-            "this DiLoCo fragment sync was abandoned: the DiLoCo context exited while it "
-            f"was in flight ({type(why).__name__}: {why})")
-        if ex.gate("commit").state == "pending":
-            ex.gate("commit").fail(why)
-        try:
-            ex.wait()
-        except BaseException:  # noqa: BLE001 - the failure given, or one before it
-            pass
-
-    def _work(self) -> DiLoCoWork:
-        """The lane work of one sync, over this fragment's tensors."""
-        return SyncWork(
-            params=self._params, backups=self._backups, grads=self._host_grads,
-            outer=self.outer, manager=self._manager, device=self._device, cuda=self._cuda,
-            alpha=self._fragment_update_alpha,
-            synchronous=self._options.schedule == "synchronous",
-            form_first=self._form_first).work()
-
-
 # -- tensor helpers -------------------------------------------------------------------
+def _device_of(fragments: Sequence[_StreamingDiLoCoFragment]) -> torch.device:
+    """The device of the fragments' parameters (their local shards)."""
+    for f in fragments:
+        for p in f._model_fragment.parameters():
+            return local_tensor(p, data=True).device  # type: ignore[no-any-return]
+    return torch.device("cpu")
+
+
 def _step_number(opt: Any, manager: Any) -> int:
     """The step a sync follows: a pipeoff optimizer's own count (the step just taken),
     else torchft's step."""

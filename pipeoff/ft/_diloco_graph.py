@@ -76,9 +76,11 @@ class DiLoCoWork:
 
 def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],
                  device: torch.device | str | None, work: DiLoCoWork | None = None, *,
-                 form_first: bool = False) -> TaskGraph:
+                 form_first: bool = False, decided_after: Sequence[str] = ()) -> TaskGraph:
     """The graph of one fragment sync (see the module docstring); shape-only without
-    ``work``."""
+    ``work``. ``decided_after``: tasks (added later, by the simulator) that the
+    decision comes after: the training loop's steps until ``perform_sync``, which
+    the gate ``commit`` stands for in a real sync."""
     g = TaskGraph(device=device)
     g.add_gate("commit")
     formed, staged = [], []
@@ -119,12 +121,13 @@ def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],
         # Hazard: stepping on a pseudo-gradient whose average has not landed in
         # host staging, or before the quorum's decision (the gate).
         g.add_task(f"outer:c{c}", TaskKind.HOST, work.outer(c, chunk) if work else None,
-                   deps=["staged"], gates=["commit"], lane=OUTER_LANE, nbytes=nbytes)
+                   deps=["staged", *decided_after], gates=["commit"], lane=OUTER_LANE,
+                   nbytes=nbytes)
     for k, b in enumerate(buckets):
         w = g.add_buffer(f"w:b{k}", b.nbytes, where="device")
         # Hazard: writing a parameter before its new global value (the outer
         # step on the host backup) is complete.
-        deps = sorted({f"outer:c{chunk_of[pc.param]}" for pc in b.pieces})
+        deps = sorted({f"outer:c{chunk_of[pc.param]}" for pc in b.pieces}) + list(decided_after)
         g.add_task(f"write:b{k}", TaskKind.H2D, work.write(k, b, w) if work else None,
                    deps=deps, gates=["commit"], buffers=[w], nbytes=b.nbytes)
     return g

@@ -25,7 +25,7 @@ from pipeoff.ft._outer_kernel import SgdHyper, native_takes, outer_hyper, outer_
 from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
-__all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "check_outer"]
+__all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "check_outer", "host_outers"]
 
 HOST_OUTER_OPTIMIZERS: tuple[type[optim.Optimizer], ...] = tuple(
     cls for cls in ELEMENTWISE if cls in (optim.SGD, optim.Adam, optim.AdamW))
@@ -204,3 +204,36 @@ class HostOuterOptimizer:
                 if k != "params":
                     a[k] = v
         self.alias()
+
+
+def host_outers(fragments: Sequence[Any]) -> list[HostOuterOptimizer]:
+    """Per fragment, the host mirror of its outer optimizer, on that fragment's backups.
+
+    One outer optimizer per fragment: each fragment's own backups (a parameter
+    tied across fragments has a backup in each, and each fragment's sync steps
+    its own, as torchft's does). One optimizer shared by the fragments: one
+    mirror over all their backups.
+
+    Raises:
+        ConfigError: a shared outer optimizer over a parameter that two fragments
+            hold (torchft would step it with two backups), or an outer parameter in
+            no fragment.
+    """
+    by_opt: dict[int, list[Any]] = {}
+    for f in fragments:
+        by_opt.setdefault(id(f._outer_optimizer), []).append(f)
+    mirrors: dict[int, HostOuterOptimizer] = {}
+    for key, frags in by_opt.items():
+        host_of: dict[int, torch.Tensor] = {}
+        for f in frags:
+            for name, p in f._model_fragment.named_parameters():
+                if id(p) in host_of and len(frags) > 1:
+                    raise ConfigError(
+                        f"parameter {name!r} is in two model fragments that share one outer "
+                        "optimizer; with offload_to_cpu=True give each fragment its own outer "
+                        "optimizer")
+                host_of[id(p)] = f.original_parameters[name]
+        name = ("outer_optimizer" if len(by_opt) == 1 else
+                f"outer_optimizer[{fragments.index(frags[0])}]")
+        mirrors[key] = HostOuterOptimizer(frags[0]._outer_optimizer, host_of, name)
+    return [mirrors[id(f._outer_optimizer)] for f in fragments]

@@ -162,16 +162,46 @@ def _tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterator[Any]:
         yield from _tensors_in(kwargs.values(), {})
 
 
+_IN_PLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__",
+})
+
+
+def _written_by(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors an eager torch function writes: ``self`` (or the first list) of an
+    in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ``x[i] = v``, ``x += v``),
+    the tensor whose ``.data`` is assigned, and ``out=``."""
+    out: list[Any] = []
+    in_place = (name in _IN_PLACE_DUNDERS
+                or (name.endswith("_") and not name.startswith("__"))
+                or (name == "__set__"
+                    and getattr(getattr(func, "__self__", None), "__name__", "") == "data"))
+    if in_place and args:
+        first = args[0]
+        out.extend(first if isinstance(first, (list, tuple)) else (first,))
+    o = kwargs.get("out") if kwargs else None
+    if o is not None:
+        out.extend(o if isinstance(o, (list, tuple)) else (o,))
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
 class ForwardWaits:
     """The pending parameters of the overlap step in flight, and every wait for them.
 
     Args:
         on_failure: called (with no argument) when a waited chunk has failed;
             it raises the chunk's exception (the optimizer's ``wait_for_step``).
+        writes_only: the tasks in flight *read* the parameters (a DiLoCo sync forming
+            its pseudo-gradients): the read guard waits only before an eager torch
+            function that writes one of them (an in-place op, ``out=``, a ``.data``
+            assignment, ``__setitem__``); reads go on.
     """
 
-    def __init__(self, on_failure: Callable[[], None]) -> None:
+    def __init__(self, on_failure: Callable[[], None], *, writes_only: bool = False) -> None:
         self._on_failure = on_failure
+        self.writes_only = writes_only
         self._lock = threading.Lock()
         self.step: StepWrites | None = None
         """The step in flight: what it writes (the only thing read of an optimizer)."""
@@ -360,14 +390,19 @@ class ForwardWaits:
     def on_read(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """The read guard saw ``func`` called eagerly: wait for the pending parameters it takes."""
         name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):
+        if self.writes_only:
+            tensors: Iterable[Any] = _written_by(func, name, args, kwargs)
+        elif name in ("__get__", "__set__"):
             if getattr(getattr(func, "__self__", None), "__name__", "") in _META_ATTRS:
                 return
+            tensors = _tensors_in(args, kwargs)
         elif name in _META_METHODS:
             return
+        else:
+            tensors = _tensors_in(args, kwargs)
         pending, storages, refs = self.pending, self.storages, self._refs
         hits = None
-        for t in _tensors_in(args, kwargs):
+        for t in tensors:
             key = id(t)
             if key in pending:
                 ref = refs.get(key)
@@ -393,7 +428,7 @@ class ForwardWaits:
             # Learn it: from the next step on, that hook waits for these parameters
             # before the forward reaches this read (it ran before it this time).
             self._learned.setdefault(hook, set()).update(hits)
-        self.wait_for(hits, f"read:{name}")
+        self.wait_for(hits, f"{'write' if self.writes_only else 'read'}:{name}")
 
     def settle_if_done(self) -> None:
         """If the step in flight has finished, nothing is pending any more (for its guard).

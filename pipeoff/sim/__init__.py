@@ -16,6 +16,7 @@ from typing import Any
 from pipeoff.executor import register_backend
 from pipeoff.sim._backend import SimBackend
 from pipeoff.sim._compare import FEATURE_SCHEDULES, Prediction, compare
+from pipeoff.sim._compute import DeviceCompute, forward_flops
 from pipeoff.sim._costmodel import CostModel
 from pipeoff.sim._hostnode import HOST_OP_BYTES, HostCosts, HostNode
 from pipeoff.sim._workloads import (
@@ -34,6 +35,7 @@ from pipeoff.sim._workloads import (
 __all__ = [
     # cost models
     "CostModel",
+    "DeviceCompute",
     "HOST_OP_BYTES",
     "HostCosts",
     "HostNode",
@@ -41,6 +43,7 @@ __all__ = [
     "MODEL_PRESETS",
     "ModelShape",
     "model_shape",
+    "forward_flops",
     # the features' graphs, shape only
     "diloco_graph_shape",
     "full_offload_graph",

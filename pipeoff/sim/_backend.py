@@ -16,9 +16,11 @@ from __future__ import annotations
 import math
 
 from pipeoff import _faults
+from pipeoff._errors import ConfigError
 from pipeoff.executor._backend import HostBackend
 from pipeoff.executor._run import OK, Run
 from pipeoff.graph import TaskKind
+from pipeoff.sim._compute import TRAIN_LANES
 from pipeoff.sim._costmodel import CostModel
 
 _COPY = {TaskKind.H2D: "h2d", TaskKind.D2H: "d2h"}
@@ -43,6 +45,12 @@ class SimBackend(HostBackend):
         """How long task ``i`` takes with nothing contending with it."""
         t = run.tasks[i]
         c = self.cost
+        if _op_lane(run, i) in TRAIN_LANES:
+            # The training step's own compute: its FLOPs, in nbytes (sim graphs only).
+            if c.compute is None:
+                raise ConfigError(f"task {t.name!r} is training compute (FLOPs) and the "
+                                  f"cost model {c.name!r} has none (CostModel.compute)")
+            return c.compute.seconds(t.nbytes)
         if run.plan.lanes[i] == "d2d":
             # A copy within device memory (a state transfer's): an HBM read and write.
             return 2 * t.nbytes / (c.hbm_gbps * 1e9)

@@ -23,6 +23,7 @@ from pipeoff.sim._workloads import (
 )
 from pipeoff.trace import Trace
 from pipeoff.trace._format import fmt_bytes
+from pipeoff.trace._records import MARKERS
 
 __all__ = ["FEATURE_SCHEDULES", "SCHEDULE_NOTES", "Prediction", "compare", "critical_lane",
            "host_state", "parse_bytes"]
@@ -148,11 +149,16 @@ class Prediction:
     """What that memory is."""
     peak_host_staging_bytes: int = 0
     """The high-water mark of host staging."""
+    exposed_ms: float | None = None
+    """With the next forward modelled: how much later it ends than it would alone,
+    which is what the training loop loses to the sync (``None``: not modelled)."""
 
 
 def critical_lane(trace: Trace) -> str:
     """The bound that limits a trace: the kind of its busiest lane."""
-    busy = trace.lane_busy_ns()
+    from pipeoff.sim._compute import TRAIN_LANES
+
+    busy = {k: v for k, v in trace.lane_busy_ns().items() if k not in TRAIN_LANES}
     if not busy:
         return "none"
     lane = max(busy, key=lambda k: busy[k])
@@ -170,11 +176,19 @@ def compare(
     bucket_bytes: int = 256 << 20,
     device_budget_bytes: int | None = None,
     names: Mapping[str, str] | None = None,
+    tokens: int | None = None,
+    seq_len: int | None = None,
+    fragment_sync_delay: int = 0,
 ) -> list[Prediction]:
     """Predict each of ``schedules`` for ``feature`` on ``shape`` with ``cost``.
 
     ``names`` maps the size arguments (``chunk_bytes``, ``bucket_bytes``,
     ``device_budget_bytes``) to the names errors use for them (the CLI's options).
+    For ``diloco``, ``tokens`` (per rank, in contexts of ``seq_len``) adds the next
+    forward to each sync (``cost.compute`` prices it): ``exposed_ms`` is then what
+    the loop loses to the sync, ``time_ms`` the sync's own tasks still; with
+    ``fragment_sync_delay`` inner steps between the sync's preparation and its
+    decision.
 
     Raises:
         ConfigError: an unknown feature or schedule, no schedule, a prefetch
@@ -224,8 +238,11 @@ def compare(
             graph = full_offload_graph(shape)
             sched = full_offload_schedule(shape, pipelined=name == "pipelined")
         elif feature == "diloco":
+            fwd = (shape.forward_flops(tokens, seq_len or tokens)
+                   if tokens is not None and cost.compute is not None else None)
             graph = diloco_graph_shape(shape, variant=name,  # type: ignore[arg-type]
-                                       bucket_bytes=bucket_bytes)
+                                       bucket_bytes=bucket_bytes, next_forward_flops=fwd,
+                                       fragment_sync_delay=fragment_sync_delay)
             sched = (Schedule.pipelined() if name == "original" else
                      Schedule.synchronous() if name == "synchronous" else
                      Schedule.pipelined(device_budget_bytes=device_budget_bytes
@@ -249,11 +266,30 @@ def compare(
         trace = dataclasses.replace(trace, metadata={**trace.metadata, "cost_model": cost.name})
         s = trace.summary()
         state, what = host_state(feature, name, shape)
+        time_ms, exposed = _without_training(trace, graph, cost)
         out.append(Prediction(
-            schedule=name, time_ms=s.makespan_us / 1e3,
+            schedule=name, time_ms=time_ms, exposed_ms=exposed,
             peak_device_bytes=s.peak_device_staging_bytes,
             peak_host_bytes=state + s.peak_host_staging_bytes, efficiency=s.efficiency,
             bound=critical_lane(trace), trace=trace, host_state_bytes=state, host_state=what,
             peak_host_staging_bytes=s.peak_host_staging_bytes,
         ))
     return out
+
+
+def _without_training(trace: Trace, graph: TaskGraph,
+                      cost: CostModel) -> tuple[float, float | None]:
+    """The makespan of the feature's own tasks (ms), and with training compute in the
+    graph how much later that compute ends than it would alone (ms; else ``None``)."""
+    from pipeoff.sim._compute import TRAIN_LANES
+
+    train = {t.name for t in graph.tasks.values() if t.lane in TRAIN_LANES}
+    if not train or cost.compute is None:
+        return trace.summary().makespan_us / 1e3, None
+    own = [t for t in trace.tasks if t.name not in train and t.kind not in MARKERS]
+    time_ms = ((max(t.end_ns for t in own) - min(t.start_ns for t in own)) / 1e6
+               if own else 0.0)
+    alone = sum(cost.compute.seconds(graph.tasks[n].nbytes) for n in train) * 1e3
+    end = max(t.end_ns for t in trace.tasks if t.name in train) / 1e6
+    start = min(t.start_ns for t in trace.tasks) / 1e6
+    return time_ms, end - start - alone

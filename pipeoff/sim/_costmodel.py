@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
+from pipeoff.sim._compute import DeviceCompute
 from pipeoff.sim._hostnode import HostCosts
 
 __all__ = ["CostModel"]
@@ -64,14 +65,20 @@ class CostModel:
     host: HostCosts | None = None
     """The rank's host node (:class:`~pipeoff.sim.HostCosts`), or ``None``: the flat
     host rate above."""
+    compute: DeviceCompute | None = None
+    """The device's training compute (:class:`~pipeoff.sim.DeviceCompute`), for the
+    forward and backward tasks a simulated training step has; ``None``: none."""
 
     def __post_init__(self) -> None:
         if self.host is not None and not isinstance(self.host, HostCosts):
             raise ConfigError(f"CostModel.host must be a pipeoff.sim.HostCosts or None, "
                               f"got {self.host!r}")
+        if self.compute is not None and not isinstance(self.compute, DeviceCompute):
+            raise ConfigError(f"CostModel.compute must be a pipeoff.sim.DeviceCompute or "
+                              f"None, got {self.compute!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "host"):
+            if f.name in ("name", "host", "compute"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ConfigError(f"CostModel.{f.name} must be a finite number, got {v!r}")
@@ -135,7 +142,8 @@ class CostModel:
         - HBM 4.8 TB/s; NVLink about 450 GB/s per direction, 10 us a hop;
         - fused AdamW is memory-bound at about 28 bytes per element
           (read p, g, m, v; write p, m, v in fp32): 4.8e12 / 28 = 1.7e11 elem/s;
-        - CPU Adam at about 1.4e9 params/s (DeepSpeed's figure).
+        - CPU Adam at about 1.4e9 params/s (DeepSpeed's figure);
+        - training compute: :meth:`DeviceCompute.h200` (989 TFLOP/s BF16 at 40 % MFU).
         """
         return cls(
             name="h200_pcie5",
@@ -150,4 +158,5 @@ class CostModel:
             optimizer_elems_per_s=4.8e12 / 28,
             cpu_optimizer_elems_per_s=1.4e9,
             launch_overhead_s=5e-6,
+            compute=DeviceCompute.h200(),
         )

@@ -19,6 +19,7 @@ from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
 from pipeoff.graph import TaskGraph, TaskKind
 from pipeoff.schedule import Schedule
+from pipeoff.sim._compute import FORWARD_LANE
 
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._graph import MicroStepPlan
@@ -78,6 +79,13 @@ class ModelShape:
     """Parameter names and full shapes."""
     fsdp: int
     """Ranks the parameters are sharded over (``Shard(0)``)."""
+    layers: int = 0
+    """Transformer layers (the attention term of the compute; 0: unknown)."""
+    hidden: int = 0
+    """Model width (the attention term of the compute; 0: unknown)."""
+    active: int | None = None
+    """Parameters a token passes through (a mixture of experts' active ones); ``None``:
+    all of them."""
 
     @property
     def local_numels(self) -> tuple[tuple[str, int], ...]:
@@ -92,6 +100,15 @@ class ModelShape:
     def params(self) -> int:
         return sum(math.prod(s) for _, s in self.global_shapes)
 
+    def forward_flops(self, tokens: int, seq_len: int) -> float:
+        """FLOPs of one rank's forward over ``tokens`` tokens in contexts of ``seq_len``
+        (:func:`~pipeoff.sim.forward_flops`; every rank of an FSDP group computes the
+        whole model on its own micro-batch)."""
+        from pipeoff.sim._compute import forward_flops
+
+        return forward_flops(self.params if self.active is None else self.active, tokens,
+                             layers=self.layers, hidden=self.hidden, seq_len=seq_len)
+
 
 def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     """A preset name (``0.6b``, ``8b``, ``70b``) or a JSON file of ``{name: shape}``.
@@ -102,7 +119,9 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     check_int("fsdp", fsdp, as_bound=True)
     key = spec.lower()
     if key in MODEL_PRESETS:
-        return ModelShape(name=key, global_shapes=tuple(MODEL_PRESETS[key].shapes()), fsdp=fsdp)
+        d = MODEL_PRESETS[key]
+        return ModelShape(name=key, global_shapes=tuple(d.shapes()), fsdp=fsdp,
+                          layers=d.layers, hidden=d.hidden)
     path = Path(spec)
     if not path.suffix == ".json":
         raise ConfigError(
@@ -265,8 +284,14 @@ DiLoCoVariant = Literal["original", "synchronous", "pipelined"]
 
 
 def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
-                       bucket_bytes: int = 256 << 20, bytes_per_elem: int = 4) -> TaskGraph:
-    """One DiLoCo sync that commits (one fragment: the whole local model).
+                       bucket_bytes: int = 256 << 20, bytes_per_elem: int = 4,
+                       next_forward_flops: float | None = None,
+                       fragment_sync_delay: int = 0) -> TaskGraph:
+    """One DiLoCo sync that commits (one fragment: the whole local model), and with
+    ``next_forward_flops`` (one forward's FLOPs) the training around it on
+    :data:`~pipeoff.sim.FORWARD_LANE`: the ``fragment_sync_delay`` inner steps
+    between the sync's preparation and its decision (a forward and a backward,
+    3 forwards' FLOPs, each), and the forward after it.
 
     - ``original``: torchft's ``DiLoCo``, the baseline: per parameter, the backup
       copied to the device and the pseudo-gradient formed there (S on the
@@ -278,7 +303,19 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
     - ``synchronous`` / ``pipelined``: ``pipeoff.ft.DiLoCo(offload_to_cpu=True)``,
       built by its own graph builder (shape only), buckets and outer-step
       chunks of ``bucket_bytes``.
+
+    The inner steps start when the preparing ``step()`` returns: at once (torchft's
+    all-reduces run on a side stream; pipeoff's formation runs under the next
+    forward, which only reads the parameters, and the next inner step's pre-hook
+    waits for it, long done by then). The next forward starts
+    when the syncing ``step()`` returns: after every task of torchft's sync; after
+    the decision for pipeoff's, each bucket's share of it (its share of the
+    parameters) waiting for that bucket's write, as the forward hooks make it
+    (``docs/diloco.md``, "After the decision").
     """
+    check_int("fragment_sync_delay", fragment_sync_delay, minimum=0)
+    delay = fragment_sync_delay if next_forward_flops is not None else 0
+    inner = ["inner_steps"] if delay else []
     from pipeoff.ft._diloco_graph import diloco_graph
     from pipeoff.optim._plan import whole_chunks
 
@@ -294,7 +331,7 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
                        buffers=[pg], nbytes=nb)
             g.add_task(f"snapshot:{name}", TaskKind.OPTIMIZER_CHUNK, buffers=[snap],
                        deps=[f"allreduce:{name}"], nbytes=nb)
-        g.add_task("commit", TaskKind.HOST, deps=[f"snapshot:{n}" for n, _ in numels])
+        g.add_task("commit", TaskKind.HOST, deps=[f"snapshot:{n}" for n, _ in numels] + inner)
         for name, n in numels:
             nb = n * bytes_per_elem
             g.add_task(f"restore:{name}", TaskKind.H2D, deps=["commit"], nbytes=nb)
@@ -303,6 +340,12 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
             g.add_task(f"save:{name}", TaskKind.D2H, deps=[f"outer:{name}"], nbytes=nb)
             g.add_task(f"merge:{name}", TaskKind.OPTIMIZER_CHUNK, deps=[f"save:{name}"],
                        buffers=[f"snapshot:{name}"], nbytes=nb)
+        if delay:
+            g.add_task("inner_steps", TaskKind.HOST, lane=FORWARD_LANE,
+                       nbytes=int(3 * delay * next_forward_flops))  # type: ignore[operator]
+        if next_forward_flops is not None:
+            g.add_task("forward", TaskKind.HOST, lane=FORWARD_LANE,
+                       deps=[f"merge:{n}" for n, _ in numels], nbytes=int(next_forward_flops))
         return g
     if variant not in ("synchronous", "pipelined"):
         raise ConfigError(
@@ -310,7 +353,18 @@ def diloco_graph_shape(shape: ModelShape, *, variant: DiLoCoVariant,
     buckets = local_sgd_buckets(shape, per_parameter=False, bucket_bytes=bucket_bytes,
                                 bytes_per_elem=bytes_per_elem)
     chunks = whole_chunks([n * bytes_per_elem for _, n in numels], bucket_bytes)
-    return diloco_graph(buckets, chunks, None)
+    form_first = variant == "pipelined" and delay > 0  # as the real sync chooses
+    g = diloco_graph(buckets, chunks, None, form_first=form_first, decided_after=inner)
+    if delay:
+        g.add_task("inner_steps", TaskKind.HOST, lane=FORWARD_LANE,
+                   nbytes=int(3 * delay * next_forward_flops))  # type: ignore[operator]
+    if next_forward_flops is not None:
+        total = sum(b.numel for b in buckets) or 1
+        for k, b in enumerate(buckets):
+            g.add_task(f"forward:b{k}", TaskKind.HOST, lane=FORWARD_LANE,
+                       deps=["staged", *inner, f"write:b{k}"],
+                       nbytes=int(next_forward_flops * b.numel / total))
+    return g
 
 
 def transfer_graph_shape(shape: ModelShape, *, budget_bytes: int, wire: str = "device",

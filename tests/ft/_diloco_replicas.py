@@ -114,6 +114,8 @@ def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str,
             wait = getattr(opt, "wait_for_step", None)
             if callable(wait):
                 wait()
+            if isinstance(diloco, pipeoff.ft.DiLoCo):
+                diloco.wait_for_sync()  # (the backups below are read directly)
             for i, f in enumerate(diloco._fragments):
                 for name, t in f.original_parameters.items():
                     out.backups[f"{i}.{name}"] = t.clone()

@@ -260,10 +260,13 @@ def test_failure_before_the_commit_restores_and_the_next_sync_works(mode: str,
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["synchronous", "pipelined"])
 def test_a_failed_outer_step_after_commit_raises_with_a_note(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """A failure after the commit is raised with a note and reported to torchft (so that
-    the replica group's next should_commit() is False and a peer heals it)."""
+    the replica group's next should_commit() is False and a peer heals it): by
+    ``perform_sync`` (synchronous), or by the first reader of the parameters after it
+    (pipelined: the outer step runs under the next forward)."""
     reported: list[BaseException] = []
     report = Manager.report_error
 
@@ -274,7 +277,7 @@ def test_a_failed_outer_step_after_commit_raises_with_a_note(
     monkeypatch.setattr(Manager, "report_error", spy)
     with pipeoff.testing.fail_work("outer:c0", lambda: RuntimeError("outer broke")), \
             pytest.raises(RuntimeError, match="outer broke") as info:
-        run_diloco({"sync_every": 2, **MODES["pipelined"]}, n_fragments=1, steps=2)
+        run_diloco({"sync_every": 2, **MODES[mode]}, n_fragments=1, steps=2)
     assert any("partly updated" in n for n in getattr(info.value, "__notes__", []))
     assert any("outer broke" in str(e) for e in reported), reported
     _assert_pools_idle()
@@ -533,6 +536,7 @@ def test_reordered_outer_param_groups_are_refused_before_the_decision() -> None:
         for _ in range(2):
             _inner_step(model, inner)
         outer.param_groups.reverse()
+        d.wait_for_sync()  # the first sync's outer step writes the backups under it
         backup = {k: v.clone() for k, v in d._fragments[0].original_parameters.items()}
         _inner_step(model, inner)
         _inner_step(model, inner, step=False)
@@ -765,21 +769,43 @@ def test_writes_after_the_preparing_step_do_not_reach_the_pseudo_gradients(
     assert_bitwise(runs, reference(**ref_cfg))
 
 
-@pytest.mark.timeout(180)
-def test_without_the_formation_wait_a_weight_clip_corrupts_the_sync() -> None:
-    """The formation is held until the next inner step begins, so the clip after the
-    preparing step() has run before it: without the wait, its result reaches the
-    pseudo-gradients."""
+def _clip_after_a_held_formation(*switches: str) -> list[Any]:
+    """fragment_sync_delay=1 and a weight clip after every step(): the pseudo-gradients
+    are held until a replica blocks in a wait for them (the write guard before the
+    clip, or the pre-step wait before the next inner step)."""
+    from tests._stacks import release_when_any_waiting
+
     cfg: dict[str, Any] = {"sync_every": 4, "fragment_sync_delay": 1,
                            "fragment_update_alpha": 0.5, "setup": Setup(post_step=_clamp_weights)}
-    with pipeoff.testing.disable("diloco_formed_wait"), \
-            pipeoff.testing.hold_task(r"pseudograd:b\d+") as release:
+    with contextlib.ExitStack() as stack:
+        for s in switches:
+            stack.enter_context(pipeoff.testing.disable(s))
+        release = stack.enter_context(pipeoff.testing.hold_task(r"pseudograd:b\d+"))
+        watcher = release_when_any_waiting(release, ("on_read", "wait_for"), ("wait_formed",))
+        try:
+            return run("pipelined", **cfg)
+        finally:
+            release.set()
+            watcher.join()
 
-        def let_go_once_prepared(replica: int, step: int, diloco: Any) -> None:
-            if any(getattr(f, "_ex", None) is not None for f in diloco._fragments):
-                release.set()  # a sync is in flight: its preparing step and clip ran
 
-        runs = run("pipelined", **cfg, on_step=let_go_once_prepared)
+@pytest.mark.timeout(180)
+def test_a_weight_clip_after_the_preparing_step_waits_for_the_formation() -> None:
+    """The preparing step() returns before the pseudo-gradients are formed (the
+    formation runs under the next forward); the clip's in-place write waits for them
+    (the write guard), and the run is torchft's."""
+    cfg: dict[str, Any] = {"sync_every": 4, "fragment_sync_delay": 1,
+                           "fragment_update_alpha": 0.5, "setup": Setup(post_step=_clamp_weights)}
+    assert_bitwise(_clip_after_a_held_formation(), reference(**cfg))
+
+
+@pytest.mark.timeout(180)
+def test_without_the_formation_wait_a_weight_clip_corrupts_the_sync() -> None:
+    """Without the write guard the clip after the preparing step() runs before the held
+    formation, and its result reaches the pseudo-gradients."""
+    cfg: dict[str, Any] = {"sync_every": 4, "fragment_sync_delay": 1,
+                           "fragment_update_alpha": 0.5, "setup": Setup(post_step=_clamp_weights)}
+    runs = _clip_after_a_held_formation("diloco_formation_guard")
     with pytest.raises(AssertionError):
         assert_bitwise(runs, reference(**cfg))
 

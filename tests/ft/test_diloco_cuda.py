@@ -95,14 +95,15 @@ def test_every_stream_wait_of_the_sync_is_needed(gpu: Gpu, mutation: str) -> Non
 
 def _run_with_the_formation_held(gpu: Gpu) -> None:
     """The pseudo-gradients are not even issued until the caller blocks in a wait for
-    them: in ``prepare_sync`` (the formation wait, there) or, without it, in
-    ``perform_sync``, after the next inner step has written the parameters they
-    read. The interleaving is forced, not hoped for from lane delays (a run on a
+    them: before the next inner step (the formation wait, in DiLoCo's pre-step hook)
+    or, without it, in ``perform_sync``, after that inner step has written the
+    parameters they read. The interleaving is forced, not hoped for from lane delays (a run on a
     busy machine once formed them before the write, and saw no race)."""
     from tests._stacks import release_when_waiting
 
     with pipeoff.testing.hold_task(r"pseudograd:.*") as release:
-        watchers = [release_when_waiting(release, "prepare_sync"),
+        watchers = [release_when_waiting(release, "wait_formed"),
+                    release_when_waiting(release, "on_read", "wait_for"),
                     release_when_waiting(release, "perform_sync")]
         try:
             _run(gpu, "pipelined")
@@ -119,3 +120,67 @@ def test_the_held_formation_is_clean_with_its_wait(gpu: Gpu) -> None:
         pytest.skip("the hold proves an order on the simulated device")
     _run_with_the_formation_held(gpu)
     gpu.synchronize()
+
+
+# -- the sync's writes under the next forward (docs/diloco.md, "After the decision") ----
+def _forward_after_a_held_sync(gpu: Gpu, mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One sync (one fragment, every 2 steps) whose writes are held until the next
+    forward blocks in a module's wait (without that wait: until the forward has been
+    enqueued); that forward's output and the parameters after it."""
+    from tests._stacks import release_when_waiting
+
+    torch.manual_seed(0)
+    model = gpu.module(nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 50), nn.Linear(50, 7)))
+    manager = _manager(gpu)
+    manager._use_async_quorum = False
+    step = [0]
+
+    def should_commit(*_: Any, **__: Any) -> bool:
+        step[0] += 1
+        return True
+
+    manager.current_step.side_effect = lambda: step[0]
+    manager.should_commit.side_effect = should_commit
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    x = gpu.tensor(torch.randn(8, 64))
+    with pipeoff.ft.DiLoCo(manager, [model], inner, outer, sync_every=2,
+                           fragment_update_alpha=0.5, **MODES[mode]):
+        inner.zero_grad()
+        model(x).pow(2).mean().backward()
+        inner.step()
+        inner.zero_grad()
+        model(x).pow(2).mean().backward()
+        with pipeoff.testing.hold_task(r"write:b.*") as release:
+            inner.step()  # the sync: returns with its writes held
+            watcher = release_when_waiting(release, "on_module", "wait_for")
+            try:
+                out = model(x)
+            finally:
+                release.set()
+                watcher.join()
+        gpu.synchronize()
+        return gpu.read(out.detach()), [gpu.read(p) for p in model.parameters()]
+
+
+def test_the_next_forward_waits_for_the_held_writes_on_streams(gpu: Gpu) -> None:
+    """The forward's compute stream waits for each bucket's write event (the host only
+    until the held write is issued): the output and parameters are torchft's."""
+    out, params = _forward_after_a_held_sync(gpu, "pipelined")
+    want_out, want_params = _forward_after_a_held_sync(gpu, "original")
+    if gpu.simulated:
+        assert torch.equal(out, want_out)
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    else:
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+
+
+def test_without_the_forward_waits_the_write_races_the_forward(gpu: Gpu) -> None:
+    """Hazard: the next forward's kernels reading parameters that the merge's stream
+    writes after them with no event between: a race on the simulated device."""
+    if not gpu.simulated:
+        pytest.skip("a real GPU shows a missing wait only by luck")
+    with pipeoff.testing.disable("diloco_forward_wait"), \
+            pytest.raises(pipeoff.testing.DataRaceError):
+        _forward_after_a_held_sync(gpu, "pipelined")
+        gpu.synchronize()

@@ -155,7 +155,8 @@ SWITCHES = (
         "launched_after",
     ), "weights written from outside are adopted as masters while a transfer still "
        "reads the old ones: it delivers a torn mix"),
-    _switch("diloco_formed_wait", "pipeoff/ft/_diloco.py", (
+    _switch("diloco_formed_wait", "pipeoff/ft/_diloco_fragment.py", (
+        "tests/ft/test_diloco_cuda.py::test_the_held_formation_is_clean_with_its_wait",
         "tests/ft/test_diloco_cuda.py::test_offloaded_modes_match_torchft_under_delays",
         "tests/ft/test_diloco.py::test_a_removed_formed_wait_changes_the_result",
         "tests/ft/test_diloco.py::"
@@ -171,6 +172,22 @@ SWITCHES = (
         "test_a_gradient_set_by_hand_waits_for_the_folds_it_replaces",
     ), "a gradient set by hand replaces a host sum that a fold still writes: the fold "
        "lands on the replacement"),
+    _switch("diloco_formation_guard", "pipeoff/ft/_diloco_fragment.py", (
+        "tests/ft/test_diloco.py::test_a_weight_clip_after_the_preparing_step_waits_for_the_"
+        "formation",
+    ), "with fragment_sync_delay > 0 a weight clip after the preparing step() writes "
+       "parameters that the pseudo-gradient tasks, running under the next forward, have "
+       "not read yet: a wrong pseudo-gradient"),
+    _switch("diloco_forward_wait", "pipeoff/ft/_diloco_tail.py", (
+        "tests/ft/test_diloco_tail.py::test_the_next_forward_waits_for_the_merge",
+        "tests/ft/test_diloco_cuda.py::test_the_next_forward_waits_for_the_held_writes_on_"
+        "streams",
+    ), "the next forward reads parameters that a DiLoCo sync's merge, running on after "
+       "its decision, has not written yet"),
+    _switch("diloco_tail_wait", "pipeoff/ft/_diloco_tail.py", (
+        "tests/ft/test_diloco_tail.py::test_the_inner_step_waits_for_the_merge",
+    ), "the inner step after a DiLoCo sync writes parameters that the sync's merge then "
+       "overwrites (or lerps with the stepped values)"),
 )
 
 # -- B. review findings: edits that the switches do not cover ----------------------------
@@ -388,12 +405,12 @@ REVIEW = (
         hazard="a bucket whose formation failed half-way joins the all-reduce as formed: its "
                "healthy peer commits an average with the staged backup in it"),
     Mutant(
-        name="r27:diloco-failure-after-commit-unreported", file="pipeoff/ft/_diloco.py",
+        name="r27:diloco-failure-after-commit-unreported", file="pipeoff/ft/_diloco_fragment.py",
         old="                # should_commit() is False, and raise.\n"
             "                manager.report_error(err)\n",
         new="                # should_commit() is False, and raise.\n                pass\n",
         tests=("tests/ft/test_diloco.py::test_a_failed_outer_step_after_commit_raises_with_a_"
-               "note",),
+               "note[synchronous]",),
         hazard="a replica half-written after its commit is not reported to torchft: its next "
                "should_commit() is True and no peer ever heals it"),
     Mutant(
@@ -414,6 +431,35 @@ REVIEW = (
         hazard="a rank holding no gradient of a set of groups (an expert no token reached) "
                "skips their norm all-reduce: its peers pair the wrong collectives or wait, "
                "and it clips by its own norm"),
+    Mutant(
+        name="r50:diloco-checkpoint-reads-a-running-outer-step",
+        file="pipeoff/ft/_diloco_tail.py",
+        old="            # outer state that the outer step is still writing.\n"
+            "            ex.wait()\n",
+        new="            # outer state that the outer step is still writing.\n"
+            "            pass\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_checkpoint_on_another_thread_waits_"
+               "for_the_outer_step",),
+        hazard="torchft's checkpoint function (a healing peer's source, on the quorum "
+               "thread) sends a backup the outer step is still writing: a torn model"),
+    Mutant(
+        name="r51:diloco-tail-failure-unreported", file="pipeoff/ft/_diloco_tail.py",
+        old="                self.manager.report_error(err)\n",
+        new="                pass\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_failed_write_reaches_the_next_forward_"
+               "once_and_is_reported",),
+        hazard="a sync whose write failed under the next forward leaves the replica "
+               "half-written, and torchft, not told, never heals it"),
+    Mutant(
+        name="r52:diloco-outer-state-dict-before-the-outer-step", file="pipeoff/ft/_diloco.py",
+        old="            # missing the state its first step creates (shown once it is done).\n"
+            "            tail.wait_done()\n",
+        new="            # missing the state its first step creates (shown once it is done).\n"
+            "            pass\n",
+        tests=("tests/ft/test_diloco_tail.py::test_the_users_outer_optimizer_state_dict_"
+               "waits_for_the_outer_step",),
+        hazard="a checkpoint of the user's outer optimizer taken right after a sync saves "
+               "state the outer step has not written (or not yet created)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)

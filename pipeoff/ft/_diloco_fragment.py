@@ -1,0 +1,335 @@
+"""One offloaded DiLoCo fragment: its sync as a pipeoff execution, from ``prepare_sync``
+to the quorum's decision (and on, with a tail, under the next forward).
+
+:class:`OffloadedFragment` is torchft's fragment with the offloaded sync's
+fields: the bucket plan, the host pseudo-gradients and the host outer
+optimizer. It owns its sync in flight (``_ex``) and whether the last one
+committed; :class:`~pipeoff.ft.DiLoCo` (``_diloco.py``) orchestrates the
+fragments as torchft's DiLoCo does, the lane work is ``_diloco_work.py``, the
+graph ``_diloco_graph.py``, and the part after the decision that runs under the
+next forward ``_diloco_tail.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torchft.local_sgd import _StreamingDiLoCoFragment
+
+from pipeoff import _accel, _faults
+from pipeoff._compat import local_tensor
+from pipeoff._contract import StepWrites
+from pipeoff._errors import ConfigError, PipeoffError
+from pipeoff.executor import execute
+from pipeoff.ft._buckets import TensorInfo, plan_buckets
+from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
+from pipeoff.ft._diloco_tail import SyncTail, late_note
+from pipeoff.ft._diloco_work import SyncWork
+from pipeoff.ft._options import StagingOptions
+from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.optim._plan import whole_chunks
+from pipeoff.optim._waits import ForwardWaits
+from pipeoff.staging import reserve_for
+
+if TYPE_CHECKING:
+    from pipeoff.execution import Execution
+    from pipeoff.trace import Trace
+
+__all__ = ["OffloadedFragment"]
+
+
+class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
+    """A torchft fragment whose sync is a pipeoff execution (see :class:`DiLoCo`)."""
+
+    outer: HostOuterOptimizer
+    _ex: Execution | None
+    _abandoned: PipeoffError | None
+    last_committed: bool = False
+    """Whether the last sync committed."""
+
+    @classmethod
+    def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
+              options: StagingOptions, on_trace: Callable[[Trace], None],
+              tail: SyncTail | None, guard_formation: bool) -> OffloadedFragment:
+        """This class over ``frag``'s own fields (its backup, hooks and settings),
+        with the offloaded sync's: the bucket plan, host pseudo-gradients, and the
+        host outer optimizer; and its staging reserved. With ``tail``, a committed
+        or rejected sync's outer step and writes run on after ``perform_sync``
+        (``tail`` makes their readers wait). ``guard_formation``: with
+        ``fragment_sync_delay`` > 0 the preparing ``step()`` returns before the
+        pseudo-gradients are formed, the writes of the parameters they read
+        waiting for them instead (for an inner optimizer that writes them only in
+        its ``step()``)."""
+        self = cls.__new__(cls)
+        self.__dict__.update(frag.__dict__)
+        self.outer = outer
+        self._options = options
+        self._on_trace = on_trace
+        self._tail = tail
+        self._ex = None
+        self._abandoned = None
+        named = list(self._model_fragment.named_parameters())
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        locals_ = [local_tensor(p, data=True) for p in self._params]
+        self._device = locals_[0].device if locals_ else torch.device("cpu")
+        self._cuda = _accel.current().is_device(self._device)
+        self._backups = [self.original_parameters[name] for name in self._names]
+        # The averaged pseudo-gradients, staged in host memory until the commit
+        # (pinned, so that the device-to-host copies are asynchronous).
+        self._host_grads = [_accel.current().host_empty(b.shape, b.dtype, pinned=self._cuda)
+                            for b in self._backups]
+        infos = [TensorInfo(name=name, numel=t.numel(), dtype=t.dtype,
+                            contiguous=t.is_contiguous()) for name, t in zip(self._names, locals_)]
+        for info in infos:
+            if not (info.dtype.is_floating_point or info.dtype.is_complex):
+                raise ConfigError(f"parameter {info.name!r} is {info.dtype}; DiLoCo "
+                                  "synchronizes floating-point and complex parameters only")
+        limit, limit_name = options.bucket_bytes, options.bucket_name
+        if limit is None:
+            limit, limit_name = options.device_budget_bytes, "device_budget_bytes"
+        self._buckets = plan_buckets(infos, limit=limit, per_parameter=options.per_parameter,
+                                     limit_name=limit_name)
+        # The outer step's chunks: whole parameters under bucket_bytes (empty ones are
+        # stepped too: the optimizer keeps state for them, as torchft's does).
+        self._chunks = whole_chunks([t.numel() * t.element_size() for t in locals_],
+                                    options.bucket_bytes)
+        # Take the staging a sync holds now, not inside it (pinned allocation
+        # stalls the device and, under NCCL, can deadlock against peers).
+        self._form_first = (options.schedule == "pipelined"
+                            and int(self._fragment_sync_delay) > 0)
+        self._formation = ForwardWaits(self._formation_failed, writes_only=True)
+        self._guard_formation = guard_formation
+        """Eager writes of the parameters on the training thread wait until the
+        pseudo-gradients that read them are formed (``form_first``)."""
+        """The decision comes later than the preparing step: the formation goes first and
+        ``prepare_sync`` waits for it (nothing may write the parameters while it reads
+        them), the all-reduces run under the next inner steps."""
+        reserve_for(diloco_graph(self._buckets, self._chunks, self._device,
+                                 form_first=self._form_first), self._schedule())
+        return self
+
+    def _schedule(self) -> Any:
+        return diloco_schedule(self._buckets, pipelined=self._options.schedule == "pipelined",
+                               device_budget_bytes=self._options.device_budget_bytes)
+
+    # -- healing ---------------------------------------------------------------------
+    def register_state_dict_fn(self) -> None:
+        # torchft's key and format: {"original_parameters", "outer_optimizer"}, with
+        # the outer state from (and into) the host optimizer.
+        def load_fn(state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
+            if self._tail is not None:
+                self._tail.wait_done()
+            for name, param in state_dict["original_parameters"].items():
+                if name in self.original_parameters:
+                    self.original_parameters[name].copy_(param)
+            self.outer.load_state_dict(state_dict["outer_optimizer"])
+
+        def save_fn() -> dict[str, Any]:
+            if self._tail is not None:
+                self._tail.wait_done()
+            return {"outer_optimizer": self.outer.state_dict(),
+                    "original_parameters": {name: t.clone() for name, t
+                                            in self.original_parameters.items()}}
+
+        self._manager.register_state_dict_fn(f"StreamingDiLoCoFragment_{self._fragment_id}",
+                                             load_fn, save_fn)
+
+    # -- the sync ----------------------------------------------------------------------
+    def prepare_sync(self) -> None:
+        """Launch the sync: pseudo-gradients formed, averaged and staged on the host
+        under the next inner steps (``"synchronous"``: before returning)."""
+        if self._ex is not None:
+            raise RuntimeError("a DiLoCo fragment sync is already in flight")
+        self._failed: BaseException | None = None
+        self._ex = ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
+                                             self._work(), form_first=self._form_first),
+                                self._schedule())
+        if self._options.schedule == "synchronous":
+            self._settle("staged")
+        elif self._form_first and not self._guard_formation:
+            # Hazard: an inner optimizer that writes the parameters before its next
+            # step() (FullOffloadOptimizer(overlap="backward"): its chunks, on its
+            # lanes, during the next backward) writing what the pseudo-gradient tasks
+            # have not read: they are read before step() returns (on CUDA the
+            # caller's stream waits; the host does not).
+            self.wait_formed()
+        elif self._form_first and not _faults.disabled("diloco_formation_guard"):
+            # Hazard: the pseudo-gradients formed from parameters that the caller
+            # writes once step() returns (a clamp, a load_state_dict). The formation
+            # runs under the next forward, which only reads them; an eager write on
+            # this thread waits for it first (the write guard), and the inner
+            # optimizer's next step waits in DiLoCo's pre-step hook (wait_formed).
+            chunks: list[list[int]] = [[] for _ in self._params]
+            for k, b in enumerate(self._buckets):
+                for pc in b.pieces:
+                    chunks[pc.param].append(k)
+            self._formation.begin(StepWrites(
+                execution=ex, params=tuple(self._params), device=self._device,
+                write_tasks=tuple(f"pseudograd:b{k}" for k in range(len(self._buckets))),
+                chunks_of=tuple(tuple(c) for c in chunks),
+                written=tuple(i for i, c in enumerate(chunks) if c),
+                grad_of=lambda i: None))
+
+    def _formation_failed(self) -> None:
+        """The write guard met a failed formation: stop the sync (its failure is kept
+        for ``perform_sync``, which reports it and rejects) and let the write go on."""
+        ex = self._ex
+        self._formation.end()
+        if ex is not None and ex.exception is not None:
+            self._stop(ex.exception)
+
+    def _settle(self, task: str) -> None:
+        """Wait for ``task``; a failure is kept for ``perform_sync`` (which reports
+        it and rejects), after the whole execution has stopped."""
+        ex = self._ex
+        assert ex is not None
+        try:
+            ex.wait(task)
+        except Exception as err:  # noqa: BLE001 - reported to the manager at perform_sync
+            self._stop(err)
+
+    def _stop(self, err: BaseException) -> None:
+        ex = self._ex
+        assert ex is not None
+        if self._failed is None:
+            self._failed = err
+        # Hazard: restoring (or the next inner step writing) parameters that a
+        # task of the failed execution still reads. Every task that started
+        # finishes, the all-reduces too (must_run: peers wait for them); the
+        # others never run.
+        try:
+            ex.wait()
+        except Exception:  # noqa: BLE001 - the same failure, kept above
+            pass
+
+    def wait_formed(self) -> None:
+        """Before an inner step: wait until no task of the sync in flight reads the
+        parameters (on CUDA, the caller's stream waits; the host does not)."""
+        ex = self._ex
+        if ex is None or self._failed is not None:
+            self._formation.end()
+            return
+        if not _faults.disabled("diloco_formed_wait"):
+            # Hazard: the inner step writing parameters that the pseudo-gradient tasks
+            # have not read yet (a compiled step, or one whose writes the write guard
+            # does not see, as FullOffloadOptimizer's copies on its lanes).
+            names = [f"pseudograd:b{k}" for k in range(len(self._buckets))]
+            for c in ex.events_for(names):
+                c.wait()
+        self._formation.end()
+        if ex.exception is not None:
+            self._stop(ex.exception)
+
+    def wait(self) -> None:
+        """Wait until every average of the sync in flight is on the host."""
+        if self._ex is not None and self._failed is None:
+            self._settle("staged")
+
+    def perform_sync(self) -> bool:
+        """Decide, then step, merge and write (or restore); returns whether committed."""
+        ex = self._ex
+        manager = self._manager
+        self.last_committed = False
+        self._formation.end()  # (formed: the inner step before this waited for it)
+        if ex is None and self._abandoned is not None:
+            # The sync was abandoned (DiLoCo's context exited with it in flight) and
+            # the loop went on: this replica rejects it, as torchft's failure path
+            # does, and the next round starts clean.
+            err, self._abandoned = self._abandoned, None
+            manager.report_error(err)
+            manager.should_commit()
+            self.restore_parameters()
+            return False
+        if ex is None:
+            raise RuntimeError("perform_sync() without prepare_sync()")
+        opened = False
+        try:
+            if self._failed is None:
+                self._settle("staged")
+            if self._failed is not None:
+                # torchft's error path: after report_error this replica group's
+                # should_commit() is False. It is still called once, as in every
+                # sync: the replica group's other ranks wait on it.
+                manager.report_error(self._failed)
+                manager.should_commit()
+                self.restore_parameters()  # torchft's own, synchronous
+                return False
+            try:
+                # Read on this thread before any outer task runs (they wait for the
+                # gate): a learning-rate schedule edits the user's groups, a
+                # checkpoint loads the user's optimizer.
+                self.outer.sync_from_user()
+            except Exception as err:
+                # Found before the decision: this replica rejects, as after any
+                # failure of its own, and the caller sees why.
+                stop = PipeoffError(f"the sync was rejected before its decision: {err}")
+                ex.gate("commit").fail(stop)
+                opened = True
+                self._stop(stop)
+                manager.report_error(err)
+                manager.should_commit()
+                self.restore_parameters()
+                raise
+            committed = bool(manager.should_commit())
+            self.last_committed = committed
+            ex.gate("commit").open(committed)
+            opened = True
+            if self._tail is not None:
+                # The outer step and the writes run on under the next forward, whose
+                # modules wait for the buckets they read (_diloco_tail.py).
+                self._tail.begin(ex, self._fragment_id, self._buckets, committed=committed,
+                                 on_end=lambda _ex: self.outer.alias())
+                return committed
+            try:
+                ex.wait()
+                self.outer.alias()  # state the step created, shown in the user's optimizer
+            except Exception as err:
+                # A host step or a write failed after the decision: the parameters
+                # (and, after a commit, the backup and outer state) are partly
+                # written. Tell torchft, so that this replica group's next
+                # should_commit() is False, and raise.
+                manager.report_error(err)
+                err.add_note(late_note(committed))
+                raise
+            return committed
+        except BaseException as err:
+            if not opened and ex.gate("commit").state == "pending":
+                # Ctrl-C (or a failing should_commit) before the decision: stop the
+                # lanes that wait for it, so that nothing of this sync runs on.
+                ex.gate("commit").fail(err)
+            raise
+        finally:
+            self._ex = None
+            self._outer_optimizer.zero_grad()  # as torchft: the parameters' .grad is None after
+            if ex.done() and not (self._tail is not None and self._tail.in_flight):
+                self._on_trace(ex.trace)
+
+    def abandon(self, why: BaseException) -> None:
+        """Stop the sync in flight, if any, without a decision: its all-reduces still
+        run (peers wait for them), nothing is written, and no outer step runs."""
+        ex = self._ex
+        self._formation.end()
+        if ex is None:
+            return
+        self._ex = None
+        self._abandoned = PipeoffError(
+            "this DiLoCo fragment sync was abandoned: the DiLoCo context exited while it "
+            f"was in flight ({type(why).__name__}: {why})")
+        if ex.gate("commit").state == "pending":
+            ex.gate("commit").fail(why)
+        try:
+            ex.wait()
+        except BaseException:  # noqa: BLE001 - the failure given, or one before it
+            pass
+
+    def _work(self) -> DiLoCoWork:
+        """The lane work of one sync, over this fragment's tensors."""
+        return SyncWork(
+            params=self._params, backups=self._backups, grads=self._host_grads,
+            outer=self.outer, manager=self._manager, device=self._device, cuda=self._cuda,
+            alpha=self._fragment_update_alpha,
+            synchronous=self._options.schedule == "synchronous",
+            form_first=self._form_first).work()

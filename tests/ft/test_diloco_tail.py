@@ -1,0 +1,316 @@
+"""The part of a DiLoCo sync after its decision (the outer step and the writes) runs
+under the next forward: each wait that orders its readers after it is needed, and a
+failure reaches the caller once, reported to torchft.
+
+Each test forces the interleaving it checks: the sync's writes (or outer step) are
+held until the training thread blocks in the wait under test, or, with that wait
+switched off, until the reader has run (and read what the sync had not written).
+The reference is torchft's own DiLoCo on the same model and data.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest.mock import create_autospec
+
+import pytest
+import torch
+from torch import nn, optim
+from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+from torchft.manager import Manager
+
+import pipeoff
+import pipeoff.ft
+import pipeoff.testing
+from tests._stacks import install, release_when_waiting, stack_of, waiting_in
+from tests.ft._diloco_replicas import make_model, sgd_nesterov
+
+PIPELINED = {"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 128}
+SYNC_EVERY = 2
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def _manager() -> Any:
+    """One replica that commits every sync (the all-reduce of one replica leaves the
+    pseudo-gradients as they are)."""
+    manager = create_autospec(Manager)
+    manager._use_async_quorum = False
+    manager.errored.return_value = None
+    step = [0]
+
+    def should_commit(*_: Any, **__: Any) -> bool:
+        step[0] += 1
+        return manager.report_error.call_count == 0
+
+    manager.current_step.side_effect = lambda: step[0]
+    manager.should_commit.side_effect = should_commit
+    manager.allreduce.side_effect = lambda t, should_quantize=False: _Done()
+    return manager
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 12, generator=torch.Generator().manual_seed(5))
+
+
+def _inner_step(model: nn.Module, inner: optim.Optimizer) -> None:
+    inner.zero_grad()
+    model(torch.ones(2, 12)).pow(2).mean().backward()
+    inner.step()
+
+
+@contextmanager
+def _diloco(torchft: bool = False, model: nn.Module | None = None,
+            **kwargs: Any) -> Iterator[tuple[nn.Module, optim.Optimizer, Any, Any]]:
+    """A model, its inner SGD and a DiLoCo (torchft's or pipeoff's pipelined one)
+    syncing every ``SYNC_EVERY`` steps with an outer Nesterov SGD, alpha 0.5."""
+    model = make_model(0) if model is None else model
+    manager = _manager()
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = sgd_nesterov(model.parameters())
+    cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
+    extra = {} if torchft else {**PIPELINED, **kwargs}
+    with cls(manager, [model], inner, outer, SYNC_EVERY, fragment_update_alpha=0.5,
+             **extra) as d:
+        yield model, inner, d, manager
+
+
+def _reference(after: Callable[..., Any]) -> Any:
+    """torchft's DiLoCo: one sync, then ``after(model, inner, diloco)``."""
+    with _diloco(torchft=True) as (model, inner, d, _):
+        for _ in range(SYNC_EVERY):
+            _inner_step(model, inner)
+        return after(model, inner, d)
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- the forward waits ------------------------------------------------------------------
+def _forward_after_a_held_sync(switch: str | None) -> torch.Tensor:
+    """One sync whose writes are held until the next forward blocks in a module's wait
+    (with the wait switched off: until the forward has run); that forward's output."""
+    with _diloco() as (model, inner, d, _), \
+            pipeoff.testing.disable(switch) if switch else _nothing():
+        _inner_step(model, inner)
+        with pipeoff.testing.hold_task(r"write:b.*") as release:
+            _inner_step(model, inner)  # the sync: returns with every write held
+            assert d._tail.in_flight
+            watcher = release_when_waiting(release, "on_module", "wait_for")
+            try:
+                out = model(_x())
+            finally:
+                release.set()
+                watcher.join()
+        return out.detach()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def test_the_next_forward_waits_for_the_merge() -> None:
+    """step() returns once the quorum has decided; the next forward's modules wait for
+    the writes of the parameters they read, and its output is torchft's bit for bit."""
+    want = _reference(lambda model, inner, d: model(_x()).detach())
+    assert torch.equal(_forward_after_a_held_sync(None), want)
+
+
+def test_without_the_forward_waits_the_forward_reads_unmerged_parameters() -> None:
+    """Hazard: the next forward reading parameters that the merge has not written. With
+    the forward waits switched off the held writes land after the forward."""
+    want = _reference(lambda model, inner, d: model(_x()).detach())
+    assert not torch.equal(_forward_after_a_held_sync("diloco_forward_wait"), want)
+
+
+@pytest.mark.timeout(60)
+def test_a_module_waits_only_for_the_buckets_it_reads() -> None:
+    """The last bucket's write held: the first block's forward runs (it reads other
+    buckets only); a wait for every bucket would block here until the timeout."""
+    with _diloco() as (model, inner, d, _):
+        _inner_step(model, inner)
+        n = len(d._fragments[0]._buckets)
+        assert n >= 3
+        with pipeoff.testing.hold_task(f"write:b{n - 1}") as release:
+            _inner_step(model, inner)
+            first = model[0](_x())  # reads buckets 0..k of the first Linear only
+            pending = d._tail.waits[0].pending
+            last = list(model.parameters())[-1]
+            assert id(last) in pending  # its bucket: still held, not waited for
+            release.set()
+        out = model[1](first)
+    want = _reference(lambda model, inner, d: model(_x()).detach())
+    assert torch.equal(out.detach(), want)
+
+
+def test_the_read_guard_makes_an_eager_read_wait() -> None:
+    """A read outside every module's forward (a loss reading a weight, a log of its
+    norm) on the training thread waits too, through the read guard."""
+    with _diloco() as (model, inner, d, _):
+        _inner_step(model, inner)
+        with pipeoff.testing.hold_task(r"write:b.*") as release:
+            _inner_step(model, inner)
+            watcher = release_when_waiting(release, "on_read", "wait_for")
+            try:
+                got = [p.detach().clone() for p in model.parameters()]
+            finally:
+                release.set()
+                watcher.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, _reference(lambda m, i, d: _params(m))))
+
+
+# -- every other reader waits for all of it ---------------------------------------------
+def _inner_step_after_a_held_sync(switch: str | None) -> list[torch.Tensor]:
+    """One sync whose writes are held until the next inner step blocks in its pre-hook;
+    no forward in between (gradients set by hand) and no read guard, so that only the
+    pre-hook's wait orders the inner step after the merge."""
+    with _diloco() as (model, inner, d, _), pipeoff.testing.disable("read_guard"), \
+            pipeoff.testing.disable(switch) if switch else _nothing():
+        _inner_step(model, inner)
+        with pipeoff.testing.hold_task(r"write:b.*") as release:
+            _inner_step(model, inner)
+            for p in model.parameters():
+                p.grad = torch.full(p.shape, 0.5)
+            watcher = release_when_waiting(release, "_step_pre_hook")
+            try:
+                inner.step()
+            finally:
+                release.set()
+                watcher.join()
+        d.wait_for_sync()
+        return _params(model)
+
+
+def _inner_step_by_hand(model: nn.Module, inner: optim.Optimizer,
+                        _d: Any = None) -> list[torch.Tensor]:
+    for p in model.parameters():
+        p.grad = torch.full(p.shape, 0.5)
+    inner.step()
+    return _params(model)
+
+
+def test_the_inner_step_waits_for_the_merge() -> None:
+    want = _reference(_inner_step_by_hand)
+    got = _inner_step_after_a_held_sync(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_without_the_tail_wait_the_inner_step_is_overwritten() -> None:
+    """Hazard: the inner step writing parameters the merge then overwrites (a compiled
+    optimizer step, or one on another thread, which the read guard does not see)."""
+    want = _reference(_inner_step_by_hand)
+    got = _inner_step_after_a_held_sync("diloco_tail_wait")
+    assert not all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _checkpoint_thread_reads(hold: str) -> dict[str, torch.Tensor]:
+    """torchft's checkpoint function of the fragment (what a healing peer is sent),
+    called on another thread while the sync's outer step is held; released once that
+    thread blocks in its wait (with the wait gone: once it has returned)."""
+    install()
+    with _diloco() as (model, inner, d, manager):
+        call = manager.register_state_dict_fn.call_args
+        save_fn = [a for a in (*call.args, *call.kwargs.values()) if callable(a)][-1]
+        _inner_step(model, inner)
+        out: dict[str, Any] = {}
+        with pipeoff.testing.hold_task(hold) as release:
+            _inner_step(model, inner)
+            t = threading.Thread(target=lambda: out.update(save_fn()), daemon=True)
+            t.start()
+
+            def watch() -> None:
+                while t.is_alive() and not release.is_set():
+                    if waiting_in(stack_of(t.ident or 0), ("save_fn",)) is not None:
+                        break
+                    threading.Event().wait(0.001)
+                release.set()
+
+            w = threading.Thread(target=watch, daemon=True)
+            w.start()
+            t.join(timeout=60)
+            w.join(timeout=60)
+        return {k: v.clone() for k, v in out["original_parameters"].items()}
+
+
+def test_a_checkpoint_on_another_thread_waits_for_the_outer_step() -> None:
+    # torchft's backup after a commit: the new global parameters (before the merge)
+    want = _reference(lambda m, i, d: {n: t.clone()
+                                       for n, t in d._fragments[0].original_parameters.items()})
+    got = _checkpoint_thread_reads(r"outer:c.*")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_the_figures_wait_for_the_sync_they_describe() -> None:
+    """last_sync_stats and the stats hooks come once the tail is done, with its bytes
+    and the forward hooks' waits in exposed_ms; one call per sync."""
+    seen: list[Any] = []
+    with _diloco() as (model, inner, d, _):
+        d.register_sync_stats_hook(seen.append)
+        for _ in range(2 * SYNC_EVERY):
+            _inner_step(model, inner)
+        stats = d.last_sync_stats
+    assert len(seen) == 2 and stats is seen[-1]
+    assert stats.committed and stats.h2d_bytes > 0 and stats.exposed_ms > 0
+    assert d.last_trace is not None and d.last_trace.summary().failed == 0
+
+
+# -- failures ---------------------------------------------------------------------------
+def test_a_failed_write_reaches_the_next_forward_once_and_is_reported() -> None:
+    with _diloco() as (model, inner, d, manager):
+        _inner_step(model, inner)
+        with pipeoff.testing.fail_work("write:b1", lambda: RuntimeError("write broke")):
+            _inner_step(model, inner)
+            with pytest.raises(RuntimeError, match="write broke") as info:
+                model(_x())
+        assert any("partly updated" in n for n in getattr(info.value, "__notes__", []))
+        assert manager.report_error.call_count == 1
+        assert not d._tail.in_flight
+        model(_x())  # raised once: the loop may go on (torchft heals the replica)
+        _inner_step(model, inner)
+        _inner_step(model, inner)  # the next sync: rejected (reported), parameters restored
+        assert manager.report_error.call_count == 1
+    pools = pipeoff.pools_for("cpu")
+    assert pools.device.stats().live_bytes == 0
+
+
+def test_exit_waits_for_the_tail() -> None:
+    """Leaving DiLoCo's block waits for the last sync's writes and removes the hooks."""
+    with pipeoff.testing.hold_task(r"write:b.*") as release:
+        with _diloco() as (model, inner, d, _):
+            for _ in range(SYNC_EVERY):
+                _inner_step(model, inner)
+            watcher = release_when_waiting(release, "__exit__")
+        watcher.join()
+    got = _params(model)
+    want = _reference(lambda m, i, d: _params(m))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not d._tail.in_flight and not model[0][0]._forward_pre_hooks
+
+
+def test_the_users_outer_optimizer_state_dict_waits_for_the_outer_step() -> None:
+    """``outer.state_dict()`` (a checkpoint of the user's outer optimizer) right after a
+    sync shows the state its outer step creates: it waits for the held step."""
+    with _diloco() as (model, inner, d, _):
+        outer = d._fragments[0]._outer_optimizer
+        _inner_step(model, inner)
+        with pipeoff.testing.hold_task(r"outer:c.*") as release:
+            _inner_step(model, inner)
+            watcher = release_when_waiting(release, "_before_outer_read")
+            try:
+                state = outer.state_dict()["state"]
+            finally:
+                release.set()
+                watcher.join()
+    want = _reference(lambda m, i, d: d._fragments[0]._outer_optimizer.state_dict()["state"])
+    assert sorted(state) == sorted(want) == list(range(6))
+    assert all(torch.equal(state[k]["momentum_buffer"], want[k]["momentum_buffer"])
+               for k in want)
