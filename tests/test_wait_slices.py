@@ -3,7 +3,7 @@ lands in the window where no blocking call can be interrupted.
 
 A real SIGINT during a blocked lock acquire interrupts it; one that lands after
 the waiting thread's last check and before it blocks does not: CPython has
-only set its flag, and runs the handler at the next bytecode. That window is
+only set its flag, and runs the handler at the next bytecode check. That window is
 reproduced exactly by ``_thread.interrupt_main()``, which sets the flag without
 a signal. pipeoff's main-thread waits come back to Python every
 ``SIGNAL_CHECK_S`` (``executor/_run.py: wait_event``), so the interrupt is
@@ -11,6 +11,11 @@ raised while the task it waits for is still held; an unsliced wait would raise
 it only once the wait ends. The task is held until the interrupt has arrived
 (or, for an unsliced wait, until a generous fallback gives up and releases it,
 so the failure is an assertion, not a hang).
+
+The flag is set only once the main thread is past its last check: parked in the
+``threading.Event`` the wait blocks on (:func:`_parked_on`). Set earlier, while the
+main thread still runs the bytecode on its way into the wait, even an unsliced wait
+would raise it at once, and the test would pass by luck of timing.
 """
 
 from __future__ import annotations
@@ -23,11 +28,27 @@ import pytest
 import pipeoff
 import pipeoff.testing
 from pipeoff import TaskGraph, TaskKind
-from tests._stacks import install, stack_of, waiting_in
+from pipeoff.executor import _run
 
 FALLBACK_S = 20.0
 """How long the held task waits for the interrupt before it is released anyway (only
 an unsliced wait gets there; a sliced one is interrupted within a slice)."""
+
+
+def _parked_on(ev: threading.Event) -> bool:
+    """Whether a thread waiting on ``ev`` is past its last bytecode check before it blocks.
+
+    ``Event.wait`` -> ``Condition.wait`` appends the waiter's lock to the condition's
+    ``_waiters`` while it holds the condition's lock, releases that lock (the last call
+    in ``_release_save``, whose return is that thread's last check) and then blocks in
+    ``waiter.acquire()``, with no check on the way (no call into Python, no backward
+    jump). Another thread can see the condition's lock free only after that release;
+    with a waiter still listed, the waiting thread is then between that last check
+    and the end of its acquire. (Only the main thread waits on these events here:
+    its own per-thread event, or the run's ``all_done``.)
+    """
+    cond = ev._cond  # type: ignore[attr-defined]
+    return bool(cond._waiters) and not cond._lock.locked()
 
 
 def _graph() -> TaskGraph:
@@ -40,17 +61,18 @@ def _graph() -> TaskGraph:
 @pytest.mark.parametrize("what", ["execution", "task"])
 def test_an_interrupt_in_the_unblockable_window_reaches_the_wait(
         timeout: float | None, what: str) -> None:
-    main = threading.main_thread().ident
-    assert main is not None and threading.current_thread() is threading.main_thread()
+    assert threading.current_thread() is threading.main_thread()
     interrupted = threading.Event()
     gave_up = threading.Event()
-    install()
     with pipeoff.testing.hold_task("held") as release:
         ex = pipeoff.execute(_graph())
+        # What the main thread's wait blocks on: the run's all_done, or its own event.
+        parks_on = ex._run.all_done if what == "execution" else _run._thread_event()
 
         def watch() -> None:
-            # Ordered by the main thread's stack, not by time: once it waits.
-            while waiting_in(stack_of(main), ("wait",)) is None:
+            # Ordered by the waiter's state, not by time: once the main thread is
+            # parked in the wait (or past its last check on the way in).
+            while not _parked_on(parks_on):
                 if interrupted.wait(0.001):
                     return
             _thread.interrupt_main()  # the flag only: no blocking call is interrupted
