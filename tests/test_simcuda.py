@@ -224,6 +224,48 @@ def test_two_host_threads_writing_one_tensor_unordered_is_a_race() -> None:
     accepted(lambda sim: _two_host_writers(sim, ordered=True))
 
 
+def _after_a_only(sim: Sim, who: str, also_b: bool) -> None:
+    """HOST task ``b`` writes a pinned tensor and finishes; only then is ``a`` (a device
+    task on another lane, unrelated to it) issued. ``who`` writes the tensor next, after
+    waiting for ``a`` (``also_b``: and for ``b``): HOST task ``c`` on a third lane (its
+    dependencies), or the caller (``Execution.wait``).
+
+    ``a`` is a device task: a HOST task's waiter also synchronizes with the task's end
+    event, recorded on the default stream every host lane shares, which really orders
+    it after every host task that recorded there before (``b`` too) and would mask
+    what the completion itself orders."""
+    slot = sim.host_empty(64, torch.float32, pinned=True)
+    g = TaskGraph(device=sim.device)
+    g.add_task("a", TaskKind.OPTIMIZER_CHUNK, lambda ctx: None, lane="hb_a")
+    g.add_task("b", TaskKind.HOST, lambda ctx: slot.fill_(1.0), lane="hb_b")
+    waits = ["a", "b"] if also_b else ["a"]
+    if who == "task":
+        g.add_task("c", TaskKind.HOST, lambda ctx: slot.fill_(2.0), lane="hb_c", deps=waits)
+    with pipeoff.testing.hold_task("a") as release:
+        ex = pipeoff.execute(g)
+        # b has finished before a is issued: in time, not by any order of the program
+        # (its status read, not its event queried: a query that succeeds orders).
+        run, b = ex._run, ex._run.index["b"]
+        while not run.terminal(b):
+            time.sleep(1e-3)
+        release.set()
+        if who == "caller":
+            for name in waits:
+                ex.wait(name)
+            slot.fill_(2.0)
+        ex.wait()
+
+
+@pytest.mark.parametrize("who", ["task", "caller"])
+def test_waiting_for_a_task_orders_after_that_task_only(who: str) -> None:
+    """A task's completion orders its waiter (a dependent HOST task's thread, or the
+    caller) after that task, not after every task of the run that happened to finish
+    first: an unrelated task's write to the same tensor is still a race. (Acquiring the
+    run's clock instead of the task's would hide it.)"""
+    flagged(lambda sim: _after_a_only(sim, who, also_b=False))
+    accepted(lambda sim: _after_a_only(sim, who, also_b=True))
+
+
 def test_a_native_step_reading_a_pending_copy_is_a_race() -> None:
     """The native AdamW step reads and writes through raw pointers; it announces its
     accesses (``pipeoff._happens.native_access``), so the checker sees a step whose

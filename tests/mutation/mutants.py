@@ -336,6 +336,13 @@ REVIEW = (
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
     Mutant(
+        name="r40:task-wait-acquires-the-runs-clock", file=_RUN,
+        old="        _happens.acquire(self, i)  # what the task's thread did comes before what we do\n",
+        new="        _happens.acquire(self, None)\n",
+        tests=("tests/test_simcuda.py::test_waiting_for_a_task_orders_after_that_task_only",),
+        hazard="a task's waiter is ordered after every task the run has finished, not after "
+               "that one: the simulated device's checker misses real host-to-host races"),
+    Mutant(
         name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco_work.py",
         old="                    flat.zero_()\n",
         new="                    pass\n",
