@@ -343,6 +343,27 @@ REVIEW = (
         hazard="a task's waiter is ordered after every task the run has finished, not after "
                "that one: the simulated device's checker misses real host-to-host races"),
     Mutant(
+        name="r41:native-region-wakeup-unguarded", file="pipeoff/_native/hoststep.c",
+        old=("            pthread_mutex_lock(&r->lock);\n"
+             "            pthread_cond_broadcast(&r->all_done);\n"
+             "            pthread_mutex_unlock(&r->lock);\n"),
+        new="            pthread_cond_broadcast(&r->all_done);\n",
+        tests=("tests/optim/test_host_kernel.py::test_the_last_chunks_wake_up_reaches_a_"
+               "caller_about_to_wait",),
+        hazard="the last chunk's broadcast lands between the caller's done < chunks check "
+               "and its pthread_cond_wait: lost, the kernel call (a lane's step) never "
+               "returns"),
+    Mutant(
+        name="r42:native-region-wakeup-before-the-lock", file="pipeoff/_native/hoststep.c",
+        old=("            pthread_mutex_lock(&r->lock);\n"
+             "            pthread_cond_broadcast(&r->all_done);\n"),
+        new=("            pthread_cond_broadcast(&r->all_done);\n"
+             "            pthread_mutex_lock(&r->lock);\n"),
+        tests=("tests/optim/test_host_kernel.py::test_the_last_chunks_wake_up_reaches_a_"
+               "caller_about_to_wait",),
+        hazard="the last chunk's broadcast made before taking the region's mutex: lost "
+               "between the caller's check and its wait, the kernel call never returns"),
+    Mutant(
         name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco_work.py",
         old="                    flat.zero_()\n",
         new="                    pass\n",

@@ -174,6 +174,40 @@ def test_a_call_returns_only_when_every_chunk_is_done() -> None:
         assert _host_kernel._same(out, want[0].to(torch.bfloat16))
 
 
+WAKEUP_TIMEOUT_S = 20.0
+"""How long the region may take to return once its window was held open (it takes
+milliseconds; only a lost wake-up, which never returns, gets there)."""
+
+
+def test_the_last_chunks_wake_up_reaches_a_caller_about_to_wait(tmp_path: Path) -> None:
+    """The region's end (hoststep.c ``region_work``): the helper that finishes the last
+    chunk broadcasts ``all_done`` holding the region's mutex, so the wake-up cannot fall
+    between the caller's ``done < chunks`` check and its ``pthread_cond_wait``: there it
+    would be lost and the kernel call would never return.
+
+    tests/optim/region_wakeup.c compiles hoststep.c as it is, with three pthread calls
+    wrapped, and holds that window open by order (the caller, about to wait, waits until
+    the last chunk's helper has broadcast or is taking the mutex), so a broadcast outside
+    the mutex is lost every time, not once in a while."""
+    cc = _native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "region_wakeup"
+    build = subprocess.run(
+        [*cc, "-O0", "-std=gnu99", "-pthread", f"-I{_native.SOURCE.parent}", "-o", str(exe),
+         str(Path(__file__).with_name("region_wakeup.c")), "-lm"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert build.returncode == 0, build.stderr[-3000:]
+    try:
+        run = subprocess.run([str(exe)], capture_output=True, text=True,
+                             timeout=WAKEUP_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the region never returned: the last chunk's wake-up was lost (its "
+                    "broadcast made without the region's mutex, between the caller's "
+                    "check and its wait)")
+    assert run.returncode == 0 and run.stdout.strip() == "returned", (run.stdout, run.stderr)
+
+
 def test_the_scalars_round_as_torch_rounds_them() -> None:
     """Hyperparameters whose float rounding matters (1 - beta1 not exact, lr * wd tiny)."""
     k = kernel()
