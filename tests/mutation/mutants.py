@@ -364,6 +364,19 @@ REVIEW = (
         hazard="the last chunk's broadcast made before taking the region's mutex: lost "
                "between the caller's check and its wait, the kernel call never returns"),
     Mutant(
+        name="r43:norm-allreduce-let-go-at-launch",
+        file="pipeoff/optim/_full_offload/_launcher.py",
+        old="        ex = execute(graph, schedule)\n        prev = self.prev\n",
+        new=("        ex = execute(graph, schedule)\n"
+             "        if REDUCE in graph.gates:\n"
+             "            ex.gate(REDUCE).open(None)\n"
+             "        prev = self.prev\n"),
+        tests=("tests/optim/test_full_offload_ranks.py::test_the_norms_all_reduce_waits_for_"
+               "the_callers_collectives_before_step",),
+        hazard="the lane's clipping-norm all-reduce runs as soon as a marked final backward's "
+               "norm is ready, beside the caller's own collectives on the same group: ranks "
+               "pair them in different orders (wrong sums, or a hang)"),
+    Mutant(
         name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco_work.py",
         old="                    flat.zero_()\n",
         new="                    pass\n",

@@ -320,3 +320,85 @@ def expert_norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
         queue.put((rank, pack({"error": traceback.format_exc()})))
     finally:
         dist.destroy_process_group()
+
+
+def reduce_gate_worker(rank: int, world: int, port: int, queue: Any) -> None:
+    """The clipping norm's all-reduce (a lane's, on the process group the parameters are
+    sharded over) waits for the caller's ``reduce`` gate, which ``step()`` opens: a
+    collective the caller issues between the final backward and ``step()`` (a loss
+    all-reduce for logging) is never interleaved with it.
+
+    The orders are forced so that an ungated all-reduce would pair wrongly: rank 0 holds
+    its ``norm`` task until its own collective is issued, and rank 1 issues its own
+    only once its lane's all-reduce is either issued (ungated) or parked on the pending
+    gate (gated). Ungated, rank 0 issues [caller's, lane's] and rank 1 [lane's,
+    caller's]: the caller's float64 scalar is summed with the peer's squared norm."""
+    import threading
+    import time
+
+    from pipeoff.executor._gates import PENDING
+    from pipeoff.optim._full_offload._graph import REDUCE
+
+    init(rank, world, port)
+    real = dist.all_reduce
+    issued = threading.Event()
+    """A lane thread has issued a collective (the norm's)."""
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # The lane's collective, made observable once it is issued: async, then waited,
+        # as a synchronous all_reduce is.
+        if threading.current_thread() is threading.main_thread():
+            return real(tensor, *args, **kwargs)
+        asked = kwargs.pop("async_op", False)
+        work = real(tensor, *args, async_op=True, **kwargs)
+        issued.set()
+        if asked:
+            return work
+        work.wait()
+        return None
+
+    dist.all_reduce = spy  # type: ignore[assignment]
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from pipeoff.optim import FullOffloadOptimizer
+
+        mesh = init_device_mesh("cpu", (world,))
+        group = mesh.get_group()  # the lane's all-reduce is on it
+        model = _Experts(mesh)
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, max_norm=0.5,
+                                   timeout=20.0)
+        g = torch.Generator().manual_seed(10 + rank)
+        with opt.no_sync():  # marked: the unmarked backward below is the final one
+            model(torch.randn(4, 8, generator=g), routed=True).square().mean().backward()
+        mine = torch.tensor(1000.0 * (rank + 1), dtype=torch.float64)
+        if rank == 0:
+            with testing.hold_task("norm") as release:
+                model(torch.randn(4, 8, generator=g), routed=True).square().mean().backward()
+                work = real(mine, group=group, async_op=True)  # issued before the lane's
+                release.set()
+                work.wait()
+        else:
+            model(torch.randn(4, 8, generator=g), routed=True).square().mean().backward()
+            acc = opt._lifecycle.acc
+            assert acc is not None and acc.final is not None and acc.final.execution
+            gates = acc.final.execution._run.gates
+            k = gates.index[REDUCE]
+            deadline = time.monotonic() + 60.0
+            while not (issued.is_set() or (gates.first_wait_ns[k] is not None
+                                           and gates.state[k] == PENDING)):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the norm's all-reduce neither issued nor parked "
+                                         "on its gate within 60 s")
+                issued.wait(0.001)
+            real(mine, group=group)  # after the lane's, had it been let go
+        opt.step()
+        opt.wait_for_step()
+        queue.put((rank, pack({"sum": float(mine)})))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        queue.put((rank, pack({"error": traceback.format_exc()})))
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+        dist.destroy_process_group()

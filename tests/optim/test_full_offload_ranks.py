@@ -110,3 +110,15 @@ def test_a_rank_without_gradients_of_a_group_still_joins_its_norm_all_reduce() -
         assert "error" not in res[rank], res[rank]["error"]
         for mine, ref in res[rank]["norms"]:
             assert mine == pytest.approx(ref, rel=1e-5), (rank, mine, ref)
+
+
+def test_the_norms_all_reduce_waits_for_the_callers_collectives_before_step() -> None:
+    """A final backward's clipping norm is ready before step(); its all-reduce (on the
+    lane, on the group the parameters are sharded over) still waits for step()'s
+    ``reduce`` gate, so a collective the caller issues in between on that group (a loss
+    all-reduce) pairs with the peer's own, on every rank, whatever order the lanes
+    would have taken (the worker forces the two ranks into opposite ones)."""
+    res = _run(loops_worker.reduce_gate_worker)
+    for rank in (0, 1):
+        assert "error" not in res[rank], res[rank]["error"]
+        assert res[rank]["sum"] == 3000.0, (rank, res[rank]["sum"])
