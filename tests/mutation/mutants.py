@@ -377,6 +377,28 @@ REVIEW = (
                "norm is ready, beside the caller's own collectives on the same group: ranks "
                "pair them in different orders (wrong sums, or a hang)"),
     Mutant(
+        name="r44:torn-check-without-master-versions",
+        file="pipeoff/optim/_full_offload/_lanes.py",
+        old=("            if (any(m._version != v for m, v in zip(masters, versions))\n"
+             "                    or any(g.advanced for g in groups.values())):\n"),
+        new="            if any(g.advanced for g in groups.values()):\n",
+        tests=("tests/optim/test_full_offload.py::test_a_chunk_that_fails_after_writing_"
+               "masters_is_never_taken_for_clean",
+               "tests/optim/test_host_kernel.py::test_a_chunk_that_fails_part_way_is_torn_"
+               "when_it_wrote"),
+        hazard="a step chunk that raises after writing some masters (torch's for-loop step, "
+               "the native kernel) is taken for one that wrote nothing: zero_grad() and "
+               "training go on from half-stepped masters"),
+    Mutant(
+        name="r45:h2d-overwrite-unchecked", file="pipeoff/optim/_full_offload/_lanes.py",
+        old="            if loc._version != rec.version:\n",
+        new="            if False:\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_a_weight_written_after_a_final_"
+               "backward_under_backward_overlap_is_refused",),
+        hazard="a weight written from outside after the final backward began is silently "
+               "overwritten by the step's H2D copy: the write is lost, step() does not "
+               "refuse"),
+    Mutant(
         name="r20:diloco-unformed-bucket-joins-as-is", file="pipeoff/ft/_diloco_work.py",
         old="                    flat.zero_()\n",
         new="                    pass\n",
