@@ -16,7 +16,7 @@ from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
-from pipeoff.ft._diloco_fragment import OffloadedFragment
+from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
 from pipeoff.ft._diloco_tail import SyncTail
 from pipeoff.ft._options import StagingOptions, check_flag
 from pipeoff.ft._outer import check_outer, host_outers
@@ -287,11 +287,31 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             # optimizer writes the parameters before its next step() (pipeoff's own,
             # on their lanes, where no guard sees it).
             guard = not isinstance(self._local_optimizer, (AsyncStep, MasterCopy))
+            masters = self._masters_of(frags)
+            if masters is not None:
+                for f in frags:
+                    master_backups(f, masters)
             self._fragments = [
                 OffloadedFragment.adopt(f, outer, self._options, self._on_trace, self._tail,
-                                        guard)
+                                        guard, masters)
                 for f, outer in zip(frags, host_outers(frags))]
         super()._register_state_dict_fn()
+
+    def _masters_of(self, frags: Sequence[_StreamingDiLoCoFragment]
+                    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The inner optimizer's FP32 host masters, if its masters are the truth and it
+        holds every fragment parameter: the sync then works on them directly."""
+        opt = self._local_optimizer
+        if not isinstance(opt, MasterCopy):
+            return None
+        self._wait_for_optimizer()  # (a step in flight writes them)
+        try:
+            for f in frags:
+                for p in f._model_fragment.parameters():
+                    opt.host_master(p)
+        except PipeoffError:
+            return None  # a parameter it does not step: the weights' path, as torchft's
+        return opt.host_master
 
     def __enter__(self) -> DiLoCo:
         if self._tail is not None:
@@ -405,7 +425,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
                                  exposed_ns=exposed,
                                  committed=fragment.last_committed if offloaded else None)
         opt = self._local_optimizer
-        if fragment is not None and isinstance(opt, MasterCopy):
+        if fragment is not None and isinstance(opt, MasterCopy) \
+                and not getattr(fragment, "on_masters", False):
             # Hazard: an optimizer whose masters are the truth
             # (pipeoff.optim.FullOffloadOptimizer) overwriting the synchronized
             # parameters with its own masters at the next step. A sync writes

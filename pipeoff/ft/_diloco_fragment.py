@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from pipeoff.execution import Execution
     from pipeoff.trace import Trace
 
-__all__ = ["OffloadedFragment"]
+__all__ = ["OffloadedFragment", "master_backups"]
 
 
 class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
@@ -52,7 +52,9 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
     @classmethod
     def adopt(cls, frag: _StreamingDiLoCoFragment, outer: HostOuterOptimizer,
               options: StagingOptions, on_trace: Callable[[Trace], None],
-              tail: SyncTail | None, guard_formation: bool) -> OffloadedFragment:
+              tail: SyncTail | None, guard_formation: bool,
+              masters: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> OffloadedFragment:
         """This class over ``frag``'s own fields (its backup, hooks and settings),
         with the offloaded sync's: the bucket plan, host pseudo-gradients, and the
         host outer optimizer; and its staging reserved. With ``tail``, a committed
@@ -61,7 +63,10 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         ``fragment_sync_delay`` > 0 the preparing ``step()`` returns before the
         pseudo-gradients are formed, the writes of the parameters they read
         waiting for them instead (for an inner optimizer that writes them only in
-        its ``step()``)."""
+        its ``step()``). ``masters``: the inner optimizer's FP32 host master of a
+        parameter (``FullOffloadOptimizer.host_master``): the sync forms its
+        pseudo-gradients from the masters and merges into them (the backups are
+        FP32 then: :func:`master_backups`)."""
         self = cls.__new__(cls)
         self.__dict__.update(frag.__dict__)
         self.outer = outer
@@ -76,13 +81,17 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         locals_ = [local_tensor(p, data=True) for p in self._params]
         self._device = locals_[0].device if locals_ else torch.device("cpu")
         self._cuda = _accel.current().is_device(self._device)
+        self._masters = None if masters is None else [masters(p) for p in self._params]
         self._backups = [self.original_parameters[name] for name in self._names]
         # The averaged pseudo-gradients, staged in host memory until the commit
         # (pinned, so that the device-to-host copies are asynchronous).
         self._host_grads = [_accel.current().host_empty(b.shape, b.dtype, pinned=self._cuda)
                             for b in self._backups]
-        infos = [TensorInfo(name=name, numel=t.numel(), dtype=t.dtype,
-                            contiguous=t.is_contiguous()) for name, t in zip(self._names, locals_)]
+        # On the masters the pseudo-gradients are the backups' dtype (FP32): averaged in
+        # FP32, twice a BF16 model's bytes over the wire, none of their bits lost.
+        infos = [TensorInfo(name=name, numel=t.numel(), dtype=b.dtype,
+                            contiguous=t.is_contiguous())
+                 for name, t, b in zip(self._names, locals_, self._backups, strict=True)]
         for info in infos:
             if not (info.dtype.is_floating_point or info.dtype.is_complex):
                 raise ConfigError(f"parameter {info.name!r} is {info.dtype}; DiLoCo "
@@ -94,7 +103,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                                      limit_name=limit_name)
         # The outer step's chunks: whole parameters under bucket_bytes (empty ones are
         # stepped too: the optimizer keeps state for them, as torchft's does).
-        self._chunks = whole_chunks([t.numel() * t.element_size() for t in locals_],
+        self._chunks = whole_chunks([b.numel() * b.element_size() for b in self._backups],
                                     options.bucket_bytes)
         # Take the staging a sync holds now, not inside it (pinned allocation
         # stalls the device and, under NCCL, can deadlock against peers).
@@ -332,4 +341,36 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             outer=self.outer, manager=self._manager, device=self._device, cuda=self._cuda,
             alpha=self._fragment_update_alpha,
             synchronous=self._options.schedule == "synchronous",
-            form_first=self._form_first).work()
+            form_first=self._form_first, masters=self._masters).work()
+
+    @property
+    def on_masters(self) -> bool:
+        """Whether the sync reads and writes the inner optimizer's FP32 masters."""
+        return self._masters is not None
+
+    def restore_parameters(self) -> None:
+        """torchft's restore (a sync that failed or was abandoned before its decision):
+        the parameters from the backup; on the masters, the masters and the weights
+        their cast."""
+        if self._masters is None:
+            super().restore_parameters()
+            return
+        with torch.no_grad():
+            for name, p, m in zip(self._names, self._params, self._masters, strict=True):
+                m.copy_(self.original_parameters[name].view(m.shape))
+                local_tensor(p, data=True).copy_(m)
+
+
+def master_backups(frag: _StreamingDiLoCoFragment,
+                   masters: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make ``frag``'s backups (torchft's ``original_parameters``) FP32 copies of the
+    masters: the global model in the masters' precision. Before anything holds them
+    (the host outer optimizer steps these very tensors)."""
+    device = next((local_tensor(p, data=True).device
+                   for p in frag._model_fragment.parameters()), torch.device("cpu"))
+    cuda = _accel.current().is_device(device)
+    for name, p in frag._model_fragment.named_parameters():
+        m = masters(p)
+        b = _accel.current().host_empty(m.shape, torch.float32, pinned=cuda)
+        b.copy_(m)
+        frag.original_parameters[name] = b

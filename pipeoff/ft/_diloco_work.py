@@ -70,6 +70,11 @@ class SyncWork:
         form_first: the formation goes first (pipelined, ``fragment_sync_delay > 0``):
             each formed bucket is staged to the host and uploaded again for its
             all-reduce.
+        masters: under an inner optimizer whose FP32 host masters are the truth
+            (``FullOffloadOptimizer``), each parameter's master: the pseudo-gradient
+            is formed from it on the host (``backup - master``), the merge is
+            computed on it in FP32 on the host and the weight written from it (its
+            cast), so the parameters are read only by the pieces' shapes.
     """
 
     params: Sequence[torch.Tensor]
@@ -82,6 +87,7 @@ class SyncWork:
     alpha: float
     synchronous: bool
     form_first: bool
+    masters: Sequence[torch.Tensor] | None = None
     results: SyncResults = dataclasses.field(default_factory=SyncResults)
 
     def work(self) -> DiLoCoWork:
@@ -91,6 +97,9 @@ class SyncWork:
                           upload=self.upload)
 
     def pseudograd(self, k: int, b: Bucket, dev: str) -> Run:
+        if self.masters is not None:
+            return self._pseudograd_of_masters(k, b, dev)
+
         def run(ctx: TaskContext) -> None:
             flat = ctx.buffer(dev, b.dtype)
             for pc in b.pieces:
@@ -101,6 +110,26 @@ class SyncWork:
                            non_blocking=self.cuda)
                 # torchft: original.to(device) - local.
                 part.sub_(_region(local_tensor(self.params[pc.param], data=True), pc).reshape(-1))
+            if not self.form_first:
+                self.results.formed.add(k)
+
+        return run
+
+    def _pseudograd_of_masters(self, k: int, b: Bucket, dev: str) -> Run:
+        masters = self.masters
+        assert masters is not None
+
+        def run(ctx: TaskContext) -> None:
+            flat = ctx.buffer(dev, b.dtype)
+            for pc in b.pieces:
+                hg = _flat(self.grads[pc.param])[pc.start:pc.start + pc.numel]
+                # torchft's original - local, with the FP32 master for the local
+                # parameter, on the host (both are host tensors).
+                torch.sub(_flat(self.backups[pc.param])[pc.start:pc.start + pc.numel],
+                          _region(masters[pc.param], pc).reshape(-1), out=hg)
+                # non_blocking: the host pseudo-gradients are pinned; nothing writes
+                # them again until this bucket's d2h, after its all-reduce.
+                flat[pc.offset:pc.offset + pc.numel].copy_(hg, non_blocking=self.cuda)
             if not self.form_first:
                 self.results.formed.add(k)
 
@@ -170,6 +199,9 @@ class SyncWork:
         return run
 
     def write(self, k: int, b: Bucket, w: str) -> Run:
+        if self.masters is not None:
+            return self._write_masters(k, b)
+
         def run(ctx: TaskContext) -> None:
             committed = ctx.gate("commit")
             flat = ctx.buffer(w, b.dtype)
@@ -186,5 +218,28 @@ class SyncWork:
                 new.copy_(src.view(loc.shape), non_blocking=self.cuda)
                 new.lerp_(loc, self.alpha)
                 loc.copy_(new)
+
+        return run
+
+    def _write_masters(self, k: int, b: Bucket) -> Run:
+        masters = self.masters
+        assert masters is not None
+
+        def run(ctx: TaskContext) -> None:
+            committed = ctx.gate("commit")
+            for pc in b.pieces:
+                m = _region(masters[pc.param], pc)
+                src = _flat(self.backups[pc.param])[pc.start:pc.start + pc.numel].view(m.shape)
+                if committed:
+                    # torchft's merge (new global, lerp'd towards the local parameters
+                    # by alpha), in FP32 on the host, into the master.
+                    m.copy_(torch.lerp(src, m, self.alpha))
+                else:
+                    m.copy_(src)  # torchft's restore, into the master
+                # The weight is the master's cast, as the optimizer writes it
+                # (non_blocking: the master is pinned, and nothing writes it again
+                # before the inner step, which waits for this sync).
+                loc = _region(local_tensor(self.params[pc.param], data=True), pc)
+                loc.copy_(m.view(loc.shape), non_blocking=self.cuda)
 
         return run

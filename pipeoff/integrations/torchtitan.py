@@ -290,6 +290,21 @@ def _container_class() -> Any:
                 if isinstance(opt, FullOffloadOptimizer):
                     opt.refresh_masters(params)
 
+        def host_master(self, param: torch.Tensor) -> torch.Tensor:
+            """``param``'s FP32 host master, from the full-offload optimizer that holds it
+            (see :meth:`pipeoff.optim.FullOffloadOptimizer.host_master`).
+
+            Raises:
+                ConfigError: no full-offload optimizer of this container holds it.
+            """
+            for opt in self.optimizers:
+                if isinstance(opt, FullOffloadOptimizer):
+                    try:
+                        return opt.host_master(param)
+                    except ConfigError:
+                        continue
+            raise ConfigError("no FullOffloadOptimizer of this container holds the parameter")
+
     # Named as if defined at the top of this module (pickle, reprs, torchtitan's logs).
     for cls, qualname in ((PipeoffOptimizersContainer, "PipeoffOptimizersContainer"),
                           (PipeoffOptimizersContainer.Config,

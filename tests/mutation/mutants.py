@@ -337,7 +337,8 @@ REVIEW = (
                "the collective may still write it: another bucket's data is overwritten"),
     Mutant(
         name="r40:task-wait-acquires-the-runs-clock", file=_RUN,
-        old="        _happens.acquire(self, i)  # what the task's thread did comes before what we do\n",
+        old=("        _happens.acquire(self, i)  # what the task's thread did comes before "
+             "what we do\n"),
         new="        _happens.acquire(self, None)\n",
         tests=("tests/test_simcuda.py::test_waiting_for_a_task_orders_after_that_task_only",),
         hazard="a task's waiter is ordered after every task the run has finished, not after "

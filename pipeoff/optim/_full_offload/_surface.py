@@ -98,6 +98,17 @@ class MastersAndCheckpoints:
         self._model_sync.accel_sync()
         self._registry.adopt(recs, outside=False)
 
+    def host_master(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s FP32 master: the host tensor itself, shaped and strided as its
+        local shard (pinned where an accelerator holds the weights). A step in flight
+        writes it (``wait_for_step()`` first); a DiLoCo sync reads and writes it
+        directly (``docs/diloco.md``, "Under FullOffloadOptimizer").
+
+        Raises:
+            ConfigError: ``param`` is not one of this optimizer's parameters.
+        """
+        return self._registry.host_tensor(param, "master")
+
     # -- checkpoints -----------------------------------------------------------------------
     @property  # type: ignore[override]
     def state(self) -> Any:
