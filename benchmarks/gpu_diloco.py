@@ -125,6 +125,7 @@ def run(args: argparse.Namespace, device: torch.device, real: bool) -> list[list
                 t0 = time.perf_counter()
                 frag.prepare_sync()
                 frag.perform_sync()
+                diloco.wait_for_sync()  # the whole sync: its outer step and writes too
                 accel.synchronize(device)
                 elapsed = time.perf_counter() - t0
             if r > 0:

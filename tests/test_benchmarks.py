@@ -123,9 +123,10 @@ def test_outer_step_benchmark_quick() -> None:
     if "no native kernel here" in res.stderr + res.stdout:
         pytest.skip("no native kernels on this machine")
     assert res.returncode == 0, res.stderr
-    assert "bitwise: checked" in res.stdout
+    assert "bitwise (sgd, adamw): checked" in res.stdout
     for name in ("floor", "native", "torch for-loop", "torch foreach"):
         assert f"| {name}" in res.stdout
+    assert "| adamw" in res.stdout and "| sgd" in res.stdout
 
 
 @pytest.mark.slow  # runs a benchmark script (subprocess)

@@ -152,6 +152,12 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         under the next inner steps (``"synchronous"``: before returning)."""
         if self._ex is not None:
             raise RuntimeError("a DiLoCo fragment sync is already in flight")
+        if self._tail is not None:
+            # Hazard: forming pseudo-gradients from parameters and backups that the
+            # last sync's outer step and writes still write (DiLoCo's own loop has
+            # waited already, before the inner step; a caller driving the fragments
+            # directly has not).
+            self._tail.wait()
         self._failed: BaseException | None = None
         self._ex = ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
                                              self._work(), form_first=self._form_first),
