@@ -176,8 +176,14 @@ def test_delayed_lane_turns_a_missing_dependency_into_a_wrong_number() -> None:
         g.add_task("produce", TaskKind.H2D, produce)
         g.add_task("consume", TaskKind.OPTIMIZER_CHUNK, consume,
                    deps=["produce"] if with_dep else [])
-        with pipeoff.testing.delay_lane("h2d", 0.1):
-            assert pipeoff.execute(g).result("consume") == expected
+        # The producer held (not delayed: a busy machine could still run it first) until
+        # the consumer has run, where nothing orders it after the producer.
+        with pipeoff.testing.hold_task("produce") as release:
+            ex = pipeoff.execute(g)
+            if not with_dep:
+                ex.wait("consume")
+            release.set()
+            assert ex.result("consume") == expected
 
 
 def test_fail_task_hook() -> None:
