@@ -29,6 +29,7 @@ from pipeoff.ft._diloco_tail import SyncTail, late_note
 from pipeoff.ft._diloco_work import SyncWork
 from pipeoff.ft._options import StagingOptions
 from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.ft._outer_spec import SpeculativeStep
 from pipeoff.optim._plan import whole_chunks
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.staging import reserve_for
@@ -45,6 +46,8 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
 
     outer: HostOuterOptimizer
     _ex: Execution | None
+    _speculative: bool
+    _spec_stale: bool
     _abandoned: PipeoffError | None
     last_committed: bool = False
     """Whether the last sync committed."""
@@ -110,6 +113,10 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         self._form_first = (options.schedule == "pipelined"
                             and int(self._fragment_sync_delay) > 0)
         self._formation = ForwardWaits(self._formation_failed, writes_only=True)
+        self._spec = SpeculativeStep(outer, self._backups) if self._form_first else None
+        """The outer step before the decision, under the inner steps (``form_first``)."""
+        self._speculative = False
+        self._spec_stale = False
         self._guard_formation = guard_formation
         """Eager writes of the parameters on the training thread wait until the
         pseudo-gradients that read them are formed (``form_first``)."""
@@ -131,6 +138,16 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         def load_fn(state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
             if self._tail is not None:
                 self._tail.wait_done()
+            ex = self._ex
+            if ex is not None and self._speculative:
+                # Hazard: overwriting backups and state that the speculative step
+                # still reads; its result is then another state's: taken again after
+                # the decision (perform_sync).
+                try:
+                    ex.wait("stepped")
+                except Exception:  # noqa: BLE001 - the sync's own failure, kept for it
+                    pass
+                self._spec_stale = True
             for name, param in state_dict["original_parameters"].items():
                 if name in self.original_parameters:
                     self.original_parameters[name].copy_(param)
@@ -159,8 +176,20 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             # directly has not).
             self._tail.wait()
         self._failed: BaseException | None = None
+        self._speculative = self._spec_stale = False
+        if self._spec is not None:
+            try:
+                # The hyperparameters the speculative step takes (perform_sync checks
+                # that they are still the user's).
+                self.outer.sync_from_user()
+            except Exception:  # noqa: BLE001 - raised by perform_sync, before its decision
+                pass
+            else:
+                self._speculative = self._spec.begin(list(zip(self._backups, self._host_grads,
+                                                              strict=True)))
         self._ex = ex = execute(diloco_graph(self._buckets, self._chunks, self._device,
-                                             self._work(), form_first=self._form_first),
+                                             self._work(), form_first=self._form_first,
+                                             speculative=self._speculative),
                                 self._schedule())
         if self._options.schedule == "synchronous":
             self._settle("staged")
@@ -276,6 +305,13 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # Read on this thread before any outer task runs (they wait for the
                 # gate): a learning-rate schedule edits the user's groups, a
                 # checkpoint loads the user's optimizer.
+                if self._speculative and (self._spec_stale or self.outer.user_changed()):
+                    # Hazard: keeping a step taken with other hyperparameters or state
+                    # than the decision's (an lr schedule's edit, a healing load): it
+                    # is taken again after the decision, in place (the lane that keeps
+                    # the spares runs after the gate opens).
+                    assert self._spec is not None
+                    self._spec.take_in_place()
                 self.outer.sync_from_user()
             except Exception as err:
                 # Found before the decision: this replica rejects, as after any
@@ -347,7 +383,8 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             outer=self.outer, manager=self._manager, device=self._device, cuda=self._cuda,
             alpha=self._fragment_update_alpha,
             synchronous=self._options.schedule == "synchronous",
-            form_first=self._form_first, masters=self._masters).work()
+            form_first=self._form_first, masters=self._masters,
+            spec=self._spec if self._speculative else None).work()
 
     @property
     def on_masters(self) -> bool:

@@ -72,15 +72,20 @@ class DiLoCoWork:
     """``(c, parameter indices)``: the outer step of chunk ``c``, if committed."""
     write: Callable[[int, Bucket, str], Work]
     """``(k, bucket, device buffer)``: merge (committed) or restore (rejected)."""
+    keep: Callable[[], Work] | None = None
+    """``speculative``: keep the outer step's spares (committed), or drop them."""
 
 
 def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],
                  device: torch.device | str | None, work: DiLoCoWork | None = None, *,
-                 form_first: bool = False, decided_after: Sequence[str] = ()) -> TaskGraph:
+                 form_first: bool = False, decided_after: Sequence[str] = (),
+                 speculative: bool = False) -> TaskGraph:
     """The graph of one fragment sync (see the module docstring); shape-only without
     ``work``. ``decided_after``: tasks (added later, by the simulator) that the
     decision comes after: the training loop's steps until ``perform_sync``, which
-    the gate ``commit`` stands for in a real sync."""
+    the gate ``commit`` stands for in a real sync. ``speculative``: the outer step
+    runs before the decision, into spares (``_outer_spec.py``); ``keep`` keeps them
+    after it, and the writes wait for ``keep``."""
     g = TaskGraph(device=device)
     g.add_gate("commit")
     formed, staged = [], []
@@ -119,15 +124,23 @@ def diloco_graph(buckets: Sequence[Bucket], chunks: Sequence[Sequence[int]],
         nbytes = sum(pc.numel * b.nbytes // max(b.numel, 1)
                      for b in buckets for pc in b.pieces if pc.param in chunk)
         # Hazard: stepping on a pseudo-gradient whose average has not landed in
-        # host staging, or before the quorum's decision (the gate).
+        # host staging, or (in place) before the quorum's decision (the gate).
         g.add_task(f"outer:c{c}", TaskKind.HOST, work.outer(c, chunk) if work else None,
-                   deps=["staged", *decided_after], gates=["commit"], lane=OUTER_LANE,
-                   nbytes=nbytes)
+                   deps=["staged"] if speculative else ["staged", *decided_after],
+                   gates=() if speculative else ["commit"], lane=OUTER_LANE, nbytes=nbytes)
+    if speculative:
+        g.add_task("stepped", TaskKind.HOST, None,
+                   deps=[f"outer:c{c}" for c in range(len(chunks))])
+        # Hazard: keeping spares that a speculative step is still writing (on the
+        # outer lane after every outer task, the lane's order makes it so too).
+        g.add_task("keep", TaskKind.HOST, work.keep() if work and work.keep else None,
+                   deps=["stepped", *decided_after], gates=["commit"], lane=OUTER_LANE)
     for k, b in enumerate(buckets):
         w = g.add_buffer(f"w:b{k}", b.nbytes, where="device")
         # Hazard: writing a parameter before its new global value (the outer
         # step on the host backup) is complete.
-        deps = sorted({f"outer:c{chunk_of[pc.param]}" for pc in b.pieces}) + list(decided_after)
+        deps = (["keep"] if speculative else
+                sorted({f"outer:c{chunk_of[pc.param]}" for pc in b.pieces})) + list(decided_after)
         g.add_task(f"write:b{k}", TaskKind.H2D, work.write(k, b, w) if work else None,
                    deps=deps, gates=["commit"], buffers=[w], nbytes=b.nbytes)
     return g

@@ -23,6 +23,7 @@ from pipeoff.ft._buckets import Bucket, Piece
 from pipeoff.ft._collective import allreduce_bucket
 from pipeoff.ft._diloco_graph import DiLoCoWork
 from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.ft._outer_spec import SpeculativeStep
 from pipeoff.graph import TaskContext
 
 __all__ = ["SyncResults", "SyncWork"]
@@ -70,6 +71,7 @@ class SyncWork:
         form_first: the formation goes first (pipelined, ``fragment_sync_delay > 0``):
             each formed bucket is staged to the host and uploaded again for its
             all-reduce.
+        spec: the speculative outer step of this sync (``_outer_spec.py``), or ``None``.
         masters: under an inner optimizer whose FP32 host masters are the truth
             (``FullOffloadOptimizer``), each parameter's master: the pseudo-gradient
             is formed from it on the host (``backup - master``), the merge is
@@ -88,13 +90,14 @@ class SyncWork:
     synchronous: bool
     form_first: bool
     masters: Sequence[torch.Tensor] | None = None
+    spec: SpeculativeStep | None = None
     results: SyncResults = dataclasses.field(default_factory=SyncResults)
 
     def work(self) -> DiLoCoWork:
         """The task factories the graph builder takes."""
         return DiLoCoWork(pseudograd=self.pseudograd, allreduce=self.allreduce, d2h=self.d2h,
                           outer=self.outer_step, write=self.write, stage=self.stage,
-                          upload=self.upload)
+                          upload=self.upload, keep=self.keep)
 
     def pseudograd(self, k: int, b: Bucket, dev: str) -> Run:
         if self.masters is not None:
@@ -192,9 +195,23 @@ class SyncWork:
         return run
 
     def outer_step(self, c: int, chunk: Sequence[int]) -> Run:
+        spec = self.spec
+
         def run(ctx: TaskContext) -> None:
-            if ctx.gate("commit"):
-                self.outer.step([(self.backups[i], self.grads[i]) for i in chunk])
+            pairs = [(self.backups[i], self.grads[i]) for i in chunk]
+            if spec is not None:
+                spec.step(pairs)  # into the spares, before the decision
+            elif ctx.gate("commit"):
+                self.outer.step(pairs)
+
+        return run
+
+    def keep(self) -> Run:
+        spec = self.spec
+
+        def run(ctx: TaskContext) -> None:
+            if ctx.gate("commit") and spec is not None:
+                spec.keep(list(zip(self.backups, self.grads, strict=True)))
 
         return run
 

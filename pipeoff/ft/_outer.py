@@ -21,7 +21,13 @@ import torch
 from torch import optim
 
 from pipeoff._errors import ConfigError
-from pipeoff.ft._outer_kernel import SgdHyper, native_takes, outer_hyper, outer_kernel
+from pipeoff.ft._outer_kernel import (
+    AdamHyper,
+    SgdHyper,
+    native_takes,
+    outer_hyper,
+    outer_kernel,
+)
 from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
@@ -164,21 +170,13 @@ class HostOuterOptimizer:
         mine = [(h, g) for h, g in pairs if id(h) in self._by_host]
         if not mine:
             return
-        groups = self.host.param_groups
-        hypers = [outer_hyper(type(self.host), groups[self._group_of[id(h)]]) for h, _ in mine]
-        if all(x is not None and native_takes(h, g, self.host.state.get(h))
-               for (h, g), x in zip(mine, hypers, strict=True)):
-            kernel = outer_kernel()
-            if kernel is not None:
-                threads = default_threads()
-                for (h, g), hyper in zip(mine, hypers, strict=True):
-                    assert hyper is not None
-                    # no state for SGD without momentum, as torch (a state entry
-                    # would show in state_dict())
-                    plain = isinstance(hyper, SgdHyper) and hyper.momentum == 0
-                    state = {} if plain else self.host.state[h]
-                    kernel.step(h, g, state, hyper, threads=threads)
-                return
+        plan = self.native_plan(mine)
+        kernel = outer_kernel() if plan is not None else None
+        if plan is not None and kernel is not None:
+            threads = default_threads()
+            for (h, g), hyper in zip(mine, plan, strict=True):
+                kernel.step(h, g, self.native_state(h, hyper), hyper, threads=threads)
+            return
         try:
             for h, g in mine:
                 h.grad = g
@@ -186,6 +184,39 @@ class HostOuterOptimizer:
         finally:
             for h, _ in mine:
                 h.grad = None
+
+    def native_plan(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> list[SgdHyper | AdamHyper] | None:
+        """Per pair, the hyperparameters the native kernel steps it with, if it takes
+        every pair (:func:`~pipeoff.ft._outer_kernel.outer_hyper`, ``native_takes``);
+        else ``None``. Reads ``param_groups`` and the state: on the caller's thread,
+        or on a lane that the caller ordered after its edits."""
+        groups = self.host.param_groups
+        hypers = [outer_hyper(type(self.host), groups[self._group_of[id(h)]])
+                  for h, _ in pairs]
+        if all(x is not None and native_takes(h, g, self.host.state.get(h))
+               for (h, g), x in zip(pairs, hypers, strict=True)):
+            return hypers  # type: ignore[return-value]
+        return None
+
+    def native_state(self, h: torch.Tensor, hyper: SgdHyper | AdamHyper) -> Any:
+        """The state dict the native step of ``h`` fills: its own, or for SGD without
+        momentum a throwaway one (torch keeps no state there; an entry would show in
+        ``state_dict()``)."""
+        if isinstance(hyper, SgdHyper) and hyper.momentum == 0:
+            return {}
+        return self.host.state[h]
+
+    def user_changed(self) -> bool:
+        """Whether the user's optimizer differs from the host's since the last
+        :meth:`sync_from_user`: an edited hyperparameter, or state loaded into it."""
+        for a, b in zip(self.user.param_groups, self.host.param_groups):
+            for k, v in a.items():
+                if k != "params" and (k not in b or b[k] is not v and b[k] != v):
+                    return True
+        user_state, host_state = self.user.state, self.host.state
+        return any(user_state.get(p) and user_state.get(p) is not host_state.get(h)
+                   for p, h in self._pairs())
 
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's state dict: the format of the user's optimizer's, with

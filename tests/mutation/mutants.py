@@ -526,5 +526,32 @@ REVIEW = (
                "state the outer step has not written (or not yet created)"),
 )
 
-MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW)
+_SPEC = "tests/ft/test_diloco_speculative.py::"
+SPECULATIVE = (
+    Mutant(
+        name="r54:writes-before-the-spares-are-kept", file="pipeoff/ft/_diloco_graph.py",
+        old='        deps = (["keep"] if speculative else',
+        new='        deps = ([] if speculative else',
+        tests=(f"{_SPEC}test_the_writes_wait_for_the_spares_to_be_kept",),
+        hazard="the merges read the backups before the commit swapped the stepped spares "
+               "in: the parameters merge with the old global model"),
+    Mutant(
+        name="r55:speculative-step-kept-after-an-lr-edit", file="pipeoff/ft/_diloco_fragment.py",
+        old="                if self._speculative and (self._spec_stale or "
+            "self.outer.user_changed()):",
+        new="                if self._speculative and self._spec_stale:",
+        tests=(f"{_SPEC}test_an_lr_edited_before_the_decision_is_the_one_stepped",),
+        hazard="an outer lr edited between a sync's preparation and its decision (a "
+               "schedule) is not the one stepped: torchft steps with the decision's"),
+    Mutant(
+        name="r56:speculative-step-kept-after-a-healing-load",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="                self._spec_stale = True\n",
+        new="                pass\n",
+        tests=(f"{_SPEC}test_a_healing_load_before_the_decision_takes_the_step_again",),
+        hazard="a healing load of the backups and outer state before the decision is "
+               "stepped over by a step taken from the old ones"),
+)
+
+MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
 """Every mutant, in the order ``run.py`` runs and prints them."""

@@ -1,0 +1,159 @@
+"""DiLoCo's outer step taken before the quorum's decision, into spare tensors.
+
+With ``fragment_sync_delay`` > 0, every average of a sync is in host memory long
+before the decision, which comes that many inner steps later. torchft steps the
+outer optimizer after the decision, and so did pipeoff's sync, under the next
+forward. A speculative step takes it as soon as the averages have landed, under
+the inner steps, into *spare* copies of the backups and the outer state:
+
+* on a commit the spares are kept: each backup's (and state tensor's) storage is
+  swapped with its spare's, so the tensors themselves (torchft's
+  ``original_parameters``, the host optimizer's parameters and state keys, the
+  user's optimizer's aliases) stay the same objects; what is left after the
+  decision is the merge's copies;
+* on a reject they are dropped: the backups and the state were never written.
+
+Everything that reads the backups or the outer state before the decision (a
+healing peer through torchft's checkpoint function, the user's
+``outer_optimizer.state_dict()``) sees them as torchft's would: not yet stepped.
+
+Exact when the step taken is the one the decision would have taken: the
+hyperparameters and the state of ``prepare_sync``'s time. ``perform_sync``
+checks: a hyperparameter edited since (an outer learning-rate schedule), state
+loaded into the user's optimizer, or a healing load of the backups and state,
+and the step is then taken after the decision in place, as without speculation
+(:meth:`SpeculativeStep.take_in_place`).
+
+Only where the native kernels step every parameter (they step any host tensors);
+torch's own step runs on the host optimizer's parameters, which are the backups.
+Memory: a second copy of the backups and of the outer state in host memory (SGD
+with momentum: 2 S; Adam, AdamW: 3 S, S the fragment's FP32 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeoff import _accel
+from pipeoff.ft._outer import HostOuterOptimizer
+from pipeoff.ft._outer_kernel import AdamHyper, SgdHyper, outer_kernel
+from pipeoff.optim._full_offload._host_kernel import default_threads
+
+__all__ = ["SpeculativeStep"]
+
+Hyper = SgdHyper | AdamHyper
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the storages of ``a`` and ``b`` (same shape, dtype, contiguous), each
+    tensor object keeping its identity."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    with torch.no_grad():
+        a.set_(sb, 0, b.size(), b.stride())
+        b.set_(sa, 0, a.size(), a.stride())
+
+
+class SpeculativeStep:
+    """One fragment's spares and the speculative step of its sync in flight.
+
+    Args:
+        outer: the host outer optimizer (its state is the real one).
+        backups: the fragment's backups (its order).
+    """
+
+    def __init__(self, outer: HostOuterOptimizer, backups: Sequence[torch.Tensor]) -> None:
+        self.outer = outer
+        self.backups = list(backups)
+        self._spare: dict[int, torch.Tensor] = {}
+        self._spare_state: dict[int, dict[str, Any]] = {}
+        self.plan: dict[int, Hyper] | None = None
+        """Per backup (``id``), the hyperparameters of the sync in flight's step; ``None``:
+        no speculative step for it."""
+        self.in_place = False
+        """The step is taken after the decision, in place (the speculative one is
+        dropped: its inputs changed before the decision)."""
+
+    # -- the caller's thread -------------------------------------------------------------
+    def begin(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """At ``prepare_sync``, with the user's hyperparameters just synced: whether the
+        sync steps speculatively (the native kernels take every pair)."""
+        self.in_place = False
+        hypers = self.outer.native_plan(pairs) if outer_kernel() is not None else None
+        self.plan = (None if hypers is None else
+                     {id(h): x for (h, _), x in zip(pairs, hypers, strict=True)})
+        return self.plan is not None
+
+    def take_in_place(self) -> None:
+        """Drop the speculative step: after the decision the step is taken in place,
+        with the hyperparameters and state as they are then (set before the decision;
+        the lane that keeps or steps waits for it)."""
+        self.in_place = True
+
+    # -- the outer lane --------------------------------------------------------------------
+    def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The step of ``pairs`` (``(backup, averaged pseudo-gradient)``) into their
+        spares, the backups and the state only read."""
+        plan = self.plan
+        assert plan is not None
+        kernel = outer_kernel()
+        assert kernel is not None
+        threads = default_threads()
+        for h, g in pairs:
+            hyper = plan[id(h)]
+            spare = self._spare.get(id(h))
+            if spare is None:
+                spare = self._spare[id(h)] = _accel.current().host_empty(
+                    h.shape, h.dtype, pinned=_accel.current().is_pinned(h))
+            spare.copy_(h)
+            state = self._spare_of_state(h, hyper)
+            kernel.step(spare, g, state, hyper, threads=threads)
+
+    def _spare_of_state(self, h: torch.Tensor, hyper: Hyper) -> dict[str, Any]:
+        """A spare state dict for ``h``'s step, holding copies of its state (empty before
+        its first step: the kernel creates it, as torch does)."""
+        real = self.outer.native_state(h, hyper)
+        spare = self._spare_state.setdefault(id(h), {})
+        if not real:
+            spare.clear()
+            return spare
+        for k, v in real.items():
+            have = spare.get(k)
+            if isinstance(v, torch.Tensor):
+                if not isinstance(have, torch.Tensor) or have.shape != v.shape \
+                        or have.dtype != v.dtype:
+                    have = spare[k] = torch.empty_like(v)
+                have.copy_(v)
+            else:
+                spare[k] = v
+        return spare
+
+    def keep(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After a commit: the spares become the backups and the state (storages
+        swapped), or with :attr:`in_place` the step is taken in place now."""
+        if self.in_place:
+            self.outer.step(pairs)
+            return
+        plan = self.plan
+        assert plan is not None
+        host_state = self.outer.host.state
+        for h, _ in pairs:
+            _swap(h, self._spare[id(h)])
+            hyper = plan[id(h)]
+            if isinstance(hyper, SgdHyper) and hyper.momentum == 0:
+                continue  # (no state)
+            spare = self._spare_state[id(h)]
+            real = host_state.get(h)
+            if not real:
+                # The first step: the spare state becomes the state; a new spare
+                # next time.
+                host_state[h] = spare
+                self._spare_state[id(h)] = {}
+                continue
+            for k, v in spare.items():
+                if isinstance(v, torch.Tensor) and isinstance(real.get(k), torch.Tensor):
+                    _swap(real[k], v)
+                else:
+                    real[k] = v

@@ -1,0 +1,184 @@
+"""DiLoCo's speculative outer step (``pipeoff/ft/_outer_spec.py``): with
+``fragment_sync_delay`` > 0 the outer step runs before the decision into spares,
+kept on a commit and dropped on a reject; bitwise torchft's, including when the
+hyperparameters or the state change between the sync's preparation and its decision.
+
+One replica on a mock Manager (its all-reduce leaves the pseudo-gradients as they
+are), against torchft's DiLoCo on the same model, data and Manager behaviour; the
+interleavings are forced by holding tasks until the training thread blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn, optim
+from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+import pipeoff
+import pipeoff.ft
+import pipeoff.testing
+from tests._stacks import release_when_waiting
+from tests.ft._diloco_replicas import make_model, sgd_nesterov
+from tests.ft.test_diloco_tail import _manager
+
+SYNC_EVERY = 3
+DELAY = 1
+KW = {"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 128}
+
+
+def _inner_step(model: nn.Module, inner: optim.Optimizer, k: int) -> None:
+    inner.zero_grad()
+    x = torch.randn(2, 12, generator=torch.Generator().manual_seed(k))
+    model(x).pow(2).mean().backward()
+    inner.step()
+
+
+@contextmanager
+def _diloco(torchft: bool, outer_of: Callable[[Any], optim.Optimizer] = sgd_nesterov,
+            commit: bool = True) -> Iterator[tuple[nn.Module, optim.Optimizer, Any, Any]]:
+    model = make_model(0)
+    manager = _manager()
+    if not commit:
+        manager.should_commit.side_effect = lambda *a, **k: False
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = outer_of(model.parameters())
+    cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
+    with cls(manager, [model], inner, outer, SYNC_EVERY, fragment_sync_delay=DELAY,
+             fragment_update_alpha=0.5, **({} if torchft else KW)) as d:
+        yield model, inner, d, manager
+
+
+def _loop(torchft: bool, *, between: Callable[..., None] | None = None, steps: int = 6,
+          outer_of: Callable[[Any], optim.Optimizer] = sgd_nesterov,
+          commit: bool = True) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+    """``steps`` inner steps; ``between(model, inner, d, manager)`` right after each
+    preparing step (before the decision, DELAY steps later). The parameters after every
+    step, and the outer state and backups at the end."""
+    out = []
+    with _diloco(torchft, outer_of, commit) as (model, inner, d, manager):
+        for k in range(steps):
+            _inner_step(model, inner, k)
+            if between is not None and d._local_step == SYNC_EVERY - DELAY:
+                between(model, inner, d, manager)
+            out.append([p.detach().clone() for p in model.parameters()])
+        if not torchft:
+            d.wait_for_sync()
+        outer = d._fragments[0]._outer_optimizer
+        end = {"state": copy.deepcopy(outer.state_dict()["state"]),
+               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+    return out, end
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    (pa, ea), (pb, eb) = a, b
+    assert len(pa) == len(pb)
+    for s, (x, y) in enumerate(zip(pa, pb)):
+        assert all(torch.equal(u, v) for u, v in zip(x, y)), f"step {s}"
+    assert ea["backups"].keys() == eb["backups"].keys()
+    assert all(torch.equal(ea["backups"][k], eb["backups"][k]) for k in ea["backups"])
+    assert ea["state"].keys() == eb["state"].keys()
+    for k in ea["state"]:
+        for key, v in ea["state"][k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(eb["state"][k][key])), key
+
+
+def _outer_adamw(ps: Any) -> optim.Optimizer:
+    return optim.AdamW(ps, lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+@pytest.mark.parametrize("outer", ["sgd", "adamw"])
+def test_speculative_syncs_are_torchfts_bits(outer: str) -> None:
+    outer_of = sgd_nesterov if outer == "sgd" else _outer_adamw
+    _assert_same(_loop(False, outer_of=outer_of), _loop(True, outer_of=outer_of))
+
+
+def test_the_outer_step_is_taken_before_the_decision_into_spares() -> None:
+    """Right after the preparing step, before the decision: the speculative step is done
+    (it waits for no gate), and the backups and the outer state, which a healing peer or
+    a checkpoint reads then, are still the ones before the sync, as torchft's."""
+    seen: dict[str, Any] = {}
+
+    def look(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
+        frag = d._fragments[0]
+        if isinstance(d, pipeoff.ft.DiLoCo):
+            assert frag._speculative
+            frag._ex.wait("stepped", timeout=60)  # no gate: it does not wait for perform
+        seen.setdefault("backups", []).append(
+            {n: t.clone() for n, t in frag.original_parameters.items()})
+        seen.setdefault("state", []).append(copy.deepcopy(
+            frag._outer_optimizer.state_dict()["state"]))
+
+    _loop(False, between=look)
+    mine = dict(seen)
+    seen.clear()
+    _loop(True, between=look)
+    for a, b in zip(mine["backups"], seen["backups"], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for a, b in zip(mine["state"], seen["state"], strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k]["momentum_buffer"], b[k]["momentum_buffer"]) for k in a)
+
+
+def test_a_rejected_speculative_sync_drops_the_spares() -> None:
+    _assert_same(_loop(False, commit=False), _loop(True, commit=False))
+
+
+def _edit_lr(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
+    for g in d._fragments[0]._outer_optimizer.param_groups:
+        g["lr"] = g["lr"] * 0.5  # an outer schedule stepping between prepare and decision
+
+
+def test_an_lr_edited_before_the_decision_is_the_one_stepped() -> None:
+    """torchft reads the outer lr at the decision: a speculative step taken with the old
+    one is dropped and the step taken again in place."""
+    _assert_same(_loop(False, between=_edit_lr), _loop(True, between=_edit_lr))
+
+
+def _heal(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
+    """torchft's checkpoint loader of the fragment, called as a healing replica's quorum
+    calls it (a peer's backups and outer state), between prepare and decision."""
+    call = manager.register_state_dict_fn.call_args
+    load_fn = [a for a in (*call.args, *call.kwargs.values()) if callable(a)][0]
+    frag = d._fragments[0]
+    peer = {"original_parameters": {n: t.clone() * 0.9 for n, t
+                                    in frag.original_parameters.items()},
+            "outer_optimizer": copy.deepcopy(frag._outer_optimizer.state_dict())}
+    load_fn(peer)
+
+
+def test_a_healing_load_before_the_decision_takes_the_step_again() -> None:
+    _assert_same(_loop(False, between=_heal), _loop(True, between=_heal))
+
+
+# -- the waits of keeping the spares -----------------------------------------------------
+def _held(pattern: str, *where: str) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+    """The loop with tasks matching ``pattern`` held until the training thread blocks in
+    a wait called from ``where``."""
+    with pipeoff.testing.hold_task(pattern) as release:
+        watcher = release_when_waiting(release, *where)
+        try:
+            return _loop(False, steps=SYNC_EVERY + 1)
+        finally:
+            release.set()
+            watcher.join()
+
+
+def test_keeping_the_spares_waits_for_the_speculative_step() -> None:
+    """The speculative step held until the training thread waits for the sync's writes
+    (its read of the parameters after the syncing step): keep swaps the spares in only
+    once they are written."""
+    want = _loop(True, steps=SYNC_EVERY + 1)
+    _assert_same(_held(r"outer:c\d+", "wait_for"), want)
+
+
+def test_the_writes_wait_for_the_spares_to_be_kept() -> None:
+    """keep held until the training thread waits for the writes: the merges read the new
+    global model only once it is kept."""
+    want = _loop(True, steps=SYNC_EVERY + 1)
+    _assert_same(_held("keep", "wait_for"), want)
