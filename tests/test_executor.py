@@ -416,6 +416,34 @@ def test_inline_runs_on_the_callers_thread() -> None:
     assert pipeoff.execute(g, backend="threads").result("t") != me
 
 
+def test_an_idle_lane_keeps_nothing_of_its_last_execution() -> None:
+    # An idle lane that kept its last items kept their execution alive, and all its
+    # graph's work closes over: a StateTransfer's process group, which then outlived
+    # destroy_process_group into interpreter finalization (issue 37).
+    import gc
+    import weakref
+
+    from pipeoff.executor import threads
+
+    class Held:
+        pass
+
+    held = Held()
+    ref = weakref.ref(held)
+    g = TaskGraph()
+    g.add_task("t", TaskKind.HOST, lambda ctx, h=held: None, lane="issue37-idle")
+    ex = pipeoff.execute(g, backend="threads")
+    ex.wait(timeout=30)
+    del ex, g, held
+    (worker,) = threads._lanes["issue37-idle"]
+    # Parked again (waiting for items): what it keeps while idle, it keeps for good.
+    deadline = time.monotonic() + 30
+    while not worker._cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.001)
+    gc.collect()
+    assert ref() is None
+
+
 def test_lane_threads_are_created_once() -> None:
     from pipeoff.executor.threads import lane_threads
 

@@ -81,23 +81,36 @@ class _LaneWorker:
                 batch = list(q)
                 q.clear()
             _happens.acquire(self)
+            stop = any(item is _STOP for item in batch)
             for item in batch:
                 if item is _STOP:
-                    return
-                # The accelerator's per-thread set-up (the simulated device checks
-                # this thread's accesses too); a no-op on CUDA.
-                try:
-                    with _accel.current().host_thread():
-                        if callable(item):
-                            item()
-                        else:
-                            run, i = item
-                            run.run_task(i, self.lane)
-                except BaseException as err:  # noqa: BLE001 - the lane must outlive it
-                    # Items record their own failures on their execution; this is a
-                    # failure outside that (a bug): report it, keep the lane alive.
-                    warnings.warn(f"pipeoff: lane {self.lane!r} caught {err!r} outside a "
-                                  "task; the lane goes on", RuntimeWarning, stacklevel=1)
+                    break
+                self._run_item(item)
+            # Hazard: an idle lane must not hold its last items. Through them it kept
+            # their execution alive, its graph's work and all that closes over, a
+            # process group among them: ``destroy_process_group()`` then left gloo's
+            # threads running into interpreter finalization, where one of them, still
+            # dropping a finished collective, aborted the process (issue 37).
+            del batch, item
+            if stop:
+                return
+
+    def _run_item(self, item: Any) -> None:
+        """Run one item (its references die with this frame, see :meth:`_loop`)."""
+        # The accelerator's per-thread set-up (the simulated device checks
+        # this thread's accesses too); a no-op on CUDA.
+        try:
+            with _accel.current().host_thread():
+                if callable(item):
+                    item()
+                else:
+                    run, i = item
+                    run.run_task(i, self.lane)
+        except BaseException as err:  # noqa: BLE001 - the lane must outlive it
+            # Items record their own failures on their execution; this is a
+            # failure outside that (a bug): report it, keep the lane alive.
+            warnings.warn(f"pipeoff: lane {self.lane!r} caught {err!r} outside a "
+                          "task; the lane goes on", RuntimeWarning, stacklevel=1)
 
 
 _lanes: dict[str, list[_LaneWorker]] = {}
