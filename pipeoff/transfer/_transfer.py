@@ -20,6 +20,7 @@ from pipeoff.schedule import Schedule
 from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
 from pipeoff.transfer._graph import transfer_graph
+from pipeoff.transfer._group import GroupRef, resolve_wire
 from pipeoff.transfer._live import LiveTensor, alias_problems, readiness_problem
 from pipeoff.transfer._plan import ALIGN, Piece, PlanRefusal, Run, TransferPlan, plan_transfer
 
@@ -46,6 +47,10 @@ class _State:
     started: dict[int, set[str]] = field(default_factory=dict)
     finished: dict[int, set[str]] = field(default_factory=dict)
     torn: TransferTornError | None = None
+    group: Any = None
+    """The launch's process group, until its last collective ran (the verdict): held
+    no longer, so that ``destroy_process_group`` can destroy it (see [Note: holding
+    process groups] in ``_group.py``)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, task: str, err: BaseException) -> None:
@@ -117,6 +122,10 @@ class StateTransfer:
         targets: key -> :class:`LiveTensor` this rank wants written.
         process_group: the group of the ranks taking part; ``None``: the default
             group if ``torch.distributed`` is initialized, else this process alone.
+            The transfer never keeps a group alive (a given one is held by weak
+            reference, the default one looked up at each launch), so that
+            ``destroy_process_group()`` destroys it; launching afterwards raises
+            ``ConfigError``.
         host_budget_bytes: most bytes of host staging live at once (default 64 MiB).
         device_budget_bytes: most bytes of device staging live at once (default 64 MiB).
         cast: ``{pattern: dtype}``: targets of keys matching ``pattern``
@@ -160,13 +169,23 @@ class StateTransfer:
         if schedule not in ("pipelined", "synchronous"):
             raise ConfigError(f"schedule must be 'pipelined' or 'synchronous', got {schedule!r}")
         self.schedule = schedule
-        self.group = _resolve_group(process_group)
-        self.wire = _resolve_wire(wire, self.group)
+        # Never the group itself: see [Note: holding process groups] in _group.py.
+        self._group = GroupRef(process_group)
+        self.wire = resolve_wire(wire, self.group)
         self.last_plan: TransferPlan | None = None
         """The plan of the latest launch (identical on every rank)."""
         self.last_execution: Execution | None = None
 
     # -- the collective helpers ------------------------------------------------------
+    @property
+    def group(self) -> Any:
+        """The process group (``None``: this process alone), looked up at each use.
+
+        Raises:
+            ConfigError: the group was destroyed since this transfer was built.
+        """
+        return self._group.get()
+
     @property
     def rank(self) -> int:
         return 0 if self.group is None else int(torch.distributed.get_rank(self.group))
@@ -175,17 +194,19 @@ class StateTransfer:
     def world_size(self) -> int:
         return 1 if self.group is None else int(torch.distributed.get_world_size(self.group))
 
-    def _global(self, r: int) -> int:
-        """The global rank of group rank ``r`` (errors name global ranks)."""
-        if self.group is None:
+    @staticmethod
+    def _global(r: int, group: Any) -> int:
+        """The global rank of ``group``'s rank ``r`` (errors name global ranks)."""
+        if group is None:
             return r
-        return int(torch.distributed.get_global_rank(self.group, r))
+        return int(torch.distributed.get_global_rank(group, r))
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.group is None:
+    @staticmethod
+    def _gather(obj: Any, group: Any) -> list[Any]:
+        if group is None:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj, group=self.group)
+        out: list[Any] = [None] * int(torch.distributed.get_world_size(group))
+        torch.distributed.all_gather_object(out, obj, group=group)
         return out
 
     @property
@@ -242,7 +263,8 @@ class StateTransfer:
                     "local_capacity": ALIGN, "casts": (), "src": [], "dst": [],
                     "problems": [("*", f"describing its pieces raised "
                                        f"{type(err).__name__}: {err}")]}
-        everyone = self._gather(mine)
+        # (self.group, never a local: the refusal's traceback keeps this frame.)
+        everyone = self._gather(mine, self.group)
         problems = [(r, k, why) for r, d in enumerate(everyone) for k, why in d["problems"]]
         for r, d in enumerate(everyone):
             for name in ("version", "wire"):
@@ -259,7 +281,7 @@ class StateTransfer:
                 problems = err.problems
             except Exception as err:  # noqa: BLE001 - the same on every rank: refused
                 problems = [(0, "*", f"planning raised {type(err).__name__}: {err}")]
-        raise TransferRefusedError(tuple(sorted(((self._global(r), k, why)
+        raise TransferRefusedError(tuple(sorted(((self._global(r, self.group), k, why)
                                                  for r, k, why in problems),
                                                 key=lambda p: p[0])))
 
@@ -276,8 +298,10 @@ class StateTransfer:
             except BaseException as err:  # noqa: BLE001 - told to every rank, then raised
                 problems.append(("*", f"the preflight raised {type(err).__name__}: {err}"))
                 sig = ""
+            # (state.group, never a local: a traceback keeps its frames' locals, and
+            # a refusal is kept by the execution.)
             try:
-                everyone = self._gather((problems, sig))
+                everyone = self._gather((problems, sig), state.group)
             except BaseException:
                 state.refused = True  # no more collectives on a group that failed one
                 raise
@@ -288,7 +312,7 @@ class StateTransfer:
                                           f"{everyone[0][1]}"))
             if found:
                 state.refused = True
-                raise TransferRefusedError(tuple((self._global(r), k, why)
+                raise TransferRefusedError(tuple((self._global(r, state.group), k, why)
                                                  for r, k, why in found))
         return work
 
@@ -357,7 +381,7 @@ class StateTransfer:
     def _exchange(self, state: _State, plan: TransferPlan) -> Any:
         import torch.distributed as dist
 
-        rank, world, group = self.rank, self.world_size, self.group
+        rank, world = self.rank, self.world_size
         dev = self._device if self.wire == "device" else torch.device("cpu")
 
         def make(r: int) -> Any:
@@ -371,7 +395,7 @@ class StateTransfer:
                 bad = state.fault is not None or ctx.failed is not None or state.aborted
                 flag = torch.tensor([int(bad)], dtype=torch.int32, device=dev)
                 # Every rank joins, a failed one too, so that no peer waits in vain.
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.group)
                 # A host read of the flag (on a device wire, it synchronizes the comm
                 # stream): every rank must take the same branch before the all-to-all.
                 if int(flag.item()):
@@ -381,7 +405,8 @@ class StateTransfer:
                 send = ctx.buffer(f"send{r}")[:sum(out_splits)] if any(out_splits) else empty
                 recv = ctx.buffer(f"recv{r}")[:sum(in_splits)] if any(in_splits) else empty
                 try:
-                    dist.all_to_all_single(recv, send, in_splits, out_splits, group=group)
+                    dist.all_to_all_single(recv, send, in_splits, out_splits,
+                                           group=state.group)
                 except BaseException as err:
                     state.record(ctx.task.name, err)
                     raise
@@ -389,7 +414,19 @@ class StateTransfer:
         return make
 
     def _verdict(self, state: _State, plan: TransferPlan) -> Any:
+        rank, world = self.rank, self.world_size
+
         def work(ctx: TaskContext) -> None:
+            try:
+                judge(ctx)
+            finally:
+                # The launch's last collective has run (every other task comes before
+                # this one): let go of the group, so that the execution, kept as
+                # last_execution, does not keep it alive.
+                state.group = None
+
+        def judge(ctx: TaskContext) -> None:
+            # (state.group, never a local: the torn error's traceback keeps this frame.)
             if state.refused:
                 return
             fault = state.fault
@@ -402,10 +439,10 @@ class StateTransfer:
                     f"{fault[1]}", tuple(written), tuple(partial))
             note = ""
             try:
-                everyone = self._gather(mine)
+                everyone = self._gather(mine, state.group)
             except BaseException as err:  # noqa: BLE001 - reported in the torn error
-                everyone = [(None, (), ())] * self.world_size
-                everyone[self.rank] = mine
+                everyone = [(None, (), ())] * world
+                everyone[rank] = mine
                 note = (f"the ranks could not compare what they wrote ({type(err).__name__}: "
                         f"{err}); other ranks' rounds are unknown")
             faults = {r: f for r, (f, _, _) in enumerate(everyone) if f}
@@ -416,10 +453,10 @@ class StateTransfer:
             keys = sorted({u.key for r in range(len(everyone))
                            for k in (*done.get(r, ()), *part.get(r, ()))
                            for u in plan.rounds[k] if u.dst == r})
-            g = self._global
-            state.torn = TransferTornError({g(r): w for r, w in done.items()},
-                                           {g(r): p for r, p in part.items()},
-                                           {g(r): f for r, f in faults.items()}, tuple(keys),
+            g = {r: self._global(r, state.group) for r in range(len(everyone))}
+            state.torn = TransferTornError({g[r]: w for r, w in done.items()},
+                                           {g[r]: p for r, p in part.items()},
+                                           {g[r]: f for r, f in faults.items()}, tuple(keys),
                                            note)
             raise state.torn
         return work
@@ -490,7 +527,7 @@ class StateTransfer:
         rank = self.rank
         src_where = self._memory_of(self.sources)
         dst_where = self._memory_of(self.targets)
-        state = _State(writers={})
+        state = _State(writers={}, group=self.group)
         graph = transfer_graph(
             plan, rank, src_where=src_where, dst_where=dst_where, wire=self.wire,
             device=self._device, preflight=self._preflight(plan, state),
@@ -511,6 +548,8 @@ class StateTransfer:
             return state.torn if state.torn is not None else err
 
         _lowlevel.translate_failures(ex, translate)
+        # The verdict lets go of the group; this, should the verdict not run at all.
+        _lowlevel.on_complete(ex, lambda: setattr(state, "group", None))
         self.last_execution = ex
         return ex
 
@@ -529,29 +568,3 @@ class StateTransfer:
         """The trace of the latest launch (waits for it)."""
         ex = self.last_execution
         return None if ex is None else ex.trace
-
-
-def _resolve_group(group: Any) -> Any:
-    import torch.distributed as dist
-
-    if group is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.group.WORLD
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError("process_group was given, but torch.distributed is not initialized")
-    return group
-
-
-def _resolve_wire(wire: str, group: Any) -> str:
-    if wire != "auto":
-        return wire
-    if group is None:
-        return "host"
-    import torch.distributed as dist
-
-    try:
-        backend = str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001 - a process group torch does not know (torchft's)
-        backend = type(group).__name__.lower()
-    return "device" if "nccl" in backend else "host"

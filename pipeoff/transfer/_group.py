@@ -1,0 +1,87 @@
+"""The process group of a state transfer, held so that pipeoff never keeps it alive.
+
+[Note: holding process groups]
+``torch.distributed.destroy_process_group()`` drops torch's own references to a
+group; the group itself (a ``ProcessGroupGloo``, with its worker threads) is
+destroyed, and those threads joined, when its last reference goes. A pipeoff
+object that still held it (a ``StateTransfer``, the work of its last execution,
+an idle lane's last items) kept gloo's threads running into interpreter
+finalization. There a gloo thread that was still dropping its last finished
+collective freed that collective's tensors, whose Python objects it then owned:
+freeing one takes the GIL, CPython ends a thread that takes the GIL while it
+finalizes with ``pthread_exit``, and that unwind through torch's ``noexcept``
+destructor aborted the process ("terminate called without an active
+exception", issue 37). Destroyed before finalization, the group joins its
+threads while the interpreter is whole.
+
+So a transfer holds the default group by name (looked up at each launch), a
+group it was given by weak reference where the group allows one, and a launch
+holds its group only until its last collective has run.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from pipeoff._errors import ConfigError
+
+__all__ = ["GroupRef", "resolve_wire"]
+
+
+class GroupRef:
+    """How a :class:`~pipeoff.transfer.StateTransfer` finds its process group.
+
+    ``None`` at construction means the default group if ``torch.distributed`` is
+    initialized then (found again at each use), else no group (one process).
+    """
+
+    __slots__ = ("_default", "_ref")
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        self._ref: Callable[[], Any] | None = None
+        self._default = group is None and initialized
+        if group is None:
+            return
+        if not initialized:
+            raise ConfigError("process_group was given, but torch.distributed is not initialized")
+        try:
+            self._ref = weakref.ref(group)
+        except TypeError:  # not weakly referable: held, as its owner holds it anyway
+            self._ref = lambda: group
+
+    def get(self) -> Any:
+        """The group (``None``: this process alone).
+
+        Raises:
+            ConfigError: the group is gone (``destroy_process_group``) since.
+        """
+        if self._ref is None and not self._default:
+            return None
+        import torch.distributed as dist
+
+        group = self._ref() if self._ref is not None else None
+        if not dist.is_initialized() or (self._ref is not None and group is None):
+            raise ConfigError(
+                "the process group this StateTransfer was built with was destroyed since "
+                "(destroy_process_group); build a new one after init_process_group")
+        return dist.group.WORLD if group is None else group
+
+
+def resolve_wire(wire: str, group: Any) -> str:
+    """``"auto"``: device memory for NCCL, else host memory."""
+    if wire != "auto":
+        return wire
+    if group is None:
+        return "host"
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 - a process group torch does not know (torchft's)
+        backend = type(group).__name__.lower()
+    return "device" if "nccl" in backend else "host"
