@@ -13,25 +13,29 @@ from typing import Any, Literal
 import torch
 
 from pipeoff import _accel, _compat
-from pipeoff._compat import local_tensor as _local
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _update
 from pipeoff.optim._hooks import set_post_optim_event
-from pipeoff.optim._offload import _graph
-from pipeoff.optim._offload._args import _DEFAULT, _Default, mode_of, staging_args, wrapped
+from pipeoff.optim._offload import _graph, _join
+from pipeoff.optim._offload._args import (
+    _DEFAULT,
+    _Default,
+    check_fraction,
+    mode_of,
+    staging_args,
+    wrapped,
+)
+from pipeoff.optim._offload._device_part import DevicePart, state_bytes
 from pipeoff.optim._offload._graph import Step
 from pipeoff.optim._offload._host_layout import HostLayout
-from pipeoff.optim._offload._host_state import (
-    offload_state,
-)
+from pipeoff.optim._offload._host_state import host_tensor, offload_state
 from pipeoff.optim._offload._layout import Layout
 from pipeoff.optim._offloaded import Offloaded
 from pipeoff.optim._plan import ChunkPlan, verify_plan
 from pipeoff.optim._readers import Readers
-from pipeoff.optim._tensors import describe as _describe
 from pipeoff.optim._tensors import index_of
 from pipeoff.optim._waits import ForwardWaits
 from pipeoff.trace import Trace
@@ -142,6 +146,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         read_guard: bool = True,
         reserve: bool = True,
         lookahead: int | None = None,
+        offload_fraction: float = 1.0,
         **optimizer_kwargs: Any,
     ) -> None:
         optimizer = wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
@@ -152,6 +157,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"read_guard must be True or False, got {read_guard!r}")
         if not isinstance(reserve, bool):
             raise ConfigError(f"reserve must be True or False, got {reserve!r}")
+        offload_fraction = check_fraction(offload_fraction, "OffloadOptimizer")
         if mode != "single_pass":
             _update.check_elementwise(optimizer, mode)
             # Hazard: a compile session that began before the first chunk's math
@@ -178,14 +184,15 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._readers = Readers()  # state transfers reading the host state
         self._step_layout: Layout | None = None  # the layout of the step in flight
         self._attach_handles: list[Any] = []  # attach()'s forward hooks
-        self._fsdp_root: Any = None  # set by attach() on an FSDP2 root
         self._attached: torch.nn.Module | None = None
         self._waits = ForwardWaits(self.wait_for_step)
         self._waits.guard_enabled = read_guard
         self._reserve = reserve
         # The layout of the live groups, host state in it, host memory reserved ahead.
+        self._device = DevicePart()  # the device part's step and its event
         self._host = HostLayout(optimizer, chunked=self._chunked, chunk_bytes=chunk_bytes,
-                                pin_memory=self.pin_memory, on_change=self._waits.forget)
+                                pin_memory=self.pin_memory, on_change=self._waits.forget,
+                                offload_fraction=offload_fraction)
         if self._chunked:
             self.verify_plan()
             if reserve:
@@ -226,14 +233,40 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """The device of the parameters (their local shards)."""
         return self._host.layout.device
 
+    @property
+    def offload_fraction(self) -> float:
+        """About this share of the optimizer state is in host memory (by bytes; the
+        split is by whole parameters, the first ones in param-group order on the device)."""
+        return self._host.offload_fraction
+
+    def memory_stats(self) -> dict[str, int]:
+        """Where the optimizer state is, after the step in flight (the live param groups).
+
+        Returns:
+            A dict of ints: ``state_bytes_host``, bytes of state in host memory (the
+            host part's, tensors reserved for state a first step makes included,
+            and scalar state such as a CPU ``step``); ``state_bytes_device``, bytes
+            of state in device memory (the device part's, and scalar state on the
+            device such as a fused ``step``); ``params_host`` and ``params_device``,
+            the parameters of each part. Device staging is not state: a step adds at
+            most ``(prefetch + 1)`` chunks of it (or ``device_budget_bytes``).
+
+        Raises:
+            ConfigError: the live param groups are invalid.
+        """
+        self.wait_for_step()
+        return state_bytes(self.inner, self._host.current(self._attached), self._host.reserved)
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("OffloadOptimizer cannot be pickled; save state_dict() instead")
 
     def __repr__(self) -> str:
         staging = (f"device_budget_bytes={self.device_budget_bytes}"
                    if self.device_budget_bytes is not None else f"prefetch={self.prefetch}")
+        fraction = ("" if self.offload_fraction == 1.0
+                    else f"offload_fraction={self.offload_fraction}, ")
         return (f"OffloadOptimizer(mode={self.mode!r}, chunk_bytes={self.chunk_bytes}, "
-                f"{staging}, {self.inner!r})")
+                f"{staging}, {fraction}{self.inner!r})")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; the next step plans it in.
@@ -312,6 +345,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             return _compat.dynamo_disable(OffloadOptimizer.wait_for_step)(self)  # type: ignore[no-any-return]
         st = self._inflight
         if st is None:
+            self._device.wait()
             return
         try:
             st.execution.wait()
@@ -323,38 +357,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                              "flight, which goes on: it has not failed and must not be "
                              "repeated. Call wait_for_step() to wait for it.")
                 raise
-            for p, g in st.restore.values():
-                if p.grad is None:
-                    p.grad = g
-            self._end_step(st)
-            written = sorted(st.written)
-            failed = st.execution.failed_task
-            if written:
-                # The updates cannot be undone (that would need a copy of every
-                # parameter): refuse to compound them rather than train on silently.
-                self._health.torn_cause = err
-                self._health.torn = (
-                    f"a step failed in {failed!r} after chunk(s) "
-                    f"{_ranges(written)} of {len(st.opt_tasks)} had written their parameters"
-                )
-                err.add_note(
-                    f"pipeoff: {self._health.torn}; the parameters and optimizer state are partly "
-                    "stepped. Load a checkpoint (model and optimizer load_state_dict) "
-                    "before stepping again."
-                )
-            else:
-                err.add_note(f"pipeoff: the step failed in {failed!r} before any chunk wrote "
-                             "a parameter; no parameter was written and the step can be "
-                             "retried.")
+            self._inflight = None
+            _join.report(self._health, err, st, st.execution.failed_task)
+            _join.finish(st, self._waits)
             raise
-        self._end_step(st)
-        self._emit_stats()  # the finished step's figures, to the hooks
-
-    def _end_step(self, st: Step) -> None:
+        self._device.wait()  # the join: see [Note: the two parts of a step]
         self._inflight = None
-        st.grads.clear()
-        st.restore.clear()
-        self._waits.end()
+        _join.finish(st, self._waits)
+        self._emit_stats()  # the finished step's figures, to the hooks
 
     def _writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         st = self._inflight
@@ -371,18 +381,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         ``"step"`` is committed at the end of a step: read it after :meth:`wait_for_step`."""
         st = self._inflight
         layout = self._step_layout if st is not None and self._step_layout else self._host.layout
-        i = index_of(layout.params, param)
-        host = st.host_state.get(i, {}).get(key) if st is not None else None
-        if host is None:
-            value = self.inner.state.get(param, {}).get(key)
-            if isinstance(value, torch.Tensor) and key in layout.keys[i]:
-                host = _local(value)
-        if host is None:
-            raise ConfigError(
-                f"{_describe(i, param)} has no per-element state {key!r} "
-                f"(it has {sorted(layout.keys[i])}); scalar state such as 'step' is "
-                "committed when a step ends: read opt.state after wait_for_step()")
-        return host
+        return host_tensor(self.inner, layout, param, key,
+                           st.host_state if st is not None else {})
 
     def _stepped_params(self) -> tuple[torch.Tensor, ...]:
         return self._host.current(self._attached).params
@@ -449,14 +449,6 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 parameters are not in it.
         """
         super().attach(model)
-        root = _compat.compiled_original(model)
-        self._fsdp_root = root if hasattr(root, "set_post_optim_event") else None
-
-    def detach(self) -> None:
-        """Remove the forward hooks that :meth:`attach` installed (after the step in
-        flight)."""
-        super().detach()
-        self._fsdp_root = None
 
     # -- stepping -------------------------------------------------------------
     @torch.no_grad()
@@ -545,6 +537,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             self._inflight = st
             self._last = st.execution
             self._last_waits = []
+            try:  # launched first: the lanes do not wait for it (the two parts' Note)
+                st.device_params = self._device.step(layout, self.inner)
+            except BaseException as err:
+                st.device_written = self._device.written
+                _join.device_failed(self._health, st, self._waits, err)
+                self._inflight = None
+                raise
+            st.device_written = self._device.written
             if self.mode == "chunked":
                 self._wait_synchronously()  # the one host wait of a chunked step
             else:
@@ -559,8 +559,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                     chunks_of=layout.chunks_of, device=layout.device, written=st.updated,
                     grad_of=grad_of))
                 if _accel.current().is_device(layout.device):
-                    root = self._fsdp_root
-                    if root is not None:
+                    root = (None if self._attached is None
+                            else _compat.compiled_original(self._attached))
+                    if hasattr(root, "set_post_optim_event"):
+                        # After the device part's kernels: FSDP2's all-gathers read
+                        # its shards too (see [Note: the two parts of a step]).
                         set_post_optim_event(root, self.device)
         return None
 
@@ -585,13 +588,3 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._host.reserve(self._host.current(self._attached), prefetch=self.prefetch,
                                   budget=self.device_budget_bytes)
 
-
-def _ranges(ks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
-    for k in ks:
-        if out and k == int(out[-1].rsplit("-", 1)[-1]) + 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{k}"
-        else:
-            out.append(str(k))
-    return ", ".join(out)

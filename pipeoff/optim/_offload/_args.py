@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Any
 
@@ -14,7 +16,8 @@ from pipeoff._validate import check_bytes, check_int, parse_bytes, short_repr
 from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
 from pipeoff.optim._offloaded import Offloaded
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "mode_of", "staging_args", "wrapped"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "check_fraction", "mode_of", "staging_args",
+           "wrapped"]
 
 MODES = ("single_pass", "chunked", "overlap")
 """OffloadOptimizer's modes; ``overlap=`` names the last two as FullOffloadOptimizer does."""
@@ -140,3 +143,24 @@ def staging_args(chunk_bytes: int | str | None | _Default, prefetch: int | None,
     if device_budget_bytes is not None:
         return chunk_bytes, None, device_budget_bytes
     return chunk_bytes, 2 if prefetch is None else prefetch, None
+
+
+def check_fraction(value: Any, owner: str) -> float:
+    """``offload_fraction`` as a float in [0, 1].
+
+    Raises:
+        ConfigError: naming ``offload_fraction``: not a real number (a bool, a
+            string, NaN), outside [0, 1], or ``"auto"``, which ``owner`` does not
+            offer yet.
+    """
+    if isinstance(value, str) and value == "auto":
+        raise ConfigError(
+            f"offload_fraction='auto' is not available yet for {owner}; give a number in "
+            "[0, 1]: the share of the optimizer state kept in host memory (1.0, the "
+            "default: all of it; 0.0: none, all on the device)")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or math.isnan(value) or not 0.0 <= float(value) <= 1.0):
+        raise ConfigError(
+            f"offload_fraction must be a number in [0, 1] (the share of the optimizer "
+            f"state kept in host memory: 1.0 all of it, 0.0 none), got {short_repr(value)}")
+    return float(value)

@@ -56,11 +56,16 @@ class Step:
     host_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Per updated parameter, the local host tensor of each per-element state key as
     the step writes it (new state included, before it is committed)."""
+    device_params: int = 0
+    """Parameters the device part stepped (on the caller's stream)."""
+    device_written: bool = False
+    """Whether the device part wrote parameters (a failure after that is torn)."""
 
 
 def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
                                            dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """The local gradients of the parameters that have one, flat in their memory order.
+    """The local gradients of the host part's parameters that have one, flat in their
+    memory order (the device part's are checked, not captured: torch's step reads them).
 
     Raises:
         ConfigError: a sparse gradient, or a gradient on another device.
@@ -81,6 +86,8 @@ def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
         if lg.shape != _local(p).shape:
             raise ConfigError(f"the gradient of {_describe(i, p)} has local shape "
                               f"{tuple(lg.shape)}, not the parameter's {tuple(_local(p).shape)}")
+        if i in layout.split.on_device:
+            continue
         grads[i] = flat_like(lg, layout.orders[i])
         restore[i] = (p, g)
     return grads, restore
@@ -178,7 +185,8 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
 def single_pass(layout: Layout, inner: torch.optim.Optimizer,
                 closure: Callable[[], float] | None,
                 offload: Callable[[], None]) -> tuple[Execution, Any]:
-    """The legacy step: all state to the device, the wrapped ``step(closure)``, all state back.
+    """The legacy step: all state to the device, the wrapped ``step(closure)``, all state back
+    (but the device part's, which stays there).
 
     Runs on the synchronous schedule (inline, on the caller's thread, so a
     closure may run forward and backward). ``offload`` moves state that a
@@ -188,10 +196,12 @@ def single_pass(layout: Layout, inner: torch.optim.Optimizer,
     params, dev = layout.params, layout.device
     moved: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor]] = []
 
+    on_device = {id(layout.params[i]) for i in layout.split.on_device}
+
     def h2d(ctx: TaskContext) -> None:
         for p in params:  # each parameter once, even if a group lists it twice
             st = inner.state.get(p)
-            if not st:
+            if not st or id(p) in on_device:  # the device part's state is there
                 continue
             for k, v in list(st.items()):
                 loc = _local(v) if isinstance(v, torch.Tensor) else None

@@ -43,21 +43,26 @@ class HostLayout:
         pin_memory: allocate pinned host memory.
         on_change: called when the layout is rebuilt for edited param groups (the
             forward waits learn the new parameters' reads).
+        offload_fraction: the share of the state in host memory (the rest, the
+            device part, stays on the device).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, *, chunked: bool, chunk_bytes: int | None,
-                 pin_memory: bool, on_change: Callable[[], None]) -> None:
+                 pin_memory: bool, on_change: Callable[[], None],
+                 offload_fraction: float = 1.0) -> None:
         self.inner = inner
         self.on_change = on_change
         self.chunked = chunked
         self.chunk_bytes = chunk_bytes
         self.pin_memory = pin_memory
+        self.offload_fraction = offload_fraction
         self.reserved: dict[tuple[int, str], torch.Tensor] = {}
         """Host tensors allocated ahead for state that does not exist yet, by
         ``(id(param), key)``: the step takes them (``pop``)."""
         self.staging_reserved: tuple[int, ...] | None = None
         """The signature of the plan whose staging blocks are reserved."""
-        self.layout: Layout = build_layout(inner, chunked=chunked, chunk_bytes=chunk_bytes)
+        self.layout: Layout = build_layout(inner, chunked=chunked, chunk_bytes=chunk_bytes,
+                                           offload_fraction=offload_fraction)
         self.adopt(self.layout)
 
     def current(self, attached: torch.nn.Module | None) -> Layout:
@@ -83,7 +88,7 @@ class HostLayout:
                 state tensor is of a dtype the chunks cannot step.
         """
         layout = build_layout(self.inner, chunked=self.chunked, chunk_bytes=self.chunk_bytes,
-                              signature=sig)
+                              signature=sig, offload_fraction=self.offload_fraction)
         if attached is not None:
             check_in_model(layout.params, attached)
         if self.chunked and check_state:
@@ -93,17 +98,19 @@ class HostLayout:
     def adopt(self, layout: Layout) -> None:
         """Make ``layout`` the current one: existing host state, and host tensors
         reserved ahead, follow each parameter's memory order (it changes under
-        ``model.to(memory_format=...)``; chunks are flat slices of both at once)."""
+        ``model.to(memory_format=...)``; chunks are flat slices of both at once);
+        the device part's state is in device memory."""
         # State with values is copied into the new order (offload_state keeps
         # each element's value); a reserved tensor holds none yet, so it is only
-        # re-strided, and one whose parameter changed shape or dtype is dropped.
+        # re-strided, and one whose parameter changed shape or dtype, or that
+        # is in the device part, is dropped.
         offload_state(self.inner, layout, chunked=self.chunked, pin=self.pin_memory)
         for (pid, k), h in list(self.reserved.items()):
             i = layout.index.get(pid)
             if i is None or id(layout.params[i]) != pid:
                 continue  # not a parameter now; kept in case it comes back
             loc = _local(layout.params[i])
-            if h.shape != loc.shape or h.dtype != loc.dtype:
+            if h.shape != loc.shape or h.dtype != loc.dtype or i in layout.split.on_device:
                 del self.reserved[(pid, k)]
             elif memory_order(h) != layout.orders[i]:
                 self.reserved[(pid, k)] = relaid(h, layout.orders[i])
@@ -125,6 +132,8 @@ class HostLayout:
             self.staging_reserved = plan.signature()
         want = []
         for i, p in enumerate(layout.params):
+            if i in layout.split.on_device:
+                continue  # its state is made on the device by torch's own step
             st = self.inner.state.get(p, {})
             want += [(i, k) for k in layout.keys[i]
                      if st.get(k) is None and (id(p), k) not in self.reserved]
@@ -182,8 +191,18 @@ class HostLayout:
                 state[pid] = entry  # as torch does with ids it does not know
                 continue
             reuse = old_state.get(p, {})
-            state[p] = {k: loaded_value(p, k, v, step_on_device=on_device, element=k in keys,
-                                        old=reuse.get(k), reserved=self.reserved)
+            dev = layout.index[id(p)] in layout.split.on_device
+            state[p] = {k: loaded_value(p, k, v, step_on_device=on_device,
+                                        element=k in keys or (dev and _single_element(p, k, v)),
+                                        old=reuse.get(k), reserved=self.reserved,
+                                        device_part=dev)
                         for k, v in entry.items()}
         self.inner.state = state
         self.adopt(layout)
+
+
+def _single_element(p: torch.Tensor, key: str, value: Any) -> bool:
+    """Whether ``value`` is per-element state of ``p`` by its shape (``single_pass``, where
+    the state keys are the optimizer's own)."""
+    return (key != "step" and isinstance(value, torch.Tensor)
+            and _local(value).shape == _local(p).shape)

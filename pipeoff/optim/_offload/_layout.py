@@ -12,6 +12,7 @@ checkpoint code read only this value, never the optimizer's internals.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
+from pipeoff.optim._offload._device_part import DeviceSplit, split_params
 from pipeoff.optim._plan import ChunkPlan, ParamMeta, plan_chunks, planned_numel
 from pipeoff.optim._tensors import describe, memory_order
 
@@ -48,11 +50,14 @@ class Layout:
     device: torch.device
     """The device every parameter (its local shard) lives on."""
     plan: ChunkPlan | None
-    """The chunk plan, or ``None`` in ``single_pass``."""
+    """The chunk plan of the host part, or ``None`` in ``single_pass``."""
     chunks_of: tuple[tuple[int, ...], ...]
-    """Per parameter, the chunks holding its elements."""
+    """Per parameter, the chunks holding its elements (none for the device part)."""
     last_chunk: tuple[int, ...]
-    """Per parameter, the last chunk holding it (-1 in ``single_pass``)."""
+    """Per parameter, the last chunk holding it (-1 in ``single_pass`` and for the
+    device part)."""
+    split: DeviceSplit
+    """Which parameters keep their state on the device (``offload_fraction``)."""
     index: Mapping[int, int]
     """``id()`` of each parameter, and of its local tensor, to its index."""
     signature: tuple[Any, ...]
@@ -85,8 +90,12 @@ def fingerprint(inner: torch.optim.Optimizer, chunked: bool) -> tuple[Any, ...]:
 
 
 def build_layout(inner: torch.optim.Optimizer, *, chunked: bool, chunk_bytes: int | None,
-                 signature: tuple[Any, ...] | None = None) -> Layout:
-    """Check the live param groups of ``inner`` and lay them out (and plan chunks if ``chunked``).
+                 signature: tuple[Any, ...] | None = None,
+                 offload_fraction: float = 1.0) -> Layout:
+    """Check the live param groups of ``inner`` and lay them out: split them into a
+    device part and a host part at ``offload_fraction``
+    (:func:`~pipeoff.optim._offload._device_part.split_params`) and, if ``chunked``,
+    plan the host part's chunks.
 
     Raises:
         ConfigError: no parameters; parameters on several devices; a parameter
@@ -143,13 +152,26 @@ def build_layout(inner: torch.optim.Optimizer, *, chunked: bool, chunk_bytes: in
     plan = None
     chunks_of: list[tuple[int, ...]] = [()] * len(params)
     last_chunk = [-1] * len(params)
+    elementwise = type(inner) in _update.ELEMENTWISE
+    nkeys = [len(keys[i]) if chunked else
+             len(_update.state_keys(inner, inner.param_groups[group_of[i]])) if elementwise
+             else 1 for i in range(len(params))]
+    split = split_params([planned_numel(p) * local(p).element_size() * max(1, nkeys[i])
+                          for i, p in enumerate(params)], offload_fraction)
     if chunked:
         fused = any(g.get("fused") for g in inner.param_groups)
-        metas = [ParamMeta(numel=planned_numel(p), itemsize=local(p).element_size(),
+        host = [i for i in range(len(params)) if i not in split.on_device]
+        metas = [ParamMeta(numel=planned_numel(params[i]),
+                           itemsize=local(params[i]).element_size(),
                            nkeys=len(keys[i]), group=group_of[i],
-                           align=FUSED_ALIGN if local(p).element_size() < 4 else 1)
-                 for i, p in enumerate(params)]
+                           align=FUSED_ALIGN if local(params[i]).element_size() < 4 else 1)
+                 for i in host]
         plan = plan_chunks(metas, chunk_bytes, align=FUSED_ALIGN if fused else 1)
+        if split.on_device:  # segments index the host part: index the layout
+            plan = dataclasses.replace(plan, chunks=tuple(
+                dataclasses.replace(c, segments=tuple(
+                    dataclasses.replace(s, param=host[s.param]) for s in c.segments))
+                for c in plan.chunks))
         per: list[list[int]] = [[] for _ in params]
         for c in plan.chunks:
             for s in c.segments:
@@ -160,4 +182,4 @@ def build_layout(inner: torch.optim.Optimizer, *, chunked: bool, chunk_bytes: in
     return Layout(params=tuple(params), group_of=tuple(group_of), keys=tuple(keys),
                   orders=tuple(orders), device=dev, plan=plan, chunks_of=tuple(chunks_of),
                   last_chunk=tuple(last_chunk), index=types.MappingProxyType(index),
-                  signature=sig)
+                  signature=sig, split=split)
