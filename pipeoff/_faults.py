@@ -244,6 +244,7 @@ MUTATIONS = frozenset({
     "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
     "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
     "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
+    "device_part_wait", "host_part_join",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -288,6 +289,12 @@ MUTATIONS = frozenset({
   the writes of a DiLoCo sync that run on after its decision.
 * ``"diloco_tail_wait"``: DiLoCo's wait for all of a sync's outer step and writes
   before the next inner step, the next sync, its exit and the readers of its figures.
+* ``"device_part_wait"``: an ``OffloadOptimizer(offload_fraction < 1)`` step's join
+  for its device part: ``wait_for_step()`` (so a chunked ``step()``, ``state_dict()``)
+  synchronizing the event recorded after the device part's kernels on the caller's
+  stream, before readers off that stream go on.
+* ``"host_part_join"``: the same step's wait, when its device part raised, for its
+  host part's chunks before the failure is reported (retry, or torn).
 """
 
 
