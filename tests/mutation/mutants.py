@@ -59,6 +59,7 @@ _WAITS = "tests/test_cuda_waits.py"
 _OPTIM_CUDA = "tests/optim/test_optim_cuda.py"
 _FULL_CUDA = "tests/optim/test_full_offload_cuda.py"
 _LOCAL_SGD_CUDA = "tests/ft/test_local_sgd_cuda.py"
+_FRACTION = "tests/optim/test_offload_fraction.py"
 
 # -- A. the mutation switches of pipeoff/_faults.py, one mutant per call site -------------
 # The tests that use pipeoff.testing.disable(NAME) switch the mechanism off themselves
@@ -184,6 +185,17 @@ SWITCHES = (
         "streams",
     ), "the next forward reads parameters that a DiLoCo sync's merge, running on after "
        "its decision, has not written yet"),
+    _switch("device_part_wait", "pipeoff/optim/_offload/_device_part.py", (
+        f"{_FRACTION}::test_a_reader_off_the_callers_stream_waits_for_the_device_part"
+        "[simulated-False]",
+    ), "a reader off the caller's stream (another stream or thread, the host after "
+       "wait_for_step() or a chunked step) reads device-part parameters or state that "
+       "torch's kernel on the caller's stream has not written yet"),
+    _switch("host_part_join", "pipeoff/optim/_offload/_join.py", (
+        f"{_FRACTION}::test_a_device_part_failure_is_reported_after_the_host_part[False]",
+    ), "a device part that raised is reported (retryable, or torn) while the host part's "
+       "chunks still write: a retry steps them twice, or a loaded checkpoint is "
+       "overwritten"),
     _switch("diloco_tail_wait", "pipeoff/ft/_diloco_tail.py", (
         "tests/ft/test_diloco_tail.py::test_the_inner_step_waits_for_the_merge",
     ), "the inner step after a DiLoCo sync writes parameters that the sync's merge then "
