@@ -391,3 +391,25 @@ def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
         gpu.accel.launch(side, read)
         gpu.synchronize()
     assert torch.equal(got[0], first.detach())
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_fsdp_all_gathers_of_the_device_part_wait_for_it(gpu: Gpu, f: float) -> None:
+    """FSDP2's root makes its all-gather streams wait only for the post-optimizer event an
+    overlap step records: recorded after the device part's kernels, the all-gathers of
+    its shards (no forward hook waits for them) read them stepped."""
+    if not gpu.simulated:
+        pytest.skip("the FSDP2 stub runs on the simulated device")
+    from tests.optim.test_optim_cuda import _fsdp_stub, batches, make_net, train
+
+    results = []
+    for mode in ("chunked", "overlap"):
+        net = make_net(gpu)
+        _fsdp_stub(gpu, net, post_optim=True)  # type: ignore[arg-type]
+        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
+                               chunk_bytes=4096, read_guard=False, offload_fraction=f)
+        opt.attach(net)
+        outs = train(net, opt, batches(gpu, 3))
+        opt.wait_for_step()
+        results.append([gpu.read(o) for o in outs])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -155,8 +155,8 @@ def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads(gpu: Gpu) -
         assert q.grad is not None and not gpu.read(q.grad).any()
 
 
-def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False
-               ) -> tuple[list[Any], Any]:
+def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False,
+               post_optim: bool = False) -> tuple[list[Any], Any]:
     """Make each Linear of ``model`` look like an FSDP2 unit with all-gather streams.
 
     Like FSDP2, a unit's forward reads an *unsharded* copy of its parameters that
@@ -169,6 +169,10 @@ def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False
     With ``one_rank``, like FSDP2 on a shard group of one rank
     (``FSDPParamGroup.wait_for_unshard``): no all-gather; the pre-forward copies
     the shards into the unsharded parameters on the current stream.
+
+    With ``post_optim``, the root has FSDP2's ``set_post_optim_event``: its
+    pre-forward makes the all-gather stream wait for that event instead of the
+    current stream (``FSDPState._root_pre_forward``).
     """
     from types import SimpleNamespace
 
@@ -189,10 +193,17 @@ def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
             return grad, None
 
+    post_optim_event: list[Any] = []
+
     def root_pre_forward(mod: nn.Module, args: Any) -> None:
-        gather.wait_stream(accel.current_stream())
+        if post_optim_event:
+            gather.wait_event(post_optim_event.pop())
+        else:
+            gather.wait_stream(accel.current_stream())
 
     model.register_forward_pre_hook(root_pre_forward)
+    if post_optim:
+        model.set_post_optim_event = post_optim_event.append  # type: ignore[assignment]
     units = []
     for m in model:
         if not isinstance(m, nn.Linear):
