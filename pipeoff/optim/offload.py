@@ -80,6 +80,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     Results are bitwise equal to stepping the wrapped optimizer directly.
 
+    ``offload_fraction=f`` keeps about ``f`` of the state in host memory: the first
+    parameters in param-group order (at most ``1 - f`` of the state's bytes) keep
+    theirs on the device and step with torch's own kernel on the caller's stream,
+    while the chunks of the rest run (``docs/optimizer.md``, "Offloading a fraction").
+
     Two forms: an optimizer to wrap, or torchao's (``CPUOffloadOptimizer``'s)::
 
         OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), overlap="forward")
@@ -121,9 +126,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             Under any ``TorchFunctionMode`` torch skips the fast paths of
             ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in
             inference, whose last bits differ.
+        offload_fraction: the share of the state in host memory, in [0, 1]
+            (``1.0``: all of it; ``0.0``: all on the device, stepped by torch).
 
     Raises:
-        ConfigError: an argument is out of range; parameters on mixed devices,
+        ConfigError: an argument is out of range (``offload_fraction`` not a
+            number in [0, 1], or ``"auto"``); parameters on mixed devices,
             not dense in memory, or (outside ``single_pass``) listed twice.
         UnsupportedOptimizerError: a chunked mode was asked of an optimizer that
             is not element-wise.
@@ -243,13 +251,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """Where the optimizer state is, after the step in flight (the live param groups).
 
         Returns:
-            A dict of ints: ``state_bytes_host``, bytes of state in host memory (the
-            host part's, tensors reserved for state a first step makes included,
-            and scalar state such as a CPU ``step``); ``state_bytes_device``, bytes
-            of state in device memory (the device part's, and scalar state on the
-            device such as a fused ``step``); ``params_host`` and ``params_device``,
-            the parameters of each part. Device staging is not state: a step adds at
-            most ``(prefetch + 1)`` chunks of it (or ``device_budget_bytes``).
+            A dict of ints: ``state_bytes_host``, bytes of the host part's state
+            (host tensors reserved for state a first step makes included);
+            ``state_bytes_device``, bytes of the device part's state;
+            ``params_host`` and ``params_device``, the parameters of each part.
+            Scalar state (``step``) counts where it lives on an accelerator (a
+            fused optimizer's is on the device), else with its part. Device
+            staging is not state: a step adds at most ``(prefetch + 1)`` chunks of
+            it (or ``device_budget_bytes``).
 
         Raises:
             ConfigError: the live param groups are invalid.
@@ -327,7 +336,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self._health.torn = None
 
     def wait_for_step(self) -> None:
-        """Block until the step in flight (if any) has finished.
+        """Block until the step in flight (if any) has finished, device part included.
 
         In overlap mode every read of a parameter already waits for the chunks
         that write it (on the thread that called ``step()``); call this before
