@@ -2,6 +2,12 @@
 
     python benchmarks/bench_optimizer.py [--layers 8] [--width 1024] [--batch 64]
         [--chunk-mb 8] [--iters 3] [--repeats 7] [--inner both|for-loop|fused]
+        [--fractions 0,0.25,0.5,0.75,1 [--modes chunked,overlap]]
+
+With ``--fractions``, the variants are plain AdamW and, per mode of ``--modes``,
+one per ``offload_fraction``: the step time against the share of the state kept
+in host memory (min/median/max over the interleaved rounds), with where the state
+is (``memory_stats()``).
 
 One process, one model per variant, same data, timed round-robin (each round
 runs every variant once). Each timed run is ``--iters`` training iterations
@@ -49,7 +55,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", choices=("both", "for-loop", "fused"), default="both",
                     help="the AdamW kernel every variant uses (both: side by side)")
+    ap.add_argument("--fractions", default=None,
+                    help="comma-separated offload_fraction values: sweep them instead")
+    ap.add_argument("--modes", default="chunked,overlap",
+                    help="with --fractions: the modes to sweep (comma-separated)")
     args = ap.parse_args()
+    fractions = ([float(f) for f in args.fractions.split(",")] if args.fractions
+                 else [1.0])
+    modes = (args.modes.split(",") if args.fractions
+             else ["single_pass", "chunked", "overlap"])
     chunk = int(args.chunk_mb * 2**20)
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(args.batch, args.width, generator=g) for _ in range(args.iters)]
@@ -58,15 +72,17 @@ def main() -> None:
     variants: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     baseline: dict[str, str] = {}  # variant -> the plain AdamW with its kernel
     for kernel in kernels:
-        for mode in ("plain AdamW", "single_pass", "chunked", "overlap"):
-            name = f"{mode} ({kernel})"
+        for mode, f in [("plain AdamW", 1.0)] + [(m, f) for m in modes for f in fractions]:
+            name = (f"{mode} ({kernel})" if not args.fractions or mode == "plain AdamW"
+                    else f"{mode} f={f:g} ({kernel})")
             model = make_model(args.layers, args.width)
             inner = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                       fused=kernel == "fused")
             if mode == "plain AdamW":
                 opt: torch.optim.Optimizer = inner
             else:
-                opt = OffloadOptimizer(inner, mode=mode, chunk_bytes=chunk)  # type: ignore[arg-type]
+                opt = OffloadOptimizer(inner, mode=mode, chunk_bytes=chunk,  # type: ignore[arg-type]
+                                       offload_fraction=f)
                 opt.attach(model)
             variants[name] = (model, opt)
             baseline[name] = f"plain AdamW ({kernel})"
@@ -107,15 +123,21 @@ def main() -> None:
             peak = tr.summary().peak_device_staging_bytes
             staging = f"{peak / 2**20:.1f} MiB ({peak / chunk:.2f}x chunk)"
             chunks = str(len(opt.plan.chunks))
-        rows.append([name, f"{per_iter:.1f}", f"{per_iter / base:.2f}x",
-                     f"{t.min / args.iters * 1e3:.1f}-{t.max / args.iters * 1e3:.1f}",
-                     chunks, staging])
+        where = "-"
+        if isinstance(opt, OffloadOptimizer):
+            ms = opt.memory_stats()
+            where = (f"{ms['state_bytes_device'] / 2**20:.1f} / "
+                     f"{ms['state_bytes_host'] / 2**20:.1f}")
+        row = [name, f"{per_iter:.1f}", f"{per_iter / base:.2f}x",
+               f"{t.min / args.iters * 1e3:.1f}-{t.max / args.iters * 1e3:.1f}"]
+        rows.append(row + ([where, chunks] if args.fractions else [chunks, staging]))
     print(f"model: {args.layers}x Linear({args.width}, {args.width}) = "
           f"{nparams / 1e6:.1f}M params, "
           f"AdamW state {nparams * 8 / 2**20:.0f} MiB, batch {args.batch}, "
           f"chunk_bytes {args.chunk_mb:g} MiB, torch threads {torch.get_num_threads()}")
-    print(table(["variant", "ms/iter (median)", "vs plain (same kernel)", "range ms", "chunks",
-                 "peak device staging"], rows))
+    print(table(["variant", "ms/iter (median)", "vs plain (same kernel)", "range ms (min-max)"]
+                + (["state MiB device / host", "chunks"] if args.fractions
+                   else ["chunks", "peak device staging"]), rows))
 
 
 if __name__ == "__main__":

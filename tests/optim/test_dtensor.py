@@ -88,8 +88,11 @@ def test_planned_numel_uses_the_largest_shard() -> None:
     assert res[1] == (2000, 1000, 3)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])
-def test_dtensor_params_bitwise_and_plans_identical(mode: str) -> None:
+def test_dtensor_params_bitwise_and_plans_identical(mode: str, fraction: float) -> None:
+    """At 0.5 the (3, 1000) parameter is the host part, the others step on the device
+    (by torch's kernel, on DTensors): the split comes from global shapes, as the plan."""
     def body(rank: int) -> tuple[tuple[int, ...], bool]:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -97,7 +100,8 @@ def test_dtensor_params_bitwise_and_plans_identical(mode: str) -> None:
         ref, mine = make_params(mesh), make_params(mesh)
         ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, amsgrad=True)
         opt = OffloadOptimizer(torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1, amsgrad=True),
-                               mode=mode, chunk_bytes=5000)
+                               mode=mode, chunk_bytes=5000, offload_fraction=fraction)
+        assert opt.memory_stats()["params_device"] == {1.0: 0, 0.5: 2, 0.0: 3}[fraction]
         for step in range(3):
             set_grads(ref, step)
             set_grads(mine, step)

@@ -30,3 +30,16 @@ def test_gpu_benchmark_refuses_without_a_gpu() -> None:
     res = subprocess.run([sys.executable, str(BENCH / "gpu_optimizer.py"), "--quick"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
+def test_cpu_benchmark_sweeps_the_offload_fraction() -> None:
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "bench_optimizer.py"), "--layers", "2", "--width", "64",
+         "--batch", "4", "--chunk-mb", "0.01", "--iters", "1", "--repeats", "2",
+         "--inner", "for-loop", "--fractions", "0,0.5,1"],
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for mode in ("chunked", "overlap"):
+        for f in ("0", "0.5", "1"):
+            assert f"{mode} f={f} (for-loop)" in res.stdout
+    assert "state MiB device / host" in res.stdout and "range ms (min-max)" in res.stdout

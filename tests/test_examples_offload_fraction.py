@@ -1,0 +1,27 @@
+"""The offload-fraction example runs end to end: it learns, resumes at another fraction,
+and ends bitwise equal to plain AdamW."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # runs an example script (subprocess)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "offload_fraction.py"
+
+
+def test_offload_fraction_example() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "4", "--resume-steps", "3",
+                          "--fraction", "0.5", "--resume-fraction", "0.25"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in out.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 7 and losses[-1] < losses[0]
+    assert "offload_fraction=0.5: state" in out.stdout
+    assert "resumed at offload_fraction=0.25: state" in out.stdout
+    assert "bitwise equal to torch.optim.AdamW over 7 steps: True" in out.stdout
