@@ -298,8 +298,12 @@ def test_a_device_part_parameter_has_no_host_state_to_transfer() -> None:
 # -- on the simulated CUDA device (and a GPU) ---------------------------------------------
 def _device_net(gpu: Gpu) -> nn.Module:
     torch.manual_seed(0)
-    return gpu.module(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64),
-                                    nn.GELU(), nn.Linear(64, 8)))
+    net = gpu.module(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64),
+                                   nn.GELU(), nn.Linear(64, 8)))
+    # The simulated device runs the in-place init (uniform_) later, on its stream:
+    # let it draw its numbers before the next seed.
+    gpu.synchronize()
+    return net
 
 
 def _device_train(gpu: Gpu, net: nn.Module, opt: torch.optim.Optimizer, n: int
@@ -413,3 +417,32 @@ def test_fsdp_all_gathers_of_the_device_part_wait_for_it(gpu: Gpu, f: float) -> 
         opt.wait_for_step()
         results.append([gpu.read(o) for o in outs])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_split_follows_the_live_param_groups(gpu: Gpu, mode: str) -> None:
+    """A group added mid-run grows the state: the next step re-splits, and the first
+    layer's state, in host memory while it was most of the state, moves to the device
+    (it now fits in the device part); bitwise torch throughout."""
+    ref, net = _device_net(gpu), _device_net(gpu)
+    ref_opt = torch.optim.AdamW(list(ref[0].parameters()), lr=1e-3)
+    opt = OffloadOptimizer(torch.optim.AdamW(list(net[0].parameters()), lr=1e-3),  # type: ignore[arg-type]
+                           mode=mode, chunk_bytes=4096, offload_fraction=0.3)
+    opt.attach(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [gpu.tensor(torch.randn(16, 32, generator=g)) for _ in range(4)]
+    first = net[0].weight
+    for t, x in enumerate(xs):
+        if t == 2:
+            for m, o in ((ref, ref_opt), (net, opt)):
+                o.add_param_group({"params": [*m[2].parameters(), *m[4].parameters()]})
+        for m, o in ((ref, ref_opt), (net, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        if t in (1, 3):
+            opt.wait_for_step()
+            assert gpu.accel.on_device(opt.state[first]["exp_avg"]) == (t == 3)
+    opt.wait_for_step()
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
