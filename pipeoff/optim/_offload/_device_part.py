@@ -173,14 +173,18 @@ class DevicePart:
         for p in params:
             state[p] = dict(inner.state.get(p, {}))
         shadow.state = state
+        accel = _accel.current()
         bases = [local(p) for p in params]
         versions = [b._version for b in bases]
-        counts = [_count(state[p].get("step")) for p in params]
+        # A step count in device memory (capturable, fused) is not read: .item() would
+        # block the host on the caller's stream. A failure then counts as written.
+        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else _count(s)
+                  for s in (state[p].get("step") for p in params)]
         hooks = _faults.snapshot() if _faults.installed() else ()
         # The step hooks already ran around OffloadOptimizer.step: the body only.
         body = _compat.step_body(type(shadow))
+        _faults.run_hooks(DEVICE_PART_TASK, _LANE, hooks=hooks)  # (raises: nothing written)
         try:
-            _faults.run_hooks(DEVICE_PART_TASK, _LANE, hooks=hooks)
             with _faults.failing_work(DEVICE_PART_TASK, _LANE, hooks):
                 # No compile-session guard (eager_math): this runs on the caller's
                 # thread inside step(), where that thread cannot be compiling.
@@ -189,7 +193,7 @@ class DevicePart:
             # A fused kernel bumps no version counter (and fused SGD counts no step).
             self.written = any(g.get("fused") for g in shadow.param_groups) or any(
                 b._version != v for b, v in zip(bases, versions)) or any(
-                _count(state[p].get("step")) > c for p, c in zip(params, counts))
+                c is None or _count(state[p].get("step")) > c for p, c in zip(params, counts))
             raise
         finally:
             shadow.state = collections.defaultdict(dict)
@@ -197,7 +201,6 @@ class DevicePart:
         for p in params:
             inner.state[p].update(state[p])  # new state (a first step's), and scalars
         self.written = True
-        accel = _accel.current()
         if accel.is_device(layout.device):
             if self._event is None:
                 self._event = accel.new_event()
@@ -206,11 +209,6 @@ class DevicePart:
             self._event.record(accel.current_stream(layout.device))
             self._pending = True
         return len(params)
-
-    @property
-    def event(self) -> Any:
-        """The event recorded after the last device part (``None`` before one on CUDA)."""
-        return self._event
 
     def wait(self) -> None:
         """Block the host until the last device part's kernels have run (nothing to do on
