@@ -306,11 +306,12 @@ def _device_net(gpu: Gpu) -> nn.Module:
     return net
 
 
-def _device_train(gpu: Gpu, net: nn.Module, opt: torch.optim.Optimizer, n: int
-                  ) -> list[torch.Tensor]:
+def _device_train(gpu: Gpu, net: nn.Module, opt: torch.optim.Optimizer, n: int,
+                  sched: Any = None, first: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    xs = [gpu.tensor(torch.randn(16, 32, generator=g)) for _ in range(n)]
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+    xs = [gpu.tensor(torch.randn(16, 32, generator=g)) for _ in range(first + n)][first:]
+    if sched is None:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
     outs = []
     for x in xs:
         y = net(x)
@@ -327,17 +328,28 @@ def _device_train(gpu: Gpu, net: nn.Module, opt: torch.optim.Optimizer, n: int
 @pytest.mark.parametrize("mode", MODES)
 def test_bitwise_on_the_device_at_every_fraction(gpu: Gpu, mode: str, f: float,
                                                  impl: str) -> None:
-    """On CUDA streams (the simulated device checks every access's order): bitwise torch;
-    the device part's state in device memory, the host part's pinned in host memory."""
+    """On CUDA streams (the simulated device checks every access's order): bitwise torch,
+    across a checkpoint loaded at another fraction (state moving between device and
+    host memory); the device part's state in device memory, the host part's pinned."""
     kw: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "amsgrad": True, impl: True}
     ref = _device_net(gpu)
     ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
-    ref_out = _device_train(gpu, ref, ref_opt, 3)
+    ref_out = _device_train(gpu, ref, ref_opt, 4)
     net = _device_net(gpu)
+    before = {0.0: 1.0, 0.3: 0.0, 1.0: 0.3}[f]  # the first two steps' fraction
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), **kw), mode=mode,  # type: ignore[arg-type]
+                           chunk_bytes=4096, offload_fraction=before)
+    opt.attach(net)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+    out = _device_train(gpu, net, opt, 2, sched)
+    sd = opt.state_dict()  # after the step in flight
     opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), **kw), mode=mode,  # type: ignore[arg-type]
                            chunk_bytes=4096, offload_fraction=f)
+    opt.load_state_dict(sd)
     opt.attach(net)
-    out = _device_train(gpu, net, opt, 3)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+    sched2.load_state_dict(sched.state_dict())
+    out += _device_train(gpu, net, opt, 2, sched2, first=2)
     opt.wait_for_step()
     gpu.synchronize()
     for a, b in zip(ref_out, out):
