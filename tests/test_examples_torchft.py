@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
     # script: (training steps, the trace's task kinds by name prefix)
     "local_sgd_torchft.py": (4, {"allreduce", "d2h", "should_commit", "h2d"}),
-    # (fragment_sync_delay=1: each formed bucket is staged to the host before step()
-    # returns and uploaded again for its all-reduce.)
+    # (fragment_sync_delay=1: each formed bucket is staged to the host and uploaded
+    # again for its all-reduce; the outer step is speculative, "keep" keeps it.)
     "diloco_torchft.py": (8, {"pseudograd", "stage", "upload", "allreduce", "d2h", "formed",
-                              "staged", "commit", "outer", "write"}),
+                              "staged", "commit", "outer", "stepped", "keep", "write"}),
 }
 
 
