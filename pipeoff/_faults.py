@@ -244,7 +244,7 @@ MUTATIONS = frozenset({
     "host_task_event", "accumulate_dep", "micro_step_order", "ddp_reduced",
     "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
     "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
-    "device_part_wait", "host_part_join",
+    "device_part_wait", "host_part_join", "held_copy_dep", "held_release",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -272,6 +272,11 @@ MUTATIONS = frozenset({
   accumulation of its parameters' gradients (set when the graph is built).
 * ``"micro_step_order"``: a full-offload micro-step's wait (the ``prev`` gate)
   for the previous micro-step's accumulations and step.
+* ``"held_copy_dep"``: full offload's dependency of a held gradient's ``acc`` task (after
+  which the norm task folds it, or a step chunk folds it inside its pass) on its copy
+  into the held buffer (set when the graph is built).
+* ``"held_release"``: full offload's wait (the ``held`` gate) of a final backward's
+  copies into the held buffer for the previous step that read it.
 * ``"ddp_reduced"``: full offload under DDP taking ``param.grad`` only after
   DDP's reducer wrote the reduced gradient (a callback queued behind DDP's).
 * ``"adopt_waits_readers"``: full offload's wait for the transfers reading the

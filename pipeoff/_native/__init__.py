@@ -42,7 +42,7 @@ CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-pthread",
           "-fno-math-errno")
 """Compiler flags. No -ffast-math: the kernels are IEEE to the bit."""
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None

@@ -38,6 +38,8 @@ SIGNATURES: Mapping[str, Signature] = {
                                *_ADAM_SCALARS)),
     "pipeoff_adam_fold_step": (_I, (("p", _P), ("g", _P), ("g16", _P), ("m", _P), ("v", _P),
                                     ("out", _P), *_ADAM_SCALARS)),
+    "pipeoff_adam_step_norm": (_I, (("p", _P), ("g", _P), ("g16", _P), ("m", _P), ("v", _P),
+                                    ("out", _P), *_ADAM_SCALARS, ("sumsq", _P))),
     "pipeoff_adam_fast": (_I, ()),
     "pipeoff_sgd_step": (_I, (("p", _P), ("buf", _P), ("g", _P), ("n", _L), ("sign", _F),
                               ("wd", _F), ("momentum", _F), ("c", _F), ("neg_lr", _F),

@@ -9,6 +9,8 @@
  *   pipeoff_adam_fold_step  the same with the last micro-step's BF16 gradient folded
  *                       into the FP32 sum (or taken alone) inside the pass: the
  *                       final micro-step of full offload in one pass over memory;
+ *   pipeoff_adam_step_norm  either of those, also taking the sum of squares of the
+ *                       gradient inside the pass (the norm a one-pass step logs);
  *   pipeoff_sgd_step    torch's for-loop SGD step (momentum, dampening, Nesterov,
  *                       weight decay, maximize) in one pass: DiLoCo's outer step;
  *   pipeoff_adam_moments, pipeoff_adam_apply  torch's for-loop Adam/AdamW step in two
@@ -94,11 +96,24 @@ static void *region_helper(void *p) {
     return NULL;
 }
 
-/* fn over [0, n), with up to `threads` threads (the caller is one of them). */
-static void parallel(range_fn fn, void *arg, int64_t n, int threads) {
+/* The threads a region of n elements uses (the caller is one of them). */
+static int region_threads(int64_t n, int threads) {
     int k = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
     int64_t most = n / MIN_PER_THREAD;
     if (most < k) k = most < 1 ? 1 : (int)most;
+    return k;
+}
+
+/* Elements per chunk of a region of n elements over k > 1 threads: about 8 chunks
+ * per thread, whole cache lines, at least CHUNK_MIN elements. */
+static int64_t region_chunk(int64_t n, int k) {
+    int64_t chunk = (n / (8 * (int64_t)k) + ALIGN - 1) / ALIGN * ALIGN;
+    return chunk < CHUNK_MIN ? CHUNK_MIN : chunk;
+}
+
+/* fn over [0, n), with up to `threads` threads (the caller is one of them). */
+static void parallel(range_fn fn, void *arg, int64_t n, int threads) {
+    int k = region_threads(n, threads);
     region_t *r = k > 1 ? (region_t *)malloc(sizeof(region_t)) : NULL;
     if (r == NULL) {
         fn(arg, 0, n);
@@ -107,9 +122,7 @@ static void parallel(range_fn fn, void *arg, int64_t n, int threads) {
     r->fn = fn;
     r->arg = arg;
     r->n = n;
-    /* About 8 chunks per thread, whole cache lines, at least CHUNK_MIN elements. */
-    int64_t chunk = (n / (8 * (int64_t)k) + ALIGN - 1) / ALIGN * ALIGN;
-    r->chunk = chunk < CHUNK_MIN ? CHUNK_MIN : chunk;
+    r->chunk = region_chunk(n, k);
     r->chunks = (n + r->chunk - 1) / r->chunk;
     r->next = 0;
     r->done = 0;
@@ -363,6 +376,85 @@ int pipeoff_adam_fold_step(float *p, const float *g, const uint16_t *g16, float 
                    adam_wd, scale, sign, wd, decay, w1, beta2, c2, bc2_sqrt, eps, step_size,
                    fma, tail_fma, n - n % vec};
     parallel(adam_range, &a, n, threads);
+    return 0;
+}
+
+/* The sum of squares of the gradient a step read, taken inside its pass: the
+ * logged gradient norm of a one-pass final micro-step (not torch's bits, never a
+ * clip coefficient). Each range of a region steps tile by tile, and squares each
+ * tile's gradient while it is in cache (no second pass over memory), in double:
+ * 8 lanes, then the tile's lanes in order, then the tiles in order; one partial
+ * per chunk of the region, which the caller adds in chunk order. So the result
+ * depends on the region's chunks (the thread count), never on which thread ran
+ * which chunk. */
+#define NORM_TILE 2048
+
+typedef struct {
+    adam_args a;
+    double *partials;  /* one per chunk of the region */
+    int64_t chunk;     /* elements per chunk */
+} adam_norm_args;
+
+static double tile_sumsq(const adam_args *a, int64_t b, int64_t e) {
+    const float *restrict G = a->g;
+    const uint16_t *restrict G16 = a->g16;
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8)
+        for (int l = 0; l < 8; l++) {
+            float x = a->gmode == 0 ? G[i + l]
+                      : (a->gmode == 1 ? from_bf16(G16[i + l])
+                                       : G[i + l] + from_bf16(G16[i + l]));
+            lane[l] += (double)x * (double)x;
+        }
+    double s = 0.0;
+    for (int l = 0; l < 8; l++) s += lane[l];
+    for (; i < e; i++) {
+        float x = a->gmode == 0 ? G[i]
+                  : (a->gmode == 1 ? from_bf16(G16[i]) : G[i] + from_bf16(G16[i]));
+        s += (double)x * (double)x;
+    }
+    return s;
+}
+
+static void adam_norm_range(void *arg, int64_t b, int64_t e) {
+    adam_norm_args *na = (adam_norm_args *)arg;
+    double s = 0.0;
+    for (int64_t t0 = b; t0 < e; t0 += NORM_TILE) {
+        int64_t t1 = t0 + NORM_TILE < e ? t0 + NORM_TILE : e;
+        s += tile_sumsq(&na->a, t0, t1);  /* reads the gradient into cache */
+        adam_range(&na->a, t0, t1);       /* and the step reads it from there */
+    }
+    na->partials[b / na->chunk] = s;
+}
+
+/* pipeoff_adam_step (g16 NULL), or pipeoff_adam_fold_step (g16 given, g NULL or not),
+ * that also writes the sum of squares of the gradient (before the clip scale and
+ * the sign: the norm of the folded sum) to *sumsq. Returns 0, or -1 for arguments it
+ * does not take (or no memory for its partials; nothing is written then). */
+int pipeoff_adam_step_norm(float *p, const float *g, const uint16_t *g16, float *m, float *v,
+                           void *out, int out_kind, int64_t n,
+                           int adam_wd, float wd, float decay, float sign, float scale,
+                           float w1, float beta2, float c2, float bc2_sqrt, float eps,
+                           float step_size, int fma, int tail_fma, int64_t vec, int nan_bf16,
+                           int threads, double *sumsq) {
+    if (n < 0 || vec < 1 || out_kind < 0 || out_kind > 2 || (g == NULL && g16 == NULL)
+        || sumsq == NULL)
+        return -1;
+    int k = region_threads(n, threads);
+    int64_t chunk = k > 1 ? region_chunk(n, k) : (n > 0 ? n : 1);
+    int64_t chunks = n > 0 ? (n + chunk - 1) / chunk : 1;
+    double *partials = (double *)calloc((size_t)chunks, sizeof(double));
+    if (partials == NULL) return -1;
+    adam_norm_args na = {{p, m, v, g, g16, g16 == NULL ? 0 : (g == NULL ? 1 : 2), out,
+                          out_kind, (uint16_t)nan_bf16, adam_wd, scale, sign, wd, decay, w1,
+                          beta2, c2, bc2_sqrt, eps, step_size, fma, tail_fma, n - n % vec},
+                         partials, chunk};
+    parallel(adam_norm_range, &na, n, k);
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; c++) s += partials[c];
+    free(partials);
+    *sumsq = s;
     return 0;
 }
 
@@ -707,4 +799,4 @@ int pipeoff_scale(float *a, int64_t n, float s, int threads) {
     return 0;
 }
 
-int pipeoff_abi_version(void) { return 4; }
+int pipeoff_abi_version(void) { return 5; }

@@ -325,9 +325,9 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     calls = [0]
     real = _host_kernel.HostKernel.adam_step
 
-    def counted(self: Any, *args: Any, **kw: Any) -> None:
+    def counted(self: Any, *args: Any, **kw: Any) -> float | None:
         calls[0] += 1
-        real(self, *args, **kw)
+        return real(self, *args, **kw)
 
     monkeypatch.setattr(_host_kernel.HostKernel, "adam_step", counted)
     if request.param == "torch":

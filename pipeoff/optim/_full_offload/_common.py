@@ -39,6 +39,7 @@ from pipeoff.optim._tensors import flat_like, snapshot
 
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._lanes import LaneResults, LaneWork
+    from pipeoff.optim._full_offload._one_pass import HostStepPath
     from pipeoff.optim._full_offload._param import OffloadedParam
 
 __all__ = ["EDGES", "HYPER_CHANGED", "Accumulation", "MicroStep", "Phase", "Shipped",
@@ -129,6 +130,10 @@ class Accumulation:
     max_norm: float | None = None
     """The clipping norm of this step, set by ``clip_grad_norm_()`` (else the
     optimizer's ``max_norm``)."""
+    path: HostStepPath | None = None
+    """How its final micro-step reaches the host step: set at that micro-step's launch
+    (the fold then step, and why), or, when it holds gradients, when the choice is
+    made (``_one_pass.fold`` or ``one_pass``; ``None`` until then)."""
 
     def move(self, to: Phase) -> None:
         """The one place a phase changes, along :data:`EDGES`.
@@ -175,7 +180,8 @@ class Accumulation:
     def wait_norm(self, timeout: float) -> torch.Tensor | None:
         """The total gradient norm, once the final execution has computed it."""
         ex = self.execution
-        ex.wait(norm_task(ex.plan.order), timeout=timeout)
+        one_pass = self.path is not None and self.path.one_pass
+        ex.wait(norm_task(ex.plan.order, one_pass=one_pass), timeout=timeout)
         return self.results.total_norm
 
     def failed(self) -> bool:

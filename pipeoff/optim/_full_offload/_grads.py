@@ -452,7 +452,8 @@ class LoopGrads:
             return slot.acc
         # Hazard: reading a host sum (or the norm the final fold takes of it) that
         # the accumulate lane is still folding gradients into.
-        if micro.current_norm() is None:
+        if micro.current_norm(f"{what} param.grad" if what != "reading" else
+                              "param.grad was read") is None:
             raise GradientError(
                 f"{what} the gradient of {slot.rec.name!r} before the final backward under "
                 "overlap='backward': its sum is known once that backward has run")

@@ -26,6 +26,16 @@ On the final micro-step, per chunk of whole parameters:
 
 ``done`` (a null task) finishes after everything: the next micro-step's
 ``prev`` gate opens on its completion.
+
+A final micro-step known to be final when it began may **hold** the BF16
+gradients of some parameters (``held``, see ``_one_pass.py``): their
+``d2h:{i}.{j}`` copies into the optimizer's held buffer (after the gate
+``held``: the last step that read it is done), not into a slot, and
+``acc:{i}.{j}`` folds nothing (it records that the gradient is held, after its
+copy). The gate ``path`` says how the held gradients reach the step: ``norm``
+folds them first (the sums and the norm were needed before ``step()``), or each
+``step:{k}`` folds them inside its pass and ``norm_pass`` (after every chunk)
+adds up the norm the passes took.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from pipeoff.graph import TaskContext, TaskGraph, TaskKind
 from pipeoff.optim._plan import whole_chunks
 from pipeoff.schedule import Schedule
 
-__all__ = ["DONE", "NORM", "NORM_ALLREDUCE", "PREV", "REDUCE", "STEP", "FullWork",
+__all__ = ["DONE", "HELD", "NORM", "NORM_ALLREDUCE", "NORM_PASS", "PATH", "PREV", "REDUCE",
+           "STEP", "FullWork",
            "MicroStepPlan", "ParamSizes", "grad_gate", "h2d_task", "host_budget",
            "micro_step_graph", "micro_step_schedule", "norm_task", "pieces", "slot_buffer",
            "step_task", "weight_buffer"]
@@ -56,8 +67,13 @@ STEP = "step"
 """Gate: ``step()``'s hyperparameters, clipping norm and gradient edits."""
 REDUCE = "reduce"
 """Gate: the caller's thread lets the norm's all-reduce go."""
+HELD = "held"
+"""Gate: the held buffer's last reader (the previous step that held gradients) is done."""
+PATH = "path"
+"""Gate: how the held gradients reach the step (``_one_pass.FOLD`` or ``ONE_PASS``)."""
 NORM = "norm"
 NORM_ALLREDUCE = "norm_allreduce"
+NORM_PASS = "norm_pass"
 DONE = "done"
 
 
@@ -86,8 +102,11 @@ def weight_buffer(k: int) -> str:
     return f"w:{k}"
 
 
-def norm_task(order: Sequence[str]) -> str:
-    """The task whose end makes the total norm known, in a graph of task ``order``."""
+def norm_task(order: Sequence[str], *, one_pass: bool = False) -> str:
+    """The task whose end makes the total norm known, in a graph of task ``order``
+    (``one_pass``: its held gradients are folded inside the step)."""
+    if one_pass:
+        return NORM_PASS
     return NORM_ALLREDUCE if NORM_ALLREDUCE in order else NORM
 
 
@@ -115,6 +134,7 @@ class FullWork:
     h2d: Callable[[int, TaskContext], None]
     norm: Callable[[TaskContext], None]
     allreduce: Callable[[TaskContext], None]
+    norm_pass: Callable[[TaskContext], None] | None = None
 
 
 def host_budget(params: Sequence[ParamSizes], chunks: Sequence[Sequence[int]], *,
@@ -157,6 +177,7 @@ def micro_step_graph(
     norm_first: bool = False,
     allreduce: bool = False,
     step_gate: bool = False,
+    held: frozenset[int] = frozenset(),
     work: FullWork | None = None,
 ) -> TaskGraph:
     """The graph of one micro-step (see the module docstring).
@@ -173,36 +194,53 @@ def micro_step_graph(
             waits for the gate ``reduce``, which the caller's thread opens (and then
             waits for it) so that the collective is issued in program order.
         step_gate: the chunks wait for the gate ``step`` (``step()`` opens it).
+        held: the parameters whose gradient a final micro-step holds for its step
+            (see the module docstring; needs ``norm_first``).
         work: the callables, or ``None`` for a shape-only graph.
     """
     g = TaskGraph(device)
     g.add_gate(PREV)
     if final and step_gate:
         g.add_gate(STEP)
+    held = held if final else frozenset()
+    assert not held or norm_first, "held gradients are folded in the norm task first"
+    if held:
+        g.add_gate(HELD)
+        g.add_gate(PATH)
     last_acc: dict[int, str] = {}
     accs: list[str] = []
+    copies: list[str] = []
     for i in reversed(range(len(params))):
         p = params[i]
         gate = g.add_gate(grad_gate(p.name))
         for j, (s, e) in enumerate(pieces(p.numel, p.grad_itemsize, slot_bytes)):
             nbytes = (e - s) * p.grad_itemsize
-            bufs = [g.add_buffer(slot_buffer(i, j), nbytes, where="host")] if nbytes else []
+            bufs = ([g.add_buffer(slot_buffer(i, j), nbytes, where="host")]
+                    if nbytes and i not in held else [])
             d2h = g.add_task(f"d2h:{i}.{j}", TaskKind.D2H,
                              _bind2(work.d2h if work else None, i, j),
-                             gates=[gate], buffers=bufs, nbytes=nbytes)
+                             gates=[gate, HELD] if i in held else [gate], buffers=bufs,
+                             nbytes=nbytes)
             deps = [d2h]
+            if i in held:
+                copies.append(d2h)
+                # Hazard: recording a held gradient as arrived (after which the
+                # norm task folds it, or a step chunk steps on it) before its copy
+                # into the held buffer has landed.
+                deps = [] if _faults.disabled("held_copy_dep") else [d2h]
             if j > 0:
                 deps.append(f"acc:{i}.{j - 1}")
             acc = g.add_task(f"acc:{i}.{j}", TaskKind.HOST,
                              _bind2(work.accumulate if work else None, i, j),
                              deps=deps, gates=[gate, PREV], buffers=bufs,
-                             nbytes=(e - s) * 4, lane=ACCUMULATE_LANE)
+                             nbytes=0 if i in held else (e - s) * 4, lane=ACCUMULATE_LANE)
             accs.append(acc)
             last_acc[i] = acc
-    ends = list(accs)
+    ends = list(accs) + copies
     if final:
         norm = g.add_task(NORM, TaskKind.HOST, work.norm if work else None,
                           deps=accs, lane=STEP_LANE if norm_first else ACCUMULATE_LANE,
+                          gates=[PATH] if held else [],
                           nbytes=4 * len(params))
         total = norm
         if allreduce:
@@ -232,6 +270,11 @@ def micro_step_graph(
             h2d = g.add_task(h2d_task(k), TaskKind.H2D, _bind1(work.h2d if work else None, k),
                              deps=[step], buffers=bufs, nbytes=moved)
             ends += [step, h2d]
+        if held:
+            ends.append(g.add_task(NORM_PASS, TaskKind.HOST,
+                                   work.norm_pass if work else None,
+                                   deps=[step_task(k) for k in range(len(chunks))] + [total],
+                                   gates=[PATH], lane=STEP_LANE, nbytes=4 * len(params)))
     g.add_task(DONE, TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
     return g
 
@@ -284,6 +327,7 @@ class MicroStepPlan:
     def graph(self, device: torch.device | str | None, *, final: bool, norm_first: bool = False,
               allreduce: bool = False, step_gate: bool = False,
               grad_itemsize: Mapping[int, int] | None = None,
+              held: frozenset[int] = frozenset(),
               work: FullWork | None = None) -> TaskGraph:
         """The graph of one micro-step (:func:`micro_step_graph`); ``grad_itemsize``
         overrides the bytes per gradient element of some parameters (the FP32 sums a
@@ -295,8 +339,8 @@ class MicroStepPlan:
                 for i, p in enumerate(params))
         return micro_step_graph(device, params, self.chunks, final=final,
                                 slot_bytes=self.slot_bytes, norm_first=norm_first,
-                                allreduce=allreduce,
-                                step_gate=step_gate, work=work)
+                                allreduce=allreduce, step_gate=step_gate, held=held,
+                                work=work)
 
     def schedule(self, overlap: str) -> Schedule:
         """The schedule of every micro-step (:func:`micro_step_schedule`)."""

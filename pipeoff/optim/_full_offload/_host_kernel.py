@@ -26,6 +26,7 @@ warns, naming why, when it falls back to torch's path.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -143,7 +144,7 @@ class HostKernel:
     def adam_step(self, param: torch.Tensor, grad: torch.Tensor | None, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor, out: torch.Tensor | None, hyper: AdamHyper, *,
                   step: float, scale: float | None, threads: int, announce: bool = True,
-                  last_grad: torch.Tensor | None = None) -> None:
+                  last_grad: torch.Tensor | None = None, sumsq: bool = False) -> float | None:
         """One step of ``param`` (the FP32 master), ``exp_avg`` and ``exp_avg_sq`` in place,
         with gradient ``grad * scale`` (``grad`` is not written), and ``out`` (BF16 or
         FP32, or ``None``) set to the new ``param``: what ``torch._fused_adamw_`` (or
@@ -154,6 +155,12 @@ class HostKernel:
         inside the same pass with the bits of :func:`fold` and then the step: a final
         micro-step in one pass over memory (32 bytes per element, not fold's 10 plus
         the step's 30). Neither gradient is written.
+
+        With ``sumsq``, returns the sum of squares of the gradient (``grad +
+        last_grad``, before ``scale`` and ``maximize``'s sign), taken inside the same
+        pass in double: the norm a one-pass step logs. Not torch's bits (nor bitwise
+        the same across thread counts: each chunk of the call's region sums its part);
+        never a clip coefficient. Without it, returns ``None``.
 
         All 1-D, contiguous, on the CPU, of one length, not overlapping; ``step`` is
         the step count after this step (torch's ``state["step"]``, already
@@ -208,6 +215,15 @@ class HostKernel:
         # Bumped before the call: the C function writes all or (rc != 0) nothing.
         increment_version([t for t in (param, exp_avg, exp_avg_sq, out) if t is not None])
         out_ptr = None if out is None else out.data_ptr()
+        if sumsq:
+            total = ctypes.c_double(0.0)
+            rc = self.lib.pipeoff_adam_step_norm(
+                param.data_ptr(), None if grad is None else grad.data_ptr(),
+                None if last_grad is None else last_grad.data_ptr(), exp_avg.data_ptr(),
+                exp_avg_sq.data_ptr(), out_ptr, kind, n, *args, ctypes.byref(total))
+            if rc != 0:
+                raise RuntimeError(f"pipeoff_adam_step_norm refused its arguments (rc={rc})")
+            return total.value
         if last_grad is None:
             assert grad is not None
             rc = self.lib.pipeoff_adam_step(
@@ -220,6 +236,7 @@ class HostKernel:
                 kind, n, *args)
         if rc != 0:
             raise RuntimeError(f"pipeoff_adam_step refused its arguments (rc={rc})")
+        return None
 
 
 def _pow(base: float, exp: float) -> float:

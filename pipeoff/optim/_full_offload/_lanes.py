@@ -19,9 +19,12 @@ named. What they compute goes into the accumulation's :class:`LaneResults`
   dependencies), and by the next micro-step's lanes after its ``prev`` gate
   (the previous execution's ``done``); the caller edits them (a gradient set
   by hand) only after waiting for the folds.
-* ``LaneResults.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``):
-  the caller reads ``total_norm`` (``grad_norm``) after waiting for the task
-  that sets it.
+* ``LaneResults.held`` (``acc:{i}.{j}`` of a held gradient; ``norm`` or ``step:{k}``
+  when they fold it), ``.held_sumsq`` (``step:{k}``): read by later tasks of the
+  same execution (``_one_pass.py``), ordered by the graph's dependencies.
+* ``LaneResults.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``,
+  ``norm_pass``): the caller reads ``total_norm`` (``grad_norm``) after waiting for
+  the task that sets it.
 * ``LaneResults.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
   ``classify`` once the execution is done (waited for, or settled).
 * ``LaneResults.overwritten`` (``h2d:{k}``): read by ``wait_for_step()`` once the
@@ -50,6 +53,7 @@ from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate, _edits, _host_kernel
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import (
+    PATH,
     STEP,
     FullWork,
     grad_gate,
@@ -57,6 +61,7 @@ from pipeoff.optim._full_offload._graph import (
     slot_buffer,
     weight_buffer,
 )
+from pipeoff.optim._full_offload._one_pass import ONE_PASS, HeldWork
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.optim._tensors import flat
 
@@ -88,10 +93,20 @@ class LaneResults:
     overwritten: set[int] = dataclasses.field(default_factory=set)
     """Parameters whose weight something else wrote after the last step and before
     this step's ``h2d`` overwrote it (read after the execution settled)."""
+    held: set[int] = dataclasses.field(default_factory=set)
+    """Parameters whose final gradient is in the held buffer, not folded into the sum
+    (``[Note: one pass]`` in ``_one_pass.py``)."""
+    held_sumsq: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Per parameter stepped in one pass, the sum of squares of its gradient, taken in
+    the pass."""
 
     @classmethod
     def for_params(cls, n: int) -> LaneResults:
         return cls(counts=[0] * n)
+
+    def has_grad(self, i: int) -> bool:
+        """Whether parameter ``i`` steps: a sum, or a held gradient."""
+        return self.counts[i] > 0 or i in self.held
 
 
 class LaneWork:
@@ -102,7 +117,8 @@ class LaneWork:
     flight under ``overlap="forward"``) re-indexes the registry, not this.
     """
 
-    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig) -> None:
+    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig,
+                 held: Mapping[int, torch.Tensor] | None = None) -> None:
         self.params: Sequence[OffloadedParam] = tuple(registry.params)
         self.position = {id(rec.param): i for i, rec in enumerate(self.params)}
         """Each parameter's position, by ``id()`` (check identity: ``position_of``)."""
@@ -118,6 +134,9 @@ class LaneWork:
         self.pin = registry.pin
         self.threads = config.num_threads or _host_kernel.default_threads()
         """Threads of each native kernel call (one parallel region per tensor)."""
+        self.held = None if held is None else HeldWork(self.params, held, config.slot_bytes,
+                                                       self.threads)
+        """The work of a final micro-step's held gradients (``_one_pass.py``), or ``None``."""
 
     def position_of(self, param: torch.Tensor) -> int | None:
         """``param``'s position at launch, or ``None`` if it was not a parameter then."""
@@ -134,8 +153,9 @@ class LaneWork:
             accumulate=lambda i, j, ctx: self.fold(res, final, i, j, ctx),
             step=lambda k, ctx: self.step_chunk(res, hyper, k, ctx),
             h2d=lambda k, ctx: self.h2d(res, k, ctx),
-            norm=lambda ctx: self.norm(res),
+            norm=lambda ctx: self.norm(res, ctx),
             allreduce=lambda ctx: self.allreduce_norm(res),
+            norm_pass=lambda ctx: self.norm_pass(res, ctx),
         )
 
     def _threads(self) -> None:
@@ -149,6 +169,9 @@ class LaneWork:
         shipped = ctx.gate(gate_name(rec))
         if shipped is None:
             ctx.moved(0)  # no gradient this micro-step: nothing crosses the link
+            return
+        if self.held is not None and i in self.held:
+            self.held.copy(i, j, shipped, ctx)
             return
         g = shipped.tensor
         assert g is not None
@@ -171,6 +194,11 @@ class LaneWork:
         size = g.dtype.itemsize if g is not None else rec.param.dtype.itemsize
         parts = pieces(rec.numel, size, self.config.slot_bytes)
         last = j == len(parts) - 1
+        if self.held is not None and i in self.held:
+            if g is None:
+                ctx.moved(0)
+            self.held.arrived(res, i, last, g is not None)
+            return
         if g is None:
             ctx.moved(0)
         else:
@@ -186,10 +214,15 @@ class LaneWork:
             res.norms[i] = _accumulate.norm(rec.flat_acc)
 
     # -- the gradient norm ---------------------------------------------------------------
-    def norm(self, res: LaneResults) -> None:
+    def norm(self, res: LaneResults, ctx: TaskContext) -> None:
         """Per set of groups the parameters are sharded over (one, usually), the 2-norm
-        of their gradients; the total when no rank holds another part of them."""
+        of their gradients; the total when no rank holds another part of them. With held
+        gradients, first folds them (``FOLD``), or leaves it to ``norm_pass``."""
         self._threads()
+        if self.held is not None:
+            if ctx.gate(PATH) == ONE_PASS:
+                return
+            self.held.fold_all(res)
         keys: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for i in range(len(self.params)):
             if res.counts[i] > 0:
@@ -202,6 +235,11 @@ class LaneWork:
                               else torch.tensor(0.0) if not partial
                               else torch.linalg.vector_norm(torch.stack(list(partial.values())),
                                                             2.0))
+
+    def norm_pass(self, res: LaneResults, ctx: TaskContext) -> None:
+        """The total norm of a one-pass step, after its chunks (``_one_pass.py``)."""
+        if self.held is not None and ctx.gate(PATH) == ONE_PASS:
+            self.held.total_norm(res)
 
     def allreduce_norm(self, res: LaneResults) -> None:
         """The squared norms (float64) summed over the ranks that hold the other shards
@@ -236,7 +274,7 @@ class LaneWork:
             assert res.total_norm is not None
             # The expressions of torch.nn.utils.clip_grad_norm_, for the same bits.
             clip_coef = torch.clamp(max_norm / (res.total_norm + 1e-6), max=1.0)
-        idx = [i for i in self.plan.chunks[k] if res.counts[i] > 0]
+        idx = [i for i in self.plan.chunks[k] if res.has_grad(i)]
         # The loop's own edits of each gradient (its clip call's coefficient, say), in
         # its order: one scaling by a clip coefficient goes into the native pass.
         scales: dict[int, float] = {}
@@ -249,6 +287,10 @@ class LaneWork:
             else:
                 _edits.apply_edits(self.params[i].flat_acc, e)
         kernel, native = self._native_of(idx, hyper)
+        for i in [i for i in idx if i in res.held and i not in native]:
+            assert self.held is not None  # (a group no longer native: fold, then its path)
+            self.held.fold_one(res, i)
+            res.norms[i] = _accumulate.norm(self.params[i].flat_acc)
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
         for i in idx:
@@ -281,7 +323,7 @@ class LaneWork:
                 scale = None if clip_coef is None else float(clip_coef)
                 slices = {i: (off, n, dtype) for i, off, n, dtype in self.weight_slices(k)}
                 for i, h in native.items():
-                    scalars[i] = self._native_step(kernel, i, h, w, slices[i],
+                    scalars[i] = self._native_step(kernel, res, i, h, w, slices[i],
                                                    scales.get(i, scale))
                     if slices[i][2] in (torch.bfloat16, torch.float32):
                         cast_done.add(i)
@@ -297,7 +339,7 @@ class LaneWork:
             rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
             rec.stepped = True
         cast = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
-                if res.counts[i] > 0 and n and i not in cast_done]
+                if res.has_grad(i) and n and i not in cast_done]
         if cast:  # (a chunk of empty parameters has no buffer)
             assert w is not None
             for i, off, n, dtype in cast:
@@ -324,12 +366,13 @@ class LaneWork:
         kernel = _host_kernel.host_kernel(warn=False)  # (step() warns, on the caller's thread)
         return kernel, native if kernel is not None else {}
 
-    def _native_step(self, kernel: _host_kernel.HostKernel, i: int, h: _host_kernel.AdamHyper,
-                     w: torch.Tensor | None, where: tuple[int, int, torch.dtype],
-                     scale: float | None) -> dict[str, Any]:
+    def _native_step(self, kernel: _host_kernel.HostKernel, res: LaneResults, i: int,
+                     h: _host_kernel.AdamHyper, w: torch.Tensor | None,
+                     where: tuple[int, int, torch.dtype], scale: float | None) -> dict[str, Any]:
         """Step parameter ``i`` with the native kernel (casting into its slice of ``w``
-        when its dtype allows); returns its new scalars (``step``), which the caller
-        commits once the chunk has succeeded."""
+        when its dtype allows; a held gradient folded inside the pass, whose norm it
+        takes); returns its new scalars (``step``), which the caller commits once the
+        chunk has succeeded."""
         rec = self.params[i]
         st = rec.ensure_state(("exp_avg", "exp_avg_sq"), self.pin)
         m, v = flat(st["exp_avg"], rec.order), flat(st["exp_avg_sq"], rec.order)
@@ -345,8 +388,15 @@ class LaneWork:
         out = None
         if w is not None and n and dtype in (torch.bfloat16, torch.float32):
             out = w[off:off + n * dtype.itemsize].view(dtype)
-        kernel.adam_step(rec.flat_master, rec.flat_acc, m, v, out, h, step=float(step),
-                         scale=scale, threads=self.threads)
+        if i in res.held:
+            assert self.held is not None and scale is None  # (clipping and edits fold first)
+            res.held_sumsq[i] = kernel.adam_step(  # type: ignore[assignment]
+                rec.flat_master, rec.flat_acc if res.counts[i] > 0 else None, m, v, out, h,
+                step=float(step), scale=None, threads=self.threads,
+                last_grad=self.held.views[i], sumsq=True)
+        else:
+            kernel.adam_step(rec.flat_master, rec.flat_acc, m, v, out, h, step=float(step),
+                             scale=scale, threads=self.threads)
         return {**rec.scalars, "step": step}
 
     def weight_slices(self, k: int) -> Iterator[tuple[int, int, int, torch.dtype]]:
@@ -362,7 +412,7 @@ class LaneWork:
     @torch.no_grad()
     def h2d(self, res: LaneResults, k: int, ctx: TaskContext) -> None:
         copies = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
-                  if res.counts[i] > 0 and n]
+                  if res.has_grad(i) and n]
         # What crosses the link: the weights of the stepped parameters, unpadded.
         ctx.moved(sum(n * dtype.itemsize for _, _, n, dtype in copies))
         if not copies:

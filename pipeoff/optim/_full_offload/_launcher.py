@@ -9,17 +9,20 @@ latest execution; the accumulation's records are the lifecycle's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pipeoff import _faults
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskGraph
+from pipeoff.optim._full_offload import _one_pass
 from pipeoff.optim._full_offload._common import Accumulation, MicroStep
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import (
     DONE,
     NORM_ALLREDUCE,
+    PATH,
     PREV,
     REDUCE,
     STEP,
@@ -38,14 +41,19 @@ class Launcher:
     Args:
         registry: the parameters.
         config: the optimizer's configuration.
+        param_groups: the optimizer's live ``param_groups`` (a final micro-step's plan).
     """
 
-    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig) -> None:
+    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig,
+                 param_groups: Callable[[], list[dict[str, Any]]]) -> None:
         self.registry = registry
         self.config = config
+        self.param_groups = param_groups
         self.prev: Execution | None = None
         """The latest execution that writes accumulators or masters: the next
         micro-step's accumulations wait for it (its ``prev`` gate)."""
+        self.held = _one_pass.HeldGrads()
+        """The buffer a final backward's gradients wait in for a one-pass step."""
 
     def graph(self, *, final: bool, grad_itemsize: Mapping[int, int] | None = None,
               lanes: LaneWork | None = None,
@@ -58,23 +66,37 @@ class Launcher:
             assert acc is not None
             work = lanes.bind(acc.results, final=final, hyper=acc.hyper)
         groups = self.registry.norm_groups if lanes is None else lanes.norm_groups
+        held = lanes.held if lanes is not None else None
         graph = plan.graph(self.registry.device, final=final,
                            norm_first=config.overlap != "backward",
                            allreduce=any(groups), step_gate=config.overlap != "backward",
-                           grad_itemsize=grad_itemsize, work=work)
+                           grad_itemsize=grad_itemsize,
+                           held=frozenset(held.views) if held else frozenset(), work=work)
         return graph, plan.schedule(config.overlap)
 
-    def launch(self, acc: Accumulation, *, final: bool) -> tuple[Execution, LaneWork]:
+    def launch(self, acc: Accumulation, *, final: bool,
+               known: bool = False) -> tuple[Execution, LaneWork]:
         """Launch a micro-step's execution (its lane work bound to ``acc``'s results),
-        after the previous; returns it and its lane work (the micro-step's to hold)."""
+        after the previous; returns it and its lane work (the micro-step's to hold).
+        A final one (``known``: final when its backward began) may hold its gradients
+        for a one-pass step (``_one_pass.plan``)."""
         itemsize = None
         if final and self.config.accumulate == "gpu":
             itemsize = {i: 4 for i in acc.device_sums}
-        lanes = LaneWork(self.registry, self.config)
+        views = None
+        if final:
+            held, path = _one_pass.plan(self.config, self.registry.params, self.param_groups(),
+                                        self.registry.norm_groups, known=known)
+            acc.path = path  # (None: chosen at the first read of the sums, or step())
+            if held:
+                views = self.held.views(self.registry.params, held, self.registry.pin)
+        lanes = LaneWork(self.registry, self.config, views)
         graph, schedule = self.graph(final=final, grad_itemsize=itemsize, lanes=lanes, acc=acc)
         ex = execute(graph, schedule)
         prev = self.prev
         try:
+            if views is not None:
+                self.held.order_after_reader(ex)
             if prev is None or prev.done() or _faults.disabled("micro_step_order"):
                 ex.gate(PREV).close()
             else:
@@ -117,6 +139,8 @@ class Launcher:
         names = [grad_gate(rec.name) for rec in self.registry]
         if ms.final and self.config.overlap != "backward":
             names.append(STEP)
+        if ms.final and ms.lanes is not None and ms.lanes.held is not None:
+            names.append(PATH)
         if ms.final and NORM_ALLREDUCE in ex.plan.order:
             names.append(REDUCE)
         for name in names:

@@ -2,12 +2,11 @@
 through the step in flight to its end, one execution per backward.
 
 The phases, the transition table and the records are in ``_common.py``. The
-:class:`Lifecycle` holds the accumulation in progress (``IDLE`` without one) and the
-step in flight (``STEPPING`` until ``wait_for_step()``); every ``.phase`` change is
-made here (``Accumulation.move``). Its state is written on the thread running the
-backward's hooks (the caller's on CPU; autograd's device thread on CUDA) and on the
-caller's between backwards; lanes write only what ``[Note: lane writes]`` in
-``_lanes.py`` lists. The hooks are the intake's (``_intake.py``).
+:class:`Lifecycle` holds the accumulation in progress (``IDLE`` without one) and the step
+in flight (``STEPPING`` until ``wait_for_step()``); every ``.phase`` change is made here
+(``Accumulation.move``). Its state is written on the thread running the backward's hooks
+(the caller's on CPU; autograd's device thread on CUDA) and on the caller's between
+backwards; lanes write only what ``[Note: lane writes]`` in ``_lanes.py`` lists.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pipeoff._contract import Health
 from pipeoff._errors import ConfigError, GradientError
 from pipeoff._lowlevel import is_failure_of, settle
 from pipeoff.execution import Execution
+from pipeoff.optim._full_offload import _one_pass
 from pipeoff.optim._full_offload._common import (
     Accumulation,
     MicroStep,
@@ -42,6 +42,7 @@ from pipeoff.optim._full_offload._launcher import Launcher
 from pipeoff.optim._full_offload._param import ParamRegistry
 
 if TYPE_CHECKING:
+    from pipeoff.optim._full_offload._one_pass import HostStepPath
     from pipeoff.optim._readers import Readers
 
 __all__ = ["Lifecycle"]
@@ -86,8 +87,9 @@ class Lifecycle:
         """The ``DistributedDataParallel`` around the model, or ``None``. Under one, the
         gradients stay in ``param.grad`` (the wrapper reduces and accumulates them
         there) and a final micro-step takes them at the end of its backward."""
-        self.launcher = Launcher(registry, config)
+        self.launcher = Launcher(registry, config, param_groups)
         """Builds and launches each micro-step's execution (and orders them)."""
+        self.last_path: HostStepPath | None = None  # the last step's (host_step_status)
 
     @property
     def phase(self) -> Phase:
@@ -197,10 +199,9 @@ class Lifecycle:
         if final:
             self._before_final(acc)
         if final or (self.config.accumulate == "cpu" and self.ddp is None):
-            ms.execution, ms.lanes = self.launcher.launch(acc, final=ms.final)
+            ms.execution, ms.lanes = self.launcher.launch(acc, final=ms.final, known=True)
         acc.marked = acc.marked or marked
-        # Launched: only now does the accumulation hold the micro-step (an interrupt
-        # or a failure above leaves it as it was).
+        # Launched: now the accumulation holds it (an interrupt above leaves it as it was).
         if final:
             acc.final = ms
             acc.move(Phase.FINAL)
@@ -408,12 +409,13 @@ class Lifecycle:
         acc.micro.append(ms)
         self.end_backward(ms)
 
-    def current_norm(self) -> torch.Tensor | None:
+    def current_norm(self, why: str = "grad_norm was read") -> torch.Tensor | None:
         """The norm of the accumulation in progress, which it ends (:meth:`finalize`), or
-        ``None``. Waits for the norm, not for the step."""
+        ``None``. Waits for the norm, not for the step (``why``: see ``_one_pass.fold``)."""
         acc = self.finalize()
         if acc is None:
             return None
+        _one_pass.fold(acc, why)
         self.launcher.reduce_norm(acc)
         return acc.wait_norm(self.config.timeout)
 
@@ -437,12 +439,13 @@ class Lifecycle:
             self.readers.wait()
         self.launcher.reduce_norm(acc)
         if self.config.overlap != "backward":
+            _one_pass.one_pass(acc)  # (unless a read of the sums chose the fold)
             acc.execution.gate(STEP).open((hyper, max_norm, dict(edits or {})))
+        self.last_path = acc.path
         acc.move(Phase.STEPPING)
         self.acc = None
         self.inflight = acc
-        self.grads.clear()  # step() consumes the gradients (a final micro-step launched
-        # just now showed them)
+        self.grads.clear()  # step() consumes the gradients
         return acc
 
     def discard(self, why: str, *, classify_final: bool) -> None:
@@ -495,6 +498,7 @@ class Lifecycle:
             if ms.execution is None:
                 continue
             if ms.final:
+                _one_pass.fold(acc, "a gradient was set by hand or dropped")
                 acc.wait_norm(self.config.timeout)  # its folds (its chunks wait for step())
             else:
                 settle(ms.execution, timeout=self.config.timeout)
@@ -516,7 +520,7 @@ class Lifecycle:
         Raises ConfigError on a second call in one step."""
         if self.acc is None:
             return None
-        norm = self.current_norm()
+        norm = self.current_norm("clip_grad_norm_() was called")
         acc = self.acc
         if norm is None or acc is None:
             return None
