@@ -46,6 +46,7 @@ from pipeoff.optim._full_offload._intake import GradientIntake
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
+from pipeoff.optim._full_offload._reports import HostReports
 from pipeoff.optim._full_offload._surface import MastersAndCheckpoints
 from pipeoff.optim._full_offload._traces import StepTraces
 from pipeoff.optim._offloaded import Offloaded
@@ -55,7 +56,7 @@ from pipeoff.optim._waits import ForwardWaits
 __all__ = ["FullOffloadOptimizer"]
 
 
-class FullOffloadOptimizer(MastersAndCheckpoints, Offloaded, torch.optim.Optimizer):
+class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.optim.Optimizer):
     """Full offload: FP32 masters, optimizer state and a gradient accumulator in host memory.
 
     Only ``model``'s compute weights stay on the device; the host holds 16

@@ -331,15 +331,27 @@ def unavailable_reason() -> str | None:
     return _why
 
 
-def host_step_status() -> str:
+def host_step_status(optimizer: Any = None) -> str:
     """How :class:`~pipeoff.optim.FullOffloadOptimizer` steps ``fused=True`` Adam/AdamW
     on this machine: ``"native (AVX512, 8 threads)"``, or ``"torch: <why not native>"``.
     The first call on a machine builds the kernels (about 15 s on 2 cores; later
-    processes load the cached build) and each process checks them once."""
+    processes load the cached build) and each process checks them once.
+
+    Args:
+        optimizer: a ``FullOffloadOptimizer``: then also how its last step's final
+            micro-step reached the host step, and why (its ``host_step_path``):
+            ``"native (AVX512, 2 threads); last step: one pass (32 B): final backward
+            marked, ..."``, or ``"...; no step yet"``.
+    """
     kernel = host_kernel(warn=False)  # the reason is returned instead
     if kernel is None:
-        return f"torch: {_why or _native.unavailable_reason()}"
-    return f"native ({kernel.level}, {default_threads()} threads)"
+        status = f"torch: {_why or _native.unavailable_reason()}"
+    else:
+        status = f"native ({kernel.level}, {default_threads()} threads)"
+    if optimizer is None:
+        return status
+    path = optimizer.host_step_path
+    return f"{status}; " + ("no step yet" if path is None else f"last step: {path}")
 
 
 def _reset_for_tests() -> None:

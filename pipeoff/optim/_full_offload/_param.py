@@ -368,6 +368,15 @@ class ParamRegistry:
         self.model = model
         self._fingerprint = ()  # (re-index: the names are in the plan)
 
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of host state: ``master_bytes_host``, ``grad_sum_bytes_host`` and
+        ``state_bytes_host`` (the per-element optimizer state), of every parameter it
+        holds, retired ones too."""
+        recs = [*self.params, *self._retired.values()]
+        return {"master_bytes_host": sum(_nbytes(rec.master) for rec in recs),
+                "grad_sum_bytes_host": sum(_nbytes(rec.acc) for rec in recs),
+                "state_bytes_host": sum(_nbytes(t) for rec in recs for t in rec.state.values())}
+
     # -- following the model ---------------------------------------------------------------
     def written_from_outside(self) -> list[OffloadedParam]:
         """Parameters whose weight something else wrote since this optimizer last did
@@ -394,3 +403,7 @@ class ParamRegistry:
                     adopted += 1
                 rec.version = loc._version
         return adopted
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
