@@ -129,3 +129,106 @@ def test_a_removed_wait_before_the_native_fold_is_a_race(gpu: Gpu) -> None:
     races = [str(e) for e in gpu.sim.errors if isinstance(e, DataRaceError)]
     assert any("pipeoff_fold" in r for r in races), \
         (repr(info.value), races)
+
+
+# -- the one-pass final micro-step (issue 35) -----------------------------------------------
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_one_pass_is_bitwise_on_streams_with_slow_lanes(gpu: Gpu, overlap: str) -> None:
+    """No clipping and marked micro-steps: the final backward's gradients are held in a
+    pinned host buffer and folded inside the native step; bitwise the reference."""
+    from pipeoff.optim._full_offload import _host_kernel
+
+    if _host_kernel.host_kernel() is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    data = batches(gpu, 3, 3)
+    kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    ref = reference(gpu, data, **kw)
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, overlap=overlap, chunk_numel=3000,
+                               slot_bytes=4096, **kw)
+    opt.attach()
+    with pipeoff.testing.delay_lane("d2h", 0.002), pipeoff.testing.delay_lane("h2d", 0.002):
+        train(net, opt, data)
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+    assert opt.host_step_path is not None and opt.host_step_path.one_pass
+    held = opt._lifecycle.launcher.held.buffer
+    assert held is not None and gpu.accel.is_pinned(held) and not gpu.accel.on_device(held)
+
+
+def _one_layer(gpu: Gpu) -> tuple[nn.Module, FullOffloadOptimizer, list[torch.Tensor]]:
+    """One layer whose input needs no gradient: its backward reads no weight (it saves
+    none), so the backward of a forward taken before step() is a valid one."""
+    from pipeoff.optim._full_offload import _host_kernel
+
+    if not gpu.simulated:
+        pytest.skip("the simulated device names the race; a GPU may just be lucky")
+    if _host_kernel.host_kernel() is None:
+        pytest.skip(f"no native kernel here: {_host_kernel.unavailable_reason()}")
+    torch.manual_seed(0)
+    net = gpu.module(nn.Linear(32, 64).to(torch.bfloat16))
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, fused=True, slot_bytes=1024)
+    (xs,) = batches(gpu, 1, 4)
+    return net, opt, xs
+
+
+def _races(gpu: Gpu) -> list[str]:
+    return [str(e) for e in gpu.sim.errors if isinstance(e, DataRaceError)]
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_held_gradient_read_before_its_copy_landed_is_a_race(gpu: Gpu, mutated: bool) -> None:
+    """Without ``held_copy_dep`` a chunk's pass reads a held gradient (through the native
+    kernel, which the checker sees) that the copy stream may still write."""
+    net, opt, xs = _one_layer(gpu)
+    off = pipeoff.testing.disable("held_copy_dep") if mutated else contextlib.nullcontext()
+    fails = (pytest.raises((DataRaceError, StepFailedError, RuntimeError)) if mutated
+             else contextlib.nullcontext())
+    with fails, off, pipeoff.testing.delay_lane("d2h", 0.005):
+        with opt.no_sync():
+            loss(net, xs[0]).backward()
+        loss(net, xs[1]).backward()
+        opt.step()
+        opt.wait_for_step()
+        gpu.synchronize()
+    assert opt.host_step_path is not None and opt.host_step_path.one_pass
+    races = _races(gpu)
+    assert any("pipeoff_adam_step" in r for r in races) if mutated else races == [], races
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_held_gradient_overwritten_before_its_step_read_it_is_a_race(gpu: Gpu,
+                                                                       mutated: bool) -> None:
+    """Step 1 in flight, its chunk held (so that nothing learns it finished); the next
+    step's micro-steps are backwards of forwards taken before step() (nothing orders
+    them after step 1's weights): a marked one of the bias alone, then the final one
+    of the weight alone (no placeholder in its way, which the simulated device's
+    dispatch could not take in). Then step 1's chunk goes (a plain event: no order
+    the checker sees). Without ``held_release`` nothing orders the final backward's
+    copies into the held buffer after step 1's chunk read it."""
+    net, opt, xs = _one_layer(gpu)
+    w, b = net.weight, net.bias
+    off = pipeoff.testing.disable("held_release") if mutated else contextlib.nullcontext()
+    fails = (pytest.raises((DataRaceError, StepFailedError, RuntimeError)) if mutated
+             else contextlib.nullcontext())
+    with fails, off:
+        with pipeoff.testing.hold_task(r"step:.*") as release:
+            with opt.no_sync():
+                loss(net, xs[0]).backward()
+            loss(net, xs[1]).backward()
+            later = [b.float().pow(2).sum(),
+                     torch.nn.functional.linear(xs[3], w).float().pow(2).mean()]
+            opt.step()  # step 1 in flight, its chunk held
+            opt.zero_grad()
+            with opt.no_sync():
+                later[0].backward()
+            later[1].backward()  # its copies into the held buffer
+            release.set()
+        opt.step()
+        opt.wait_for_step()
+        gpu.synchronize()
+    opt.zero_grad()
+    races = _races(gpu)
+    assert any("pinned host tensor" in r for r in races) if mutated else races == [], races
