@@ -120,6 +120,10 @@ SWITCHES = (
         f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
     ), "the caching allocator hands a gradient's memory to new work while full "
        "offload's D2H stream still copies it out", site=True),
+    _switch("record_stream", "pipeoff/optim/_full_offload/_one_pass.py", (
+        f"{_FULL_CUDA}::test_one_pass_is_bitwise_on_streams_with_slow_lanes",
+    ), "the caching allocator hands a final gradient's memory to new work while full "
+       "offload's D2H stream still copies it into the held buffer", site=True),
     _switch("read_guard", "pipeoff/optim/_waits.py", (
         "tests/optim/test_patterns.py::test_every_read_waits_for_the_chunk_that_writes_it",
         "tests/optim/test_patterns.py::test_the_read_guard_teaches_the_hooks_an_early_read",
@@ -146,6 +150,18 @@ SWITCHES = (
         "other_are_wrong[False]",
     ), "a micro-step's accumulation races the previous micro-step's and its step: "
        "gradients added out of order or lost"),
+    _switch("held_copy_dep", "pipeoff/optim/_full_offload/_graph.py", (
+        "tests/optim/test_full_offload_one_pass.py::test_a_held_gradient_is_stepped_only_"
+        "after_its_copy_landed[False]",
+        f"{_FULL_CUDA}::test_a_held_gradient_read_before_its_copy_landed_is_a_race",
+    ), "a one-pass step chunk folds a held gradient inside its pass before its copy into "
+       "the held buffer has landed: it steps on the last step's gradient"),
+    _switch("held_release", "pipeoff/optim/_full_offload/_one_pass.py", (
+        "tests/optim/test_full_offload_one_pass.py::test_a_final_backward_copies_into_the_"
+        "held_buffer_after_the_step_that_read_it[False]",
+        f"{_FULL_CUDA}::test_a_held_gradient_overwritten_before_its_step_read_it_is_a_race",
+    ), "a final backward's copies overwrite held gradients that the step in flight has not "
+       "folded yet: that step steps on the next step's gradients"),
     _switch("ddp_reduced", "pipeoff/optim/_full_offload/_lifecycle.py", (
         "tests/optim/test_full_offload_ranks.py::test_under_ddp_the_reduced_gradient_is_"
         "stepped",
