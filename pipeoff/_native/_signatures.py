@@ -53,6 +53,9 @@ SIGNATURES: Mapping[str, Signature] = {
                                 ("neg_step_size", _F), ("threads", _I))),
     "pipeoff_fold": (_I, (("acc", _P), ("g", _P), ("kind", _I), ("n", _L), ("first", _I),
                           ("threads", _I))),
+    "pipeoff_fold_norm": (_I, (("acc", _P), ("g", _P), ("kind", _I), ("n", _L), ("first", _I),
+                               ("threads", _I), ("lanes", _P), ("offset", _L), ("total", _L),
+                               ("tail_fma", _I), ("norm", _P))),
     "pipeoff_scale": (_I, (("a", _P), ("n", _L), ("s", _F), ("threads", _I))),
     "pipeoff_abi_version": (_I, ()),
 }

@@ -16,6 +16,8 @@
  *   pipeoff_adam_moments, pipeoff_adam_apply  torch's for-loop Adam/AdamW step in two
  *                       passes around torch's own sqrt: DiLoCo's outer Adam;
  *   pipeoff_fold        acc = grad (widened) or acc += grad, BF16 or FP32 grad;
+ *   pipeoff_fold_norm   the same, taking torch's 2-norm of the sum as it goes (the
+ *                       final fold, whose norm clipping needs before the step);
  *   pipeoff_scale       a[i] *= s in place (the benchmarks' bandwidth floor).
  *
  * Bitwise equality with torch's fused CPU Adam (aten FusedAdamKernel) rests on
@@ -777,6 +779,175 @@ int pipeoff_fold(float *acc, const void *g, int kind, int64_t n, int first, int 
     if (n < 0 || (kind != 1 && kind != 2)) return -1;
     fold_args f = {acc, g, kind, first};
     parallel(fold_range, &f, n, threads);
+    return 0;
+}
+
+/* ------------------------------------------------------ the fold and torch's norm */
+
+/* The final fold of a gradient piece with the norm of the finished sum taken while
+ * each chunk of it is in cache (no second pass over memory), to torch's bits:
+ * torch's 2-norm of a contiguous FP32 tensor (at::native's norm_two_reduce_step over
+ * Vectorized<float>) sums the squares in 8 lanes, lane l taking the elements at
+ * l mod 8 in order, with no fused multiply-add; then adds the lanes in order, then
+ * the last n % 8 squares one by one (see pipeoff_fold_norm for their contractions),
+ * and takes sqrtf (of one element, its absolute value: nothing is reduced). That order is sequential, so
+ * the norm runs on the calling thread, chunk after chunk in order, while the helpers
+ * fold the chunks ahead of it (the caller folds one itself when the next is not
+ * ready). pipeoff checks the order against torch at first use. */
+#define NORM_CHUNK (1 << 15)
+
+/* Elements [b, e) of x, which are elements off + b... of the whole tensor, all in
+ * its 8-lane body, into the running lane sums. */
+static void lanes_add(float *lanes, const float *restrict x, int64_t b, int64_t e,
+                      int64_t off) {
+    float L[8];
+    for (int l = 0; l < 8; l++) L[l] = lanes[l];
+    int64_t i = b;
+    for (; i < e && ((off + i) & 7); i++) L[(off + i) & 7] = L[(off + i) & 7] + x[i] * x[i];
+    for (; i + 8 <= e; i += 8)
+        for (int l = 0; l < 8; l++) L[l] = L[l] + x[i + l] * x[i + l];
+    for (; i < e; i++) L[(off + i) & 7] = L[(off + i) & 7] + x[i] * x[i];
+    for (int l = 0; l < 8; l++) lanes[l] = L[l];
+}
+
+typedef struct {
+    fold_args f;
+    float *lanes;
+    int64_t off, body;
+} fold_norm_args;
+
+static void fold_norm_after(void *arg, int64_t b, int64_t e) {
+    fold_norm_args *a = (fold_norm_args *)arg;
+    int64_t stop = a->body - a->off;  /* the piece's elements in the lanes' body */
+    if (e > stop) e = stop;
+    if (e > b) lanes_add(a->lanes, a->f.acc, b, e, a->off);
+}
+
+/* An ordered region: fn over chunks of [0, n) by the caller and up to threads - 1
+ * helpers, and after(c) on the caller only, for c = 0, 1, ... in order, each once fn
+ * has finished chunk c (whichever thread ran it). */
+typedef struct {
+    range_fn fn;
+    void *arg;
+    int64_t n, chunk, chunks;
+    int64_t next;          /* atomic: the next chunk to claim */
+    unsigned char *ready;  /* atomic, per chunk: fn has finished it */
+    int refs;              /* atomic: the caller and the helpers still inside */
+    pthread_mutex_t lock;
+    pthread_cond_t readied;
+} ordered_t;
+
+static void ordered_leave(ordered_t *r) {
+    if (__atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        pthread_mutex_destroy(&r->lock);
+        pthread_cond_destroy(&r->readied);
+        free(r->ready);
+        free(r);
+    }
+}
+
+static void ordered_run(ordered_t *r, int64_t c) {
+    int64_t b = c * r->chunk, e = b + r->chunk < r->n ? b + r->chunk : r->n;
+    r->fn(r->arg, b, e);
+    __atomic_store_n(&r->ready[c], 1, __ATOMIC_RELEASE);
+    /* Under the mutex: the caller checks `ready` holding it before it waits, so the
+     * broadcast cannot fall between its check and its wait. */
+    pthread_mutex_lock(&r->lock);
+    pthread_cond_broadcast(&r->readied);
+    pthread_mutex_unlock(&r->lock);
+}
+
+static void *ordered_helper(void *p) {
+    ordered_t *r = (ordered_t *)p;
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+        if (c >= r->chunks) break;
+        ordered_run(r, c);
+    }
+    ordered_leave(r);
+    return NULL;
+}
+
+static void parallel_ordered(range_fn fn, range_fn after, void *arg, int64_t n,
+                             int threads) {
+    int k = region_threads(n, threads);
+    int64_t chunks = (n + NORM_CHUNK - 1) / NORM_CHUNK;
+    ordered_t *r = k > 1 && chunks > 1 ? (ordered_t *)malloc(sizeof(ordered_t)) : NULL;
+    unsigned char *ready = r != NULL ? (unsigned char *)calloc((size_t)chunks, 1) : NULL;
+    if (r == NULL || ready == NULL) {
+        free(r);
+        for (int64_t b = 0; b < n; b += NORM_CHUNK) {
+            int64_t e = b + NORM_CHUNK < n ? b + NORM_CHUNK : n;
+            fn(arg, b, e);
+            after(arg, b, e);
+        }
+        return;
+    }
+    r->fn = fn;
+    r->arg = arg;
+    r->n = n;
+    r->chunk = NORM_CHUNK;
+    r->chunks = chunks;
+    r->next = 0;
+    r->ready = ready;
+    r->refs = k;
+    pthread_mutex_init(&r->lock, NULL);
+    pthread_cond_init(&r->readied, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int t = 1; t < k; t++) {
+        pthread_t tid;
+        if (pthread_create(&tid, &attr, ordered_helper, r) != 0)
+            ordered_leave(r); /* no thread to be had: the caller claims its chunks */
+    }
+    pthread_attr_destroy(&attr);
+    for (int64_t c = 0; c < chunks; c++) {
+        while (!__atomic_load_n(&r->ready[c], __ATOMIC_ACQUIRE)) {
+            int64_t mine = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+            if (mine < chunks) {
+                ordered_run(r, mine);  /* c is a helper's, still running: fold ahead */
+                continue;
+            }
+            pthread_mutex_lock(&r->lock);
+            while (!__atomic_load_n(&r->ready[c], __ATOMIC_ACQUIRE))
+                pthread_cond_wait(&r->readied, &r->lock);
+            pthread_mutex_unlock(&r->lock);
+        }
+        int64_t b = c * NORM_CHUNK, e = b + NORM_CHUNK < n ? b + NORM_CHUNK : n;
+        after(arg, b, e);
+    }
+    ordered_leave(r);
+}
+
+/* pipeoff_fold of a piece of n elements that starts at element `offset` of a tensor of
+ * `total`, adding the squares of the folded sum to the running `lanes` (8 floats, zero
+ * at the tensor's first piece). With `norm` (the tensor's last piece), also writes
+ * torch's 2-norm of the whole sum there: the lanes added in order, the squares of the
+ * last total % 8 elements (acc + total - total % 8 - offset: they may reach back into
+ * the piece before, in the same tensor), sqrtf. torch's scalar loop over those was
+ * compiled with an in-order 4-wide step and contracted its remainder: with `tail_fma`,
+ * the squares of the first (total % 8) / 4 * 4 of them are added plainly and the rest
+ * with fmaf (the AVX2/AVX-512 builds; DEFAULT adds them all plainly). Returns 0, or -1
+ * for arguments it does not take. */
+int pipeoff_fold_norm(float *acc, const void *g, int kind, int64_t n, int first, int threads,
+                      float *lanes, int64_t offset, int64_t total, int tail_fma, float *norm) {
+    if (n < 0 || offset < 0 || offset + n > total || (kind != 1 && kind != 2)
+        || lanes == NULL)
+        return -1;
+    fold_norm_args a = {{acc, g, kind, first}, lanes, offset, total - total % 8};
+    parallel_ordered(fold_range, fold_norm_after, &a, n, threads);
+    if (norm != NULL) {
+        if (offset + n != total) return -1;
+        float s = lanes[0];
+        for (int l = 1; l < 8; l++) s = s + lanes[l];
+        const float *tail = acc + (a.body - offset);
+        int64_t t = total - a.body, plain = tail_fma ? t / 4 * 4 : t;
+        for (int64_t i = 0; i < plain; i++) s = s + tail[i] * tail[i];
+        for (int64_t i = plain; i < t; i++) s = fmaf(tail[i], tail[i], s);
+        /* torch reduces nothing for one element: its norm is its absolute value */
+        *norm = total == 1 ? fabsf(tail[0]) : sqrtf(s);
+    }
     return 0;
 }
 

@@ -14,7 +14,7 @@ named. What they compute goes into the accumulation's :class:`LaneResults`
 (``Accumulation.results``), never into the caller's records
 (``tests/test_layout.py`` parses this module and fails on any other store):
 
-* ``LaneResults.counts[i]``, ``.norms[i]`` (``acc:{i}.{j}``, the ``accumulate``
+* ``LaneResults.counts[i]``, ``.norms[i]``, ``.norm_lanes`` (``acc:{i}.{j}``, the ``accumulate``
   lane): read by later tasks of the same execution (ordered by the graph's
   dependencies), and by the next micro-step's lanes after its ``prev`` gate
   (the previous execution's ``done``); the caller edits them (a gradient set
@@ -50,7 +50,7 @@ import torch
 from pipeoff import _accel, _faults
 from pipeoff.graph import TaskContext
 from pipeoff.optim import _update
-from pipeoff.optim._full_offload import _accumulate, _edits, _host_kernel
+from pipeoff.optim._full_offload import _accumulate, _edits, _fold_norm, _host_kernel
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import (
     PATH,
@@ -99,6 +99,9 @@ class LaneResults:
     held_sumsq: dict[int, float] = dataclasses.field(default_factory=dict)
     """Per parameter stepped in one pass, the sum of squares of its gradient, taken in
     the pass."""
+    norm_lanes: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Per parameter whose final fold is under way in pieces, the running lane sums of
+    torch's norm (``_host_kernel.fold_norm``)."""
 
     @classmethod
     def for_params(cls, n: int) -> LaneResults:
@@ -199,6 +202,7 @@ class LaneWork:
                 ctx.moved(0)
             self.held.arrived(res, i, last, g is not None)
             return
+        normed = False
         if g is None:
             ctx.moved(0)
         else:
@@ -206,12 +210,35 @@ class LaneWork:
             if e > s:
                 src = ctx.buffer(slot_buffer(i, j), g.dtype)
                 dst, first = rec.flat_acc[s:e], res.counts[i] == 0
-                if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
+                if final:  # the norm taken in the same pass, torch's bits
+                    normed = self._fold_norm(res, i, dst, src, first=first, start=s, last=last)
+                elif not _host_kernel.fold(dst, src, first=first, threads=self.threads):
                     _accumulate.fold(dst, src, first=first)
             if last:
                 res.counts[i] += 1
-        if last and final and res.counts[i] > 0:
+        if last and final and res.counts[i] > 0 and not normed:
             res.norms[i] = _accumulate.norm(rec.flat_acc)
+
+    def _fold_norm(self, res: LaneResults, i: int, dst: torch.Tensor, src: torch.Tensor, *,
+                   first: bool, start: int, last: bool) -> bool:
+        """The final fold of a piece of parameter ``i``, taking torch's norm of its sum in
+        the same pass (``_host_kernel.fold_norm``) when it can: whether its norm is in
+        ``res.norms`` (at the ``last`` piece); else folded apart."""
+        lanes = _fold_norm.new_lanes() if start == 0 else res.norm_lanes.get(i)
+        out = False if lanes is None else _fold_norm.fold_norm(
+            dst, src, first=first, threads=self.threads, lanes=lanes, offset=start,
+            total=self.params[i].numel, last=last)
+        if out is False:
+            res.norm_lanes.pop(i, None)
+            if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
+                _accumulate.fold(dst, src, first=first)
+            return False
+        assert lanes is not None
+        res.norm_lanes[i] = lanes
+        if isinstance(out, torch.Tensor):
+            res.norms[i] = out
+            res.norm_lanes.pop(i)
+        return out is not None
 
     # -- the gradient norm ---------------------------------------------------------------
     def norm(self, res: LaneResults, ctx: TaskContext) -> None:
@@ -290,7 +317,6 @@ class LaneWork:
         for i in [i for i in idx if i in res.held and i not in native]:
             assert self.held is not None  # (a group no longer native: fold, then its path)
             self.held.fold_one(res, i)
-            res.norms[i] = _accumulate.norm(self.params[i].flat_acc)
         groups: dict[int, _update.ChunkGroup] = {}
         scalars: dict[int, dict[str, Any]] = {}
         for i in idx:

@@ -44,7 +44,7 @@ import torch
 from pipeoff import _accel, _faults
 from pipeoff.execution import Execution
 from pipeoff.graph import TaskContext
-from pipeoff.optim._full_offload import _accumulate, _host_kernel
+from pipeoff.optim._full_offload import _accumulate, _fold_norm, _host_kernel
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import DONE, HELD, PATH, pieces
 from pipeoff.optim._tensors import host_alloc
@@ -69,14 +69,17 @@ class HostStepPath:
 
     one_pass: bool
     """The final gradients were folded inside the step's pass."""
-    bytes_per_param: int
-    """Host memory traffic of the final micro-step per parameter, AdamW with BF16
-    weights and gradients (``docs/host_step.md``, "Bytes per parameter")."""
+    bytes_per_param: int | None
+    """Host memory traffic of the final micro-step per parameter of the native step
+    (``fused=True`` Adam/AdamW, BF16 weights and gradients; ``docs/host_step.md``,
+    "Bytes per parameter"): 32 in one pass; 40 for the fold that takes torch's norm in
+    its pass, then the step; 44 with the norm apart. ``None`` without the native step."""
     why: str
 
     def __str__(self) -> str:
         how = "one pass" if self.one_pass else "fold then step"
-        return f"{how} ({self.bytes_per_param} B): {self.why}"
+        size = "" if self.bytes_per_param is None else f" ({self.bytes_per_param} B)"
+        return f"{how}{size}: {self.why}"
 
 
 ONE_PASS_PATH = HostStepPath(
@@ -85,8 +88,12 @@ ONE_PASS_PATH = HostStepPath(
 """The one-pass step."""
 
 
-def _fallback(why: str) -> HostStepPath:
-    return HostStepPath(one_pass=False, bytes_per_param=44, why=why)
+def _fallback(why: str, *, native: bool = True, norm_in_fold: bool = True) -> HostStepPath:
+    """The fold then the step: 40 bytes when the final fold takes torch's norm in its
+    pass (``norm_in_fold``, if the kernel's norm matches torch's here), else 44."""
+    fused = norm_in_fold and _fold_norm.norm_in_fold()
+    return HostStepPath(one_pass=False, bytes_per_param=(40 if fused else 44) if native else None,
+                        why=why)
 
 
 NOT_MARKED = ("final backward not marked (mark the micro-steps before it with no_sync(): "
@@ -105,6 +112,9 @@ def plan(config: FullOffloadConfig, params: Sequence[OffloadedParam],
     """At a final micro-step's launch: the parameters whose gradient it may hold for a
     one-pass step, or none and the fold then step's reason (``known``: the backward
     was known to be final when it began; ``groups``: the live param groups)."""
+    cls = config.optimizer_class
+    native = _host_kernel.host_kernel(warn=False) is not None and any(
+        _host_kernel.adam_hyper(cls, g) is not None for g in groups)
     why = None
     if not known:
         why = NOT_MARKED
@@ -119,12 +129,12 @@ def plan(config: FullOffloadConfig, params: Sequence[OffloadedParam],
     elif _host_kernel.host_kernel(warn=False) is None:
         why = f"the native step is off: {_host_kernel.unavailable_reason()}"
     if why is not None:
-        return frozenset(), _fallback(why)
-    cls = config.optimizer_class
+        # Unmarked, the last backward's folds took no norm: step() takes it apart.
+        return frozenset(), _fallback(why, native=native, norm_in_fold=known)
     held = frozenset(i for i, rec in enumerate(params)
                      if rec.param.dtype == torch.bfloat16 and rec.numel
                      and _host_kernel.adam_hyper(cls, groups[rec.group]) is not None)
-    return (held, None) if held else (held, _fallback(NO_BF16_ADAM))
+    return (held, None) if held else (held, _fallback(NO_BF16_ADAM, native=native))
 
 
 def fold(acc: Accumulation, why: str) -> None:
@@ -248,17 +258,25 @@ class HeldWork:
             res.norms[i] = _accumulate.norm(self.params[i].flat_acc)
 
     def fold_all(self, res: LaneResults) -> None:
-        """The ``norm`` task under ``FOLD``: fold every held gradient into its sum (and take
-        its norm, as the final fold does), so that what follows is the fold then step."""
+        """The ``norm`` task under ``FOLD``: fold every held gradient into its sum and take
+        its norm (in the same pass where it can, as the final fold does), so that what
+        follows is the fold then step."""
         for i in sorted(res.held):
             self.fold_one(res, i)
-            res.norms[i] = _accumulate.norm(self.params[i].flat_acc)
 
     def fold_one(self, res: LaneResults, i: int) -> None:
-        """Fold held gradient ``i`` into its sum: it is no longer held."""
-        dst, src, first = self.params[i].flat_acc, self.views[i], res.counts[i] == 0
-        if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
-            _accumulate.fold(dst, src, first=first)
+        """Fold held gradient ``i`` into its sum, and take the sum's norm: it is no longer
+        held."""
+        rec = self.params[i]
+        dst, src, first = rec.flat_acc, self.views[i], res.counts[i] == 0
+        norm = _fold_norm.fold_norm(dst, src, first=first, threads=self.threads,
+                                      lanes=_fold_norm.new_lanes(), offset=0,
+                                      total=rec.numel, last=True)
+        if not isinstance(norm, torch.Tensor):
+            if not _host_kernel.fold(dst, src, first=first, threads=self.threads):
+                _accumulate.fold(dst, src, first=first)
+            norm = _accumulate.norm(dst)
+        res.norms[i] = norm
         res.counts[i] += 1
         res.held.discard(i)
 
