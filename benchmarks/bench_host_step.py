@@ -9,15 +9,20 @@ tensors, in interleaved rounds (A B C ... A B C ...), at each thread count:
   element), scaled to the 32 bytes per parameter a one-pass final micro-step
   moves at least;
 * ``fused AdamW``: torch's fused CPU AdamW alone on ready FP32 gradients (28 B);
-* ``pipeoff``: what FullOffloadOptimizer runs with ``fused=True``: the native
-  fold of the last gradient (10 B, at its arrival) and the norm of the sum (4 B,
-  ``grad_norm``), then the native one-pass AdamW + cast (30 B); 44 B in all;
-* ``pipeoff kernels``: the same without the norm (40 B);
+* ``pipeoff one pass``: what FullOffloadOptimizer runs with ``fused=True`` when the
+  final backward is marked and nothing needs the norm before the step (the
+  default there, issue 35): the last BF16 gradient held until the step and folded
+  inside the native AdamW + cast, which takes the logged norm in the same pass
+  (``adam_step(last_grad=..., sumsq=True)``); 32 B;
+* ``pipeoff clip``: the same with clipping: the native fold of the last gradient
+  taking torch's norm of the sum in its pass (``fold_norm``, 10 B), then the
+  native step scaled by the clip coefficient + cast (30 B); 40 B;
+* ``pipeoff``: the previous path (still what runs when the final backward is not
+  marked): the native fold (10 B), torch's norm of the sum (4 B), then the native
+  step + cast (30 B); 44 B;
+* ``pipeoff kernels``: that without the norm (40 B);
 * ``pipeoff step+cast``: the native step and cast alone (30 B), beside fused AdamW;
-* ``one pass (kernel)``: the native kernel with the last gradient folded inside
-  the step (``adam_step(last_grad=...)``, 32 B): what a final micro-step would
-  cost if the optimizer held the last gradients until the step (it does not:
-  docs/host_step.md, "Why not one pass");
+* ``one pass (kernel)``: the fold-step kernel without the norm (32 B);
 * ``three passes``: torch's path (the fold in 256K pieces, the norm, the fused
   AdamW kernel through the chunk step, the cast): 48 B;
 * ``naive``: prime-rl/torchao style: a whole-tensor mixed-dtype add, one fused
@@ -48,7 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import competing_load, table  # noqa: E402
 
-BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff": 44, "pipeoff kernels": 40,
+BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff one pass": 32, "pipeoff clip": 40,
+         "pipeoff": 44, "pipeoff kernels": 40,
          "pipeoff step+cast": 30, "one pass (kernel)": 32,
          "three passes": 48, "naive": 44,
          "fold floor": 10, "fold: native": 10, "fold: torch pieces": 10, "fold: whole add": 10}
@@ -58,7 +64,7 @@ BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff": 44, "pipeoff kernels": 40,
 def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]]:
     from pipeoff import _native
     from pipeoff.optim import _update
-    from pipeoff.optim._full_offload import _accumulate, _host_kernel
+    from pipeoff.optim._full_offload import _accumulate, _fold_norm, _host_kernel
 
     kernel = _host_kernel.host_kernel()
     lib = _native.library()
@@ -108,6 +114,24 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
         for m, s, g, a, v, w in zip(masters, sums, grads, exp_avg, exp_avg_sq, weights):
             kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t,
                              last_grad=g)
+
+    def pipeoff_one_pass(t: int) -> None:
+        for m, s, g, a, v, w in zip(masters, sums, grads, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t,
+                             last_grad=g, sumsq=True)
+
+    def pipeoff_clip(t: int) -> None:
+        norms = []
+        for s, g in zip(sums, grads):
+            norm = _fold_norm.fold_norm(s, g, first=False, threads=t,
+                                        lanes=_fold_norm.new_lanes(), offset=0,
+                                        total=s.numel(), last=True)
+            assert isinstance(norm, torch.Tensor), "no fold with the norm here"
+            norms.append(norm)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        clip = float(torch.clamp(1.0 / (total + 1e-6), max=1.0))
+        for m, s, a, v, w in zip(masters, sums, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=clip, threads=t)
 
     def pipeoff(t: int) -> None:
         torch.set_num_threads(t)
@@ -159,7 +183,9 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
         for s, g in zip(sums, grads):
             s.add_(g)
 
-    step_variants = {"floor": floor, "fused AdamW": fused_alone, "pipeoff": pipeoff,
+    step_variants = {"floor": floor, "fused AdamW": fused_alone,
+                     "pipeoff one pass": pipeoff_one_pass, "pipeoff clip": pipeoff_clip,
+                     "pipeoff": pipeoff,
                      "pipeoff kernels": pipeoff_kernels, "pipeoff step+cast": step_cast,
                      "one pass (kernel)": one_pass,
                      "three passes": three, "naive": naive}

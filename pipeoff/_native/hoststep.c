@@ -384,12 +384,12 @@ int pipeoff_adam_fold_step(float *p, const float *g, const uint16_t *g16, float 
 /* The sum of squares of the gradient a step read, taken inside its pass: the
  * logged gradient norm of a one-pass final micro-step (not torch's bits, never a
  * clip coefficient). Each range of a region steps tile by tile, and squares each
- * tile's gradient while it is in cache (no second pass over memory), in double:
- * 8 lanes, then the tile's lanes in order, then the tiles in order; one partial
- * per chunk of the region, which the caller adds in chunk order. So the result
+ * tile's gradient while it is in cache (no second pass over memory): 16 float lanes
+ * per tile, then the tile's lanes in double, in order, then the tiles in order; one
+ * partial per chunk of the region, which the caller adds in chunk order. So the result
  * depends on the region's chunks (the thread count), never on which thread ran
  * which chunk. */
-#define NORM_TILE 2048
+#define NORM_TILE 512
 
 typedef struct {
     adam_args a;
@@ -397,26 +397,52 @@ typedef struct {
     int64_t chunk;     /* elements per chunk */
 } adam_norm_args;
 
-static double tile_sumsq(const adam_args *a, int64_t b, int64_t e) {
+/* 16 float lanes per tile (a tile's 512 elements, in L1: 32 per lane), then the lanes in
+ * double: one vector register of squares, at the vector width of the step's body. */
+static inline __attribute__((always_inline)) double tile_sumsq_impl(const adam_args *a,
+                                                                    int64_t b, int64_t e,
+                                                                    int gmode) {
     const float *restrict G = a->g;
     const uint16_t *restrict G16 = a->g16;
-    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float L[16] = {0};
     int64_t i = b;
-    for (; i + 8 <= e; i += 8)
-        for (int l = 0; l < 8; l++) {
-            float x = a->gmode == 0 ? G[i + l]
-                      : (a->gmode == 1 ? from_bf16(G16[i + l])
-                                       : G[i + l] + from_bf16(G16[i + l]));
-            lane[l] += (double)x * (double)x;
+    for (; i + 16 <= e; i += 16)
+        for (int l = 0; l < 16; l++) {
+            float x = gmode == 0 ? G[i + l]
+                      : (gmode == 1 ? from_bf16(G16[i + l]) : G[i + l] + from_bf16(G16[i + l]));
+            L[l] = L[l] + x * x;
         }
     double s = 0.0;
-    for (int l = 0; l < 8; l++) s += lane[l];
+    for (int l = 0; l < 16; l++) s += (double)L[l];
     for (; i < e; i++) {
-        float x = a->gmode == 0 ? G[i]
-                  : (a->gmode == 1 ? from_bf16(G16[i]) : G[i] + from_bf16(G16[i]));
+        float x = gmode == 0 ? G[i]
+                  : (gmode == 1 ? from_bf16(G16[i]) : G[i] + from_bf16(G16[i]));
         s += (double)x * (double)x;
     }
     return s;
+}
+
+#define TILE_SUMSQ(a, b, e)                                           \
+    ((a)->gmode == 0   ? tile_sumsq_impl(a, b, e, 0)                  \
+     : (a)->gmode == 1 ? tile_sumsq_impl(a, b, e, 1)                  \
+                       : tile_sumsq_impl(a, b, e, 2))
+
+#ifdef HAVE_X86_FMA
+WIDE512 static double tile_sumsq512(const adam_args *a, int64_t b, int64_t e) {
+    return TILE_SUMSQ(a, b, e);
+}
+__attribute__((target("avx2,fma"))) static double tile_sumsq256(const adam_args *a, int64_t b,
+                                                                  int64_t e) {
+    return TILE_SUMSQ(a, b, e);
+}
+#endif
+
+static double tile_sumsq(const adam_args *a, int64_t b, int64_t e) {
+#ifdef HAVE_X86_FMA
+    if (have_avx512()) return tile_sumsq512(a, b, e);
+    if (have_fma()) return tile_sumsq256(a, b, e);
+#endif
+    return TILE_SUMSQ(a, b, e);
 }
 
 static void adam_norm_range(void *arg, int64_t b, int64_t e) {
