@@ -9,6 +9,11 @@
   simulator) and every task and gate name.
 * ``_lanes``: the work that runs on lanes (``LaneWork``: d2h, fold, norm, step
   chunk, h2d), with the fields lanes write and what orders the caller's reads.
+* ``_one_pass``: the final micro-step in one pass: the held gradients' buffer
+  (``HeldGrads``), their lane work (``HeldWork``), the choice of path
+  (``HostStepPath``) and its two waits.
+* ``_host_kernel``, ``_fold_norm``: the native kernels (the step, the fold, the fold
+  that takes torch's norm in its pass), checked against torch at first use.
 * ``_common``: the lifecycle's values (``Phase`` and its table ``EDGES``,
   ``MicroStep``, ``Accumulation``) and what a failure leaves.
 * ``_launcher``: each micro-step's execution, built, launched and ordered.
@@ -20,6 +25,7 @@
 * ``_intake``: the hooks and the wrapper policy (``GradientIntake``), calling down.
 * ``_traces``: the last ended step's traces (``StepTraces``).
 * ``_surface``: the masters, weights and checkpoints part of the surface (a mixin).
+* ``_reports``: ``memory_stats()`` and ``host_step_path`` (a mixin).
 * ``_checkpoint``: state dicts, as functions over the registry.
 * ``_finder``: the model of an optimizer built from parameters.
 
