@@ -118,12 +118,50 @@ def ddp_case(rank: int, kind: str) -> dict[str, Any]:
     return {"same": same, "grads_left": left, "norms": norms, "weights": digest.hexdigest()}
 
 
+def ddp_one_pass_case(rank: int, kind: str) -> dict[str, Any]:
+    """A BF16 model under DDP, fused AdamW, 3 steps of 3 micro-steps marked with DDP's
+    no_sync(): the one-pass final micro-step (the reduced BF16 gradients held) against
+    the same run made to fold first (``grad_norm`` read before each ``step()``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pipeoff.optim import FullOffloadOptimizer
+
+    runs = {}
+    paths = {}
+    for read_first in (False, True):
+        model = DDP(make_model().to(torch.bfloat16))
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                   fused=True)
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            xs = [torch.randn(4, 16, generator=g).to(torch.bfloat16) for _ in range(3)]
+            for k, x in enumerate(xs):
+                with model.no_sync() if k < 2 else contextlib.nullcontext():
+                    model(x).float().square().mean().backward()
+            if read_first:
+                assert opt.grad_norm is not None
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        runs[read_first] = [p.detach().clone() for p in model.parameters()]
+        paths[read_first] = opt.host_step_path
+    same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(runs[False], runs[True]))
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(p.view(torch.int16).numpy().tobytes() for p in runs[False]))
+    return {"same": same, "one_pass": bool(paths[False] and paths[False].one_pass),
+            "folded": bool(paths[True] and not paths[True].one_pass),
+            "weights": digest.hexdigest()}
+
+
 def ddp_worker(rank: int, world: int, port: int, queue: Any) -> None:
     init(rank, world, port)
     try:
         out = {kind: _named(kind, ddp_case, rank) for kind in (
             "plain", "no_sync", "accumulate", "backward", "bucket_view", "wrapped_after",
             "clip", "loop_clip", "mutation")}
+        out["one_pass"] = _named("one_pass", ddp_one_pass_case, rank)
         queue.put((rank, pack(out)))
     except BaseException as err:  # noqa: BLE001 - reported to the test
         import traceback

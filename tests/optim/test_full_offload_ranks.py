@@ -42,6 +42,17 @@ def test_under_ddp_the_reduced_gradient_is_stepped(ddp: dict[int, Any], kind: st
     assert ddp[0][kind]["weights"] == ddp[1][kind]["weights"]
 
 
+def test_under_ddp_the_final_micro_step_in_one_pass_is_bitwise_the_fold_then_the_step(
+        ddp: dict[int, Any]) -> None:
+    """DDP's no_sync() marks the micro-steps: the final backward's reduced BF16 gradients
+    are held and folded inside the step, bitwise the same run that folds first; the
+    ranks agree."""
+    for rank in (0, 1):
+        case = ddp[rank]["one_pass"]
+        assert case["one_pass"] and case["folded"] and case["same"], (rank, case)
+    assert ddp[0]["one_pass"]["weights"] == ddp[1]["one_pass"]["weights"]
+
+
 def test_under_ddp_the_norm_is_not_summed_over_replicas(ddp: dict[int, Any]) -> None:
     for rank in (0, 1):
         for mine, ref in ddp[rank]["clip"]["norms"]:

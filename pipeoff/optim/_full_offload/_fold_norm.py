@@ -33,7 +33,7 @@ _log = logging.getLogger("pipeoff")
 def fold_norm(acc: torch.Tensor, grad: torch.Tensor, *, first: bool, threads: int,
               lanes: torch.Tensor, offset: int, total: int,
               last: bool) -> torch.Tensor | None | bool:
-    """:func:`fold` of the piece ``acc`` (elements ``offset`` on of a sum of ``total``),
+    """``_host_kernel.fold`` of the piece ``acc`` (elements ``offset`` on of a sum of ``total``),
     taking torch's 2-norm of the finished sum as it goes: ``lanes`` (8 FP32 zeros at the
     first piece) carries it from piece to piece; at the ``last`` piece, returns the norm
     (a 0-dim FP32 tensor, bitwise ``torch.linalg.vector_norm`` of the whole sum), else

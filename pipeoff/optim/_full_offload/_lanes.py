@@ -101,7 +101,7 @@ class LaneResults:
     the pass."""
     norm_lanes: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Per parameter whose final fold is under way in pieces, the running lane sums of
-    torch's norm (``_host_kernel.fold_norm``)."""
+    torch's norm (``_fold_norm.fold_norm``)."""
 
     @classmethod
     def for_params(cls, n: int) -> LaneResults:
@@ -222,7 +222,7 @@ class LaneWork:
     def _fold_norm(self, res: LaneResults, i: int, dst: torch.Tensor, src: torch.Tensor, *,
                    first: bool, start: int, last: bool) -> bool:
         """The final fold of a piece of parameter ``i``, taking torch's norm of its sum in
-        the same pass (``_host_kernel.fold_norm``) when it can: whether its norm is in
+        the same pass (``_fold_norm.fold_norm``) when it can: whether its norm is in
         ``res.norms`` (at the ``last`` piece); else folded apart."""
         lanes = _fold_norm.new_lanes() if start == 0 else res.norm_lanes.get(i)
         out = False if lanes is None else _fold_norm.fold_norm(
