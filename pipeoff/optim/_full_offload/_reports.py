@@ -24,9 +24,13 @@ class HostReports:
     _registry: ParamRegistry
     _lifecycle: Lifecycle
 
+    def wait_for_step(self) -> None:
+        raise NotImplementedError
+
     def memory_stats(self) -> dict[str, int]:
-        """The bytes this optimizer holds, by place and role (the same keys as
-        ``OffloadOptimizer.memory_stats()``, and its own):
+        """The bytes this optimizer holds, by place and role, after the step in flight
+        (a first step allocates the optimizer state it lacks): the same keys as
+        ``OffloadOptimizer.memory_stats()``, and its own:
 
         * ``state_bytes_host``: the optimizer's per-element state (AdamW: ``exp_avg``,
           ``exp_avg_sq``, 8 bytes per parameter); ``state_bytes_device``: 0;
@@ -41,7 +45,11 @@ class HostReports:
         Parameters removed from ``param_groups`` keep their host state (as torch keeps
         ``opt.state[p]``) and are counted. The slot ring and the weight buffers are
         the staging pool's (``host_budget_bytes`` bounds them).
+
+        Raises:
+            BaseException: the step in flight's failure (see ``wait_for_step()``).
         """
+        self.wait_for_step()
         stats = self._registry.host_bytes()
         acc = self._lifecycle.acc
         return {**stats, "state_bytes_device": 0,
