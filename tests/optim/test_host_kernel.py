@@ -50,11 +50,15 @@ def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     """The native library and the kernel decision forgotten (and forgotten again
     after the test), with a private build cache."""
     monkeypatch.setenv("PIPEOFF_CACHE_DIR", str(tmp_path / "cache"))
+    from pipeoff.optim._full_offload import _fold_norm
+
     _native._reset_for_tests()
     _host_kernel._reset_for_tests()
+    _fold_norm.reset_for_tests()
     yield
     _native._reset_for_tests()
     _host_kernel._reset_for_tests()
+    _fold_norm.reset_for_tests()
 
 
 # -- the step kernel against torch._fused_adamw_ --------------------------------------

@@ -358,9 +358,6 @@ def _reset_for_tests() -> None:
     global _kernel, _why, _decided, _warned, _broken
     with _lock:
         _kernel, _why, _decided, _warned, _broken = None, None, False, False, False
-    from pipeoff.optim._full_offload import _fold_norm  # (it imports this module)
-
-    _fold_norm.reset_for_tests()
 
 
 # -- the self-test ----------------------------------------------------------------------
