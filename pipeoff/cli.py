@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeoff._errors import PipeoffError
@@ -237,26 +237,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``."""
 
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {v}")
+        return v
 
-def _nonnegative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {v}")
-    return v
+    return parse
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -310,12 +303,12 @@ def _parser() -> argparse.ArgumentParser:
                           "default with cpu_here)")
     sim.add_argument("--no-numa-binding", action="store_true",
                      help="with the host-node model: ranks not bound to a socket")
-    sim.add_argument("--seq-len", type=_positive_int, default=8192,
+    sim.add_argument("--seq-len", type=_int_at_least(1), default=8192,
                      help="tokens per sequence: the training compute around a DiLoCo sync "
                           "(default: %(default)s)")
-    sim.add_argument("--micro-batch", type=_positive_int, default=1,
+    sim.add_argument("--micro-batch", type=_int_at_least(1), default=1,
                      help="sequences per rank per step (default: %(default)s)")
-    sim.add_argument("--fragment-sync-delay", type=_nonnegative_int, default=0,
+    sim.add_argument("--fragment-sync-delay", type=_int_at_least(0), default=0,
                      help="DiLoCo: inner steps between a sync's preparation and its "
                           "decision (default: %(default)s)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")

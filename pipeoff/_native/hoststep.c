@@ -91,6 +91,21 @@ static void region_work(region_t *r) {
     }
 }
 
+/* Start k - 1 detached helpers running helper(r); a helper that cannot be had is
+ * given up through leave(r) (its share is done by the others). */
+static void spawn_helpers(int k, void *(*helper)(void *), void *r, void (*leave)(void *)) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int t = 1; t < k; t++) {
+        pthread_t tid;
+        if (pthread_create(&tid, &attr, helper, r) != 0) leave(r);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+static void region_leave_any(void *r) { region_leave((region_t *)r); }
+
 static void *region_helper(void *p) {
     region_t *r = (region_t *)p;
     region_work(r);
@@ -131,15 +146,7 @@ static void parallel(range_fn fn, void *arg, int64_t n, int threads) {
     r->refs = k;
     pthread_mutex_init(&r->lock, NULL);
     pthread_cond_init(&r->all_done, NULL);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int t = 1; t < k; t++) {
-        pthread_t tid;
-        if (pthread_create(&tid, &attr, region_helper, r) != 0)
-            region_leave(r); /* no thread to be had: the others do its chunks */
-    }
-    pthread_attr_destroy(&attr);
+    spawn_helpers(k, region_helper, r, region_leave_any);
     region_work(r);
     pthread_mutex_lock(&r->lock);
     while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) < r->chunks)
@@ -872,6 +879,8 @@ static void ordered_leave(ordered_t *r) {
     }
 }
 
+static void ordered_leave_any(void *r) { ordered_leave((ordered_t *)r); }
+
 static void ordered_run(ordered_t *r, int64_t c) {
     int64_t b = c * r->chunk, e = b + r->chunk < r->n ? b + r->chunk : r->n;
     r->fn(r->arg, b, e);
@@ -919,15 +928,8 @@ static void parallel_ordered(range_fn fn, range_fn after, void *arg, int64_t n,
     r->refs = k;
     pthread_mutex_init(&r->lock, NULL);
     pthread_cond_init(&r->readied, NULL);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int t = 1; t < k; t++) {
-        pthread_t tid;
-        if (pthread_create(&tid, &attr, ordered_helper, r) != 0)
-            ordered_leave(r); /* no thread to be had: the caller claims its chunks */
-    }
-    pthread_attr_destroy(&attr);
+    spawn_helpers(k, ordered_helper, r, ordered_leave_any);  /* (the caller claims a
+                                                                missing one's chunks) */
     for (int64_t c = 0; c < chunks; c++) {
         while (!__atomic_load_n(&r->ready[c], __ATOMIC_ACQUIRE)) {
             int64_t mine = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
