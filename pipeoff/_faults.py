@@ -38,6 +38,8 @@ class _Hook:
     after_ops: int | None = None
     hold: threading.Event | None = None
     """The task waits for this event before it runs (:func:`hold_task`)."""
+    reached: threading.Event | None = None
+    """Set when a task reaches the hold (:func:`hold_task`)."""
 
 
 _lock = threading.Lock()
@@ -74,6 +76,8 @@ def run_hooks(task_name: str, lane: str, *, sleep: bool = True,
     matched = _match(task_name, lane, hooks)
     for h in matched:
         if h.hold is not None:
+            if h.reached is not None:
+                h.reached.set()
             h.hold.wait()
     delay = sum(h.delay_s for h in matched)
     if delay and sleep:
@@ -181,10 +185,12 @@ def fail_task(
 
 
 @contextlib.contextmanager
-def hold_task(pattern: str) -> Iterator[threading.Event]:
+def hold_task(pattern: str, *,
+              reached: threading.Event | None = None) -> Iterator[threading.Event]:
     """Hold the tasks whose names fully match ``pattern`` until the event this yields
     is set (at the latest when the block exits): tests order events this way
-    instead of racing a sleep against a delay.
+    instead of racing a sleep against a delay. ``reached``, if given, is set when a
+    task reaches the hold (it has started: an execution waits for it).
 
     On host lanes the task's thread waits; on a CUDA lane its dispatch thread
     does (later tasks of that lane are not issued). An inline execution (a
@@ -200,7 +206,8 @@ def hold_task(pattern: str) -> Iterator[threading.Event]:
             release.set()
     """
     event = threading.Event()
-    hook = _Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=None, hold=event)
+    hook = _Hook(lane=None, pattern=re.compile(pattern), delay_s=0.0, error=None, hold=event,
+                 reached=reached)
     with _install(hook):
         try:
             yield event

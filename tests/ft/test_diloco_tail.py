@@ -282,6 +282,39 @@ def test_a_failed_write_reaches_the_next_forward_once_and_is_reported() -> None:
     assert pools.device.stats().live_bytes == 0
 
 
+def test_a_failed_sync_stops_only_once_its_started_tasks_have_finished() -> None:
+    """With ``fragment_sync_delay=1``, bucket 2's pseudo-gradient fails while bucket
+    1's formed pseudo-gradient is being staged to the host: the next inner step finds
+    the failure and stops the sync, waiting for every task that started, before the
+    step goes on and ``perform_sync`` restores the parameters (a task left running
+    would outlive the sync, its staging and its trace). Forced: the failure waits
+    until the staging has started, which is held until the training thread blocks
+    in the stop's wait."""
+    install()
+    staging = threading.Event()
+
+    def failure() -> BaseException:
+        staging.wait(timeout=60)  # (stage:b1 has started, and holds)
+        return RuntimeError("pseudo-gradient broke")
+
+    # (staging for every bucket: the held one must not keep bucket 2 from its own)
+    with _diloco(fragment_sync_delay=1, device_budget_bytes=4096) as (model, inner, d, manager):
+        with pipeoff.testing.hold_task("stage:b1", reached=staging) as release, \
+                pipeoff.testing.fail_task("pseudograd:b2", failure):
+            watcher = release_when_waiting(release, "_stop")
+            try:
+                _inner_step(model, inner)  # prepare_sync: the sync is launched
+                _inner_step(model, inner)  # finds the failure; perform_sync rejects
+                returned_while_running = not release.is_set()
+            finally:
+                release.set()
+                watcher.join()
+        assert staging.is_set()
+        assert not returned_while_running, "the failed sync was left running"
+        assert manager.report_error.call_count == 1
+        assert not d._fragments[0].last_committed
+
+
 def test_exit_waits_for_the_tail() -> None:
     """Leaving DiLoCo's block waits for the last sync's writes and removes the hooks."""
     with pipeoff.testing.hold_task(r"write:b.*") as release:

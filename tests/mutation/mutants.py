@@ -543,6 +543,25 @@ REVIEW = (
         hazard="a sync whose write failed under the next forward leaves the replica "
                "half-written, and torchft, not told, never heals it"),
     Mutant(
+        name="r57:diloco-stop-leaves-the-failed-sync-running",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="        try:\n            ex.wait()\n        except Exception:  "
+            "# noqa: BLE001 - the same failure, kept above\n",
+        new="        try:\n            pass\n        except Exception:  "
+            "# noqa: BLE001 - the same failure, kept above\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_failed_sync_stops_only_once_its_started_"
+               "tasks_have_finished",),
+        hazard="a failed sync's started tasks still run when perform_sync restores the "
+               "parameters and returns: they outlive the sync, its staging and its trace"),
+    Mutant(
+        name="r58:norm-sum-left-in-device-memory", file="pipeoff/optim/_full_offload/_lanes.py",
+        old="                sq = _dist.all_reduce_host(sq, group, self.norm_devices[key])",
+        new="                _dist.all_reduce_host(sq, group, self.norm_devices[key])",
+        tests=("tests/optim/test_full_offload_ranks.py::test_a_rank_without_gradients_of_a_"
+               "group_still_joins_its_norm_all_reduce[device]",),
+        hazard="over an NCCL-only group the clipping norm's sum stays on the device copy: "
+               "each rank clips by its own shard's norm"),
+    Mutant(
         name="r52:diloco-outer-state-dict-before-the-outer-step", file="pipeoff/ft/_diloco.py",
         old="            # missing the state its first step creates (shown once it is done).\n"
             "            tail.wait_done()\n",

@@ -320,12 +320,25 @@ class _Experts(nn.Module):
         return h
 
 
-def expert_norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
+def expert_norm_worker(rank: int, world: int, port: int, queue: Any, *,
+                       device_route: bool = False) -> None:
     """The clipping norm when rank 1 holds no gradient of its expert shard (no token
     routed to it): it still joins the expert group's all-reduce, with zero, so both
-    ranks get sqrt(own replicated sq + the experts' sq summed over ranks)."""
+    ranks get sqrt(own replicated sq + the experts' sq summed over ranks).
+
+    ``device_route``: the groups taken for NCCL-only ones, which refuse host tensors,
+    so each squared norm crosses as a copy in the parameters' device memory."""
     init(rank, world, port)
+    routed: list[Any] = []
     try:
+        if device_route:
+            from pipeoff import _dist
+
+            def takes_host_tensors(group: Any) -> bool:
+                routed.append(group)
+                return False
+
+            _dist.takes_host_tensors = takes_host_tensors  # type: ignore[assignment]
         from torch.distributed.device_mesh import init_device_mesh
 
         from pipeoff.optim import FullOffloadOptimizer
@@ -351,7 +364,7 @@ def expert_norm_worker(rank: int, world: int, port: int, queue: Any) -> None:
             opt.step()
             opt.zero_grad()
         opt.wait_for_step()
-        queue.put((rank, pack({"norms": norms})))
+        queue.put((rank, pack({"norms": norms, "routed": len(routed)})))
     except BaseException:  # noqa: BLE001 - reported to the test
         import traceback
 

@@ -112,15 +112,24 @@ def test_torch_dcp_resume_across_world_sizes_loads_the_state(tmp_path: Path, sav
         assert float(entry["step"]) == 2.0  # the saved state, not the template's
 
 
-def test_a_rank_without_gradients_of_a_group_still_joins_its_norm_all_reduce() -> None:
+@pytest.mark.parametrize("route", ["host", "device"])
+def test_a_rank_without_gradients_of_a_group_still_joins_its_norm_all_reduce(
+        route: str) -> None:
     """Expert parallelism: rank 1 routes no token to its expert, so it holds no gradient
     of the expert group's parameters; it joins that group's all-reduce with zero
-    (skipping it would leave rank 0 waiting, and rank 1 clip by its own norm)."""
-    res = _run(loops_worker.expert_norm_worker)
+    (skipping it would leave rank 0 waiting, and rank 1 clip by its own norm).
+
+    ``device``: the mesh's group taken for an NCCL-only one (FSDP2's usual set-up on
+    GPUs), which refuses host tensors: the squared norms cross as copies in the
+    parameters' device memory and the sums come back to the host (a sum left on the
+    copy would clip by the rank's own norm)."""
+    res = _run(functools.partial(loops_worker.expert_norm_worker,
+                                 device_route=route == "device"))
     for rank in (0, 1):
         assert "error" not in res[rank], res[rank]["error"]
         for mine, ref in res[rank]["norms"]:
             assert mine == pytest.approx(ref, rel=1e-5), (rank, mine, ref)
+        assert (res[rank]["routed"] > 0) == (route == "device"), res[rank]["routed"]
 
 
 def test_the_norms_all_reduce_waits_for_the_callers_collectives_before_step() -> None:

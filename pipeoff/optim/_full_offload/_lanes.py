@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel, _faults
+from pipeoff import _accel, _dist, _faults
 from pipeoff.graph import TaskContext
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate, _edits, _fold_norm, _host_kernel
@@ -112,6 +112,13 @@ class LaneResults:
         return self.counts[i] > 0 or i in self.held
 
 
+def _device_of(p: torch.Tensor) -> torch.device:
+    """``p``'s device with its index (taken on the caller's thread: a lane's current
+    device is not the rank's)."""
+    accel = _accel.current()
+    return accel.normalize(p.device) if accel.is_device(p.device) else p.device
+
+
 class LaneWork:
     """The work of each task kind of one micro-step's execution.
 
@@ -132,6 +139,10 @@ class LaneWork:
         """Per parameter, the process groups its gradient's squared norm is summed over."""
         self.all_norm_keys = tuple(dict.fromkeys(k for k in self.norm_groups if k))
         """The distinct non-empty sets of groups, in order (the same on every rank)."""
+        self.norm_devices = {key: _device_of(self.params[self.norm_groups.index(key)].param)
+                             for key in self.all_norm_keys}
+        """Per set of groups, the device of its parameters: where a squared norm goes for
+        a group that takes no host tensors (NCCL)."""
         self.config = config
         self.probe = registry.probe
         self.pin = registry.pin
@@ -271,8 +282,6 @@ class LaneWork:
     def allreduce_norm(self, res: LaneResults) -> None:
         """The squared norms (float64) summed over the ranks that hold the other shards
         of the same parameters: over the mesh dimensions they are sharded on."""
-        import torch.distributed as dist
-
         mine = res.partial_norms.get(())  # replicated parameters: every rank has it all
         total = torch.zeros((), dtype=torch.float64) if mine is None else mine.double() ** 2
         # Every rank issues the same collectives in the same order: one per
@@ -281,8 +290,8 @@ class LaneWork:
         for key in self.all_norm_keys:
             t = res.partial_norms.get(key)
             sq = torch.zeros((), dtype=torch.float64) if t is None else t.double() ** 2
-            for group in key:
-                dist.all_reduce(sq, group=group)
+            for group in key:  # (through device memory for a group that takes none of the
+                sq = _dist.all_reduce_host(sq, group, self.norm_devices[key])  # host's)
             total += sq
         res.total_norm = total.sqrt().float()
 
