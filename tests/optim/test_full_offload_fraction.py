@@ -385,3 +385,26 @@ def test_a_host_part_failure_after_the_device_part_stepped_is_torn() -> None:
     assert "the device part" in "\n".join(info.value.__notes__)
     with pytest.raises(StepFailedError):
         opt.step()
+
+
+def test_the_host_part_takes_the_fold_then_step_path_and_holds_nothing() -> None:
+    """With a device part step() needs the host sums' norm first: no one-pass step, so no
+    held-gradient buffer; host_step_path says why."""
+    model = make_model()
+    opt = build(model, 0.3, fused=True)
+    train(opt, model, batches(2, 2))
+    path = opt.host_step_path
+    assert path is not None and not path.one_pass
+    assert "device part" in path.why or "native step is off" in path.why, path.why
+    assert opt.memory_stats()["held_grad_bytes_host"] == 0
+
+
+def test_a_ddp_wrapper_and_dtensor_parameters_are_refused_by_name() -> None:
+    model = make_model()
+    opt = build(model, 0.3)
+    with pytest.raises(ConfigError, match="offload_fraction < 1.*DistributedDataParallel"):
+        opt._lifecycle.use_wrapper(object())  # (what a wrapper found at a forward does)
+    sharded = make_model()
+    sharded.l1.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="offload_fraction=0.3.*DTensor"):
+        build(sharded, 0.3)

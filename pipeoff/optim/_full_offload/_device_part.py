@@ -178,20 +178,25 @@ class FullDevicePart:
         False)`` takes it over the parameters in param-group order: one norm per sum,
         then the norm of their stack. ``host_norm(p)``: a host-part parameter's norm
         (``None`` without a gradient)."""
-        norms: list[torch.Tensor] = []
+        order: list[torch.Tensor | int] = []  # a host norm, or a device norm's index
+        device: list[torch.Tensor] = []
         for g in param_groups:
             for p in g["params"]:
                 rec = self.owns(p)
                 if rec is None:
                     n = host_norm(p)
+                    if n is not None:
+                        order.append(n)
                 elif rec.sum is not None:
-                    n = torch.linalg.vector_norm(rec.sum, 2.0).cpu()
-                else:
-                    n = None
-                if n is not None:
-                    norms.append(n)
-        if not norms:
+                    order.append(len(device))
+                    device.append(torch.linalg.vector_norm(rec.sum, 2.0))
+        if not order:
             return torch.tensor(0.0)
+        # One blocking copy of the device part's norms (the host waits for their
+        # kernels on the caller's stream): the total is taken on the host, as the
+        # host part's norm task takes it.
+        on_host = torch.stack(device).cpu().unbind() if device else ()
+        norms = [on_host[n] if isinstance(n, int) else n for n in order]
         total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         return total
 
@@ -222,12 +227,13 @@ class FullDevicePart:
                                for gi in sorted(by_group)]
         state: collections.defaultdict[torch.Tensor, dict[str, Any]] = (
             collections.defaultdict(dict))
+        coef = None if clip_coef is None else clip_coef.to(recs[0].master.device)
         for rec in recs:
             state[rec.master] = dict(rec.state)
             assert rec.sum is not None
-            if clip_coef is not None:
+            if coef is not None:
                 # clip_grad_norm_(foreach=False)'s expression, for the same bits.
-                rec.sum.mul_(clip_coef.to(rec.sum.device))
+                rec.sum.mul_(coef)
             rec.master.grad = rec.sum
         shadow.state = state
         versions = [rec.master._version for rec in recs]
