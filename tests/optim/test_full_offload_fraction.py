@@ -408,3 +408,24 @@ def test_a_ddp_wrapper_and_dtensor_parameters_are_refused_by_name() -> None:
     sharded.l1.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="offload_fraction=0.3.*DTensor"):
         build(sharded, 0.3)
+
+
+@pytest.mark.parametrize(("old", "new"), [(0.0, 1.0), (1.0, 0.0), (0.3, 0.0)])
+def test_the_newest_optimizer_takes_the_gradients_whatever_its_fraction(old: float,
+                                                                         new: float) -> None:
+    """An optimizer built to resume from another's state_dict() on the same model takes
+    the gradients, the old one's hooks (its device part's too) let them be."""
+    data = batches(3, 2)
+    ref_model = make_model()
+    ref_opt = build(ref_model, 1.0)
+    train(ref_opt, ref_model, data)
+    model = make_model()
+    first = build(model, old)
+    train(first, model, data[:1])
+    with pytest.warns(RuntimeWarning, match="belonged to another FullOffloadOptimizer"):
+        second = build(model, new)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    train(second, model, data[1:])
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert same_bits(p, q)
+    assert first._lifecycle.part.pending() is False

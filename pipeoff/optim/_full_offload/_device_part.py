@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +94,9 @@ class FullDevicePart:
         self.params: dict[int, DeviceParam] = {}
         """The device part, by the parameter's ``id()`` (param-group order)."""
         self._hooks: list[Any] = []
+        self.owned: Callable[[torch.Tensor], bool] = lambda p: True
+        """Whether this optimizer takes ``p``'s gradients (the newest optimizer over a
+        parameter does; set by the gradient intake)."""
         # CUDA events for stream synchronization: recorded on the caller's stream after
         # the device part's kernels, waited for by wait().
         self._event: Any = None
@@ -137,8 +140,8 @@ class FullDevicePart:
         the reference's accumulation, on the device."""
         rec = self.owns(p)
         g = p.grad
-        if rec is None or g is None:
-            return
+        if rec is None or g is None or not self.owned(p):
+            return  # (another, newer optimizer's: its hooks take it)
         with torch.no_grad():
             if rec.sum is None:
                 rec.sum = g.to(torch.float32, copy=True)
