@@ -429,3 +429,49 @@ def test_the_newest_optimizer_takes_the_gradients_whatever_its_fraction(old: flo
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert same_bits(p, q)
     assert first._lifecycle.part.pending() is False
+
+
+def _by_hand(opt: FullOffloadOptimizer, model: torch.nn.Module, step: list[Any]) -> None:
+    for b in step:
+        loss_fn(model, b).backward()
+    model.l1.weight.grad = torch.full_like(model.l1.weight, 0.25)  # replaces the sum
+    model.side.bias.grad = torch.full_like(model.side.bias, -0.5)
+
+
+def _grad_norm_first(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                     step: list[Any]) -> None:
+    for m, b in enumerate(step):
+        with opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext():
+            loss_fn(model, b).backward()
+    assert opt.grad_norm is not None  # ends the accumulation: the norm over both parts
+
+
+def _dropped_micro_step(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                        step: list[Any]) -> None:
+    loss_fn(model, step[0]).backward()
+    opt.zero_grad()  # dropped, both parts
+    for b in step[1:]:
+        loss_fn(model, b).backward()
+
+
+@pytest.mark.parametrize("loop", [_by_hand, _grad_norm_first, _dropped_micro_step],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_the_loops_own_calls_give_the_bits_of_offload_fraction_1(f: float, loop: Any) -> None:
+    """Gradients set by hand after the backward, grad_norm read before step(), a
+    micro-step dropped with zero_grad(): a device part gives what the host part does."""
+    data = batches(3, 3)
+    models = []
+    for frac in (1.0, f):
+        model = make_model()
+        # (the host part refuses a gradient replaced after the backward under max_norm)
+        opt = build(model, frac, max_norm=None if loop is _by_hand else 0.5)
+        for step in data:
+            loop(opt, model, step)
+            opt.step()
+            opt.zero_grad()
+        opt.step()  # no gradient: steps nothing, in either part
+        opt.wait_for_step()
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert same_bits(p, q)
