@@ -209,10 +209,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         self.overlap: Overlap = config.overlap
         self.max_norm, self.chunk_numel = config.max_norm, config.chunk_numel
         self.slot_bytes = config.slot_bytes
-        self.slots = config.slots
-        self.num_threads = config.num_threads
-        self.process_group = config.process_group
-        self.timeout = config.timeout
+        self.slots, self.num_threads = config.slots, config.num_threads
+        self.process_group, self.timeout = config.process_group, config.timeout
         # The parameters and their host state; the lifecycle (the accumulation and the
         # step in flight); the model sync; the hooks (the intake calls down to both).
         self._registry = ParamRegistry(found, config, probe)
@@ -310,10 +308,9 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         raise TypeError("FullOffloadOptimizer cannot be pickled; save state_dict() instead")
 
     def __repr__(self) -> str:
-        registry = getattr(self, "_registry", None)
         return (f"FullOffloadOptimizer({self.optimizer_class.__name__}, "
                 f"accumulate={self.accumulate!r}, overlap={self.overlap!r}, "
-                f"max_norm={self.max_norm!r}, params={len(registry) if registry else 0})")
+                f"max_norm={self.max_norm!r}, {self._params_repr()})")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

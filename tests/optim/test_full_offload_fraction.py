@@ -153,6 +153,8 @@ def test_the_split_is_offload_optimizers_rule_over_masters_state_and_sums() -> N
     assert _device_names(opt) == [names[i] for i in sorted(split.on_device)]
     assert split.device_weight <= 0.7 * sum(weights)
     assert opt.offload_fraction == 0.3
+    assert f"offload_fraction=0.3, params={len(params)})" in repr(opt)
+    assert "offload_fraction" not in repr(build(make_model(), 1.0))
     assert build(make_model(), 1.0)._lifecycle.part.params == {}
     assert len(build(make_model(), 0.0)._lifecycle.part.params) == len(params)
 

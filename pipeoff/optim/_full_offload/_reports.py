@@ -62,6 +62,16 @@ class HostReports:
         return {**stats, **device, "params_host": len(self._registry),
                 "held_grad_bytes_host": self._lifecycle.launcher.held.nbytes}
 
+    def _params_repr(self) -> str:
+        """``params=N`` (both parts) for the optimizer's repr, after ``offload_fraction=f``
+        below 1."""
+        life = getattr(self, "_lifecycle", None)
+        if life is None:
+            return "params=0"
+        f = life.part.fraction
+        n = len(life.registry) + len(life.part.params)
+        return ("" if f == 1.0 else f"offload_fraction={f}, ") + f"params={n}"
+
     @property
     def offload_fraction(self) -> float:
         """About this share of the masters, optimizer state and gradient sums is in host
