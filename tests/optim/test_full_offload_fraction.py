@@ -477,3 +477,28 @@ def test_the_loops_own_calls_give_the_bits_of_offload_fraction_1(f: float, loop:
         models.append(model)
     for p, q in zip(*(m.parameters() for m in models)):
         assert same_bits(p, q)
+
+
+def test_a_device_part_parameter_removed_from_the_groups_is_left_as_torch_leaves_it() -> None:
+    """Removed from param_groups between steps, a device-part parameter is not stepped and
+    its gradient stays in .grad (as a host-part one's, as torch's); put back, it steps
+    again with its state: the bits of offload_fraction=1.0."""
+    data = batches(4, 2)
+    runs = []
+    for f in (1.0, 0.0):
+        model = make_model()
+        opt = build(model, f)
+        train(opt, model, data[:1])
+        group = opt.param_groups[0]["params"]
+        k = next(i for i, p in enumerate(group) if p is model.l1.weight)
+        removed = group.pop(k)
+        train(opt, model, data[1:3])
+        grad = None if removed.grad is None else removed.grad.clone()
+        removed.grad = None
+        group.insert(k, removed)
+        train(opt, model, data[3:])
+        runs.append((model, grad))
+    (a, ga), (b, gb) = runs
+    assert ga is not None and gb is not None and same_bits(ga, gb)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert same_bits(p, q)

@@ -97,6 +97,11 @@ class FullDevicePart:
         self.owned: Callable[[torch.Tensor], bool] = lambda p: True
         """Whether this optimizer takes ``p``'s gradients (the newest optimizer over a
         parameter does; set by the gradient intake)."""
+        self.groups: Callable[[], Sequence[Mapping[str, Any]]] = lambda: ()
+        """The live ``param_groups`` (set by the lifecycle): a parameter removed from them
+        is ignored by its hook, its gradient left in ``.grad``, as torch leaves it."""
+        self._listed: tuple[int, frozenset[int]] = (-2, frozenset())
+        """The ``id()`` of the parameters the groups list, as of a backward (its id)."""
         # CUDA events for stream synchronization: recorded on the caller's stream after
         # the device part's kernels, waited for by wait().
         self._event: Any = None
@@ -142,6 +147,8 @@ class FullDevicePart:
         g = p.grad
         if rec is None or g is None or not self.owned(p):
             return  # (another, newer optimizer's: its hooks take it)
+        if not self.listed(p):
+            return  # removed from param_groups: not this optimizer's to take
         with torch.no_grad():
             if rec.sum is None:
                 rec.sum = g.to(torch.float32, copy=True)
@@ -149,12 +156,19 @@ class FullDevicePart:
                 rec.sum.add_(g)
         p.grad = None
 
+    def listed(self, p: torch.Tensor) -> bool:
+        """Whether the live groups list ``p`` (looked up once per backward)."""
+        bid = _compat.backward_id()
+        if self._listed[0] != bid or bid < 0:
+            self._listed = (bid, frozenset(id(q) for g in self.groups() for q in g["params"]))
+        return id(p) in self._listed[1]
+
     def take_hand_set(self) -> None:
         """At ``step()``: a gradient put in ``param.grad`` by hand after the backward
         replaces the parameter's sum (as the host part's does)."""
         for rec in self.params.values():
             g = rec.param.grad
-            if g is None:
+            if g is None or not self.listed(rec.param):
                 continue
             if g.shape != rec.param.shape or g.device != rec.param.device or g.is_sparse:
                 raise ConfigError(f"the gradient set by hand for {rec.name!r} is not dense, of "
@@ -165,14 +179,16 @@ class FullDevicePart:
 
     def pending(self) -> bool:
         """Whether a device-part parameter has a gradient (a sum, or one set by hand)."""
-        return any(rec.sum is not None or rec.param.grad is not None
+        return any(rec.sum is not None or (rec.param.grad is not None and self.listed(rec.param))
                    for rec in self.params.values())
 
     def discard(self) -> None:
-        """``zero_grad()``: drop the sums (and gradients set by hand)."""
+        """``zero_grad()``: drop the sums (and gradients set by hand; those of parameters
+        removed from the groups are left, as torch's ``zero_grad()`` leaves them)."""
         for rec in self.params.values():
             rec.sum = None
-            rec.param.grad = None
+            if self.listed(rec.param):
+                rec.param.grad = None
 
     # -- the norm ----------------------------------------------------------------------------
     def total_norm(self, param_groups: Sequence[Mapping[str, Any]],
@@ -223,6 +239,8 @@ class FullDevicePart:
                 if rec is not None and rec.sum is not None:
                     by_group[gi].append(rec)
         recs = [rec for gi in sorted(by_group) for rec in by_group[gi]]
+        for rec in set(self.params.values()) - set(recs):
+            rec.sum = None  # (removed from the groups mid-accumulation: not stepped)
         if not recs:
             return 0
         shadow = _update.make_shadow(probe)

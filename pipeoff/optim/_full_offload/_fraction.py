@@ -71,6 +71,7 @@ class FractionLifecycle(Lifecycle):
                  part: FullDevicePart) -> None:
         super().__init__(registry, config, health, readers, param_groups)
         self.part = part
+        part.groups = param_groups
 
     def split(self, probe: torch.optim.Optimizer) -> None:
         """Decide the device part over the groups the optimizer was built with (before the
