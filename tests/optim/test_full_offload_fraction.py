@@ -502,3 +502,24 @@ def test_a_device_part_parameter_removed_from_the_groups_is_left_as_torch_leaves
     assert ga is not None and gb is not None and same_bits(ga, gb)
     for p, q in zip(a.parameters(), b.parameters()):
         assert same_bits(p, q)
+
+
+def test_parameters_added_later_are_the_host_parts() -> None:
+    data = batches(3, 2)
+    runs = []
+    for f in (1.0, 0.0):
+        model = make_model()
+        first, second = _groups(model)
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=[first], lr=1e-2,
+                                   offload_fraction=f)
+        train(opt, model, data[:1])
+        for p in second["params"]:
+            p.grad = None  # (not the optimizer's in that step: left in .grad)
+        opt.add_param_group(second)
+        train(opt, model, data[1:])
+        if f == 0.0:
+            assert all(opt._lifecycle.part.owns(p) is None for p in second["params"])
+            assert len(opt._registry) == len(second["params"])
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert same_bits(p, q)
