@@ -12,6 +12,8 @@ checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
 ``transfer.md`` (from ``gpu_transfer.py``),
 ``local_sgd_staging.md``, ``sim_vs_measured.md``, the host node's DRAM bandwidth per
 rank and DiLoCo's outer step (``host_node.py``, ``bench_outer_step.py``),
+``offload_fraction="auto"``'s measured rates and choice against measured steps
+(``bench_auto_fraction.py``),
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
 """
@@ -256,6 +258,12 @@ def main() -> int:
         "bench_outer_step.py", out, ["--numel", str(32 << 20), "--params", "2", "--rounds",
                                      "3" if args.quick else "7", "--threads", "1", "2",
                                      str(len(os.sched_getaffinity(0)))], timeout=120))
+
+    log("5f/7 offload_fraction='auto': its measured rates and choice against measured steps")
+    sections.append("## offload_fraction='auto'\n\n" + run_script(
+        "bench_auto_fraction.py", out, ["--layers", "8" if args.quick else "24", "--width",
+                                        "8192", "--rounds", "3" if args.quick else "5"],
+        timeout=150))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

@@ -11,6 +11,10 @@ bitwise the same. Prints each step's loss and where the state is
 (``memory_stats()``) before and after the restart.
 
     python examples/offload_fraction.py --steps 4 --fraction 0.5 --resume-fraction 0.25
+    python examples/offload_fraction.py --fraction auto --budget-share 0.5
+
+``--fraction auto`` lets the optimizer choose from a device memory budget
+(``--budget-share`` of the AdamW state) and prints what it chose and why.
 """
 
 from __future__ import annotations
@@ -58,12 +62,29 @@ def describe(stats: dict[str, int]) -> str:
             f"{stats['state_bytes_host'] / max(total, 1):.0%} offloaded")
 
 
+def fraction(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
+def make_opt(model: nn.Module, f: float | str, budget_share: float) -> OffloadOptimizer:
+    if f != "auto":
+        return OffloadOptimizer(adamw(model), overlap="forward", chunk_bytes="64KiB",
+                                offload_fraction=f)  # type: ignore[arg-type]
+    state = 8 * sum(p.numel() for p in model.parameters())  # AdamW: two fp32 moments
+    opt = OffloadOptimizer(adamw(model), overlap="forward", offload_fraction="auto",
+                           device_budget_bytes=int(budget_share * state))
+    print(f"auto: {opt.offload_choice.reason}")  # type: ignore[union-attr]
+    return opt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps before the restart")
     parser.add_argument("--resume-steps", type=int, default=3, help="steps after it")
-    parser.add_argument("--fraction", type=float, default=0.5)
-    parser.add_argument("--resume-fraction", type=float, default=0.25)
+    parser.add_argument("--fraction", type=fraction, default=0.5, help="a number, or auto")
+    parser.add_argument("--resume-fraction", type=fraction, default=0.25)
+    parser.add_argument("--budget-share", type=float, default=0.5,
+                        help="with auto: the device budget, as a share of the state")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
@@ -73,8 +94,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyLM().to(device)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = OffloadOptimizer(adamw(model), overlap="forward", chunk_bytes="64KiB",
-                           offload_fraction=args.fraction)
+    opt = make_opt(model, args.fraction, args.budget_share)
     opt.attach(model)
     for step, batch in enumerate(data[:args.steps]):
         loss = loss_of(model, batch)
@@ -90,8 +110,7 @@ def main() -> None:
         ckpt = torch.load(path, weights_only=True)
     model = TinyLM().to(device)
     model.load_state_dict(ckpt["model"])
-    opt = OffloadOptimizer(adamw(model), overlap="forward", chunk_bytes="64KiB",
-                           offload_fraction=args.resume_fraction)
+    opt = make_opt(model, args.resume_fraction, args.budget_share)
     opt.load_state_dict(ckpt["optim"])
     opt.attach(model)
     for step, batch in enumerate(data[args.steps:], start=args.steps):

@@ -39,6 +39,15 @@ def test_gpu_checks_refuse_without_a_gpu() -> None:
     assert res.returncode == 2 and "no CUDA device" in res.stderr
 
 
+@pytest.mark.slow  # runs a benchmark script (subprocess)
+def test_auto_fraction_benchmark_runs_on_cpu() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_auto_fraction.py"),
+                          "--layers", "2", "--width", "128", "--rounds", "1", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "auto chose offload_fraction=" in res.stdout and "(auto)" in res.stdout
+
+
 def load_benchmark(name: str) -> ModuleType:
     """Import ``benchmarks/<name>.py`` by its file path (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}",

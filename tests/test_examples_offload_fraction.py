@@ -25,3 +25,12 @@ def test_offload_fraction_example() -> None:
     assert "offload_fraction=0.5: state" in out.stdout
     assert "resumed at offload_fraction=0.25: state" in out.stdout
     assert "bitwise equal to torch.optim.AdamW over 7 steps: True" in out.stdout
+
+
+def test_offload_fraction_example_with_auto() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--resume-steps", "2",
+                          "--fraction", "auto", "--resume-fraction", "0.25"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "auto: offload_fraction=" in out.stdout and "device memory" in out.stdout
+    assert "bitwise equal to torch.optim.AdamW over 4 steps: True" in out.stdout

@@ -28,6 +28,7 @@ from pipeoff.optim._offload._args import (
     staging_args,
     wrapped,
 )
+from pipeoff.optim._offload._auto import FractionChoice, auto_fraction
 from pipeoff.optim._offload._device_part import DevicePart, state_bytes
 from pipeoff.optim._offload._graph import Step
 from pipeoff.optim._offload._host_layout import HostLayout
@@ -50,14 +51,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     The flat parameter space is cut into chunks whose optimizer state is at most
     ``chunk_bytes`` (:func:`~pipeoff.optim.plan_chunks`; a parameter larger than a
     chunk is split into flat slices). A step is a task graph: per chunk, copy its
-    state host-to-device into pooled staging, update the chunk's parameters with
-    the wrapped optimizer's own kernels, copy the state back. Chunk k+1's copy in
-    overlaps chunk k's update and chunk k-1's copy out.
+    state host-to-device into pooled staging, update the chunk's parameters with the
+    wrapped optimizer's own kernels, copy it back (chunk k+1's copy in overlaps).
 
     Memory: device optimizer state at most ``(prefetch + 1) * chunk_bytes`` (or
-    ``device_budget_bytes``)
-    instead of all of it (AdamW: 8 bytes per fp32 parameter), plus, on a first
-    step only, one chunk that the optimizer allocates while it initializes state.
+    ``device_budget_bytes``) instead of all of it (AdamW: 8 bytes per fp32 parameter),
+    plus, on a first step, one chunk the optimizer allocates initializing state.
     Host: all state (pinned). Traffic: the state of every parameter with a grad
     moves twice over the host link per step. Do not use it when the state fits on
     the device with room to spare: a plain optimizer moves nothing.
@@ -76,14 +75,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     re-pointed in place, and a parameter whose layout changed (channels-last),
     are picked up at the next step, which re-plans before writing anything; a
     changed layout re-lays that parameter's host state (values kept) in its new
-    memory order. ``step(closure)`` works in every mode, as in torch.
-
-    Results are bitwise equal to stepping the wrapped optimizer directly.
+    memory order. ``step(closure)`` works in every mode, as in torch. Results are
+    bitwise equal to stepping the wrapped optimizer directly.
 
     ``offload_fraction=f`` keeps about ``f`` of the state in host memory: the first
     parameters in param-group order (at most ``1 - f`` of the state's bytes) keep
     theirs on the device and step with torch's own kernel on the caller's stream,
-    while the chunks of the rest run (``docs/optimizer.md``, "Offloading a fraction").
+    while the chunks of the rest run (``docs/optimizer.md``, "Offloading a fraction");
+    ``"auto"`` picks ``f`` from a device memory budget (:attr:`offload_choice`).
 
     Two forms: an optimizer to wrap, or torchao's (``CPUOffloadOptimizer``'s)::
 
@@ -103,19 +102,17 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         chunk_bytes: bound on each chunk's device state (an int, or a string such as
             ``"256MiB"``), or ``None`` for one chunk.
         pin_memory: page-lock the host state (ignored without an accelerator).
-        prefetch: chunks staged ahead of the one being updated (default 2).
-            Device staging is then at most ``(prefetch + 1)`` of the largest
-            chunk. (Formerly ``lookahead``, still accepted with a
-            ``FutureWarning``.)
-        device_budget_bytes: instead of ``prefetch``, a cap on live device
-            staging in bytes, as ``LocalSGD`` takes one: chunks of a third of it
-            unless ``chunk_bytes`` is given too (at most the budget).
-        process_group: the group whose ranks must agree on the chunk plan
-            (default: the world, when torch.distributed is initialized). The
-            plan is checked collectively here, at construction, where every
-            rank is known to be, and by :meth:`verify_plan`; never inside
-            ``step()``, ``load_state_dict()`` or ``add_param_group()``, which a
-            rank may call alone.
+        prefetch: chunks staged ahead of the one being updated (default 2): device
+            staging is at most ``(prefetch + 1)`` of the largest chunk. (Formerly
+            ``lookahead``, still accepted with a ``FutureWarning``.)
+        device_budget_bytes: instead of ``prefetch``, a cap on live device staging
+            in bytes, as ``LocalSGD`` takes one: chunks of a third of it unless
+            ``chunk_bytes`` is given too (at most the budget). With ``"auto"``: the
+            cap on state and staging together.
+        process_group: the group whose ranks must agree on the chunk plan (default:
+            the world, when torch.distributed is initialized), checked collectively
+            here and by :meth:`verify_plan`; never inside ``step()``,
+            ``load_state_dict()`` or ``add_param_group()``, which a rank may call alone.
         reserve: allocate the host state of every parameter now (see
             :meth:`reserve`), rather than at the first step.
         read_guard: in ``overlap`` mode, make every eager read of a parameter
@@ -127,11 +124,15 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in
             inference, whose last bits differ.
         offload_fraction: the share of the state in host memory, in [0, 1]
-            (``1.0``: all of it; ``0.0``: all on the device, stepped by torch).
+            (``1.0``: all of it; ``0.0``: all on the device, stepped by torch), or
+            ``"auto"``: the fastest share whose device memory (state and staging)
+            fits ``device_budget_bytes`` (on CUDA, default: the free memory), by a
+            model of the step from rates measured here (``docs/optimizer.md``).
 
     Raises:
         ConfigError: an argument is out of range (``offload_fraction`` not a
-            number in [0, 1], or ``"auto"``); parameters on mixed devices,
+            number in [0, 1] or ``"auto"``; ``"auto"`` without a budget to be
+            had, or one too small for the staging); parameters on mixed devices,
             not dense in memory, or (outside ``single_pass``) listed twice.
         UnsupportedOptimizerError: a chunked mode was asked of an optimizer that
             is not element-wise.
@@ -154,11 +155,18 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         read_guard: bool = True,
         reserve: bool = True,
         lookahead: int | None = None,
-        offload_fraction: float = 1.0,
+        offload_fraction: float | Literal["auto"] = 1.0,
         **optimizer_kwargs: Any,
     ) -> None:
         optimizer = wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
         mode = mode_of("chunked" if mode is None and overlap is None else mode, overlap)
+        self.offload_choice: FractionChoice | None = auto_fraction(
+            optimizer, mode, offload_fraction, None if isinstance(chunk_bytes, _Default)
+            else chunk_bytes, prefetch, lookahead, device_budget_bytes, pin_memory)
+        """What ``offload_fraction="auto"`` chose and why (else ``None``)."""
+        if (c := self.offload_choice) is not None:  # (its budget made the staging)
+            offload_fraction, chunk_bytes, prefetch, lookahead, device_budget_bytes = (
+                c.fraction, c.chunk_bytes, c.prefetch, None, None)
         chunk_bytes, prefetch, device_budget_bytes = staging_args(
             chunk_bytes, prefetch, lookahead, device_budget_bytes)
         if not isinstance(read_guard, bool):
@@ -178,7 +186,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.prefetch: int | None = prefetch
         """Chunks staged ahead of the one being updated (``None`` with a device budget)."""
         self.device_budget_bytes = device_budget_bytes
-        """The cap on live device staging, if given instead of ``prefetch``."""
+        """The cap on live device staging, if given instead of ``prefetch`` (not auto's)."""
         self.process_group = process_group
         self.pin_memory = bool(pin_memory) and _accel.current().available()
         # Optimizer.__init__ is not called (it wants parameters); set what the
@@ -272,8 +280,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     def __repr__(self) -> str:
         staging = (f"device_budget_bytes={self.device_budget_bytes}"
                    if self.device_budget_bytes is not None else f"prefetch={self.prefetch}")
-        fraction = ("" if self.offload_fraction == 1.0
-                    else f"offload_fraction={self.offload_fraction}, ")
+        fraction = ("" if self.offload_fraction == 1.0 and self.offload_choice is None else
+                    f"offload_fraction={self.offload_fraction:.4g}"
+                    f"{'' if self.offload_choice is None else ' (auto)'}, ")
         return (f"OffloadOptimizer(mode={self.mode!r}, chunk_bytes={self.chunk_bytes}, "
                 f"{staging}, {fraction}{self.inner!r})")
 
@@ -409,7 +418,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             return None
         trace = ex.trace
         waits = hook_wait_records(self._last_waits, ex.origin_ns, trace.metadata.get("rank", 0))
-        return dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
+        meta = {**trace.metadata, "offload_fraction": self.offload_fraction,
+                **({} if (c := self.offload_choice) is None else {"offload_choice": c.as_dict()})}
+        return dataclasses.replace(trace, tasks=trace.tasks + waits, metadata=meta)
 
     @property
     def plan(self) -> ChunkPlan:
@@ -439,19 +450,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def attach(self, model: torch.nn.Module) -> None:
         """Make ``model``'s forward wait, per module, for the chunks it reads.
-
-        On FSDP2 modules a ``prepend=True`` pre-forward hook on each FSDP module
-        waits for the chunks of its own parameters and of the modules it
-        prefetches; on a plain module tree each module that owns parameters,
-        and the root, gets one; a module whose hook has not fired in a forward
-        of the same kind (training or not, grad mode) has its parameters waited
-        for by the nearest hooked ancestor that runs. Hooks run under
-        ``torch.compile`` too (they are opaque to Dynamo, so they are graph
-        breaks: not for ``fullgraph=True`` regions containing hooked modules).
-        Code compiled before ``attach()`` is recompiled with the hooks in. A
-        second call replaces the hooks. Either the hooks
-        are all installed, or (on any error) the old ones stay. A model pickled
-        or copied with the hooks carries inert ones.
+        FSDP2 modules get a ``prepend=True`` pre-forward hook waiting for the chunks
+        of their own parameters and of the modules they prefetch; on a plain tree each
+        module owning parameters, and the root, gets one (a module whose hook did not
+        fire has its parameters waited for by the nearest hooked ancestor that runs).
+        Hooks run under ``torch.compile`` as graph breaks (not for ``fullgraph=True``
+        regions holding hooked modules); code compiled before is recompiled. A second
+        call replaces the hooks; on any error the old ones stay. A model pickled or
+        copied with the hooks carries inert ones.
 
         Raises:
             ConfigError: ``model`` is not a module, or some of the optimizer's
@@ -465,7 +471,6 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """Step the wrapped optimizer: at once (``overlap``) or before returning.
 
         Nothing is written unless every check passes.
-
         Args:
             closure: as in torch: a function that computes the loss and calls
                 ``backward()`` (PyTorch Lightning passes one). It runs once,
@@ -533,19 +538,15 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
               if _compat.profiler_enabled() else contextlib.nullcontext()):
             layout = self._host.current(self._attached)
             if self.mode == "single_pass":
-                ex, loss = _graph.single_pass(layout, self.inner, closure,
-                                              lambda: offload_state(self.inner, layout,
-                                                                    chunked=False,
-                                                                    pin=self.pin_memory))
+                ex, loss = _graph.single_pass(layout, self.inner, closure, lambda: offload_state(
+                    self.inner, layout, chunked=False, pin=self.pin_memory))
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             self._step_layout = layout
             st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
                                prefetch=self.prefetch, budget=self.device_budget_bytes,
                                reserved=lambda p, k: self._host.reserved.pop((id(p), k), None))
-            self._inflight = st
-            self._last = st.execution
-            self._last_waits = []
+            self._inflight, self._last, self._last_waits = st, st.execution, []
             try:  # launched first: the lanes do not wait for it (the two parts' Note)
                 st.device_params = self._device.step(layout, self.inner)
             except BaseException as err:

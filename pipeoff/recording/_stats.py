@@ -53,7 +53,8 @@ def step_stats(trace: Trace, *, step: int, what: str, exposed_ns: int,
         host_ms=host / 1e6, collective_ms=coll / 1e6, wait_ms=wait / 1e6, chunks=chunks,
         exposed_ms=exposed_ns / 1e6,
         makespan_ms=(max(ends) - min(starts)) / 1e6 if starts else 0.0,
-        committed=committed, failed=failed)
+        committed=committed, failed=failed,
+        offload_fraction=trace.metadata.get("offload_fraction"))
 
 
 class StatsHooks:

@@ -49,6 +49,9 @@ class StepStats:
     """For a sync: whether the quorum committed; ``None`` for a step."""
     failed: int = 0
     """Tasks that raised."""
+    offload_fraction: float | None = None
+    """``OffloadOptimizer``'s share of the state in host memory at this step (the one
+    ``offload_fraction="auto"`` chose, too); ``None`` elsewhere."""
 
     def as_dict(self, prefix: str = "pipeoff/") -> dict[str, Any]:
         """The figures as a flat dict of numbers, keys prefixed (``"pipeoff/d2h_bytes"``):

@@ -152,13 +152,11 @@ def test_a_bad_fraction_names_offload_fraction_and_what_is_accepted(bad: Any) ->
         OffloadOptimizer(torch.optim.AdamW(net.parameters()), offload_fraction=bad)
 
 
-def test_auto_is_not_available_yet() -> None:
-    net = make_net()
-    with pytest.raises(ConfigError, match="offload_fraction='auto' is not available yet"):
-        OffloadOptimizer(torch.optim.AdamW(net.parameters()), offload_fraction="auto")  # type: ignore[arg-type]
+def test_a_fraction_is_a_config_error() -> None:
     assert issubclass(ConfigError, PipeoffError)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), offload_fraction=0)
-    assert opt.offload_fraction == 0.0 and "offload_fraction=0.0" in repr(opt)
+    opt = OffloadOptimizer(torch.optim.AdamW(make_net().parameters()), offload_fraction=0)
+    assert opt.offload_fraction == 0.0 and "offload_fraction=0, " in repr(opt)
+    assert opt.offload_choice is None
 
 
 def test_the_device_part_steps_while_the_host_part_is_held() -> None:
