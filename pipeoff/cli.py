@@ -286,19 +286,19 @@ def _cmd_train_step(args: argparse.Namespace) -> int:
     if budget is not None and not auto:
         raise _UsageError("--device-budget applies to train-step with --offload-fraction auto "
                           "(the budget the chosen fraction must fit)")
+    if args.preset == "cpu_here":
+        raise _UsageError("--feature train-step models a device's compute: use --preset "
+                          "h200_pcie5")
     shape = model_shape(args.model, fsdp=args.fsdp)
-    cost, host = _simulate_cost(args)
     moe = shape.active is not None
     mfu = args.mfu if args.mfu is not None else (MFU_MOE if moe else MFU_DENSE)
     if not 0 < mfu <= 1:
         raise _UsageError(f"--mfu must be in (0, 1], got {mfu}")
-    if args.preset == "cpu_here":
-        raise _UsageError("--feature train-step models a device's compute: use --preset "
-                          "h200_pcie5")
+    cost, host = _simulate_cost(args)
     cost = dataclasses.replace(cost, compute=DeviceCompute.h200(mfu=mfu))
     step = TrainStep(seq_len=args.seq_len, micro_batch=args.micro_batch,
                      offload_fraction=fraction, auto=auto, device_budget_bytes=budget)
-    rows = train_step(shape, step, cost)
+    rows = train_step(shape, step, cost, names=_SIZE_OPTIONS)
     if args.json:
         print(json.dumps({
             "feature": "train-step", "model": shape.name, "fsdp": shape.fsdp,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeoff._errors import BudgetError, ConfigError
@@ -297,7 +297,7 @@ class _Model:
         runs last), the rest kept and stepped on the device: (ms, trace, kept elements,
         one pass). ``forward_order``: the host steps its chunks in the order the next
         forward needs them, not in the plan's (last parameter first)."""
-        from pipeoff.optim._full_offload._graph import h2d_task
+        from pipeoff.optim._full_offload._graph import h2d_task, step_task
 
         total = sum(self.numels)
         kept_idx: list[int] = []
@@ -330,7 +330,10 @@ class _Model:
                 plan = dataclasses.replace(plan, chunks=plan.chunks[::-1])
                 src = plan.graph(None, final=True, norm_first=one_pass, held=frozenset(
                     range(len(plan.params))) if one_pass else frozenset())
-            _copy(g, src, _grad_deps(src, self.unit_of, bwd0, off))
+            extra = _grad_deps(src, self.unit_of, bwd0, off)
+            for k in range(len(plan.chunks)):  # the host step starts at step(): after
+                extra[step_task(k)] = [bwd0[-1]]  # the backward, the gradients all in
+            _copy(g, src, extra)
             for k, chunk in enumerate(plan.chunks):
                 for j in chunk:
                     waits[self.unit_of[off[j]]].append(h2d_task(k))
@@ -348,8 +351,11 @@ class _Model:
         return ms, trace, kept, one_pass
 
 
-def train_step(shape: ModelShape, step: TrainStep, cost: CostModel) -> list[TrainStepRow]:
+def train_step(shape: ModelShape, step: TrainStep, cost: CostModel, *,
+               names: Mapping[str, str] | None = None) -> list[TrainStepRow]:
     """Predict one training step of ``shape`` under each design (module docstring).
+    ``names`` maps ``device_budget_bytes`` to the name errors use for it (the CLI's
+    option).
 
     Returns:
         The rows ``no-offload``, ``full-offload-backward``, ``full-offload-forward``,
@@ -395,24 +401,25 @@ def train_step(shape: ModelShape, step: TrainStep, cost: CostModel) -> list[Trai
         rows.append(row(f"fraction-{f:g}", ms, trace, kept, f, _step_bytes(cost, one_pass),
                         f"{1 - f:.0%} of the state on the device, stepped there"))
     if step.auto:
-        rows.append(_auto(m, step, cost, row))
+        rows.append(_auto(m, step, cost, row, (names or {}).get(
+            "device_budget_bytes", "device_budget_bytes")))
     base = rows[0].time_ms
     return [dataclasses.replace(r, vs_no_offload=r.time_ms / base) for r in rows]
 
 
-def _auto(m: _Model, step: TrainStep, cost: CostModel,
-          row: Callable[..., TrainStepRow]) -> TrainStepRow:
+def _auto(m: _Model, step: TrainStep, cost: CostModel, row: Callable[..., TrainStepRow],
+          option: str) -> TrainStepRow:
     from pipeoff.trace._format import fmt_bytes
 
     assert cost.compute is not None
     budget = step.device_budget_bytes or cost.compute.memory_bytes
     if budget is None:
-        raise ConfigError("device_budget_bytes is needed for auto: the cost model's device "
+        raise ConfigError(f"{option} is needed for auto: the cost model's device "
                           "has no memory size (DeviceCompute.memory_bytes)")
     least = m.device_bytes(0)
     if least > budget:
         raise BudgetError(
-            f"device_budget_bytes={budget} ({fmt_bytes(budget)}) is less than the model "
+            f"{option}={budget} ({fmt_bytes(budget)}) is less than the model "
             f"needs with all its state offloaded, {least} bytes ({fmt_bytes(least)}: "
             f"{DEVICE_BYTES_OFFLOADED} B per local parameter); raise it, or shard over "
             f"more ranks")
