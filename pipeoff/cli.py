@@ -275,8 +275,7 @@ def _cmd_train_step(args: argparse.Namespace) -> int:
     from pipeoff.trace._format import fmt_bytes
 
     for given, option in ((args.schedules, "--schedules"),
-                          (args.fragment_sync_delay, "--fragment-sync-delay"),
-                          (args.trace_dir, "--trace-dir")):
+                          (args.fragment_sync_delay, "--fragment-sync-delay")):
         if given:
             raise _UsageError(f"{option} does not apply to --feature train-step (its rows: "
                               "no-offload, the full-offload designs, --offload-fraction's)")
@@ -299,6 +298,10 @@ def _cmd_train_step(args: argparse.Namespace) -> int:
     step = TrainStep(seq_len=args.seq_len, micro_batch=args.micro_batch,
                      offload_fraction=fraction, auto=auto, device_budget_bytes=budget)
     rows = train_step(shape, step, cost, names=_SIZE_OPTIONS)
+    if args.trace_dir:
+        for r in rows:
+            if r.trace is not None:
+                r.trace.save(Path(args.trace_dir) / f"train-step-{r.schedule}.json")
     if args.json:
         print(json.dumps({
             "feature": "train-step", "model": shape.name, "fsdp": shape.fsdp,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,7 @@ from pipeoff.sim import (
     train_step,
 )
 from pipeoff.sim._compute import MFU_MOE
+from pipeoff.trace import Trace
 
 QWEN = model_shape("qwen3-30b-a3b", fsdp=8)
 
@@ -196,12 +198,16 @@ def test_cli_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["schedule"][0]["host_bytes_per_param"] is None
 
 
-def test_cli_auto_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_auto_says_what_it_chose(capsys: pytest.CaptureFixture[str],
+                                     tmp_path: Path) -> None:
     assert main(["simulate", "--feature", "train-step", "--model", "qwen3-30b-a3b",
                  "--seq-len", "2048", "--offload-fraction", "auto",
-                 "--device-budget", "40GB"]) == 0
+                 "--device-budget", "40GB", "--trace-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "PREDICTED" in out and "auto: offload fraction 0.5: the fastest" in out
+    saved = Trace.load(tmp_path / "train-step-auto.json")
+    assert saved.metadata["backend"] == "sim"
+    assert len(list(tmp_path.glob("train-step-*.json"))) == 5
 
 
 @pytest.mark.parametrize(("args", "message"), [
