@@ -209,15 +209,19 @@ def _copy(g: TaskGraph, src: TaskGraph, extra: dict[str, list[str]]) -> None:
                    buffers=t.buffers, lane=t.lane, gates=t.gates)
 
 
-def _grad_deps(src: TaskGraph, unit_of: dict[int, int], bwd: list[str],
+def _grad_deps(src: TaskGraph, shape: ModelShape, unit_of: dict[int, int], bwd: list[str],
                index: Sequence[int]) -> dict[str, list[str]]:
-    """Each gradient copy ``d2h:{i}.{j}`` after the backward of parameter ``i``'s unit
-    (``index`` maps the offload graph's parameters to the model's)."""
+    """Each task that waits for a gradient's gate (its copy to the host, its fold) after
+    the backward of that parameter's unit; ``index`` maps the offload graph's parameters
+    to the model's."""
+    from pipeoff.optim._full_offload._graph import grad_gate
+
+    unit = {grad_gate(shape.global_shapes[i][0]): unit_of[i] for i in index}
     out = {}
-    for name in src.tasks:
-        if name.startswith("d2h:"):
-            i = index[int(name[4:].split(".")[0])]
-            out[name] = [bwd[len(bwd) - 1 - unit_of[i]]]
+    for t in src.tasks.values():
+        units = [unit[gate] for gate in t.gates if gate in unit]
+        if units:
+            out[t.name] = [bwd[len(bwd) - 1 - min(units)]]
     return out
 
 
@@ -283,7 +287,7 @@ class _Model:
         g = TaskGraph()
         fwd = _chain(g, "fwd", FORWARD_LANE, self.fwd, [[]] * len(self.fwd))
         bwd = _chain(g, "bwd", BACKWARD_LANE, self.bwd, [[fwd[-1]]] + [[]] * (len(self.bwd) - 1))
-        _copy(g, src, _grad_deps(src, self.unit_of, bwd, range(len(self.numels))))
+        _copy(g, src, _grad_deps(src, self.shape, self.unit_of, bwd, range(len(self.numels))))
         # Unbounded: prime-rl's rings bound its staging without holding a chunk back;
         # pipeoff's plan budget, issued in plan order, would make the first chunks wait
         # for later gradients' slots (``budgeted``, kept for comparison).
@@ -330,7 +334,7 @@ class _Model:
                 plan = dataclasses.replace(plan, chunks=plan.chunks[::-1])
                 src = plan.graph(None, final=True, norm_first=one_pass, held=frozenset(
                     range(len(plan.params))) if one_pass else frozenset())
-            extra = _grad_deps(src, self.unit_of, bwd0, off)
+            extra = _grad_deps(src, self.shape, self.unit_of, bwd0, off)
             for k in range(len(plan.chunks)):  # the host step starts at step(): after
                 extra[step_task(k)] = [bwd0[-1]]  # the backward, the gradients all in
             _copy(g, src, extra)
