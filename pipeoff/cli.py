@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeoff._errors import PipeoffError
 
@@ -141,32 +142,19 @@ def _cmd_trace_plot(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from pipeoff._validate import parse_bytes
-    from pipeoff.sim import CostModel, HostCosts, HostNode, model_shape
+    from pipeoff.sim import model_shape
     from pipeoff.sim._compare import FEATURE_SCHEDULES, SCHEDULE_NOTES, compare
     from pipeoff.trace._format import fmt_bytes
 
+    if args.feature == "train-step":
+        return _cmd_train_step(args)
+    if args.offload_fraction is not None or args.mfu is not None:
+        given = "--offload-fraction" if args.offload_fraction is not None else "--mfu"
+        raise _UsageError(f"{given} applies only with --feature train-step")
     shape = model_shape(args.model, fsdp=args.fsdp)
     schedules = tuple(s.strip() for s in (args.schedules or ",".join(
         FEATURE_SCHEDULES.get(args.feature, ()))).split(",") if s.strip())
-    if args.replicas is not None and args.preset == "cpu_here":
-        raise _UsageError("--replicas applies to modelled presets; cpu_here is measured on "
-                          "this machine, with one participant")
-    if args.replicas is not None and args.replicas < 1:
-        raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
-    replicas = 2 if args.replicas is None else args.replicas
-    cost = CostModel.preset(args.preset, participants=replicas)
-    host = args.host or ("flat" if args.preset == "cpu_here" else "native")
-    if host != "flat" and args.preset == "cpu_here":
-        raise _UsageError(f"--host {host} models an H200 node's host; cpu_here measures this "
-                          "machine's host rate (flat): leave --host out, or use --preset "
-                          "h200_pcie5")
-    if args.no_numa_binding and host == "flat":
-        raise _UsageError("--no-numa-binding applies to the host-node model (--host native "
-                          "or torch), not to --host flat")
-    if host != "flat":
-        node = HostNode.h200_node(numa_bound=not args.no_numa_binding)
-        cost = dataclasses.replace(cost, name=f"{cost.name} + {node.name} ({host} host kernels)",
-                                   host=HostCosts(node=node, design=host))
+    cost, host = _simulate_cost(args)
     preds = compare(
         shape, args.feature, schedules, cost,
         chunk_bytes=parse_bytes(args.chunk_bytes, name="--chunk-bytes"),
@@ -237,6 +225,125 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_cost(args: argparse.Namespace) -> tuple[Any, str]:
+    """The cost model ``pipeoff simulate`` prices with, and the host design's name."""
+    from pipeoff.sim import CostModel, HostCosts, HostNode
+
+    if args.replicas is not None and args.preset == "cpu_here":
+        raise _UsageError("--replicas applies to modelled presets; cpu_here is measured on "
+                          "this machine, with one participant")
+    if args.replicas is not None and args.replicas < 1:
+        raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
+    replicas = 2 if args.replicas is None else args.replicas
+    cost = CostModel.preset(args.preset, participants=replicas)
+    host = args.host or ("flat" if args.preset == "cpu_here" else "native")
+    if host != "flat" and args.preset == "cpu_here":
+        raise _UsageError(f"--host {host} models an H200 node's host; cpu_here measures this "
+                          "machine's host rate (flat): leave --host out, or use --preset "
+                          "h200_pcie5")
+    if args.no_numa_binding and host == "flat":
+        raise _UsageError("--no-numa-binding applies to the host-node model (--host native, "
+                          "native-fold or torch), not to --host flat")
+    if host != "flat":
+        node = HostNode.h200_node(numa_bound=not args.no_numa_binding)
+        cost = dataclasses.replace(cost, name=f"{cost.name} + {node.name} ({host} host kernels)",
+                                   host=HostCosts(node=node, design=host))
+    return cost, host
+
+
+def _offload_fraction(text: str | None) -> tuple[float | None, bool]:
+    """``--offload-fraction``: a number in [0, 1], or ``auto``."""
+    if text is None:
+        return None, False
+    if text.strip().lower() == "auto":
+        return None, True
+    try:
+        f = float(text)
+    except ValueError:
+        f = float("nan")
+    if not 0 <= f <= 1:
+        raise _UsageError(f"--offload-fraction must be a number in [0, 1] (the share of the "
+                          f"optimizer state kept on the host) or auto, got {text!r}")
+    return f, False
+
+
+def _cmd_train_step(args: argparse.Namespace) -> int:
+    from pipeoff._validate import parse_bytes
+    from pipeoff.sim import DeviceCompute, model_shape
+    from pipeoff.sim._compute import MFU_DENSE, MFU_MOE
+    from pipeoff.sim._train_step import TrainStep, train_step
+    from pipeoff.trace._format import fmt_bytes
+
+    for given, option in ((args.schedules, "--schedules"),
+                          (args.fragment_sync_delay, "--fragment-sync-delay")):
+        if given:
+            raise _UsageError(f"{option} does not apply to --feature train-step (its rows: "
+                              "no-offload, the full-offload designs, --offload-fraction's)")
+    fraction, auto = _offload_fraction(args.offload_fraction)
+    budget = (parse_bytes(args.device_budget, name="--device-budget")
+              if args.device_budget else None)
+    if budget is not None and not auto:
+        raise _UsageError("--device-budget applies to train-step with --offload-fraction auto "
+                          "(the budget the chosen fraction must fit)")
+    if args.preset == "cpu_here":
+        raise _UsageError("--feature train-step models a device's compute: use --preset "
+                          "h200_pcie5")
+    shape = model_shape(args.model, fsdp=args.fsdp)
+    moe = shape.active is not None
+    mfu = args.mfu if args.mfu is not None else (MFU_MOE if moe else MFU_DENSE)
+    if not 0 < mfu <= 1:
+        raise _UsageError(f"--mfu must be in (0, 1], got {mfu}")
+    cost, host = _simulate_cost(args)
+    cost = dataclasses.replace(cost, compute=DeviceCompute.h200(mfu=mfu))
+    step = TrainStep(seq_len=args.seq_len, micro_batch=args.micro_batch,
+                     offload_fraction=fraction, auto=auto, device_budget_bytes=budget)
+    rows = train_step(shape, step, cost, names=_SIZE_OPTIONS)
+    if args.trace_dir:
+        for r in rows:
+            if r.trace is not None:
+                r.trace.save(Path(args.trace_dir) / f"train-step-{r.schedule}.json")
+    if args.json:
+        print(json.dumps({
+            "feature": "train-step", "model": shape.name, "fsdp": shape.fsdp,
+            "params": shape.params, "active_params": shape.active_params,
+            "local_params": shape.local_params, "seq_len": step.seq_len,
+            "micro_batch": step.micro_batch, "mfu": mfu, "host": host,
+            "cost_model": cost.name, "predicted": True,
+            "device_budget_bytes": budget if budget is not None else (
+                cost.compute.memory_bytes if auto else None),
+            "schedule": [{
+                "schedule": r.schedule, "time_ms": r.time_ms, "compute_ms": r.compute_ms,
+                "exposed_ms": r.exposed_ms, "vs_no_offload": r.vs_no_offload,
+                "peak_device_bytes": r.peak_device_bytes,
+                "offload_fraction": r.offload_fraction,
+                "host_bytes_per_param": (None if r.host_bytes_per_param != r.host_bytes_per_param
+                                         else r.host_bytes_per_param),
+                "note": r.note,
+            } for r in rows]}, indent=2))
+        return 0
+    print(f"PREDICTED by the {cost.name} cost model (not measured): one training step, "
+          f"{shape.name} ({shape.params / 1e9:.2f}B params"
+          + (f", {shape.active_params / 1e9:.2f}B active" if moe else "")
+          + f") sharded over {shape.fsdp} ranks, {step.micro_batch} x {step.seq_len} tokens "
+          f"per rank, compute at {cost.compute.name}{' (a MoE preset)' if moe else ''}")
+    w = max(len(r.schedule) for r in rows)
+    print(f"{'schedule':<{w}} {'time ms':>10} {'vs no-off':>9} {'exposed ms':>11} "
+          f"{'peak device':>12} {'offloaded':>9} {'host B/p':>8}")
+    for r in rows:
+        hb = "-" if r.host_bytes_per_param != r.host_bytes_per_param else \
+            f"{r.host_bytes_per_param:g}"
+        print(f"{r.schedule:<{w}} {r.time_ms:>10.1f} {r.vs_no_offload:>8.3f}x "
+              f"{r.exposed_ms:>11.1f} {fmt_bytes(r.peak_device_bytes):>12} "
+              f"{r.offload_fraction:>9.0%} {hb:>8}")
+    print(f"  compute (forward + backward alone): {rows[0].compute_ms:.1f} ms; exposed: what "
+          "the optimizer adds to it")
+    print("  peak device: weights, gradients and optimizer state (16 B per local parameter "
+          "kept, 4 offloaded) + device staging; activations not counted")
+    for r in rows:
+        print(f"  {r.schedule}: {r.note}")
+    return 0
+
+
 def _int_at_least(least: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least ``least``."""
 
@@ -277,10 +384,11 @@ def _parser() -> argparse.ArgumentParser:
                                 "powers of 10 (1GB = 10^9 bytes), KiB, MiB, GiB powers of 2 "
                                 "(1GiB = 2^30 bytes).")
     sim.add_argument("--model", default="8b",
-                     help="0.6b, 8b, 70b, or a .json of {name: shape} (default: %(default)s)")
+                     help="0.6b, 8b, 70b, qwen3-30b-a3b (a mixture of experts), or a .json "
+                          "of {name: shape} (default: %(default)s)")
     sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
     sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer",
-                                              "diloco"],
+                                              "diloco", "train-step"],
                      default="optimizer",
                      help="the pipeoff feature whose schedules to predict (default: "
                           "%(default)s)")
@@ -295,22 +403,33 @@ def _parser() -> argparse.ArgumentParser:
                      help="LocalSGD/DiLoCo bucket (%(default)s)")
     sim.add_argument("--device-budget", help="device staging budget (default: from the above; "
                      "for transfer, the bucket size)")
-    sim.add_argument("--host", choices=["native", "torch", "flat"],
+    sim.add_argument("--host", choices=["native", "native-fold", "torch", "flat"],
                      help="how host work is costed: native (default with h200_pcie5): an H200 "
                           "node's DRAM shared by its 8 ranks, at the bytes pipeoff's native "
-                          "kernels move; torch: the same node at torch's kernels' bytes; "
+                          "kernels move, the final micro-step in one pass (32 B); native-fold: "
+                          "the same kernels, the final fold apart (10 + 30 B: clipping); "
+                          "torch: the same node at torch's kernels' bytes; "
                           "flat: one host rate per rank, nothing shared (the old model; the "
                           "default with cpu_here)")
     sim.add_argument("--no-numa-binding", action="store_true",
                      help="with the host-node model: ranks not bound to a socket")
     sim.add_argument("--seq-len", type=_int_at_least(1), default=8192,
-                     help="tokens per sequence: the training compute around a DiLoCo sync "
-                          "(default: %(default)s)")
+                     help="tokens per sequence: the training compute of train-step and around "
+                          "a DiLoCo sync (default: %(default)s)")
     sim.add_argument("--micro-batch", type=_int_at_least(1), default=1,
                      help="sequences per rank per step (default: %(default)s)")
     sim.add_argument("--fragment-sync-delay", type=_int_at_least(0), default=0,
                      help="DiLoCo: inner steps between a sync's preparation and its "
                           "decision (default: %(default)s)")
+    sim.add_argument("--offload-fraction",
+                     help="train-step: also predict this share (0 to 1) of the optimizer state "
+                          "on the host, the rest stepped on the device; auto: the fastest "
+                          "fraction whose device bytes fit --device-budget (default: the "
+                          "device's memory)")
+    sim.add_argument("--mfu", type=float,
+                     help="train-step: model FLOPs utilization of the compute (default: 0.166 "
+                          "for a mixture of experts, prime-rl's Qwen3-30B-A3B on 8xH200; 0.40 "
+                          "for a dense model, Llama 3's)")
     sim.add_argument("--trace-dir", help="also save each predicted trace here")
     sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sim.set_defaults(fn=_cmd_simulate)

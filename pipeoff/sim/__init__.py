@@ -6,7 +6,8 @@ times, so every trace tool works on predictions too; each marks them as
 predicted (the trace's ``backend: "sim"`` metadata, kept through save and
 load). :func:`model_shape` and the features' shape-only graphs
 (:func:`optimizer_graph`, ...) build what to simulate at model scale, and
-:func:`compare` predicts a feature's schedules side by side.
+:func:`compare` predicts a feature's schedules side by side; :func:`train_step` a whole
+training step (compute from FLOPs, the optimizer's graphs beside it) per design.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pipeoff.sim._backend import SimBackend
 from pipeoff.sim._compare import FEATURE_SCHEDULES, Prediction, compare
 from pipeoff.sim._compute import DeviceCompute, forward_flops
 from pipeoff.sim._costmodel import CostModel
-from pipeoff.sim._hostnode import HOST_OP_BYTES, HostCosts, HostNode
+from pipeoff.sim._hostnode import HOST_OP_BYTES, ONE_PASS_DESIGNS, HostCosts, HostNode
+from pipeoff.sim._train_step import TRAIN_STEP_SCHEDULES, TrainStep, TrainStepRow, train_step
 from pipeoff.sim._workloads import (
     MODEL_PRESETS,
     ModelShape,
@@ -39,6 +41,7 @@ __all__ = [
     "HOST_OP_BYTES",
     "HostCosts",
     "HostNode",
+    "ONE_PASS_DESIGNS",
     # model shapes
     "MODEL_PRESETS",
     "ModelShape",
@@ -56,6 +59,11 @@ __all__ = [
     "FEATURE_SCHEDULES",
     "Prediction",
     "compare",
+    # a whole training step (``pipeoff simulate --feature train-step``)
+    "TRAIN_STEP_SCHEDULES",
+    "TrainStep",
+    "TrainStepRow",
+    "train_step",
 ]
 
 

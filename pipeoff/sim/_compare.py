@@ -235,7 +235,8 @@ def compare(
                 budget = device_budget_bytes or (prefetch + 1) * chunk_bytes
                 sched = Schedule.pipelined(device_budget_bytes=budget)
         elif feature == "full-offload":
-            graph = full_offload_graph(shape)
+            graph = full_offload_graph(shape, one_pass=cost.host is not None
+                                       and cost.host.one_pass)
             sched = full_offload_schedule(shape, pipelined=name == "pipelined")
         elif feature == "diloco":
             fwd = (shape.forward_flops(tokens, seq_len or tokens)

@@ -21,7 +21,19 @@ from dataclasses import dataclass
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["DeviceCompute", "FORWARD_LANE", "BACKWARD_LANE", "TRAIN_LANES", "forward_flops"]
+__all__ = ["DeviceCompute", "FORWARD_LANE", "BACKWARD_LANE", "H200_MEMORY_BYTES", "MFU_DENSE",
+           "MFU_MOE", "TRAIN_LANES", "forward_flops"]
+
+MFU_DENSE = 0.40
+"""MFU of a dense decoder's training step: Llama 3's pre-training reached 38-43 % BF16
+MFU on H100s (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4)."""
+MFU_MOE = 0.166
+"""MFU of a mixture of experts' training step: prime-rl's own benchmark table
+(PrimeIntellect-ai/prime-rl ``benchmarks/results/BENCHMARKS.md``, Qwen3-30B-A3B, SFT full,
+16K, FSDP over 8xH200, FA3, activations recomputed: 16.6 %), with its FLOPs counted as
+here (6 x active parameters + attention per token)."""
+H200_MEMORY_BYTES = 141 * 10**9
+"""An H200's memory: 141 GB of HBM3e (NVIDIA's H200 datasheet)."""
 
 FORWARD_LANE = "forward"
 BACKWARD_LANE = "backward"
@@ -42,6 +54,8 @@ class DeviceCompute:
     """Dense BF16 FLOP/s of one device."""
     mfu: float
     """Model FLOPs utilization: the share of the peak the training step's compute gets."""
+    memory_bytes: int | None = None
+    """The device's memory in bytes (``None``: not known)."""
 
     def __post_init__(self) -> None:
         p = self.peak_flops
@@ -63,12 +77,13 @@ class DeviceCompute:
         return flops / self.flops_per_s
 
     @classmethod
-    def h200(cls, *, mfu: float = 0.40) -> DeviceCompute:
+    def h200(cls, *, mfu: float = MFU_DENSE) -> DeviceCompute:
         """An H200 (SXM): 989 TFLOP/s dense BF16 (NVIDIA's H200 datasheet: 1,979 with
         2:4 sparsity), at an MFU of 40 %: Llama 3's pre-training reached 38-43 % BF16
         MFU on H100s (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4), and an
         H200 is an H100's compute with more and faster memory."""
-        return cls(name=f"h200 @ {mfu:.0%} MFU", peak_flops=989e12, mfu=mfu)
+        return cls(name=f"h200 @ {mfu:.1%} MFU", peak_flops=989e12, mfu=mfu,
+                   memory_bytes=H200_MEMORY_BYTES)
 
 
 def forward_flops(active_params: int, tokens: int, *, layers: int = 0, hidden: int = 0,

@@ -21,16 +21,26 @@ from types import MappingProxyType
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int
 
-__all__ = ["HOST_DESIGNS", "HOST_OP_BYTES", "HostCosts", "HostNode"]
+__all__ = ["HOST_DESIGNS", "HOST_OP_BYTES", "ONE_PASS_DESIGNS", "HostCosts", "HostNode"]
 
 GB = 1e9
 
 HOST_OP_BYTES: Mapping[str, Mapping[str, float]] = MappingProxyType({
-    # What pipeoff runs: the native one-pass kernels (docs/host_step.md, docs/diloco.md).
+    # What pipeoff runs: the native kernels (docs/host_step.md, docs/diloco.md), the
+    # final micro-step in one pass: its BF16 gradients held, folded inside the step.
     "native": MappingProxyType({
-        "accumulate": 10.0,  # fold: read a BF16 gradient (2), read+write the FP32 sum (8)
-        "host_step": 30.0,   # AdamW + cast: master, two moments r/w (24), sum (4), BF16 (2)
+        "accumulate": 10.0,  # a non-final fold: BF16 gradient (2), FP32 sum r/w (8)
+        "host_step": 32.0,   # fold + AdamW + cast: gradient (2), sum (4), master and two
+                             # moments r/w (24), BF16 weight (2)
         "outer_step": 20.0,  # SGD + Nesterov: gradient (4), buffer r/w (8), parameter r/w (8)
+    }),
+    # The native kernels with the final fold apart (clipping, a read of the gradients
+    # before step(), overlap="backward"): fold 10 at arrival, then step and cast 30
+    # (40 B in all; the pricing before the one-pass step).
+    "native-fold": MappingProxyType({
+        "accumulate": 10.0,
+        "host_step": 30.0,   # AdamW + cast: master, two moments r/w (24), sum (4), BF16 (2)
+        "outer_step": 20.0,
     }),
     # torch's kernels for the same math: the fold in pieces (10), fused AdamW then a
     # cast pass (28 + 6), the for-loop SGD's five passes (44).
@@ -42,6 +52,10 @@ HOST_OP_BYTES: Mapping[str, Mapping[str, float]] = MappingProxyType({
 })
 """Logical host-memory bytes per element of each host lane's tasks, per design (the
 counts ``benchmarks/bench_host_step.py`` and ``bench_outer_step.py`` time against)."""
+
+ONE_PASS_DESIGNS = frozenset({"native"})
+"""The designs whose full-offload final micro-step is one pass: its gradients are held
+(their ``acc`` tasks fold nothing) and ``host_step`` is the fold, step and cast."""
 
 HOST_DESIGNS = tuple(HOST_OP_BYTES)
 
@@ -149,6 +163,11 @@ class HostCosts:
         if self.design not in HOST_OP_BYTES:
             raise ConfigError(f"HostCosts.design must be one of {', '.join(HOST_DESIGNS)}, "
                               f"got {self.design!r}")
+
+    @property
+    def one_pass(self) -> bool:
+        """Whether the full-offload final micro-step is one pass (:data:`ONE_PASS_DESIGNS`)."""
+        return self.design in ONE_PASS_DESIGNS
 
     @property
     def bytes_per_elem(self) -> Mapping[str, float]:

@@ -24,7 +24,7 @@ from pipeoff.sim._compute import FORWARD_LANE
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._graph import MicroStepPlan
 
-__all__ = ["MODEL_PRESETS", "ModelShape", "diloco_graph_shape", "local_sgd_buckets",
+__all__ = ["EXPERTS", "MODEL_PRESETS", "ModelShape", "diloco_graph_shape", "local_sgd_buckets",
            "local_sgd_graph",
            "local_sgd_sync_graph", "model_shape", "optimizer_graph", "optimizer_schedule",
            "transfer_graph_shape"]
@@ -39,23 +39,49 @@ class _Decoder:
     kv_heads: int
     head_dim: int
     tied: bool = False
+    heads: int = 0
+    """Query heads (0: ``hidden // head_dim``, a square query projection)."""
+    experts: int = 0
+    """Routed experts per layer (0: a dense MLP of ``intermediate``)."""
+    experts_active: int = 0
+    """Experts each token passes through (of ``experts``)."""
+
+    @property
+    def attn_width(self) -> int:
+        """Width of the attention (query heads x head dim): its FLOPs' ``d``."""
+        return self.heads * self.head_dim if self.heads else self.hidden
+
+    @property
+    def expert_share(self) -> float:
+        """The share of an expert tensor's parameters a token passes through."""
+        return self.experts_active / self.experts if self.experts else 1.0
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        h, kv = self.hidden, self.kv_heads * self.head_dim
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.attn_width
         out: list[tuple[str, tuple[int, ...]]] = [("embed", (self.vocab, h))]
         for i in range(self.layers):
             p = f"layers.{i}."
-            out += [
-                (p + "q", (h, h)), (p + "k", (kv, h)), (p + "v", (kv, h)),
-                (p + "o", (h, h)), (p + "gate", (self.intermediate, h)),
-                (p + "up", (self.intermediate, h)), (p + "down", (h, self.intermediate)),
-                (p + "norm1", (h,)), (p + "norm2", (h,)),
-            ]
+            out += [(p + "q", (q, h)), (p + "k", (kv, h)), (p + "v", (kv, h)),
+                    (p + "o", (h, q))]
+            if self.experts:
+                # Each layer's experts as grouped tensors (expert first: FSDP's Shard(0)
+                # splits them by expert), the router beside them.
+                e, m = self.experts, self.intermediate
+                out += [(p + "router", (e, h)), (p + EXPERTS + "gate_up", (e, 2 * m, h)),
+                        (p + EXPERTS + "down", (e, h, m))]
+            else:
+                out += [(p + "gate", (self.intermediate, h)),
+                        (p + "up", (self.intermediate, h)),
+                        (p + "down", (h, self.intermediate))]
+            out += [(p + "norm1", (h,)), (p + "norm2", (h,))]
         out.append(("norm", (h,)))
         if not self.tied:
             out.append(("lm_head", (self.vocab, h)))
         return out
 
+
+EXPERTS = "experts."
+"""The part of a parameter's name that marks a mixture of experts' routed experts."""
 
 MODEL_PRESETS: dict[str, _Decoder] = {
     # Qwen3-0.6B-like: 28 layers, hidden 1024, tied embeddings.
@@ -67,6 +93,12 @@ MODEL_PRESETS: dict[str, _Decoder] = {
     # Llama-3-70B-like.
     "70b": _Decoder(hidden=8192, layers=80, intermediate=28672, vocab=128256, kv_heads=8,
                     head_dim=128),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json: 48 layers, hidden 2048, 32 query
+    # and 4 KV heads of 128, 128 experts with 8 active of intermediate 768, vocab
+    # 151936, untied): 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": _Decoder(hidden=2048, layers=48, intermediate=768, vocab=151936,
+                              kv_heads=4, head_dim=128, heads=32, experts=128,
+                              experts_active=8),
 }
 
 
@@ -82,10 +114,14 @@ class ModelShape:
     layers: int = 0
     """Transformer layers (the attention term of the compute; 0: unknown)."""
     hidden: int = 0
-    """Model width (the attention term of the compute; 0: unknown)."""
+    """Width of the attention, query heads x head dim (the attention term of the compute;
+    the model width where they are equal; 0: unknown)."""
     active: int | None = None
     """Parameters a token passes through (a mixture of experts' active ones); ``None``:
     all of them."""
+    expert_share: float = 1.0
+    """Share of each routed-expert parameter (a name with ``experts.``) a token passes
+    through: active experts over experts (1.0: a dense model)."""
 
     @property
     def local_numels(self) -> tuple[tuple[str, int], ...]:
@@ -100,18 +136,31 @@ class ModelShape:
     def params(self) -> int:
         return sum(math.prod(s) for _, s in self.global_shapes)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: :attr:`active`, else all of them."""
+        return self.params if self.active is None else self.active
+
+    @property
+    def local_params(self) -> int:
+        """Elements of one rank's shards (its optimizer state's and masters' count)."""
+        return sum(n for _, n in self.local_numels)
+
     def forward_flops(self, tokens: int, seq_len: int) -> float:
         """FLOPs of one rank's forward over ``tokens`` tokens in contexts of ``seq_len``
         (:func:`~pipeoff.sim.forward_flops`; every rank of an FSDP group computes the
         whole model on its own micro-batch)."""
         from pipeoff.sim._compute import forward_flops
 
-        return forward_flops(self.params if self.active is None else self.active, tokens,
-                             layers=self.layers, hidden=self.hidden, seq_len=seq_len)
+        return forward_flops(self.active_params, tokens, layers=self.layers,
+                             hidden=self.hidden, seq_len=seq_len)
 
 
 def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
-    """A preset name (``0.6b``, ``8b``, ``70b``) or a JSON file of ``{name: shape}``.
+    """A preset name (``0.6b``, ``8b``, ``70b``, ``qwen3-30b-a3b``) or a JSON file of
+    ``{name: shape}``. For a mixture of experts the shape's :attr:`ModelShape.active`
+    counts the experts a token passes through (the FLOPs), its shapes all of them (the
+    memory and the optimizer's bytes).
 
     Raises:
         ConfigError: unknown preset, unreadable file, or malformed shapes.
@@ -120,8 +169,13 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
     key = spec.lower()
     if key in MODEL_PRESETS:
         d = MODEL_PRESETS[key]
-        return ModelShape(name=key, global_shapes=tuple(d.shapes()), fsdp=fsdp,
-                          layers=d.layers, hidden=d.hidden)
+        shapes = tuple(d.shapes())
+        active = None
+        if d.experts:
+            active = round(sum(math.prod(s) * (d.expert_share if EXPERTS in n else 1.0)
+                               for n, s in shapes))
+        return ModelShape(name=key, global_shapes=shapes, fsdp=fsdp, layers=d.layers,
+                          hidden=d.attn_width, active=active, expert_share=d.expert_share)
     path = Path(spec)
     if not path.suffix == ".json":
         raise ConfigError(
@@ -136,7 +190,7 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
         raise ConfigError(f"shape file {spec!r} is not valid JSON: {err}") from None
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"shape file {spec!r} must hold a non-empty object {{name: shape}}")
-    shapes = []
+    parsed: list[tuple[str, tuple[int, ...]]] = []
     for name, shape in data.items():
         if (not isinstance(shape, list) or not shape
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
@@ -145,8 +199,8 @@ def model_shape(spec: str, *, fsdp: int = 1) -> ModelShape:
                 f"shape file {spec!r}: parameter {name!r} has shape {shape!r}; "
                 "expected a non-empty list of positive ints"
             )
-        shapes.append((str(name), tuple(shape)))
-    return ModelShape(name=path.stem, global_shapes=tuple(shapes), fsdp=fsdp)
+        parsed.append((str(name), tuple(shape)))
+    return ModelShape(name=path.stem, global_shapes=tuple(parsed), fsdp=fsdp)
 
 
 def _optimizer_step(shape: ModelShape, *, chunk_bytes: int | None, prefetch: int,
@@ -199,15 +253,26 @@ def _full_offload_plan(shape: ModelShape, *, chunk_numel: int, slot_bytes: int, 
 
 def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,
                        slot_bytes: int = 64 << 20, clip: bool = False,
-                       compute_itemsize: int = 2) -> TaskGraph:
+                       compute_itemsize: int = 2, one_pass: bool = False) -> TaskGraph:
     """The final micro-step of a ``FullOffloadOptimizer`` step, built by its own graph
     builder, shape only: every gradient (BF16 by default) to the host, its last
     add, the chunk steps and the weights back. The simulator opens every gate
     at launch, so this is the host step once the backward has produced the
     last gradient: the drain ``overlap="backward"`` hides behind the backward
-    and ``overlap="forward"`` behind the next forward."""
+    and ``overlap="forward"`` behind the next forward.
+
+    ``one_pass``: the final micro-step in one pass (docs/host_step.md): every
+    gradient held (its ``acc`` task folds nothing) and folded inside its chunk's
+    ``step`` (price it with a one-pass design, :data:`~pipeoff.sim.ONE_PASS_DESIGNS`);
+    not with ``clip`` (a step that clips folds first)."""
+    if one_pass and clip:
+        raise ConfigError("one_pass and clip do not go together: a step that clips folds "
+                          "the final gradients first (docs/host_step.md)")
     plan = _full_offload_plan(shape, chunk_numel=chunk_numel, slot_bytes=slot_bytes, slots=4,
                               compute_itemsize=compute_itemsize)
+    if one_pass:
+        return plan.graph(None, final=True, norm_first=True,
+                          held=frozenset(range(len(plan.params))))
     return plan.graph(None, final=True, norm_first=clip)
 
 
