@@ -11,6 +11,7 @@ interleavings are forced by holding tasks until the training thread blocks.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +24,7 @@ from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
-from tests._stacks import release_when_waiting
+from tests._stacks import install, release_when_waiting, stack_of, waiting_in
 from tests.ft._diloco_replicas import make_model, sgd_nesterov
 from tests.ft.test_diloco_tail import _manager
 
@@ -178,7 +179,31 @@ def test_keeping_the_spares_waits_for_the_speculative_step() -> None:
 
 
 def test_the_writes_wait_for_the_spares_to_be_kept() -> None:
-    """keep held until the training thread waits for the writes: the merges read the new
-    global model only once it is kept."""
+    """keep held until the training thread waits for the sync and, unless the writes
+    wait for keep, until they have run: the merges read the new global model only once
+    it is kept (a write that ran first read the old one)."""
     want = _loop(True, steps=SYNC_EVERY + 1)
-    _assert_same(_held("keep", "wait_for"), want)
+    syncs: list[Any] = []  # the sync's execution, taken when it is prepared
+    main = threading.main_thread().ident or 0
+    install()
+    with pipeoff.testing.hold_task("keep") as release:
+
+        def watch() -> None:  # (the state is read, never a clock)
+            while not release.is_set():
+                if syncs and waiting_in(stack_of(main), ()) is not None:
+                    run = syncs[0]._run
+                    writes = [i for i, t in enumerate(run.tasks) if t.name.startswith("write:")]
+                    if all("keep" in run.tasks[i].deps for i in writes) or all(
+                            run.terminal(i) for i in writes):
+                        release.set()
+                threading.Event().wait(0.001)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            got = _loop(False, steps=SYNC_EVERY + 1,
+                        between=lambda m, i, d, mgr: syncs.append(d._fragments[0]._ex))
+        finally:
+            release.set()
+            watcher.join()
+    _assert_same(got, want)
