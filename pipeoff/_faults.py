@@ -252,6 +252,7 @@ MUTATIONS = frozenset({
     "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
     "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
     "device_part_wait", "host_part_join", "held_copy_dep", "held_release",
+    "full_device_part_wait", "full_host_part_join",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -307,6 +308,12 @@ MUTATIONS = frozenset({
   stream, before readers off that stream go on.
 * ``"host_part_join"``: the same step's wait, when its device part raised, for its
   host part's chunks before the failure is reported (retry, or torn).
+* ``"full_device_part_wait"``: a ``FullOffloadOptimizer(offload_fraction < 1)`` step's
+  join for its device part: ``wait_for_step()`` (so a synchronous ``step()``,
+  ``state_dict()``) synchronizing the event recorded after the device part's kernels
+  on the caller's stream, before readers off that stream go on.
+* ``"full_host_part_join"``: the same step's wait, when its device part raised, for its
+  host part's chunks before the failure is reported (dirty, or torn).
 """
 
 

@@ -40,10 +40,11 @@ from pipeoff.optim._full_offload._config import (
     model_and_params,
     refuse_environment,
 )
+from pipeoff.optim._full_offload._device_part import FullDevicePart
 from pipeoff.optim._full_offload._finder import ModelFinder
+from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._graph import NORM_ALLREDUCE
 from pipeoff.optim._full_offload._intake import GradientIntake
-from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._full_offload._reports import HostReports
@@ -146,14 +147,16 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             parameter is sharded on; none for parameters every rank holds whole).
         timeout: seconds ``step()`` waits before raising ``StepTimeoutError``
             naming the gradients that never came.
+        offload_fraction: the share of masters, state and gradient sums in host memory, in
+            [0, 1] (``0.0``: all on the device; ``docs/full_offload.md``, "Offloading a fraction").
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``...).
 
     Raises:
         ConfigError: an argument is out of range; a parameter is not in ``model``,
             listed twice, not dense, or under FSDP2's ``CPUOffloadPolicy`` or
             torchft's ``PureDistributedDataParallel``; ``max_norm`` with
-            ``overlap="backward"``; both ``chunk_numel`` and ``chunk_bytes``;
-            flush-to-zero or compiled autograd is on.
+            ``overlap="backward"``; both ``chunk_numel`` and ``chunk_bytes``; flush-to-zero or
+            compiled autograd is on; ``offload_fraction`` not in [0, 1] or not supported.
         UnsupportedOptimizerError: ``optimizer_class`` is not element-wise.
     """
 
@@ -174,6 +177,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         num_threads: int | None = None,
         process_group: Any = None,
         timeout: float = 600.0,
+        offload_fraction: float = 1.0,
         **defaults: Any,
     ) -> None:
         params, found = model_and_params(model, params)
@@ -186,11 +190,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
             slot_bytes=parse_bytes(slot_bytes, name="slot_bytes"), slots=slots,
             num_threads=num_threads, process_group=process_group, timeout=timeout,
-            defaults=defaults)
+            defaults=defaults, offload_fraction=offload_fraction)
         refuse_environment()
-        # Hazard: a compile session that began before the first chunk's math
-        # (is_compiling() is process-wide) steering torch.optim into its
-        # compiled-code branches on a host lane.
+        # Hazard: a compile session that began before the first chunk's math (is_compiling()
+        # is process-wide) steering torch.optim into its compiled-code branches on a lane.
         _compat.eager_math()
         probe = config.probe()
         # Decide the native host step now, on the caller's thread and before any
@@ -204,20 +207,18 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         self.optimizer_class = config.optimizer_class
         self.accumulate: Accumulate = config.accumulate
         self.overlap: Overlap = config.overlap
-        self.max_norm = config.max_norm
-        self.chunk_numel = config.chunk_numel
+        self.max_norm, self.chunk_numel = config.max_norm, config.chunk_numel
         self.slot_bytes = config.slot_bytes
-        self.slots = config.slots
-        self.num_threads = config.num_threads
-        self.process_group = config.process_group
-        self.timeout = config.timeout
+        self.slots, self.num_threads = config.slots, config.num_threads
+        self.process_group, self.timeout = config.process_group, config.timeout
         # The parameters and their host state; the lifecycle (the accumulation and the
         # step in flight); the model sync; the hooks (the intake calls down to both).
         self._registry = ParamRegistry(found, config, probe)
         self._health = Health()  # what a failed step left: torn, dirty, stale
         self._readers = Readers()  # state transfers reading the host state
-        self._lifecycle = Lifecycle(self._registry, config, self._health, self._readers,
-                                    lambda: self.param_groups)
+        self._lifecycle = FractionLifecycle(self._registry, config, self._health, self._readers,
+                                            lambda: self.param_groups,
+                                            part=FullDevicePart(config.offload_fraction))
         self._model_sync = ModelSync(self._registry, self._lifecycle, config, self._readers,
                                      lambda: self.param_groups)
         self._intake = GradientIntake(self._lifecycle, self._model_sync)
@@ -240,6 +241,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                 raise
             raise ConfigError(f"params: {err}") from None
         self._building = False
+        self._lifecycle.split(probe)  # the device part (offload_fraction < 1)
         self._reindex()
         if found is not None:
             self._train_spans_on(found)  # forward and backward on a recorded trace's train row
@@ -306,10 +308,9 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         raise TypeError("FullOffloadOptimizer cannot be pickled; save state_dict() instead")
 
     def __repr__(self) -> str:
-        registry = getattr(self, "_registry", None)
         return (f"FullOffloadOptimizer({self.optimizer_class.__name__}, "
                 f"accumulate={self.accumulate!r}, overlap={self.overlap!r}, "
-                f"max_norm={self.max_norm!r}, params={len(registry) if registry else 0})")
+                f"max_norm={self.max_norm!r}, {self._params_repr()})")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -216,6 +216,17 @@ SWITCHES = (
         "tests/ft/test_diloco_tail.py::test_the_inner_step_waits_for_the_merge",
     ), "the inner step after a DiLoCo sync writes parameters that the sync's merge then "
        "overwrites (or lerps with the stepped values)"),
+    _switch("full_device_part_wait", "pipeoff/optim/_full_offload/_device_part.py", (
+        "tests/optim/test_full_offload_fraction_cuda.py::"
+        "test_a_reader_off_the_callers_stream_waits_for_the_device_part[simulated-False]",
+    ), "a reader off the caller's stream (another stream or thread, the host after "
+       "wait_for_step() or a synchronous step) reads full offload's device-part weights, "
+       "masters or state that torch's kernel on the caller's stream has not written yet"),
+    _switch("full_host_part_join", "pipeoff/optim/_full_offload/_fraction.py", (
+        "tests/optim/test_full_offload_fraction.py::"
+        "test_a_device_part_failure_is_reported_after_the_host_part[False]",
+    ), "a full-offload device part that raised is reported (dirty: zero_grad() and go "
+       "on) while the host part's chunks still write: a step half applied goes unnoticed"),
 )
 
 # -- B. review findings: edits that the switches do not cover ----------------------------

@@ -17,6 +17,9 @@
 * ``_common``: the lifecycle's values (``Phase`` and its table ``EDGES``,
   ``MicroStep``, ``Accumulation``) and what a failure leaves.
 * ``_launcher``: each micro-step's execution, built, launched and ordered.
+* ``_device_part``, ``_fraction``: ``offload_fraction < 1``: the device part (masters,
+  state and sums in device memory, stepped by torch's kernel) and the lifecycle that
+  joins it with the host part (``FractionLifecycle``).
 * ``_lifecycle``: one owner for the accumulation and the step in flight
   (``Lifecycle``): every transition.
 * ``_grads``: the placeholders the loop's own calls see in ``param.grad``.

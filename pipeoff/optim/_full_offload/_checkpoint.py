@@ -17,7 +17,7 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import flat, flat_like, host_alloc, wrap_like
 
-__all__ = ["elementwise", "entries", "load", "pack", "plan_load"]
+__all__ = ["elementwise", "entries", "load", "pack", "plan_load", "step_entry"]
 
 Plan = list[tuple[int, Mapping[str, Any]]]
 """Per parameter with a saved entry, its position and the entry."""
@@ -48,9 +48,11 @@ def entries(registry: ParamRegistry) -> dict[torch.Tensor, dict[str, Any]]:
     return out
 
 
-def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """torch's optimizer state dict (parameters numbered in ``param_groups`` order)."""
-    state = entries(registry)
+def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
+         others: Mapping[torch.Tensor, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """torch's optimizer state dict (parameters numbered in ``param_groups`` order);
+    ``others``: the entries of parameters the registry does not hold (a device part)."""
+    state = {**entries(registry), **(others or {})}
     ids: dict[int, int] = {}
     groups = []
     for g in param_groups:
@@ -61,8 +63,10 @@ def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]) -> 
 
 
 def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
-              state_dict: Any) -> Plan:
-    """Check ``state_dict`` against the live groups; what to load, by position.
+              state_dict: Any, others: dict[int, Mapping[str, Any]] | None = None) -> Plan:
+    """Check ``state_dict`` against the live groups; what to load, by position. The
+    entries of parameters the groups list but the registry does not hold (a device
+    part) go into ``others``, by the parameter's ``id()``, checked alike.
 
     Raises:
         ConfigError: not an optimizer state dict, groups of other sizes, state for a
@@ -80,6 +84,8 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
             f"{[len(s['params']) for s in saved_groups]} parameters per group saved, "
             f"{[len(g['params']) for g in param_groups]} here")
     by_id = {}
+    tensor_of: dict[Any, torch.Tensor] = {}
+    keys_of: dict[Any, tuple[str, ...]] = {}
     for gi, (s, g) in enumerate(zip(saved_groups, param_groups)):
         saved_names, names = s.get("param_names"), g.get("param_names")
         if saved_names is not None and names is not None and list(saved_names) != list(names):
@@ -90,27 +96,35 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
                 "saved with the parameters in another order); nothing was loaded")
         for pid, p in zip(s["params"], g["params"]):
             by_id[pid] = registry.position(p)
+            tensor_of[pid] = p
+            keys_of[pid] = registry.state_keys(g)
     plan: Plan = []
     for pid, entry in state_dict["state"].items():
-        i = by_id.get(pid)
-        if i is None:
+        if pid not in tensor_of:
             raise ConfigError(f"the state dict has state for parameter {pid!r}, which no "
                               "param group lists")
-        rec = registry[i]
-        keys = registry.state_keys(param_groups[rec.group])
+        p = tensor_of[pid]
+        i = by_id[pid]
+        name = registry.names.get(id(p), str(pid))
         for key, val in entry.items():
-            if not elementwise(key, val, keys):
+            if not elementwise(key, val, keys_of[pid]):
                 continue
             # torch's shapes (global, for a DTensor): one of the same size but another
             # shape is another parameter's state (a checkpoint in another order), which
             # torch's optimizers refuse at the next step.
-            if tuple(val.shape) != tuple(rec.param.shape) or local(val).numel() != rec.numel:
+            if tuple(val.shape) != tuple(p.shape) or local(val).numel() != local(p).numel():
                 raise ConfigError(
-                    f"state {key!r} of parameter {pid} ({rec.name!r}) has shape "
-                    f"{tuple(val.shape)}, the parameter {tuple(rec.param.shape)} (a "
+                    f"state {key!r} of parameter {pid} ({name!r}) has shape "
+                    f"{tuple(val.shape)}, the parameter {tuple(p.shape)} (a "
                     "checkpoint saved with the parameters in another order, or of another "
                     "model); nothing was loaded")
-        plan.append((i, entry))
+        if i is not None:
+            plan.append((i, entry))
+        elif others is not None:
+            others[id(p)] = entry
+        else:
+            raise ConfigError(f"the state dict has state for parameter {pid!r}, which this "
+                              "optimizer does not hold")
     return plan
 
 
@@ -148,7 +162,7 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                     flat(st[key], rec.order).copy_(src)
                     keys.append(key)
                 elif key == "step":
-                    rec.scalars[key] = _step_entry(val, param_groups[rec.group])
+                    rec.scalars[key] = step_entry(val, param_groups[rec.group])
                 else:
                     rec.scalars[key] = (val.detach().clone().cpu()
                                         if isinstance(val, torch.Tensor) else val)
@@ -158,7 +172,7 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 rec.master.copy_(rec.local)
 
 
-def _step_entry(val: Any, group: Mapping[str, Any]) -> Any:
+def step_entry(val: Any, group: Mapping[str, Any]) -> Any:
     """A loaded ``step`` as torch's optimizers keep it after ``load_state_dict``: a
     tensor (an older checkpoint's plain number becomes one), FP32 for a fused or
     capturable group (``Optimizer._process_value_according_to_param_policy`` and

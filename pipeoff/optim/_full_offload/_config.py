@@ -14,6 +14,7 @@ from pipeoff._errors import ConfigError, UnsupportedOptimizerError
 from pipeoff._validate import check_int, parse_bytes, short_repr
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate
+from pipeoff.optim._offload._args import check_fraction
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
            "Overlap", "check_clip_args", "check_max_norm", "check_model", "chunk_numel_of",
@@ -66,6 +67,9 @@ class FullOffloadConfig:
     """Seconds a wait for the step's work lasts before ``StepTimeoutError``."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """The optimizer's hyperparameters (``lr``, ``weight_decay``...), read-only."""
+    offload_fraction: float = 1.0
+    """About this share of masters, optimizer state and gradient sums is in host memory
+    (``_device_part.py``); the rest, the device part, steps on the device."""
 
     def __post_init__(self) -> None:
         cls = self.optimizer_class
@@ -101,6 +105,10 @@ class FullOffloadConfig:
                     f"{flag}=True is not for FullOffloadOptimizer: the masters are stepped on "
                     "the host, outside autograd and CUDA graphs")
         object.__setattr__(self, "defaults", types.MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "offload_fraction",
+                           check_fraction(self.offload_fraction, "FullOffloadOptimizer"))
+        if self.offload_fraction < 1.0:
+            _refuse_device_part(self)
 
     def probe(self, **group: Any) -> torch.optim.Optimizer:
         """An optimizer of ``optimizer_class`` on a dummy parameter, with the defaults and
@@ -120,6 +128,24 @@ class FullOffloadConfig:
             what = "hyperparameters" if not group else "group's hyperparameters"
             raise ConfigError(f"{self.optimizer_class.__name__} refused the {what} "
                               f"{group or dict(self.defaults)}: {err}") from None
+
+def _refuse_device_part(config: FullOffloadConfig) -> None:
+    """The modes a device part (``offload_fraction < 1``) does not support yet.
+
+    Raises:
+        ConfigError: naming ``offload_fraction`` and the mode.
+    """
+    why = None
+    if config.overlap == "backward":
+        why = ("overlap='backward' (the device part steps at step(), after the global "
+               "norm; use overlap='forward' or 'none')")
+    elif config.process_group is not None:
+        why = ("a process_group (parameters sharded by hand: the clipping norm of the "
+               "device part is not summed over ranks)")
+    if why is not None:
+        raise ConfigError(f"offload_fraction={config.offload_fraction} (a device part) is "
+                          f"not available with {why}; use offload_fraction=1.0")
+
 
 def check_max_norm(max_norm: Any, overlap: str, name: str = "max_norm") -> float:
     """``max_norm`` as a float.

@@ -275,7 +275,10 @@ def micro_step_graph(
                                    work.norm_pass if work else None,
                                    deps=[step_task(k) for k in range(len(chunks))] + [total],
                                    gates=[PATH], lane=STEP_LANE, nbytes=4 * len(params)))
-    g.add_task(DONE, TaskKind.HOST, None, deps=ends, lane=ACCUMULATE_LANE)
+    # Without parameters (every one in the device part, ``_device_part.py``) no task
+    # waits on the gates the others do: ``done`` does, so that the order holds.
+    idle = [] if params else [PREV] + ([STEP] if final and step_gate else [])
+    g.add_task(DONE, TaskKind.HOST, None, deps=ends, gates=idle, lane=ACCUMULATE_LANE)
     return g
 
 

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeoff import _compat
 from pipeoff._errors import GradientError
 from pipeoff.optim._full_offload._common import checked_gradient
-from pipeoff.optim._full_offload._lifecycle import Lifecycle
+from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._model_sync import ModelSync
 
 __all__ = ["GradientIntake"]
@@ -43,6 +43,17 @@ class _GradHook:
         intake = self.ref()
         if intake is not None:
             intake.on_grad(p)
+
+
+def _owned_by(intake: GradientIntake) -> Any:
+    """Whether a parameter's gradients are ``intake``'s to take (held weakly)."""
+    ref = weakref.ref(intake)
+
+    def owned(p: torch.Tensor) -> bool:
+        owner = _OWNERS.get(p)
+        return owner is not None and owner() is not None and owner() is ref()
+
+    return owned
 
 
 def _remove_hooks(handles: dict[int, Any], probe: list[Any]) -> None:
@@ -115,7 +126,7 @@ class GradientIntake:
             (``param_groups`` followed, outside writes adopted).
     """
 
-    def __init__(self, lifecycle: Lifecycle, model_sync: ModelSync) -> None:
+    def __init__(self, lifecycle: FractionLifecycle, model_sync: ModelSync) -> None:
         self.lifecycle = lifecycle
         self.model_sync = model_sync
         self.registry = lifecycle.registry
@@ -144,7 +155,9 @@ class GradientIntake:
             if self.lifecycle.ddp is None:
                 self.lifecycle.use_wrapper(_compat.data_parallel(model))
         taken = []
-        for rec in self.registry:
+        part = self.lifecycle.part
+        part.owned = _owned_by(self)  # (the device part's hooks ask it too)
+        for rec in [*self.registry, *part.params.values()]:
             before = _OWNERS.get(rec.param)
             owner = before() if before is not None else None
             if owner is not None and owner is not self:

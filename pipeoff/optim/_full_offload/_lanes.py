@@ -24,7 +24,8 @@ named. What they compute goes into the accumulation's :class:`LaneResults`
   same execution (``_one_pass.py``), ordered by the graph's dependencies.
 * ``LaneResults.partial_norms``, ``.total_norm`` (``norm``, ``norm_allreduce``,
   ``norm_pass``): the caller reads ``total_norm`` (``grad_norm``) after waiting for
-  the task that sets it.
+  the task that sets it. (With a device part the caller's thread then replaces it
+  with the norm over both parts, before it opens the ``step`` gate: ``_fraction.py``.)
 * ``LaneResults.stepped_chunks``, ``.torn_chunks`` (``step:{k}``): read by
   ``classify`` once the execution is done (waited for, or settled).
 * ``LaneResults.overwritten`` (``h2d:{k}``): read by ``wait_for_step()`` once the

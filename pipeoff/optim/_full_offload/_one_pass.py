@@ -102,6 +102,8 @@ CLIPPING = "clipping (max_norm): every chunk needs the norm of the finished sums
 GPU_SUMS = "accumulate='gpu' folds the final gradient into the device sum"
 DURING_BACKWARD = "overlap='backward' steps during the final backward"
 OVER_RANKS = "the norm is all-reduced over ranks before the step"
+DEVICE_PART = ("a device part (offload_fraction < 1): step() takes the norm over both "
+               "parts, from the finished sums, first")
 NO_BF16_ADAM = ("no parameter with a BF16 gradient in a fused=True Adam/AdamW group "
                 "(the native step's domain)")
 
@@ -126,6 +128,8 @@ def plan(config: FullOffloadConfig, params: Sequence[OffloadedParam],
         why = GPU_SUMS
     elif any(norm_groups):
         why = OVER_RANKS
+    elif config.offload_fraction < 1.0:
+        why = DEVICE_PART
     elif _host_kernel.host_kernel(warn=False) is None:
         why = f"the native step is off: {_host_kernel.unavailable_reason()}"
     if why is not None:

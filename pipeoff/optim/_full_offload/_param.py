@@ -170,6 +170,9 @@ class ParamRegistry:
                                         slot_bytes=config.slot_bytes, slots=config.slots)
         self.norm_groups: list[tuple[Any, ...]] = []
         """Per parameter, :func:`norm_groups`."""
+        self.on_device: frozenset[int] = frozenset()
+        """The ``id()`` of the parameters of the device part (``_device_part.py``): the
+        registry holds no host state for them, and leaves them out of its order."""
         self.outside_writes = 0
         """Parameters found written outside the optimizer (tests: FSDP2 must not trigger
         it every step, which would copy weights to the host)."""
@@ -310,10 +313,10 @@ class ParamRegistry:
         Raises:
             ConfigError: parameters on several devices.
         """
-        tensors = [p for g in param_groups for p in g["params"]]
+        tensors = [p for g in param_groups for p in g["params"] if id(p) not in self.on_device]
         kept = {id(rec.param): rec for rec in self.params}
         now = {id(p) for p in tensors}
-        devices = {local(p).device for p in tensors}
+        devices = {local(p).device for g in param_groups for p in g["params"]}
         if len(devices) > 1:
             raise ConfigError(f"parameters on several devices {sorted(map(str, devices))}; "
                               "FullOffloadOptimizer needs one device per rank")
@@ -335,7 +338,8 @@ class ParamRegistry:
             with torch.no_grad():
                 rec.master.copy_(rec.local)  # widening: exact
         params = [kept.get(id(p)) or back.get(id(p)) or fresh[id(p)] for p in tensors]
-        group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+        group_of = [gi for gi, g in enumerate(param_groups) for p in g["params"]
+                    if id(p) not in self.on_device]
         for rec, gi in zip(params, group_of):
             rec.group = gi  # (version: kept, so a write while it was out is adopted)
         self.params = params

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeoff.optim._full_offload._lifecycle import Lifecycle
+    from pipeoff.optim._full_offload._fraction import FractionLifecycle
     from pipeoff.optim._full_offload._one_pass import HostStepPath
     from pipeoff.optim._full_offload._param import ParamRegistry
 
@@ -22,7 +22,7 @@ class HostReports:
     """The memory and host-step reports of a full-offload optimizer."""
 
     _registry: ParamRegistry
-    _lifecycle: Lifecycle
+    _lifecycle: FractionLifecycle
 
     def wait_for_step(self) -> None:
         raise NotImplementedError
@@ -32,15 +32,19 @@ class HostReports:
         (a first step allocates the optimizer state it lacks): the same keys as
         ``OffloadOptimizer.memory_stats()``, and its own:
 
-        * ``state_bytes_host``: the optimizer's per-element state (AdamW: ``exp_avg``,
-          ``exp_avg_sq``, 8 bytes per parameter); ``state_bytes_device``: 0;
-        * ``master_bytes_host``: the FP32 masters (4);
-        * ``grad_sum_bytes_host``: the FP32 gradient sums (4);
+        * ``state_bytes_host``: the host part's per-element optimizer state (AdamW:
+          ``exp_avg``, ``exp_avg_sq``, 8 bytes per parameter); ``state_bytes_device``:
+          the device part's (``offload_fraction < 1``; a ``step`` counts only where it
+          is in an accelerator's memory, as a fused optimizer's is);
+        * ``master_bytes_host``, ``master_bytes_device``: the FP32 masters (4) of each part;
+        * ``grad_sum_bytes_host``: the host part's FP32 gradient sums (4);
+          ``grad_sum_bytes_device``: the device part's FP32 sums of the accumulation in
+          progress, plus ``accumulate="gpu"``'s device sums of host-part parameters
+          (both freed after each step);
         * ``held_grad_bytes_host``: the buffer that holds a final backward's gradients
           for a one-pass step (2 per BF16 parameter, each parameter's slice aligned to
           64 bytes; allocated at the first step that holds gradients, then kept);
-        * ``grad_sum_bytes_device``: ``accumulate="gpu"``'s device sums of the
-          accumulation in progress (freed after each step).
+        * ``params_host``, ``params_device``: the parameters of each part.
 
         Parameters removed from ``param_groups`` keep their host state (as torch keeps
         ``opt.state[p]``) and are counted. The slot ring and the weight buffers are
@@ -52,10 +56,28 @@ class HostReports:
         self.wait_for_step()
         stats = self._registry.host_bytes()
         acc = self._lifecycle.acc
-        return {**stats, "state_bytes_device": 0,
-                "held_grad_bytes_host": self._lifecycle.launcher.held.nbytes,
-                "grad_sum_bytes_device": 0 if acc is None else sum(
-                    t.numel() * t.element_size() for t in acc.device_sums.values())}
+        device = self._lifecycle.part.memory()
+        device["grad_sum_bytes_device"] += 0 if acc is None else sum(
+            t.numel() * t.element_size() for t in acc.device_sums.values())
+        return {**stats, **device, "params_host": len(self._registry),
+                "held_grad_bytes_host": self._lifecycle.launcher.held.nbytes}
+
+    def _params_repr(self) -> str:
+        """``params=N`` (both parts) for the optimizer's repr, after ``offload_fraction=f``
+        below 1."""
+        life = getattr(self, "_lifecycle", None)
+        if life is None:
+            return "params=0"
+        f = life.part.fraction
+        n = len(life.registry) + len(life.part.params)
+        return ("" if f == 1.0 else f"offload_fraction={f}, ") + f"params={n}"
+
+    @property
+    def offload_fraction(self) -> float:
+        """About this share of the masters, optimizer state and gradient sums is in host
+        memory (by bytes; the split is by whole parameters, the first ones in
+        param-group order in the device part)."""
+        return self._lifecycle.part.fraction
 
     @property
     def host_step_path(self) -> HostStepPath | None:

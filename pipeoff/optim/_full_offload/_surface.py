@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._common import Phase
 
 if TYPE_CHECKING:
     from pipeoff._contract import Health
+    from pipeoff.optim._full_offload._fraction import FractionLifecycle
     from pipeoff.optim._full_offload._intake import GradientIntake
-    from pipeoff.optim._full_offload._lifecycle import Lifecycle
     from pipeoff.optim._full_offload._model_sync import ModelSync
     from pipeoff.optim._full_offload._param import ParamRegistry
     from pipeoff.optim._readers import Readers
@@ -33,7 +34,7 @@ class MastersAndCheckpoints:
     """The masters, the device weights and checkpoints of a full-offload optimizer."""
 
     _registry: ParamRegistry
-    _lifecycle: Lifecycle
+    _lifecycle: FractionLifecycle
     _model_sync: ModelSync
     _intake: GradientIntake
     _readers: Readers
@@ -69,6 +70,7 @@ class MastersAndCheckpoints:
         self._quiesce_keeping_failures()
         for rec in self._registry:
             rec.weight_from_master()
+        self._lifecycle.part.weights_from_masters()
         self._health.stale = None
 
     def refresh_masters(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -88,6 +90,7 @@ class MastersAndCheckpoints:
             params: the parameters whose weights were written (default: all; tensors
                 this optimizer does not step are passed over).
         """
+        params = None if params is None else list(params)
         positions = (range(len(self._registry)) if params is None else
                      [i for i in map(self._registry.position, params) if i is not None])
         recs = [self._registry[i] for i in positions]
@@ -97,6 +100,7 @@ class MastersAndCheckpoints:
         # compute stream, a copy on another).
         self._model_sync.accel_sync()
         self._registry.adopt(recs, outside=False)
+        self._lifecycle.part.adopt(params, only_written=False)
 
     def host_master(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s FP32 master: the host tensor itself, shaped and strided as its
@@ -105,8 +109,14 @@ class MastersAndCheckpoints:
         directly (``docs/diloco.md``, "Under FullOffloadOptimizer").
 
         Raises:
-            ConfigError: ``param`` is not one of this optimizer's parameters.
+            ConfigError: ``param`` is not one of this optimizer's parameters, or is in
+                the device part (``offload_fraction < 1``: its master is in device memory).
         """
+        if self._lifecycle.part.owns(param) is not None:
+            raise ConfigError(
+                f"offload_fraction={self._lifecycle.part.fraction}: this parameter is in the "
+                "device part, whose FP32 master is in device memory, not a host tensor (the "
+                "DiLoCo masters contract needs offload_fraction=1.0)")
         return self._registry.host_tensor(param, "master")
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -116,7 +126,8 @@ class MastersAndCheckpoints:
         if getattr(self, "_building", True):
             return self.__dict__.setdefault("_base_state", {})
         self._quiesce()
-        return collections.defaultdict(dict, _checkpoint.entries(self._registry))
+        return collections.defaultdict(dict, {**_checkpoint.entries(self._registry),
+                                              **self._lifecycle.part.entries()})
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -132,7 +143,8 @@ class MastersAndCheckpoints:
         self._health.check("state_dict()", stale=False)
         if self._model_sync.follow_param_groups():
             self._intake.ensure_hooks()
-        return _checkpoint.pack(self._registry, self.param_groups)
+        return _checkpoint.pack(self._registry, self.param_groups,
+                                self._lifecycle.part.entries())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (with or without ``"master"`` entries); then every device
@@ -150,12 +162,14 @@ class MastersAndCheckpoints:
         if self._lifecycle.phase is Phase.IDLE:
             if self._model_sync.follow_param_groups():
                 self._intake.ensure_hooks()
-        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict)
+        others: dict[int, Any] = {}  # the device part's entries
+        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict, others)
         # Checked: now write. Gradients accumulated so far belong to the state
         # being replaced.
         self._lifecycle.discard("discarded", classify_final=False)
         self._model_sync.accel_sync()
         _checkpoint.load(self._registry, self.param_groups, state_dict["param_groups"], plan)
+        self._lifecycle.part.load(others, self.param_groups)
         self._health.torn = None
         self._health.dirty = None
         self.refresh_device_weights()

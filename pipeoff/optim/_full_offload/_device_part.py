@@ -1,0 +1,396 @@
+"""Full offload's device part: parameters whose master, optimizer state and gradient sum
+stay in device memory (``FullOffloadOptimizer(..., offload_fraction=f)``, ``f < 1``).
+
+The split is OffloadOptimizer's rule (:func:`~pipeoff.optim._offload._device_part.
+split_params`): parameters in param-group order, each joining the device part while
+the device part's weight stays within ``(1 - f)`` of the total; here a parameter's
+weight is its bytes of FP32 master, FP32 gradient sum and per-element optimizer state
+together (``4 * numel * (2 + state tensors)``). It is decided once, over the groups
+the optimizer is built with; parameters added later are the host part's.
+
+A device-part parameter's math is the reference's (``tests/optim/full_reference.py``):
+its gradients are summed in FP32 on the device as autograd finalizes them (the first
+copied, widened), the norm of its sum joins the host part's in param-group order
+(``torch.nn.utils.clip_grad_norm_(foreach=False)``'s expressions), the sum is scaled by
+the same clipping coefficient, torch's own kernel for the wrapped optimizer (fused
+where the group says so) steps the FP32 master, and the weight is written as the
+master's cast. See ``[Note: the two parts of a full-offload step]`` in
+``_fraction.py`` for how the two parts run and join.
+
+Written and read on the caller's thread (the gradient hook: on the thread running the
+backward's hooks, while the caller is in ``backward()``).
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipeoff import _accel, _compat, _faults
+from pipeoff._compat import local_tensor as local
+from pipeoff._errors import ConfigError
+from pipeoff.optim import _update
+from pipeoff.optim._full_offload import _checkpoint
+from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
+
+__all__ = ["DeviceParam", "FullDevicePart", "full_weights"]
+
+_LANE = "caller"
+
+
+def full_weights(param_groups: Sequence[Mapping[str, Any]],
+                 probe: torch.optim.Optimizer) -> list[int]:
+    """Per parameter (in param-group order), its weight in the split: bytes of its FP32
+    master, FP32 gradient sum and per-element optimizer state (global shapes)."""
+    return [4 * p.numel() * (2 + len(_update.state_keys(probe, g)))
+            for g in param_groups for p in g["params"]]
+
+
+class DeviceParam:
+    """One device-part parameter: its FP32 master (laid out as the parameter), its FP32
+    gradient sum (``None`` without a gradient since the last step), and torch's state
+    entry for it (on the device)."""
+
+    __slots__ = ("master", "name", "param", "state", "sum", "version")
+
+    def __init__(self, param: torch.Tensor, name: str) -> None:
+        self.param = param
+        self.name = name
+        with torch.no_grad():
+            self.master = torch.empty_like(param, dtype=torch.float32)
+            self.master.copy_(param)  # widening: exact
+        self.sum: torch.Tensor | None = None
+        self.state: dict[str, Any] = {}
+        self.version = param._version
+        """The weight's version counter after this optimizer's last write to it."""
+
+
+class _Hook:
+    """A device-part parameter's post-accumulate-grad hook, holding the part weakly."""
+
+    def __init__(self, part: FullDevicePart) -> None:
+        self.ref = weakref.ref(part)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        part = self.ref()
+        if part is not None:
+            part.on_grad(p)
+
+
+class FullDevicePart:
+    """The device part of a full-offload optimizer: its parameters, their sums, and
+    their step (see the module docstring).
+
+    Args:
+        fraction: the ``offload_fraction``.
+    """
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.params: dict[int, DeviceParam] = {}
+        """The device part, by the parameter's ``id()`` (param-group order)."""
+        self._hooks: list[Any] = []
+        self.owned: Callable[[torch.Tensor], bool] = lambda p: True
+        """Whether this optimizer takes ``p``'s gradients (the newest optimizer over a
+        parameter does; set by the gradient intake)."""
+        self.groups: Callable[[], Sequence[Mapping[str, Any]]] = lambda: ()
+        """The live ``param_groups`` (set by the lifecycle): a parameter removed from them
+        is ignored by its hook, its gradient left in ``.grad``, as torch leaves it."""
+        self._listed: tuple[int, frozenset[int]] = (-2, frozenset())
+        """The ``id()`` of the parameters the groups list, as of a backward (its id)."""
+        # CUDA events for stream synchronization: recorded on the caller's stream after
+        # the device part's kernels, waited for by wait().
+        self._event: Any = None
+        self._pending = False
+        self.written = False
+        """Whether the last step may have written device-part masters or weights (also
+        when it raised)."""
+        weakref.finalize(self, _remove, self._hooks)
+
+    # -- the split ---------------------------------------------------------------------------
+    def split(self, param_groups: Sequence[Mapping[str, Any]], probe: torch.optim.Optimizer,
+              names: Mapping[int, str]) -> frozenset[int]:
+        """Decide the device part over ``param_groups`` (once, at construction), create its
+        masters and hooks; returns the ``id()`` of its parameters.
+
+        Raises:
+            ConfigError: naming ``offload_fraction``: a DTensor parameter (FSDP2).
+        """
+        if self.fraction >= 1.0:
+            return frozenset()
+        tensors = [p for g in param_groups for p in g["params"]]
+        for p in tensors:
+            if getattr(p, "placements", None) is not None or local(p) is not p:
+                raise ConfigError(
+                    f"offload_fraction={self.fraction} (a device part) is not available for "
+                    "DTensor parameters (FSDP2) yet: use offload_fraction=1.0")
+        on = split_params(full_weights(param_groups, probe), self.fraction).on_device
+        for i in sorted(on):
+            p = tensors[i]
+            self.params[id(p)] = DeviceParam(p, names.get(id(p), f"param {i}"))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(self)))
+        return frozenset(self.params)
+
+    def owns(self, p: torch.Tensor) -> DeviceParam | None:
+        rec = self.params.get(id(p))
+        return rec if rec is not None and rec.param is p else None
+
+    # -- gradients in ------------------------------------------------------------------------
+    def on_grad(self, p: torch.Tensor) -> None:
+        """Fold ``p.grad`` into its FP32 sum (the first: a widening copy), then release it:
+        the reference's accumulation, on the device."""
+        rec = self.owns(p)
+        g = p.grad
+        if rec is None or g is None or not self.owned(p):
+            return  # (another, newer optimizer's: its hooks take it)
+        if not self.listed(p):
+            return  # removed from param_groups: not this optimizer's to take
+        with torch.no_grad():
+            if rec.sum is None:
+                rec.sum = g.to(torch.float32, copy=True)
+            else:
+                rec.sum.add_(g)
+        p.grad = None
+
+    def listed(self, p: torch.Tensor) -> bool:
+        """Whether the live groups list ``p`` (looked up once per backward)."""
+        bid = _compat.backward_id()
+        if self._listed[0] != bid or bid < 0:
+            self._listed = (bid, frozenset(id(q) for g in self.groups() for q in g["params"]))
+        return id(p) in self._listed[1]
+
+    def take_hand_set(self) -> None:
+        """At ``step()``: a gradient put in ``param.grad`` by hand after the backward
+        replaces the parameter's sum (as the host part's does)."""
+        for rec in self.params.values():
+            g = rec.param.grad
+            if g is None or not self.listed(rec.param):
+                continue
+            if g.shape != rec.param.shape or g.device != rec.param.device or g.is_sparse:
+                raise ConfigError(f"the gradient set by hand for {rec.name!r} is not dense, of "
+                                  "the parameter's shape and device")
+            with torch.no_grad():
+                rec.sum = g.to(torch.float32, copy=True)
+            rec.param.grad = None
+
+    def pending(self) -> bool:
+        """Whether a device-part parameter has a gradient (a sum, or one set by hand)."""
+        return any(rec.sum is not None or (rec.param.grad is not None and self.listed(rec.param))
+                   for rec in self.params.values())
+
+    def discard(self) -> None:
+        """``zero_grad()``: drop the sums (and gradients set by hand; those of parameters
+        removed from the groups are left, as torch's ``zero_grad()`` leaves them)."""
+        for rec in self.params.values():
+            rec.sum = None
+            if self.listed(rec.param):
+                rec.param.grad = None
+
+    # -- the norm ----------------------------------------------------------------------------
+    def total_norm(self, param_groups: Sequence[Mapping[str, Any]],
+                   host_norm: Any) -> torch.Tensor:
+        """The total 2-norm of every gradient, both parts, as ``clip_grad_norm_(foreach=
+        False)`` takes it over the parameters in param-group order: one norm per sum,
+        then the norm of their stack. ``host_norm(p)``: a host-part parameter's norm
+        (``None`` without a gradient)."""
+        order: list[torch.Tensor | int] = []  # a host norm, or a device norm's index
+        device: list[torch.Tensor] = []
+        for g in param_groups:
+            for p in g["params"]:
+                rec = self.owns(p)
+                if rec is None:
+                    n = host_norm(p)
+                    if n is not None:
+                        order.append(n)
+                elif rec.sum is not None:
+                    order.append(len(device))
+                    device.append(torch.linalg.vector_norm(rec.sum, 2.0))
+        if not order:
+            return torch.tensor(0.0)
+        # One blocking copy of the device part's norms (the host waits for their
+        # kernels on the caller's stream): the total is taken on the host, as the
+        # host part's norm task takes it.
+        on_host = torch.stack(device).cpu().unbind() if device else ()
+        norms = [on_host[n] if isinstance(n, int) else n for n in order]
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return total
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self, param_groups: Sequence[Mapping[str, Any]], hyper: Sequence[Mapping[str, Any]],
+             probe: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> int:
+        """Step the device-part parameters that have a sum, with torch's own kernel for
+        the wrapped optimizer on their FP32 masters (on the caller's stream), then write
+        each weight as its master's cast. Returns how many were stepped; :attr:`written`
+        says whether any master may have been written (also when it raised).
+
+        Raises:
+            BaseException: what the optimizer raised (state a first step made is then
+                not kept).
+        """
+        self.written = False
+        by_group: dict[int, list[DeviceParam]] = collections.defaultdict(list)
+        for gi, g in enumerate(param_groups):
+            for p in g["params"]:
+                rec = self.owns(p)
+                if rec is not None and rec.sum is not None:
+                    by_group[gi].append(rec)
+        recs = [rec for gi in sorted(by_group) for rec in by_group[gi]]
+        for rec in set(self.params.values()) - set(recs):
+            rec.sum = None  # (removed from the groups mid-accumulation: not stepped)
+        if not recs:
+            return 0
+        shadow = _update.make_shadow(probe)
+        shadow.param_groups = [{**hyper[gi], "params": [rec.master for rec in by_group[gi]]}
+                               for gi in sorted(by_group)]
+        state: collections.defaultdict[torch.Tensor, dict[str, Any]] = (
+            collections.defaultdict(dict))
+        coef = None if clip_coef is None else clip_coef.to(recs[0].master.device)
+        for rec in recs:
+            state[rec.master] = dict(rec.state)
+            assert rec.sum is not None
+            if coef is not None:
+                # clip_grad_norm_(foreach=False)'s expression, for the same bits.
+                rec.sum.mul_(coef)
+            rec.master.grad = rec.sum
+        shadow.state = state
+        versions = [rec.master._version for rec in recs]
+        hooks = _faults.snapshot() if _faults.installed() else ()
+        body = _compat.step_body(type(shadow))
+        try:
+            _faults.run_hooks(DEVICE_PART_TASK, _LANE, hooks=hooks)  # (raises: nothing written)
+            with _faults.failing_work(DEVICE_PART_TASK, _LANE, hooks), torch.no_grad():
+                # No compile-session guard (eager_math): this runs on the caller's
+                # thread inside step(), where that thread cannot be compiling.
+                body(shadow)
+        except BaseException:
+            # A fused kernel bumps no version counter.
+            self.written = any(g.get("fused") for g in shadow.param_groups) or any(
+                rec.master._version != v for rec, v in zip(recs, versions))
+            raise
+        finally:
+            for rec in recs:
+                rec.master.grad = None
+            shadow.state = collections.defaultdict(dict)
+            shadow.param_groups = []
+        self.written = True
+        with torch.no_grad():
+            for rec in recs:
+                rec.state = state[rec.master]
+                rec.sum = None
+                rec.param.copy_(rec.master)  # the weight: the master's cast
+                rec.version = rec.param._version
+        self._record(recs[0].param.device)
+        return len(recs)
+
+    def _record(self, device: torch.device) -> None:
+        accel = _accel.current()
+        if not accel.is_device(device):
+            return  # (on the CPU the kernels ran inside step())
+        if self._event is None:
+            self._event = accel.new_event()  # created once, recorded at every step
+        # Hazard: none here; this marks the end of the device part's kernels on the
+        # caller's stream for the readers off it (see wait()).
+        self._event.record(accel.current_stream(device))
+        self._pending = True
+
+    def wait(self) -> None:
+        """Block the host until the last device part's kernels have run (nothing to do on
+        the CPU). The step's join waits for it (``wait_for_step()``)."""
+        if not self._pending:
+            return
+        if not _faults.disabled("full_device_part_wait"):
+            # Hazard: a reader off the caller's stream (another thread, a stream of
+            # its own, the host reading the state after wait_for_step() or a
+            # synchronous step) reading device-part weights, masters or state the
+            # caller's stream has not written yet.
+            self._event.synchronize()
+        self._pending = False
+
+    # -- the weights written from outside ----------------------------------------------------
+    def adopt(self, params: Sequence[torch.Tensor] | None = None, *,
+              only_written: bool = True) -> None:
+        """Make the masters of weights written from outside (their version counters moved;
+        ``only_written=False``: every one given) the widened weights, unless a weight
+        holds exactly its master's cast (the master's low bits are kept)."""
+        recs = (list(self.params.values()) if params is None
+                else [r for r in map(self.owns, params) if r is not None])
+        with torch.no_grad():
+            for rec in recs:
+                if only_written and rec.param._version == rec.version:
+                    continue
+                w = rec.param.detach()
+                if not torch.equal(w.view(torch.uint8), rec.master.to(w.dtype).view(torch.uint8)):
+                    rec.master.copy_(w)
+                rec.version = rec.param._version
+
+    def weights_from_masters(self) -> None:
+        """Write every device-part weight from its master."""
+        with torch.no_grad():
+            for rec in self.params.values():
+                rec.param.copy_(rec.master)
+                rec.version = rec.param._version
+
+    # -- checkpoints and memory --------------------------------------------------------------
+    def entries(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per device-part parameter with state, torch's entry plus ``"master"``."""
+        return {rec.param: {**rec.state, "master": rec.master}
+                for rec in self.params.values() if rec.state}
+
+    def load(self, entries: Mapping[int, Mapping[str, Any]],
+             param_groups: Sequence[Mapping[str, Any]]) -> None:
+        """Load checked entries (by ``id()`` of the parameter); a parameter without one
+        takes its weight as its master and no state. As torch's ``load_state_dict``, a
+        ``step`` stays on the host unless the group is fused or capturable."""
+        group_of = {id(p): g for g in param_groups for p in g["params"]}
+        with torch.no_grad():
+            for pid, rec in self.params.items():
+                entry = entries.get(pid)
+                rec.sum = None
+                rec.state = {}
+                if entry is None or "master" not in entry:
+                    rec.master.copy_(rec.param)
+                for key, val in (entry or {}).items():
+                    if key == "master":
+                        rec.master.copy_(local(val).reshape(rec.master.shape))
+                    elif isinstance(val, torch.Tensor) and (val.dim() > 0 or key != "step"):
+                        rec.state[key] = local(val).to(rec.master.device, torch.float32,
+                                                       copy=True).reshape(rec.master.shape)
+                    elif key == "step":
+                        g = group_of[pid]
+                        t = _checkpoint.step_entry(val, g)
+                        rec.state[key] = (t.to(rec.master.device) if g.get("fused")
+                                          or g.get("capturable") else t)
+                    else:
+                        rec.state[key] = val
+                rec.version = rec.param._version
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the device part: ``master_bytes_device``, ``grad_sum_bytes_device``
+        (its sums), ``state_bytes_device`` (its per-element state and a step kept in
+        device memory); and ``params_device``."""
+        recs = list(self.params.values())
+        accel = _accel.current()
+        state = 0
+        for rec in recs:
+            for k, v in rec.state.items():
+                # A step counts only where it is in an accelerator's memory (fused).
+                if isinstance(v, torch.Tensor) and (k != "step" or (
+                        accel.is_device(v.device) and accel.on_device(v))):
+                    state += v.numel() * v.element_size()
+        return {"master_bytes_device": sum(_nbytes(r.master) for r in recs),
+                "grad_sum_bytes_device": sum(_nbytes(r.sum) for r in recs if r.sum is not None),
+                "state_bytes_device": state, "params_device": len(recs)}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()

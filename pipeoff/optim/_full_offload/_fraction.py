@@ -1,0 +1,224 @@
+"""Full offload with a device part: the lifecycle of a step whose parameters are split
+between the host part (the pipeline) and the device part (``_device_part.py``).
+
+[Note: the two parts of a full-offload step]
+
+With ``offload_fraction < 1`` a step has two parts that touch disjoint parameters,
+gradients, masters and state, so nothing orders one after the other; what needs
+ordering is the norm they share, and their readers:
+
+* the norm: ``step()`` waits for the host part's gradient norm (the folds of the
+  final backward, the ``norm`` task), then takes the total over both parts in
+  param-group order, as ``clip_grad_norm_(foreach=False)`` over every gradient
+  would; the host part's chunks (after the ``step`` gate, opened next) and the
+  device part clip with that one coefficient;
+* the host part's chunks are launched first (the ``step`` gate), then the device part
+  steps with torch's kernel on the caller's thread and stream, so both run at once;
+* the host part's readers wait for its chunks, as without a device part (the
+  forward's hooks, ``wait_for_step()``); the device part's readers on the caller's
+  stream (the next forward) are ordered by the stream, and a reader off it waits
+  for the event recorded after the device part's kernels: ``wait_for_step()``
+  synchronizes it (switch ``"full_device_part_wait"``);
+* a failure of either part is reported once both have finished: a device part that
+  raised waits for the host part first (switch ``"full_host_part_join"``), and a host
+  part that failed after the device part stepped leaves the step torn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeoff import _faults
+from pipeoff._errors import ConfigError
+from pipeoff._lowlevel import settle
+from pipeoff.execution import Execution
+from pipeoff.optim._full_offload._common import Accumulation
+from pipeoff.optim._full_offload._device_part import FullDevicePart
+from pipeoff.optim._full_offload._graph import step_task
+from pipeoff.optim._full_offload._lanes import LaneResults
+from pipeoff.optim._full_offload._lifecycle import Lifecycle
+
+if TYPE_CHECKING:
+    from pipeoff._contract import Health
+    from pipeoff.optim._full_offload._config import FullOffloadConfig
+    from pipeoff.optim._full_offload._param import ParamRegistry
+    from pipeoff.optim._readers import Readers
+
+__all__ = ["FractionLifecycle", "LOOP_EDITS", "NO_DDP"]
+
+NO_DDP = ("offload_fraction < 1 (a device part) is not available under "
+          "DistributedDataParallel yet: use offload_fraction=1.0")
+LOOP_EDITS = (
+    "offload_fraction < 1: the loop edited param.grad in place (a clip_grad_norm_ call "
+    "on model.parameters(), say), which shows only the host part's gradients; clip with "
+    "opt.clip_grad_norm_() or max_norm=, which take the norm over both parts")
+
+
+class FractionLifecycle(Lifecycle):
+    """The lifecycle of a full-offload optimizer, with its device part (see the Note).
+    Without device-part parameters every method is :class:`Lifecycle`'s.
+
+    Args:
+        part: the device part.
+        (the rest): :class:`Lifecycle`'s.
+    """
+
+    def __init__(self, registry: ParamRegistry, config: FullOffloadConfig, health: Health,
+                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]], *,
+                 part: FullDevicePart) -> None:
+        super().__init__(registry, config, health, readers, param_groups)
+        self.part = part
+        part.groups = param_groups
+
+    def split(self, probe: torch.optim.Optimizer) -> None:
+        """Decide the device part over the groups the optimizer was built with (before the
+        registry first indexes them).
+
+        Raises:
+            ConfigError: naming ``offload_fraction``: DTensor parameters, or a
+                ``DistributedDataParallel`` around the model.
+        """
+        on = self.part.split(self.param_groups(), probe, self.registry.names)
+        self.registry.on_device = on
+        if on and self.ddp is not None:
+            raise ConfigError(NO_DDP)
+
+    def use_wrapper(self, ddp: Any) -> None:
+        if ddp is not None and self.part.params:
+            raise ConfigError(NO_DDP)
+        super().use_wrapper(ddp)
+
+    # -- transitions -----------------------------------------------------------------------
+    def begin_from_params(self) -> bool:
+        """As :class:`Lifecycle`'s; also a step whose only gradients are the device part's
+        (an accumulation with no host gradient, whose graph steps nothing)."""
+        return super().begin_from_params() or self._device_only()
+
+    def _device_only(self) -> bool:
+        """Begin the accumulation of a step whose gradients so far are all the device
+        part's (no host gradient began one). Returns whether there is one now."""
+        if self.acc is None and self.micro is None and self.part.pending():
+            self.acc = Accumulation(results=LaneResults.for_params(len(self.registry)))
+        return self.acc is not None
+
+    def set_clip(self, max_norm: float, *, unbounded: bool) -> torch.Tensor | None:
+        self._device_only()
+        return super().set_clip(max_norm, unbounded=unbounded)
+
+    def norm(self) -> torch.Tensor | None:
+        self._device_only()
+        return super().norm()
+
+    def current_norm(self, why: str = "grad_norm was read") -> torch.Tensor | None:
+        """The total norm over both parts (the host part's norms waited for)."""
+        norm = super().current_norm(why)
+        acc = self.acc
+        if norm is None or acc is None or not self.part.params:
+            return norm
+        fin = acc.final
+        assert fin is not None and fin.lanes is not None
+        lanes, res = fin.lanes, acc.results
+
+        def host_norm(p: torch.Tensor) -> torch.Tensor | None:
+            i = lanes.position_of(p)
+            return None if i is None or res.counts[i] == 0 else res.norms[i]
+
+        self.part.take_hand_set()  # (a gradient set by hand is this step's)
+        # The norm task has ended (waited for above); the chunks read total_norm only
+        # after the step gate, which hand_over() opens later on this thread.
+        res.total_norm = self.part.total_norm(self.param_groups(), host_norm)
+        return res.total_norm
+
+    def hand_over(self, hyper: list[dict[str, Any]] | None,
+                  edits: Mapping[int, tuple[Any, ...]] | None = None) -> Accumulation:
+        """As :class:`Lifecycle`'s, then the device part steps (see the Note)."""
+        if not self.part.params:
+            return super().hand_over(hyper, edits)
+        if edits:
+            raise ConfigError(LOOP_EDITS)
+        acc = self.acc
+        assert acc is not None and hyper is not None
+        self.part.adopt()  # weights written from outside become masters, as the host's
+        total = self.current_norm("a device part steps")
+        assert total is not None
+        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
+        # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks take them.
+        coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        acc = super().hand_over(hyper, edits)  # the host part's chunks go
+        try:
+            self.part.step(self.param_groups(), hyper, self.registry.probe, coef)
+        except BaseException as err:
+            self._device_failed(acc, err)
+            raise
+        return acc
+
+    def _device_failed(self, acc: Accumulation, err: BaseException) -> None:
+        """The device part raised ``err`` while the host part was in flight: wait for the
+        host part, end the step and say what both parts left."""
+        if not _faults.disabled("full_host_part_join"):
+            try:
+                # Hazard: reporting the step (refused until zero_grad(), or torn)
+                # while the host part's chunks still write their masters and
+                # weights: the report would miss them, a retry would step them
+                # twice, a loaded checkpoint would be overwritten.
+                host_err = settle(acc.execution, timeout=self.config.timeout)
+            except BaseException:
+                self.health.torn_cause = err
+                self.health.torn = ("a step failed in its device part, and the wait for its "
+                                    "host part was interrupted")
+                raise
+            if host_err is not None:
+                err.add_note(f"pipeoff: the step's host part failed too: {host_err!r}")
+        self._end_step(acc)
+        self._report(acc, err, "the device part")
+
+    def _report(self, acc: Accumulation, err: BaseException, failed: str) -> None:
+        """Say what a step that failed in ``failed`` left, over both parts: torn if any
+        master was written (load a checkpoint), else dirty (``zero_grad()``)."""
+        ex = acc.execution
+        fin = acc.final
+        nchunks = len(fin.lanes.plan.chunks) if fin is not None and fin.lanes else 0
+        res = acc.results
+        stepped = sorted({k for k in range(nchunks)
+                          if ex.events_for(step_task(k))[0].status == "ok"}
+                         | res.stepped_chunks | res.torn_chunks)
+        parts = ([f"host chunk(s) {stepped}"] if stepped else []) + (
+            ["the device part"] if self.part.written else [])
+        if parts:
+            self.health.dirty = None
+            self.health.torn_cause = err
+            self.health.torn = (f"a step failed in {failed} after {' and '.join(parts)} "
+                                "had written their masters")
+            err.add_note(f"pipeoff: {self.health.torn}; later steps are refused until a "
+                         "checkpoint is loaded (model and optimizer load_state_dict)")
+        else:
+            self.health.dirty = err
+            err.add_note("pipeoff: no master was stepped, in either part; step() refuses "
+                         "until opt.zero_grad()")
+
+    def wait_step(self) -> list[str]:
+        """As :class:`Lifecycle`'s, and the join with the device part (see the Note)."""
+        acc = self.inflight
+        try:
+            return super().wait_step()
+        except BaseException as err:
+            if acc is not None and self.inflight is None and self.part.written:
+                self._report(acc, err, "its host part")  # the device part stepped: torn
+            raise
+        finally:
+            if self.inflight is None:  # the step ended (a wait interrupted goes on)
+                self.part.wait()
+
+    def discard(self, why: str, *, classify_final: bool) -> None:
+        super().discard(why, classify_final=classify_final)
+        self.part.discard()
+
+    def writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
+        """As :class:`Lifecycle`'s; a device-part parameter is written on the caller's
+        stream, which orders its readers there: no task to wait for."""
+        if self.part.owns(param) is not None:
+            return None, []
+        return super().writes_to(param)

@@ -1,0 +1,525 @@
+"""FullOffloadOptimizer(offload_fraction=f): a device part (FP32 masters, optimizer state
+and gradient sums in device memory, stepped by torch's own kernel) beside the host part's
+pipeline, bitwise the reference at every fraction, in every supported mode, across
+checkpoints saved at one fraction and loaded at another; the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import pipeoff.testing
+from pipeoff import ConfigError, StepFailedError
+from pipeoff.optim import FullOffloadOptimizer
+from pipeoff.optim._full_offload._device_part import full_weights
+from pipeoff.optim._offload._device_part import split_params
+from tests._stacks import release_when_waiting
+from tests.optim.full_reference import Reference
+from tests.optim.test_full_offload import (
+    _groups,
+    assert_bitwise,
+    batches,
+    loss_fn,
+    make_model,
+    same_bits,
+    train,
+    train_reference,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+FRACTIONS = [0.0, 0.3, 1.0]
+# Toy's parameters in order: emb.weight (88, tied with head), l1.weight 192, l1.bias 24,
+# l2.weight 192, l2.bias 8, side.weight 64, side.bias 8, empty 0. At 0.3 (AdamW: 16 bytes
+# per element) the device part is the first that fit within 70% of the bytes.
+
+
+def build(model: torch.nn.Module, f: float, **kw: Any) -> FullOffloadOptimizer:
+    defaults: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    defaults.update(kw)
+    return FullOffloadOptimizer(model, torch.optim.AdamW, offload_fraction=f, **defaults)
+
+
+def reference(model: torch.nn.Module, **kw: Any) -> Reference:
+    defaults: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    defaults.update(kw)
+    return Reference(model, torch.optim.AdamW, **defaults)
+
+
+def _device_names(opt: FullOffloadOptimizer) -> list[str]:
+    return [rec.name for rec in opt._lifecycle.part.params.values()]
+
+
+# -- exactness ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no_clip", "clip"])
+@pytest.mark.parametrize("f", FRACTIONS)
+def test_bitwise_equal_to_the_reference(f: float, clip: float | None, accumulate: str,
+                                        overlap: str, micro: int) -> None:
+    model = make_model()
+    ref = reference(model, max_norm=clip)
+    opt = build(model, f, accumulate=accumulate, overlap=overlap, max_norm=clip)
+    data = batches(3, micro, side="not_final")
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+    if f == 0.3:
+        assert 0 < len(_device_names(opt)) < 8
+    assert opt.grad_norm is not None
+    if clip is not None:
+        assert float(opt.grad_norm) > clip  # it did clip
+    sd = opt.state_dict()["state"]
+    for k, m in enumerate(ref.masters[id(p)] for p in ref.params):
+        if m not in ref.opt.state:
+            assert k not in sd
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(sd[k][key], ref.opt.state[m][key]), key
+        assert same_bits(sd[k]["master"], m)
+        assert float(sd[k]["step"]) == float(ref.opt.state[m]["step"])
+
+
+@pytest.mark.parametrize("f", FRACTIONS)
+def test_grad_norm_and_clip_grad_norm_take_both_parts(f: float) -> None:
+    """opt.clip_grad_norm_() between the last backward and step(): the norm over both parts,
+    bitwise clip_grad_norm_(foreach=False) over the reference's FP32 sums."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, f)
+    data = batches(3, 2)
+    norms, ref_norms = [], []
+    for step in data:
+        for m, b in enumerate(step):
+            with opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext():
+                loss_fn(model, b).backward()
+            ref.micro_step(lambda mm, b=b: loss_fn(mm, b))
+        norms.append(opt.clip_grad_norm_(0.05))
+        opt.step()
+        opt.zero_grad()
+        ref_norms.append(ref.step(lambda gs: torch.nn.utils.clip_grad_norm_(
+            gs, 0.05, foreach=False)))
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+    for a, b in zip(norms, ref_norms):
+        assert same_bits(a, b)
+    assert same_bits(opt.grad_norm, ref_norms[-1])
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_two_groups_a_scheduler_amsgrad_and_fused(f: float) -> None:
+    model = make_model()
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True, "fused": True}
+    ref = Reference(model, torch.optim.AdamW, groups=_groups, **kw)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=_groups(model),
+                               offload_fraction=f, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    data = batches(4, 2)
+    train(opt, model, data, scheduler=sched)
+    train_reference(ref, data, scheduler=ref_sched)
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_sgd_with_momentum(f: float) -> None:
+    model = make_model()
+    ref = Reference(model, torch.optim.SGD, lr=1e-2, momentum=0.9)
+    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=1e-2, momentum=0.9,
+                               offload_fraction=f)
+    data = batches(3, 2)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+# -- the split ---------------------------------------------------------------------------
+
+def test_the_split_is_offload_optimizers_rule_over_masters_state_and_sums() -> None:
+    model = make_model()
+    opt = build(model, 0.3)
+    params = [p for p in model.parameters()]
+    weights = [16 * p.numel() for p in params]  # master, sum, exp_avg, exp_avg_sq: FP32
+    assert full_weights(opt.param_groups, opt._registry.probe) == weights
+    split = split_params(weights, 0.3)
+    names = [n for n, _ in model.named_parameters()]
+    assert _device_names(opt) == [names[i] for i in sorted(split.on_device)]
+    assert split.device_weight <= 0.7 * sum(weights)
+    assert opt.offload_fraction == 0.3
+    assert f"offload_fraction=0.3, params={len(params)})" in repr(opt)
+    assert "offload_fraction" not in repr(build(make_model(), 1.0))
+    assert build(make_model(), 1.0)._lifecycle.part.params == {}
+    assert len(build(make_model(), 0.0)._lifecycle.part.params) == len(params)
+
+
+@pytest.mark.parametrize("f", FRACTIONS)
+def test_memory_stats_by_part(f: float) -> None:
+    model = make_model()
+    opt = build(model, f)
+    train(opt, model, batches(1, 2))
+    stats = opt.memory_stats()
+    numel = sum(p.numel() for p in model.parameters())
+    dev = sum(rec.param.numel() for rec in opt._lifecycle.part.params.values())
+    assert stats["master_bytes_device"] == 4 * dev
+    assert stats["master_bytes_host"] == 4 * (numel - dev)
+    assert stats["grad_sum_bytes_host"] == 4 * (numel - dev)
+    assert stats["state_bytes_device"] == 8 * dev  # (the CPU's step counts nowhere)
+    assert stats["state_bytes_host"] == 8 * (numel - dev)
+    assert stats["grad_sum_bytes_device"] == 0  # freed by the step
+    assert stats["params_host"] + stats["params_device"] == len(list(model.parameters()))
+    assert "held_grad_bytes_host" in stats
+    if f == 0.0:
+        assert stats["master_bytes_host"] == stats["state_bytes_host"] == 0
+    # Mid-accumulation the device part's sums count.
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    if dev:
+        assert opt.memory_stats()["grad_sum_bytes_device"] >= 4 * min(
+            rec.param.numel() for rec in opt._lifecycle.part.params.values())
+    opt.zero_grad()
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chain", [(0.0, 0.3, 1.0), (1.0, 0.3, 0.0)])
+def test_a_checkpoint_resumes_bitwise_at_another_fraction(chain: tuple[float, ...]) -> None:
+    """2 steps at one fraction, a checkpoint, 2 at another, a checkpoint, 2 at a third:
+    bitwise the uninterrupted reference run; the state dicts have the same entries."""
+    data = batches(6, 2)
+    ref = reference(make_model())
+    train_reference(ref, data)
+    model = make_model()
+    opt = build(model, chain[0])
+    train(opt, model, data[:2])
+    for k, f in enumerate(chain[1:], start=1):
+        sd = copy.deepcopy(opt.state_dict())
+        weights = copy.deepcopy(model.state_dict())
+        model = make_model(seed=7)
+        model.load_state_dict(weights)
+        opt = build(model, f, lr=0.5)
+        opt.load_state_dict(sd)
+        again = opt.state_dict()
+        assert sorted(again["state"]) == sorted(sd["state"])
+        for i, entry in sd["state"].items():
+            assert sorted(entry) == sorted(again["state"][i])
+            for key, v in entry.items():
+                assert same_bits(torch.as_tensor(v), torch.as_tensor(again["state"][i][key]))
+        train(opt, model, data[2 * k:2 * k + 2])
+    assert_bitwise(model, ref)
+
+
+def test_a_state_dict_loads_into_plain_torch() -> None:
+    model = make_model()
+    opt = build(model, 0.3)
+    train(opt, model, batches(2, 1))
+    sd = opt.state_dict()
+    plain = torch.optim.AdamW([p.detach().float().clone() for p in model.parameters()],
+                              lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict({**sd, "state": {i: {k: v for k, v in e.items() if k != "master"}
+                                           for i, e in sd["state"].items()}})
+    assert len(plain.state) == len(sd["state"])
+
+
+# -- the weights and masters --------------------------------------------------------------
+
+def test_weights_written_from_outside_become_device_masters() -> None:
+    model = make_model()
+    opt = build(model, 0.0)
+    train(opt, model, batches(1, 1))
+    with torch.no_grad():
+        model.l1.weight.mul_(0.5)
+    ref = reference(model)  # the written weight is the master now
+    ref.opt.load_state_dict(_plain_state(opt, ref))
+    data = batches(1, 1, seed=3)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+def _plain_state(opt: FullOffloadOptimizer, ref: Reference) -> dict[str, Any]:
+    sd = copy.deepcopy(opt.state_dict())  # (live tensors, as torch's state_dict())
+    for i, m in enumerate(ref.masters[id(p)] for p in ref.params):
+        if "master" in sd["state"].get(i, {}):
+            saved = sd["state"][i].pop("master")
+            if not torch.equal(saved.to(torch.bfloat16), ref.params[i]):
+                continue  # written: the reference's master is the written weight
+            with torch.no_grad():
+                m.copy_(saved)
+    return sd
+
+
+def test_host_master_of_a_device_part_parameter_is_refused_by_name() -> None:
+    model = make_model()
+    opt = build(model, 0.0)
+    with pytest.raises(ConfigError, match="offload_fraction.*device part.*DiLoCo"):
+        opt.host_master(model.l1.weight)
+
+
+def test_refresh_device_weights_and_masters_cover_the_device_part() -> None:
+    model = make_model()
+    opt = build(model, 0.0)
+    train(opt, model, batches(1, 1))
+    before = model.l1.weight.detach().clone()
+    with torch.no_grad():
+        model.l1.weight.data.mul_(2)  # through .data: no version bump
+    opt.refresh_device_weights()
+    assert torch.equal(model.l1.weight.detach(), before)
+    with torch.no_grad():
+        model.l1.weight.data.mul_(2)
+    opt.refresh_masters([model.l1.weight])
+    rec = opt._lifecycle.part.owns(model.l1.weight)
+    assert rec is not None and torch.equal(rec.master, model.l1.weight.detach().float())
+
+
+# -- refusals ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("value", "match"), [
+    (-0.1, "offload_fraction must be a number in"), (1.5, "offload_fraction must be"),
+    (math.nan, "offload_fraction must be"), (True, "offload_fraction must be"),
+    ("0.5", "offload_fraction must be"),
+    ("auto", "offload_fraction='auto' is not available yet for FullOffloadOptimizer"),
+])
+def test_bad_fractions_are_refused_by_name(value: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build(make_model(), value)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"overlap": "backward"}, "offload_fraction=0.3.*overlap='backward'"),
+    ({"process_group": object()}, "offload_fraction=0.3.*process_group"),
+])
+def test_modes_without_a_device_part_are_refused_by_name(kw: dict[str, Any],
+                                                          match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build(make_model(), 0.3, **kw)
+    build(make_model(), 1.0, **{k: v for k, v in kw.items() if k != "process_group"})
+
+
+def test_a_loop_clip_call_on_param_grad_is_refused_not_wrong() -> None:
+    model = make_model()
+    opt = build(model, 0.3)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # sees the host part only
+    with pytest.raises(ConfigError, match="offload_fraction < 1.*opt.clip_grad_norm_"):
+        opt.step()
+    opt.zero_grad()
+    train(opt, model, batches(1, 1))  # goes on after zero_grad()
+
+
+# -- the two parts' join ------------------------------------------------------------------
+
+def test_the_device_part_steps_while_the_host_part_is_held() -> None:
+    """The host part's chunks are launched first and run beside the device part: with a
+    host chunk held, step() (overlap="forward") returns with the device part stepped."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, 0.3)
+    data = batches(1, 1)
+    loss_fn(model, data[0][0]).backward()
+    ref.micro_step(lambda m: loss_fn(m, data[0][0]))
+    ref.step()
+    dev = {id(rec.param) for rec in opt._lifecycle.part.params.values()}
+    with pipeoff.testing.hold_task("step:.*") as release:
+        opt.step()
+        for p, q in zip(model.parameters(), ref.model.parameters()):
+            if id(p) in dev:
+                assert same_bits(p, q)  # stepped already
+        release.set()
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_device_part_failure_is_reported_after_the_host_part(mutated: bool) -> None:
+    """The device part fails (before writing) while a host chunk is held: the step waits
+    for the host part, whose chunk then steps, so the step is torn and says so. Without
+    the join it is reported as stepping nothing while the chunk still goes on."""
+    model = make_model()
+    opt = build(model, 0.3, overlap="none")
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    switch = (pipeoff.testing.disable("full_host_part_join") if mutated
+              else contextlib.nullcontext())
+    with switch, pipeoff.testing.hold_task("step:0") as release, \
+            pipeoff.testing.fail_task("device_part", RuntimeError("device part down")):
+        watcher = release_when_waiting(release, "hand_over", "_device_failed")
+        with pytest.raises(RuntimeError, match="device part down") as info:
+            opt.step()
+        release.set()
+        watcher.join()
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    if mutated:
+        assert "no master was stepped" in note
+        return
+    assert "host chunk(s) [0" in note and "checkpoint is loaded" in note, note
+    with pytest.raises(StepFailedError):
+        opt.step()
+
+
+def test_a_device_part_failure_with_no_host_part_is_dirty_until_zero_grad() -> None:
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, 0.0)
+    data = batches(2, 1)
+    loss_fn(model, data[0][0]).backward()
+    with pipeoff.testing.fail_task("device_part"), pytest.raises(RuntimeError) as info:
+        opt.step()
+    assert "no master was stepped" in "\n".join(info.value.__notes__)
+    with pytest.raises(StepFailedError):
+        opt.step()
+    opt.zero_grad()
+    train(opt, model, data[1:])
+    train_reference(ref, data[1:])
+    assert_bitwise(model, ref)
+
+
+def test_a_host_part_failure_after_the_device_part_stepped_is_torn() -> None:
+    model = make_model()
+    opt = build(model, 0.3, overlap="none")
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    with pipeoff.testing.fail_task("step:0"), pytest.raises(RuntimeError) as info:
+        opt.step()
+    assert "the device part" in "\n".join(info.value.__notes__)
+    with pytest.raises(StepFailedError):
+        opt.step()
+
+
+def test_the_host_part_takes_the_fold_then_step_path_and_holds_nothing() -> None:
+    """With a device part step() needs the host sums' norm first: no one-pass step, so no
+    held-gradient buffer; host_step_path says why."""
+    model = make_model()
+    opt = build(model, 0.3, fused=True)
+    train(opt, model, batches(2, 2))
+    path = opt.host_step_path
+    assert path is not None and not path.one_pass
+    assert "device part" in path.why or "native step is off" in path.why, path.why
+    assert opt.memory_stats()["held_grad_bytes_host"] == 0
+
+
+def test_a_ddp_wrapper_and_dtensor_parameters_are_refused_by_name() -> None:
+    model = make_model()
+    opt = build(model, 0.3)
+    with pytest.raises(ConfigError, match="offload_fraction < 1.*DistributedDataParallel"):
+        opt._lifecycle.use_wrapper(object())  # (what a wrapper found at a forward does)
+    sharded = make_model()
+    sharded.l1.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="offload_fraction=0.3.*DTensor"):
+        build(sharded, 0.3)
+
+
+@pytest.mark.parametrize(("old", "new"), [(0.0, 1.0), (1.0, 0.0), (0.3, 0.0)])
+def test_the_newest_optimizer_takes_the_gradients_whatever_its_fraction(old: float,
+                                                                         new: float) -> None:
+    """An optimizer built to resume from another's state_dict() on the same model takes
+    the gradients, the old one's hooks (its device part's too) let them be."""
+    data = batches(3, 2)
+    ref_model = make_model()
+    ref_opt = build(ref_model, 1.0)
+    train(ref_opt, ref_model, data)
+    model = make_model()
+    first = build(model, old)
+    train(first, model, data[:1])
+    with pytest.warns(RuntimeWarning, match="belonged to another FullOffloadOptimizer"):
+        second = build(model, new)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    train(second, model, data[1:])
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert same_bits(p, q)
+    assert first._lifecycle.part.pending() is False
+
+
+def _by_hand(opt: FullOffloadOptimizer, model: torch.nn.Module, step: list[Any]) -> None:
+    for b in step:
+        loss_fn(model, b).backward()
+    model.l1.weight.grad = torch.full_like(model.l1.weight, 0.25)  # replaces the sum
+    model.side.bias.grad = torch.full_like(model.side.bias, -0.5)
+
+
+def _grad_norm_first(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                     step: list[Any]) -> None:
+    for m, b in enumerate(step):
+        with opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext():
+            loss_fn(model, b).backward()
+    assert opt.grad_norm is not None  # ends the accumulation: the norm over both parts
+
+
+def _dropped_micro_step(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                        step: list[Any]) -> None:
+    loss_fn(model, step[0]).backward()
+    opt.zero_grad()  # dropped, both parts
+    for b in step[1:]:
+        loss_fn(model, b).backward()
+
+
+@pytest.mark.parametrize("loop", [_by_hand, _grad_norm_first, _dropped_micro_step],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_the_loops_own_calls_give_the_bits_of_offload_fraction_1(f: float, loop: Any) -> None:
+    """Gradients set by hand after the backward, grad_norm read before step(), a
+    micro-step dropped with zero_grad(): a device part gives what the host part does."""
+    data = batches(3, 3)
+    models = []
+    for frac in (1.0, f):
+        model = make_model()
+        # (the host part refuses a gradient replaced after the backward under max_norm)
+        opt = build(model, frac, max_norm=None if loop is _by_hand else 0.5)
+        for step in data:
+            loop(opt, model, step)
+            opt.step()
+            opt.zero_grad()
+        opt.step()  # no gradient: steps nothing, in either part
+        opt.wait_for_step()
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert same_bits(p, q)
+
+
+def test_a_device_part_parameter_removed_from_the_groups_is_left_as_torch_leaves_it() -> None:
+    """Removed from param_groups between steps, a device-part parameter is not stepped and
+    its gradient stays in .grad (as a host-part one's, as torch's); put back, it steps
+    again with its state: the bits of offload_fraction=1.0."""
+    data = batches(4, 2)
+    runs = []
+    for f in (1.0, 0.0):
+        model = make_model()
+        opt = build(model, f)
+        train(opt, model, data[:1])
+        group = opt.param_groups[0]["params"]
+        k = next(i for i, p in enumerate(group) if p is model.l1.weight)
+        removed = group.pop(k)
+        train(opt, model, data[1:3])
+        grad = None if removed.grad is None else removed.grad.clone()
+        removed.grad = None
+        group.insert(k, removed)
+        train(opt, model, data[3:])
+        runs.append((model, grad))
+    (a, ga), (b, gb) = runs
+    assert ga is not None and gb is not None and same_bits(ga, gb)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert same_bits(p, q)
+
+
+def test_parameters_added_later_are_the_host_parts() -> None:
+    data = batches(3, 2)
+    runs = []
+    for f in (1.0, 0.0):
+        model = make_model()
+        first, second = _groups(model)
+        opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=[first], lr=1e-2,
+                                   offload_fraction=f)
+        train(opt, model, data[:1])
+        for p in second["params"]:
+            p.grad = None  # (not the optimizer's in that step: left in .grad)
+        opt.add_param_group(second)
+        train(opt, model, data[1:])
+        if f == 0.0:
+            assert all(opt._lifecycle.part.owns(p) is None for p in second["params"])
+            assert len(opt._registry) == len(second["params"])
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert same_bits(p, q)

@@ -1,0 +1,79 @@
+"""FullOffloadOptimizer(offload_fraction=f) on the simulated CUDA device (and a real GPU
+where there is one): the device part's masters, state and sums in device memory, bitwise
+the reference beside the host part's streams; its join's wait removed is a race."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pipeoff.testing
+from pipeoff.optim import FullOffloadOptimizer
+from tests.gpu_device import Gpu
+from tests.optim.test_full_offload_cuda import batches, loss, make_net, reference, train
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_bitwise_equal_on_streams_with_a_device_part(gpu: Gpu, overlap: str, f: float) -> None:
+    data = batches(gpu, 3, 2)
+    kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1, "max_norm": 0.05}
+    ref = reference(gpu, data, **kw)
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, overlap=overlap, chunk_numel=3000,
+                               slot_bytes=4096, offload_fraction=f, **kw)
+    opt.attach()
+    with pipeoff.testing.delay_lane("d2h", 0.002), pipeoff.testing.delay_lane("h2d", 0.002):
+        train(net, opt, data)
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+    part = opt._lifecycle.part
+    assert part.params and (f == 0.0) == (len(part.params) == len(list(net.parameters())))
+    for rec in part.params.values():
+        assert gpu.accel.on_device(rec.master)
+        assert gpu.accel.on_device(rec.state["exp_avg"])
+    stats = opt.memory_stats()
+    dev = sum(rec.param.numel() for rec in part.params.values())
+    assert stats["master_bytes_device"] == 4 * dev
+    assert stats["state_bytes_device"] >= 8 * dev
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
+                                                                   mutated: bool) -> None:
+    """After a synchronous step (overlap="none") at 0.3, a stream of its own reads a
+    device-part weight and its state: the step's join made the host wait for the device
+    part's kernels on the caller's stream. Without that wait the read races them."""
+    if not gpu.simulated:
+        pytest.skip("a real GPU shows the race only by timing luck")
+    net = make_net(gpu)
+    gpu.synchronize()
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap="none",
+                               offload_fraction=0.3)
+    part = opt._lifecycle.part
+    first = next(iter(net.parameters()))
+    rec = part.owns(first)
+    assert rec is not None
+    data = batches(gpu, 1, 1)
+    side = gpu.accel.new_stream(gpu.device, name="reader")
+    got: list[torch.Tensor] = []
+
+    def read() -> None:
+        got.extend([first.detach().clone(), rec.state["exp_avg"].clone()])
+
+    switch = (pipeoff.testing.disable("full_device_part_wait") if mutated
+              else pipeoff.testing.fail_task("no such task"))
+    with switch:
+        loss(net, data[0][0]).backward()
+        opt.step()  # synchronous: returns after the join
+        if mutated:
+            with pytest.raises(pipeoff.testing.DataRaceError):
+                gpu.accel.launch(side, read)
+                gpu.synchronize()
+            return
+        gpu.accel.launch(side, read)
+        gpu.synchronize()
+    assert torch.equal(got[0], first.detach())
