@@ -16,6 +16,7 @@ from pipeoff import ConfigError
 from pipeoff.optim import FullOffloadOptimizer
 from pipeoff.optim._full_offload import _auto
 from pipeoff.optim._offload._auto import Rates
+from tests.gpu_device import Gpu
 from tests.optim.test_full_offload import (
     assert_bitwise,
     batches,
@@ -24,6 +25,10 @@ from tests.optim.test_full_offload import (
     train,
     train_reference,
 )
+from tests.optim.test_full_offload_cuda import batches as gbatches
+from tests.optim.test_full_offload_cuda import make_net
+from tests.optim.test_full_offload_cuda import reference as greference
+from tests.optim.test_full_offload_cuda import train as gtrain
 from tests.optim.test_full_offload_fraction import reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
@@ -223,3 +228,27 @@ def test_bad_values_are_refused() -> None:
         FullOffloadOptimizer(make_model(), torch.optim.AdamW, offload_fraction="fast")
     with pytest.raises(ConfigError, match="device_budget_bytes"):
         build(make_model(), budget=-1)
+
+
+# -- the simulated CUDA device -------------------------------------------------------------
+
+def test_auto_on_the_simulated_cuda_device(gpu: Gpu) -> None:
+    """Rates measured on the device (the simulated one here: its copies and kernels), a
+    choice within the budget, bitwise the reference beside the host part's streams."""
+    data = gbatches(gpu, 2, 2)
+    kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    ref = greference(gpu, data, **kw)
+    net = make_net(gpu)
+    budget = 16 * sum(p.numel() for p in net.parameters()) // 2
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, chunk_numel=3000, slot_bytes=4096,
+                               offload_fraction="auto", device_budget_bytes=budget, **kw)
+    c = opt.offload_choice
+    assert c is not None and c.rates.host_step_elements_per_s is not None
+    assert opt.offload_fraction >= 0.5 - 1e-9  # half the state at most fits
+    gtrain(net, opt, data)
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+    assert device_bytes(opt) <= budget
+    for rec in opt._lifecycle.part.params.values():
+        assert gpu.accel.on_device(rec.master)
