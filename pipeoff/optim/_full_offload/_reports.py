@@ -72,7 +72,8 @@ class HostReports:
         n = len(life.registry) + len(life.part.params)
         auto = getattr(self, "offload_choice", None) is not None
         return ("" if f == 1.0 and not auto else
-                f"offload_fraction={f:.4g}{' (auto)' if auto else ''}, ") + f"params={n}"
+                f"offload_fraction={f:.4g} (auto), " if auto else f"offload_fraction={f}, "
+                ) + f"params={n}"
 
     @property
     def offload_fraction(self) -> float:
