@@ -252,3 +252,16 @@ def test_auto_on_the_simulated_cuda_device(gpu: Gpu) -> None:
     assert device_bytes(opt) <= budget
     for rec in opt._lifecycle.part.params.values():
         assert gpu.accel.on_device(rec.master)
+
+
+def test_dtensor_parameters_and_a_ddp_wrapper_refuse_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = inject(monkeypatch, GPU_LIKE)
+    sharded = make_model()
+    sharded.l1.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="offload_fraction='auto'.*DTensor"):
+        build(sharded)
+    assert not calls
+    opt = build(make_model(), budget=TOTAL // 2)  # a device part...
+    assert opt.offload_fraction < 1.0
+    with pytest.raises(ConfigError, match="offload_fraction < 1.*DistributedDataParallel"):
+        opt._lifecycle.use_wrapper(object())  # ...and a wrapper found at a forward

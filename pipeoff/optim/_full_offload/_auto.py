@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from pipeoff import _accel
+from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
@@ -129,6 +130,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
               optimizer_class: type[torch.optim.Optimizer], *, overlap: str,
               process_group: Any, chunk_numel: int, pin_memory: bool,
               threads: int | None, device_budget_bytes: int | str | None,
+              ddp: bool = False,
               measure: Callable[..., Rates] | None = None) -> FractionChoice | None:
     """``FullOffloadOptimizer``'s ``"auto"``: the :class:`FractionChoice` for ``params``
     (``None`` for any other ``fraction``, and a budget given without ``"auto"``
@@ -136,7 +138,8 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
 
     Raises:
         ConfigError: naming ``offload_fraction``: a mode that refuses a device part
-            (``overlap="backward"``, a ``process_group``, DTensor parameters); no
+            (``overlap="backward"``, a ``process_group``, a model under DDP, DTensor
+            parameters); no
             budget to be had (no ``device_budget_bytes`` off CUDA); or naming
             ``device_budget_bytes``: a budget without ``"auto"``.
     """
@@ -150,6 +153,8 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
         why = "overlap='backward' (use overlap='forward' or 'none')"
     elif process_group is not None:
         why = "a process_group"
+    elif ddp:
+        why = "DistributedDataParallel"
     elif any(_is_dtensor(p) for p in params):
         why = "DTensor parameters (FSDP2)"
     if why is not None:
@@ -190,7 +195,8 @@ def numeric(fraction: Any) -> Any:
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
-    return type(p).__name__ == "DTensor"
+    """As the device part's split tells a DTensor (``_device_part.py``)."""
+    return getattr(p, "placements", None) is not None or local(p) is not p
 
 
 def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | None,
@@ -216,6 +222,7 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
     choice = full_auto(fraction, flat, probe, config.optimizer_class, overlap=config.overlap,
                        process_group=config.process_group, chunk_numel=config.chunk_numel,
                        pin_memory=config.pin_memory, threads=config.num_threads,
-                       device_budget_bytes=device_budget_bytes)
+                       device_budget_bytes=device_budget_bytes,
+                       ddp=isinstance(found, torch.nn.parallel.DistributedDataParallel))
     assert choice is not None
     return dataclasses.replace(config, offload_fraction=choice.fraction), choice, params
