@@ -113,14 +113,15 @@ def test_full_seconds_formula() -> None:
                               grad_bytes=2) == pytest.approx(10)
 
 
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 @pytest.mark.parametrize("rates", [GPU_LIKE, BALANCED], ids=["gpu_like", "balanced"])
 def test_the_choice_fits_and_trains_bitwise(monkeypatch: pytest.MonkeyPatch,
-                                            rates: Rates) -> None:
+                                            rates: Rates, accumulate: str) -> None:
     inject(monkeypatch, rates)
     budget = TOTAL // 2
     model = make_model()
     ref = reference(model)
-    opt = build(model, budget=budget)
+    opt = build(model, budget=budget, accumulate=accumulate)
     assert 0.0 < opt.offload_fraction < 1.0
     data = batches(3, 2)
     train(opt, model, data)

@@ -23,9 +23,10 @@ step on FP32 elements on the device), ``B_h2d``/``B_d2h`` (pinned copies) and
 a scratch master and state of 1M elements with the rank's threads) are measured on
 the parameters' device at construction.
 
-The device memory of a fraction is the device part's masters, state and sums
-(the budget is compared with that; full offload's gradient and weight copies go
-through pinned host slots, and no device staging is counted). Ties (within ``TIE``)
+The device memory of a fraction is the device part's masters, state and sums,
+plus, with ``accumulate="gpu"``, the host part's FP32 gradient sums kept on the
+device during an accumulation (``4·E_h`` bytes); full offload's gradient and weight
+copies go through pinned host slots, and no other device staging is counted. Ties (within ``TIE``)
 go to the largest fraction, as for ``OffloadOptimizer``: with a GPU (a fast device
 step, a link-bound host part) that is the smallest fraction that fits; on a CPU
 "device" where torch's device step is no faster than the host step, the fraction
@@ -130,7 +131,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
               optimizer_class: type[torch.optim.Optimizer], *, overlap: str,
               process_group: Any, chunk_numel: int, pin_memory: bool,
               threads: int | None, device_budget_bytes: int | str | None,
-              ddp: bool = False,
+              ddp: bool = False, accumulate: str = "cpu",
               measure: Callable[..., Rates] | None = None) -> FractionChoice | None:
     """``FullOffloadOptimizer``'s ``"auto"``: the :class:`FractionChoice` for ``params``
     (``None`` for any other ``fraction``, and a budget given without ``"auto"``
@@ -179,9 +180,13 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
         return full_seconds(rates, device_elements=elements - host, host_elements=host,
                             chunk_elements=chunk_numel, grad_bytes=grad_bytes)
 
+    def staging_of(host_bytes: int) -> int:
+        # accumulate="gpu": the host part's FP32 gradient sums on the device, 4 B an element.
+        return 0 if accumulate != "gpu" or not total else int(4 * host_bytes / per_element)
+
     return choose(weights, elements, budget=budget, budget_source=source,
                   chunk_bytes=int(chunk_numel * per_element), prefetch=0, rates=rates,
-                  seconds=seconds, staging_of=lambda _h: 0)
+                  seconds=seconds, staging_of=staging_of)
 
 
 def is_auto(fraction: Any) -> bool:
@@ -223,6 +228,7 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
                        process_group=config.process_group, chunk_numel=config.chunk_numel,
                        pin_memory=config.pin_memory, threads=config.num_threads,
                        device_budget_bytes=device_budget_bytes,
-                       ddp=isinstance(found, torch.nn.parallel.DistributedDataParallel))
+                       ddp=isinstance(found, torch.nn.parallel.DistributedDataParallel),
+                       accumulate=config.accumulate)
     assert choice is not None
     return dataclasses.replace(config, offload_fraction=choice.fraction), choice, params
