@@ -13,6 +13,12 @@ Prints each step's loss and gradient norm, and where the memory is
 (``memory_stats()``) before and after the restart.
 
     python examples/full_offload_fraction.py --steps 4 --fraction 0.5 --resume-fraction 0.0
+
+``--fraction auto`` lets the optimizer choose the first run's fraction from a device
+memory budget (``--device-budget-bytes``; default on CUDA the free memory, elsewhere
+half of the masters, state and sums) and prints its choice (``offload_choice``).
+
+    python examples/full_offload_fraction.py --fraction auto --resume-fraction 0.0
 """
 
 from __future__ import annotations
@@ -54,9 +60,15 @@ def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-def optimizer(model: nn.Module, fraction: float) -> FullOffloadOptimizer:
+def optimizer(model: nn.Module, fraction: float | str,
+              budget: int | None = None) -> FullOffloadOptimizer:
+    extra = {} if budget is None else {"device_budget_bytes": budget}
     return FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
-                                max_norm=1.0, offload_fraction=fraction)
+                                max_norm=1.0, offload_fraction=fraction, **extra)
+
+
+def fraction_arg(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
 
 def train(model: nn.Module, opt: FullOffloadOptimizer, data: list[list[torch.Tensor]],
@@ -88,7 +100,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps before the restart")
     parser.add_argument("--resume-steps", type=int, default=3, help="steps after it")
-    parser.add_argument("--fraction", type=float, default=0.5)
+    parser.add_argument("--fraction", type=fraction_arg, default=0.5,
+                        help="a number in [0, 1], or auto")
+    parser.add_argument("--device-budget-bytes", type=int, default=None,
+                        help="with --fraction auto: the device part's budget")
     parser.add_argument("--resume-fraction", type=float, default=0.0)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,9 +112,14 @@ def main() -> None:
     data = [[batches[0], batches[1]] for _ in range(args.steps + args.resume_steps)]
 
     model = new_model(device)
-    opt = optimizer(model, args.fraction)
+    budget = args.device_budget_bytes
+    if args.fraction == "auto" and budget is None and device.type != "cuda":
+        budget = 16 * sum(p.numel() for p in model.parameters()) // 2  # AdamW: 16 B each
+    opt = optimizer(model, args.fraction, budget if args.fraction == "auto" else None)
+    if opt.offload_choice is not None:
+        print(f"auto: {opt.offload_choice.reason}")
     train(model, opt, data[:args.steps], 0, verbose=True)
-    print(f"offload_fraction={args.fraction}: {describe(opt.memory_stats())}")
+    print(f"offload_fraction={opt.offload_fraction:.4g}: {describe(opt.memory_stats())}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.pt"
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)

@@ -25,3 +25,14 @@ def test_full_offload_fraction_example() -> None:
     assert "offload_fraction=0.5: " in out.stdout and "KiB on the device" in out.stdout
     assert "resumed at offload_fraction=0.0: 0 KiB of masters" in out.stdout
     assert "bitwise equal to offload_fraction=1.0 over 7 steps: True" in out.stdout
+
+
+def test_full_offload_fraction_example_auto() -> None:
+    """``--fraction auto``: the optimizer chooses within half the state's bytes on the
+    device (the CPU's default budget here) and still ends bitwise equal."""
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--resume-steps", "1",
+                          "--fraction", "auto", "--resume-fraction", "0.0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "auto: offload_fraction=" in out.stdout and "(device_budget_bytes)" in out.stdout
+    assert "bitwise equal to offload_fraction=1.0 over 3 steps: True" in out.stdout

@@ -16,7 +16,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
 from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
 from pipeoff.optim._full_offload import _common, _host_kernel
+from pipeoff.optim._full_offload._auto import numeric, resolve
 from pipeoff.optim._full_offload._common import Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
     DEFAULT_SLOT_BYTES,
@@ -145,10 +146,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         process_group: the group the squared gradient norm is summed over, for
             parameters sharded by hand (default: the mesh dimensions each DTensor
             parameter is sharded on; none for parameters every rank holds whole).
-        timeout: seconds ``step()`` waits before raising ``StepTimeoutError``
-            naming the gradients that never came.
+        timeout: seconds ``step()`` waits before ``StepTimeoutError`` (naming missing grads).
         offload_fraction: the share of masters, state and gradient sums in host memory, in
-            [0, 1] (``0.0``: all on the device; ``docs/full_offload.md``, "Offloading a fraction").
+            [0, 1] (``0.0``: all on the device), or ``"auto"``: the fastest that fits
+            ``device_budget_bytes`` (default on CUDA: the free memory; docs/full_offload.md).
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``...).
 
     Raises:
@@ -177,7 +178,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         num_threads: int | None = None,
         process_group: Any = None,
         timeout: float = 600.0,
-        offload_fraction: float = 1.0,
+        offload_fraction: float | Literal["auto"] = 1.0,
+        device_budget_bytes: int | str | None = None,
         **defaults: Any,
     ) -> None:
         params, found = model_and_params(model, params)
@@ -186,16 +188,17 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         chunk_numel = chunk_numel_of(chunk_numel, chunk_bytes)
         config = FullOffloadConfig(
             optimizer_class=optimizer_class_of(optimizer_class), accumulate=accumulate,
-            overlap=overlap,
-            max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
+            overlap=overlap, max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
             slot_bytes=parse_bytes(slot_bytes, name="slot_bytes"), slots=slots,
             num_threads=num_threads, process_group=process_group, timeout=timeout,
-            defaults=defaults, offload_fraction=offload_fraction)
+            defaults=defaults, offload_fraction=numeric(offload_fraction))
         refuse_environment()
         # Hazard: a compile session that began before the first chunk's math (is_compiling()
         # is process-wide) steering torch.optim into its compiled-code branches on a lane.
         _compat.eager_math()
         probe = config.probe()
+        config, self.offload_choice, params = resolve(  # "auto"'s choice (else None), config
+            config, offload_fraction, params, found, probe, device_budget_bytes)
         # Decide the native host step now, on the caller's thread and before any
         # parameter is taken: its fallback warning (an error under -W error) then
         # leaves nothing half-built. (A group's own fused=True: at step().)
@@ -224,7 +227,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         self._intake = GradientIntake(self._lifecycle, self._model_sync)
         # Forward hooks (attach()); the ended step's traces.
         self._waits = ForwardWaits(self.wait_for_step)
-        self._traces = StepTraces(self._lifecycle, self._waits)
+        self._traces = StepTraces(self._lifecycle, self._waits, self.offload_choice)
         self._attach_handles: list[Any] = []
         self._attached: torch.nn.Module | None = None
         self._handed_over = 0  # steps launched (step() without gradients launches none)

@@ -283,7 +283,7 @@ def test_refresh_device_weights_and_masters_cover_the_device_part() -> None:
     (-0.1, "offload_fraction must be a number in"), (1.5, "offload_fraction must be"),
     (math.nan, "offload_fraction must be"), (True, "offload_fraction must be"),
     ("0.5", "offload_fraction must be"),
-    ("auto", "offload_fraction='auto' is not available yet for FullOffloadOptimizer"),
+    ("auto", "offload_fraction='auto' needs device_budget_bytes"),  # (on CPU, without one)
 ])
 def test_bad_fractions_are_refused_by_name(value: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

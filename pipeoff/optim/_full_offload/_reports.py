@@ -70,7 +70,10 @@ class HostReports:
             return "params=0"
         f = life.part.fraction
         n = len(life.registry) + len(life.part.params)
-        return ("" if f == 1.0 else f"offload_fraction={f}, ") + f"params={n}"
+        auto = getattr(self, "offload_choice", None) is not None
+        return ("" if f == 1.0 and not auto else
+                f"offload_fraction={f:.4g} (auto), " if auto else f"offload_fraction={f}, "
+                ) + f"params={n}"
 
     @property
     def offload_fraction(self) -> float:

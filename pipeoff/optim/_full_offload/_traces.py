@@ -30,8 +30,10 @@ class StepTraces:
         waits: the forward hooks' waits for the step in flight's weights.
     """
 
-    def __init__(self, lifecycle: Lifecycle, waits: ForwardWaits) -> None:
+    def __init__(self, lifecycle: Lifecycle, waits: ForwardWaits, choice: Any = None) -> None:
         self.lifecycle = lifecycle
+        self.choice = choice
+        """``offload_fraction="auto"``'s :class:`FractionChoice` (the metadata's), or ``None``."""
         self.waits = waits
         self.last: Any = None
         """The last ended step's :class:`pipeoff.trace.Trace`, with the hooks' waits."""
@@ -57,5 +59,8 @@ class StepTraces:
         # The forward hooks' waits for this step's weights, as OffloadOptimizer's trace has.
         waits = hook_wait_records(self._hook_waits, ex.origin_ns, trace.metadata.get("rank", 0))
         self._hook_waits = []
-        self.last = dataclasses.replace(trace, tasks=trace.tasks + waits) if waits else trace
+        part: Any = getattr(self.lifecycle, "part", None)
+        meta = {**trace.metadata, "offload_fraction": 1.0 if part is None else part.fraction,
+                **({} if self.choice is None else {"offload_choice": self.choice.as_dict()})}
+        self.last = dataclasses.replace(trace, tasks=trace.tasks + waits, metadata=meta)
         return True

@@ -67,6 +67,9 @@ class Rates:
     """Device-to-pinned-host copy bandwidth."""
     step_elements_per_s: float
     """Elements per second of the wrapped optimizer's step on the device."""
+    host_step_elements_per_s: float | None = None
+    """Elements per second of the host step (full offload's; ``None`` for
+    ``OffloadOptimizer``, whose steps all run on the device)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,17 +176,34 @@ def step_seconds(rates: Rates, *, elements: int, host_bytes: int, chunk_bytes: i
 
 
 def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source: str,
-           chunk_bytes: int, prefetch: int, rates: Rates) -> FractionChoice:
+           chunk_bytes: int, prefetch: int, rates: Rates,
+           seconds: Callable[[int], float] | None = None,
+           staging_of: Callable[[int], int] | None = None) -> FractionChoice:
     """The fastest fraction of parameters of state ``weights`` (bytes) whose device
     memory fits ``budget``.
+
+    ``seconds(host_bytes)`` is the model's step time with ``host_bytes`` of the weights in
+    host memory, ``staging_of(host_bytes)`` the device staging it needs beside the device
+    part (defaults: ``OffloadOptimizer``'s, :func:`step_seconds` and ``(prefetch + 1)``
+    chunks).
 
     Raises:
         ConfigError: naming ``device_budget_bytes``: not even all state on the host
             (the staging alone) fits.
     """
     total = sum(weights)
-    staging = (prefetch + 1) * chunk_bytes
     per_element = total / max(elements, 1)
+    if seconds is None:
+        def seconds(host_bytes: int) -> float:
+            return step_seconds(rates, elements=elements, host_bytes=host_bytes,
+                                chunk_bytes=chunk_bytes, bytes_per_element=per_element)
+    if staging_of is None:
+        staging = (prefetch + 1) * chunk_bytes
+
+        def staging_of(host_bytes: int) -> int:
+            return (prefetch + 1) * min(chunk_bytes, host_bytes) if host_bytes else 0
+    else:
+        staging = staging_of(total)
     best_share = 0.0 if total <= budget else max(0.0, 1.0 - (budget - staging) / max(total, 1))
     fractions = sorted({min(1.0, best_share), *GRID})
     cands = []
@@ -191,12 +211,9 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
         split = split_params(weights, f)
         on_device = sum(weights[i] for i in split.on_device)
         host_bytes = total - on_device
-        used = on_device + ((prefetch + 1) * min(chunk_bytes, host_bytes) if host_bytes else 0)
-        cands.append(Candidate(
-            fraction=f, device_bytes=used, fits=used <= budget,
-            step_ms=1e3 * step_seconds(rates, elements=elements, host_bytes=host_bytes,
-                                       chunk_bytes=chunk_bytes,
-                                       bytes_per_element=per_element)))
+        used = on_device + staging_of(host_bytes)
+        cands.append(Candidate(fraction=f, device_bytes=used, fits=used <= budget,
+                               step_ms=1e3 * seconds(host_bytes)))
     feasible = [c for c in cands if c.fits]
     if not feasible:
         raise ConfigError(
