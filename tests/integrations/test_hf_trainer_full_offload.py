@@ -90,14 +90,20 @@ def check_equal(ref: Any, ref_opt: torch.optim.Optimizer, model: Any,
         assert torch.equal(got["state"][i]["master"], params[i].detach()), i  # FP32 model
 
 
-@pytest.mark.parametrize(("accumulation", "max_grad_norm"), [(4, 1.0), (1, 1.0), (4, 0.0)])
+@pytest.mark.parametrize(("accumulation", "max_grad_norm", "fraction"), [
+    (4, 1.0, 1.0), (1, 1.0, 1.0), (4, 0.0, 1.0),
+    # A device part: the Trainer's clip call sees both parts' gradients (issue 36).
+    (4, 1.0, 0.0), (4, 1.0, 0.5)])
 def test_trainer_with_full_offload_matches_adamw(accumulation: int, max_grad_norm: float,
-                                                 tmp_path: Path) -> None:
+                                                 fraction: float, tmp_path: Path) -> None:
     ref = tiny_llama()
     model = copy.deepcopy(ref)
     init = [p.detach().clone() for p in ref.parameters()]
     ref_opt = adamw(ref)
-    opt = full_offload(model)  # overlap="forward", the default
+    # overlap="forward", the default
+    opt = full_offload(model, offload_fraction=fraction)
+    if fraction == 0.5:
+        assert 0 < opt.memory_stats()["params_device"] < len(list(model.parameters()))
     want_trainer, want = trainer_for(ref, ref_opt, tmp_path / "ref", accumulation=accumulation,
                                      max_grad_norm=max_grad_norm)
     got_trainer, got = trainer_for(model, opt, tmp_path / "full", accumulation=accumulation,

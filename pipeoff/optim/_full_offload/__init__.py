@@ -22,7 +22,8 @@
   joins it with the host part (``FractionLifecycle``).
 * ``_lifecycle``: one owner for the accumulation and the step in flight
   (``Lifecycle``): every transition.
-* ``_grads``: the placeholders the loop's own calls see in ``param.grad``.
+* ``_grads``, ``_placeholder``: what the loop's own calls on ``param.grad`` get
+  (``LoopGrads``, over both parts' sums) and the placeholder itself (``HostGrad``).
 * ``_edits``: the math of the loop's in-place edits, applied in the step.
 * ``_model_sync``: ``param_groups`` followed, outside writes adopted (``ModelSync``).
 * ``_intake``: the hooks and the wrapper policy (``GradientIntake``), calling down.

@@ -17,15 +17,21 @@ where the group says so) steps the FP32 master, and the weight is written as the
 master's cast. See ``[Note: the two parts of a full-offload step]`` in
 ``_fraction.py`` for how the two parts run and join.
 
-Written and read on the caller's thread (the gradient hook: on the thread running the
+Gradients come in through the optimizer's own gradient hooks (``_intake.py``), which
+hand a device-part parameter's to :meth:`FullDevicePart.fold`; between the backward and
+``step()`` the loop sees the sums in ``param.grad`` through placeholders
+(``_grads.py``), whose reads and edits call down into :meth:`FullDevicePart.norm_of`,
+:meth:`~FullDevicePart.scale`, :meth:`~FullDevicePart.replace` and
+:meth:`~FullDevicePart.drop`.
+
+Written and read on the caller's thread (a gradient: on the thread running the
 backward's hooks, while the caller is in ``backward()``).
 """
 
 from __future__ import annotations
 
 import collections
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +41,7 @@ from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _checkpoint
+from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
 
 __all__ = ["DeviceParam", "FullDevicePart", "full_weights"]
@@ -69,18 +76,6 @@ class DeviceParam:
         """The weight's version counter after this optimizer's last write to it."""
 
 
-class _Hook:
-    """A device-part parameter's post-accumulate-grad hook, holding the part weakly."""
-
-    def __init__(self, part: FullDevicePart) -> None:
-        self.ref = weakref.ref(part)
-
-    def __call__(self, p: torch.Tensor) -> None:
-        part = self.ref()
-        if part is not None:
-            part.on_grad(p)
-
-
 class FullDevicePart:
     """The device part of a full-offload optimizer: its parameters, their sums, and
     their step (see the module docstring).
@@ -93,10 +88,6 @@ class FullDevicePart:
         self.fraction = fraction
         self.params: dict[int, DeviceParam] = {}
         """The device part, by the parameter's ``id()`` (param-group order)."""
-        self._hooks: list[Any] = []
-        self.owned: Callable[[torch.Tensor], bool] = lambda p: True
-        """Whether this optimizer takes ``p``'s gradients (the newest optimizer over a
-        parameter does; set by the gradient intake)."""
         self.groups: Callable[[], Sequence[Mapping[str, Any]]] = lambda: ()
         """The live ``param_groups`` (set by the lifecycle): a parameter removed from them
         is ignored by its hook, its gradient left in ``.grad``, as torch leaves it."""
@@ -109,13 +100,12 @@ class FullDevicePart:
         self.written = False
         """Whether the last step may have written device-part masters or weights (also
         when it raised)."""
-        weakref.finalize(self, _remove, self._hooks)
 
     # -- the split ---------------------------------------------------------------------------
     def split(self, param_groups: Sequence[Mapping[str, Any]], probe: torch.optim.Optimizer,
               names: Mapping[int, str]) -> frozenset[int]:
-        """Decide the device part over ``param_groups`` (once, at construction), create its
-        masters and hooks; returns the ``id()`` of its parameters.
+        """Decide the device part over ``param_groups`` (once, at construction) and create
+        its masters; returns the ``id()`` of its parameters.
 
         Raises:
             ConfigError: naming ``offload_fraction``: a DTensor parameter (FSDP2).
@@ -132,7 +122,6 @@ class FullDevicePart:
         for i in sorted(on):
             p = tensors[i]
             self.params[id(p)] = DeviceParam(p, names.get(id(p), f"param {i}"))
-            self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(self)))
         return frozenset(self.params)
 
     def owns(self, p: torch.Tensor) -> DeviceParam | None:
@@ -140,21 +129,52 @@ class FullDevicePart:
         return rec if rec is not None and rec.param is p else None
 
     # -- gradients in ------------------------------------------------------------------------
-    def on_grad(self, p: torch.Tensor) -> None:
-        """Fold ``p.grad`` into its FP32 sum (the first: a widening copy), then release it:
-        the reference's accumulation, on the device."""
-        rec = self.owns(p)
-        g = p.grad
-        if rec is None or g is None or not self.owned(p):
-            return  # (another, newer optimizer's: its hooks take it)
-        if not self.listed(p):
-            return  # removed from param_groups: not this optimizer's to take
+    def tensors(self) -> list[torch.Tensor]:
+        """The device part's parameters."""
+        return [rec.param for rec in self.params.values()]
+
+    def fold(self, rec: DeviceParam, g: torch.Tensor) -> None:
+        """Fold ``g`` (the gradient a backward left in ``rec.param.grad``) into the FP32
+        sum (the first: a widening copy), then release it: the reference's
+        accumulation, on the device."""
         with torch.no_grad():
             if rec.sum is None:
                 rec.sum = g.to(torch.float32, copy=True)
             else:
                 rec.sum.add_(g)
-        p.grad = None
+        rec.param.grad = None
+
+    def with_sums(self) -> list[DeviceParam]:
+        """The parameters with a gradient sum, listed in the live groups."""
+        return [rec for rec in self.params.values()
+                if rec.sum is not None and self.listed(rec.param)]
+
+    # -- what the loop does to param.grad (through its placeholder) --------------------------
+    def norm_of(self, rec: DeviceParam, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``torch.linalg.vector_norm(sum, *args, **kwargs)`` of ``rec``'s FP32 sum."""
+        assert rec.sum is not None
+        out: torch.Tensor = torch.linalg.vector_norm(rec.sum, *args, **kwargs)
+        return out
+
+    def scale(self, rec: DeviceParam, edits: Sequence[Edit]) -> None:
+        """Apply the loop's in-place edits (a clip coefficient...) to ``rec``'s sum now, in
+        order, with torch's ops on the FP32 sum (the caller's stream orders them before
+        the step's kernels)."""
+        assert rec.sum is not None
+        with torch.no_grad():
+            apply_edits(rec.sum, edits)
+
+    def replace(self, rec: DeviceParam, g: torch.Tensor) -> None:
+        """A gradient the loop put in ``param.grad`` (or wrote through its copy) after the
+        backward: the sum from now on (widened: exact)."""
+        with torch.no_grad():
+            rec.sum = g.detach().to(torch.float32, copy=True)
+
+    @staticmethod
+    def drop(rec: DeviceParam) -> None:
+        """``param.grad = None`` after the backward: no gradient (a later backward starts
+        the sum again)."""
+        rec.sum = None
 
     def listed(self, p: torch.Tensor) -> bool:
         """Whether the live groups list ``p`` (looked up once per backward)."""
@@ -163,12 +183,16 @@ class FullDevicePart:
             self._listed = (bid, frozenset(id(q) for g in self.groups() for q in g["params"]))
         return id(p) in self._listed[1]
 
-    def take_hand_set(self) -> None:
-        """At ``step()``: a gradient put in ``param.grad`` by hand after the backward
-        replaces the parameter's sum (as the host part's does)."""
+    def take_hand_set(self, shown: Container[int] = ()) -> bool:
+        """A gradient put in ``param.grad`` by hand where no backward left one (``step()``
+        with gradients set by hand, as ``torch.distributed.checkpoint`` does) becomes the
+        parameter's sum. ``shown``: the ``id()`` of parameters whose ``.grad`` is the
+        loop's view of their sum (``_grads.py``), passed over. Returns whether any
+        was taken."""
+        took = False
         for rec in self.params.values():
             g = rec.param.grad
-            if g is None or not self.listed(rec.param):
+            if g is None or id(rec.param) in shown or not self.listed(rec.param):
                 continue
             if g.shape != rec.param.shape or g.device != rec.param.device or g.is_sparse:
                 raise ConfigError(f"the gradient set by hand for {rec.name!r} is not dense, of "
@@ -176,6 +200,8 @@ class FullDevicePart:
             with torch.no_grad():
                 rec.sum = g.to(torch.float32, copy=True)
             rec.param.grad = None
+            took = True
+        return took
 
     def pending(self) -> bool:
         """Whether a device-part parameter has a gradient (a sum, or one set by hand)."""
@@ -388,9 +414,3 @@ class FullDevicePart:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _remove(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()

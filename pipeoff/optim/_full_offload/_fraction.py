@@ -7,10 +7,16 @@ With ``offload_fraction < 1`` a step has two parts that touch disjoint parameter
 gradients, masters and state, so nothing orders one after the other; what needs
 ordering is the norm they share, and their readers:
 
+* the gradients: a device-part parameter's gradient is folded into its FP32 sum as
+  autograd finalizes it (the optimizer's own hook, as the host part's), and at the
+  end of each backward the loop sees that sum in ``param.grad`` through a
+  placeholder, as it sees the host part's (``_grads.py``): its clip call's norm is
+  over both parts, its coefficient and ``p.grad = None`` reach the device sums;
 * the norm: ``step()`` waits for the host part's gradient norm (the folds of the
   final backward, the ``norm`` task), then takes the total over both parts in
   param-group order, as ``clip_grad_norm_(foreach=False)`` over every gradient
-  would; the host part's chunks (after the ``step`` gate, opened next) and the
+  would, once per step (before the loop's edits, as the host part's norms are
+  taken); the host part's chunks (after the ``step`` gate, opened next) and the
   device part clip with that one coefficient;
 * the host part's chunks are launched first (the ``step`` gate), then the device part
   steps with torch's kernel on the caller's thread and stream, so both run at once;
@@ -31,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeoff import _faults
-from pipeoff._errors import ConfigError
+from pipeoff import _compat, _faults
+from pipeoff._errors import ConfigError, GradientError
 from pipeoff._lowlevel import settle
 from pipeoff.execution import Execution
-from pipeoff.optim._full_offload._common import Accumulation
-from pipeoff.optim._full_offload._device_part import FullDevicePart
+from pipeoff.optim._full_offload._common import Accumulation, after_final_message
+from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
 from pipeoff.optim._full_offload._graph import step_task
 from pipeoff.optim._full_offload._lanes import LaneResults
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
@@ -47,14 +53,10 @@ if TYPE_CHECKING:
     from pipeoff.optim._full_offload._param import ParamRegistry
     from pipeoff.optim._readers import Readers
 
-__all__ = ["FractionLifecycle", "LOOP_EDITS", "NO_DDP"]
+__all__ = ["FractionLifecycle", "NO_DDP"]
 
 NO_DDP = ("offload_fraction < 1 (a device part) is not available under "
           "DistributedDataParallel yet: use offload_fraction=1.0")
-LOOP_EDITS = (
-    "offload_fraction < 1: the loop edited param.grad in place (a clip_grad_norm_ call "
-    "on model.parameters(), say), which shows only the host part's gradients; clip with "
-    "opt.clip_grad_norm_() or max_norm=, which take the norm over both parts")
 
 
 class FractionLifecycle(Lifecycle):
@@ -72,6 +74,10 @@ class FractionLifecycle(Lifecycle):
         super().__init__(registry, config, health, readers, param_groups)
         self.part = part
         part.groups = param_groups
+        self._shown_in = -1
+        """The backward whose end shows the device part's sums (its id)."""
+        self._both: tuple[Accumulation | None, torch.Tensor | None] = (None, None)
+        """The accumulation whose total norm over both parts was taken, and that norm."""
 
     def split(self, probe: torch.optim.Optimizer) -> None:
         """Decide the device part over the groups the optimizer was built with (before the
@@ -90,6 +96,36 @@ class FractionLifecycle(Lifecycle):
         if ddp is not None and self.part.params:
             raise ConfigError(NO_DDP)
         super().use_wrapper(ddp)
+
+    # -- gradients in ------------------------------------------------------------------------
+    def receive_device(self, rec: DeviceParam) -> None:
+        """A device-part parameter's gradient, during a backward (admitted by the intake):
+        into its sum; the end of the backward shows the sums in ``param.grad``.
+
+        Raises:
+            GradientError: the accumulation was ended (a read of the gradients, the
+                norm) before this backward.
+        """
+        acc = self.acc
+        if self.health.dirty is not None or self.health.torn is not None:
+            rec.param.grad = None  # dropped: step() refuses until zero_grad()
+            return
+        if acc is not None and acc.final is not None and self.micro is not acc.final:
+            err = GradientError(after_final_message(self.config.overlap))
+            self.health.dirty = err
+            raise err
+        self.part.fold(rec, rec.param.grad)  # type: ignore[arg-type]
+        bid = _compat.backward_id()
+        if self._shown_in != bid:
+            self._shown_in = bid
+            _compat.queue_backward_callback(self._show_device)
+
+    def _show_device(self) -> None:
+        """The end of a backward with device-part gradients: the loop sees their sums."""
+        self._shown_in = -1
+        if self._device_only():
+            assert self.acc is not None
+            self.grads.install_device(self.acc, self.part.with_sums())
 
     # -- transitions -----------------------------------------------------------------------
     def begin_from_params(self) -> bool:
@@ -113,23 +149,29 @@ class FractionLifecycle(Lifecycle):
         return super().norm()
 
     def current_norm(self, why: str = "grad_norm was read") -> torch.Tensor | None:
-        """The total norm over both parts (the host part's norms waited for)."""
+        """The total norm over both parts (the host part's norms waited for), taken once
+        per step: before the loop's edits of the gradients, as the host part's are."""
         norm = super().current_norm(why)
         acc = self.acc
         if norm is None or acc is None or not self.part.params:
             return norm
+        res = acc.results
+        took = self.part.take_hand_set(self.grads.device_shown())  # (this step's)
+        if self._both[0] is acc and not took:
+            res.total_norm = self._both[1]
+            return res.total_norm
         fin = acc.final
         assert fin is not None and fin.lanes is not None
-        lanes, res = fin.lanes, acc.results
+        lanes = fin.lanes
 
         def host_norm(p: torch.Tensor) -> torch.Tensor | None:
             i = lanes.position_of(p)
             return None if i is None or res.counts[i] == 0 else res.norms[i]
 
-        self.part.take_hand_set()  # (a gradient set by hand is this step's)
         # The norm task has ended (waited for above); the chunks read total_norm only
         # after the step gate, which hand_over() opens later on this thread.
         res.total_norm = self.part.total_norm(self.param_groups(), host_norm)
+        self._both = (acc, res.total_norm)
         return res.total_norm
 
     def hand_over(self, hyper: list[dict[str, Any]] | None,
@@ -137,8 +179,6 @@ class FractionLifecycle(Lifecycle):
         """As :class:`Lifecycle`'s, then the device part steps (see the Note)."""
         if not self.part.params:
             return super().hand_over(hyper, edits)
-        if edits:
-            raise ConfigError(LOOP_EDITS)
         acc = self.acc
         assert acc is not None and hyper is not None
         self.part.adopt()  # weights written from outside become masters, as the host's
@@ -148,6 +188,7 @@ class FractionLifecycle(Lifecycle):
         # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks take them.
         coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
         acc = super().hand_over(hyper, edits)  # the host part's chunks go
+        self._both = (None, None)
         try:
             self.part.step(self.param_groups(), hyper, self.registry.probe, coef)
         except BaseException as err:
@@ -215,6 +256,18 @@ class FractionLifecycle(Lifecycle):
     def discard(self, why: str, *, classify_final: bool) -> None:
         super().discard(why, classify_final=classify_final)
         self.part.discard()
+        self._both = (None, None)
+
+    def edit_device_sums(self, replaced: Mapping[DeviceParam, torch.Tensor],
+                         dropped: list[DeviceParam]) -> None:
+        """The loop put a gradient in a device-part ``param.grad`` by hand (or wrote
+        through it) or set it to ``None`` after a backward: the sums say so from now on
+        (on the caller's stream, before the step's kernels)."""
+        for rec, t in replaced.items():
+            self.part.replace(rec, t)
+        for rec in dropped:
+            self.part.drop(rec)
+        self._both = (None, None)  # (the total over both parts is taken again)
 
     def writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         """As :class:`Lifecycle`'s; a device-part parameter is written on the caller's

@@ -1,4 +1,4 @@
-"""What ``param.grad`` holds under full offload: the host gradient sum, for the loop's own calls.
+"""What ``param.grad`` holds under full offload: the gradient sum, for the loop's own calls.
 
 Full offload takes each gradient off the device as autograd finalizes it, so
 every call of the training loop that reads ``.grad`` (torch's
@@ -37,7 +37,6 @@ chunks step during the final backward, so a recorded edit is refused.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,165 +44,33 @@ import torch
 
 from pipeoff import _compat, _faults
 from pipeoff._compat import local_tensor as local
-from pipeoff._errors import ConfigError, GradientError, PipeoffError
+from pipeoff._errors import ConfigError, GradientError
 from pipeoff.optim._full_offload._edits import FOREACH_CLAMP as _FOREACH_CLAMP
 from pipeoff.optim._full_offload._edits import FOREACH_SCALE as _FOREACH_SCALE
 from pipeoff.optim._full_offload._edits import SCALE as _SCALE
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._full_offload._edits import value as _value
+from pipeoff.optim._full_offload._placeholder import (
+    GradSlot,
+    HostGrad,
+    NeedsRealGradient,
+    incoming_of,
+    is_placeholder,
+    real_of,
+    slots_in,
+)
 from pipeoff.optim._tensors import flat, flat_like, wrap_like
 
 if TYPE_CHECKING:
     from pipeoff.optim._full_offload._common import Accumulation
+    from pipeoff.optim._full_offload._device_part import DeviceParam
+    from pipeoff.optim._full_offload._fraction import FractionLifecycle
     from pipeoff.optim._full_offload._lifecycle import Lifecycle
     from pipeoff.optim._full_offload._param import OffloadedParam
 
 __all__ = ["HostGrad", "LoopGrads", "NeedsRealGradient", "incoming_of", "is_placeholder"]
 
 aten = torch.ops.aten
-
-_VALUE_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
-"""Reads of the values that bypass aten (a wrapper subclass has no storage to give
-them): they run on the real gradient."""
-
-
-class GradSlot:
-    """One parameter's gradient in one accumulation, as the loop sees it.
-
-    Written on the caller's thread (and, for ``incoming``, on the thread running a
-    backward), read there; the lanes never touch it.
-    """
-
-    __slots__ = ("acc", "applied", "edits", "i", "incoming", "owner", "placeholder", "real",
-                 "real_version", "rec", "shown")
-
-    def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam) -> None:
-        self.owner = weakref.ref(owner)
-        self.acc = acc
-        """The accumulation it stands for (a placeholder of an earlier one refuses)."""
-        self.i = i
-        self.rec = rec
-        self.edits: list[Edit] = []
-        """In-place operations recorded on it, applied to the host sum in the step."""
-        self.applied = False
-        """Edits were applied to the host sum already (a read needed them): the norm the
-        final fold took is not this sum's any more."""
-        self.incoming: torch.Tensor | None = None
-        """A gradient that autograd added into the placeholder (a backward whose forward
-        the optimizer did not see), until the parameter's hook takes it."""
-        self.real: torch.Tensor | None = None
-        """The gradient copied to the device by an operation that needed its values."""
-        self.real_version = 0
-        self.placeholder = HostGrad(local(rec.param), self)
-        self.shown: torch.Tensor = wrap_like(rec.param, self.placeholder)
-        """What ``param.grad`` holds: the placeholder, then the real gradient."""
-
-    def loop_grads(self) -> LoopGrads:
-        owner = self.owner()
-        if owner is None:
-            raise PipeoffError("this gradient placeholder's FullOffloadOptimizer was deleted")
-        return owner
-
-    def alias(self) -> HostGrad:
-        """Another placeholder of the same gradient (``detach()``, ``.data``)."""
-        return HostGrad(self.placeholder, self)
-
-
-class HostGrad(torch.Tensor):
-    """A parameter's gradient that lives in host memory (see the module docstring).
-
-    Its shape, dtype, strides and device are the parameter's (local shard's); it has
-    no storage. ``repr`` says what it stands for.
-    """
-
-    _slot: GradSlot
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor, slot: GradSlot) -> HostGrad:
-        t: Any = _compat.make_wrapper_subclass(cls, like)
-        t._slot = slot
-        return t  # type: ignore[no-any-return]
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        # Norms and in-place scaling are answered at the aten level (below); any
-        # other operation runs on the real gradient, here above autograd, so that
-        # views of it and writes through them are those of an ordinary tensor.
-        kwargs = kwargs or {}
-        slots = list(_slots_in(args, kwargs))
-        if func not in _VALUE_READS and not any(s.real is not None for s in slots):
-            marks = [len(s.edits) for s in slots]
-            try:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-            except NeedsRealGradient:
-                for s, n in zip(slots, marks):
-                    del s.edits[n:]  # (a composite op that scaled, then needed values)
-        return func(*_real(args), **{k: _real(v) for k, v in kwargs.items()})
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        slot = next(s for s in _slots_in(args, kwargs or {}))
-        return slot.loop_grads().dispatch(func, tuple(args), dict(kwargs or {}))
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        rec = self._slot.rec
-        return (f"HostGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
-                f"the FP32 host gradient sum of {rec.name!r} under FullOffloadOptimizer)")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickled or saved: the real gradient, in the parameter's dtype.
-        return self._slot.loop_grads().materialize(self._slot).__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
-        return self._slot.loop_grads().materialize(self._slot).clone()
-
-
-def _slots_in(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, HostGrad):
-            yield a._slot
-        elif isinstance(a, (list, tuple)):
-            yield from (t._slot for t in a if isinstance(t, HostGrad))
-
-
-class NeedsRealGradient(GradientError):
-    """An operation on a gradient placeholder that needs the gradient's values.
-
-    Raised (and handled) inside :class:`HostGrad`: the operation is run again on the
-    real gradient. It reaches the caller only where the operation cannot be re-run:
-    through a DTensor parameter's placeholder (norms and in-place scaling work there)
-    or from C++ code that writes ``.grad`` itself (DDP's reducer copying into a
-    gradient the loop left in place).
-    """
-
-
-def _real(a: Any) -> Any:
-    # Each placeholder by its own optimizer's LoopGrads: one foreach call may span
-    # the parameters of several (torchtitan clips all model parts in one call).
-    if isinstance(a, HostGrad):
-        return a._slot.loop_grads().materialize(a._slot)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_real(t) for t in a)
-    return a
-
-
-def is_placeholder(t: Any) -> bool:
-    """Whether ``t`` (or a DTensor's local tensor) is a :class:`HostGrad`."""
-    return t is not None and isinstance(local(t), HostGrad)
-
-
-def incoming_of(grad: torch.Tensor) -> torch.Tensor | None:
-    """The gradient autograd added into a placeholder (the local tensor), or ``None``."""
-    loc = local(grad)
-    if not isinstance(loc, HostGrad):
-        return grad
-    slot = loc._slot
-    got, slot.incoming = slot.incoming, None
-    return got
-
 
 _ALIAS = (aten.detach.default, aten.alias.default)
 
@@ -222,11 +89,14 @@ class LoopGrads:
     """
 
     def __init__(self, micro: Lifecycle, overlap: str) -> None:
-        self.micro = micro
+        # (The optimizer's lifecycle is a FractionLifecycle: the device part's calls.)
+        self.micro: FractionLifecycle = micro  # type: ignore[assignment]
         self.overlap = overlap
         self.slots: dict[int, GradSlot] = {}
         """The placeholders of the accumulation in progress, by parameter position (kept
         until ``step()``: what the loop recorded on them)."""
+        self.device_slots: dict[int, GradSlot] = {}
+        """The device part's placeholders, by the parameter's ``id()``."""
         self.acc: Accumulation | None = None
         self.showing = False
         """Whether the placeholders are in ``param.grad`` now."""
@@ -236,9 +106,7 @@ class LoopGrads:
         """The end of a backward: a placeholder in the ``.grad`` of every parameter with a
         gradient in ``acc`` whose ``.grad`` is empty (under DDP the wrapper keeps its
         own gradients there between micro-steps)."""
-        if self.acc is not acc:
-            self.slots = {}
-            self.acc = acc
+        self._begin(acc)
         for i in sorted(acc.touched):
             rec = params[i]
             p = rec.param
@@ -248,21 +116,46 @@ class LoopGrads:
             if slot is None or slot.rec is not rec:
                 slot = self.slots[i] = GradSlot(self, acc, i, rec)
             p.grad = slot.shown
-        self.showing = bool(self.slots)
+        self.showing = bool(self.slots or self.device_slots)
+
+    def install_device(self, acc: Accumulation, recs: Sequence[DeviceParam]) -> None:
+        """The end of a backward with device-part gradients: a placeholder in the ``.grad``
+        of each of ``recs`` (those with a sum) whose ``.grad`` is empty."""
+        self._begin(acc)
+        for dev in recs:
+            p = dev.param
+            if p.grad is not None:
+                continue
+            slot = self.device_slots.get(id(p))
+            if slot is None or slot.dev is not dev:
+                slot = self.device_slots[id(p)] = GradSlot(
+                    self, acc, -1, dev, dev)  # type: ignore[arg-type]
+            p.grad = slot.shown
+        self.showing = bool(self.slots or self.device_slots)
+
+    def _begin(self, acc: Accumulation) -> None:
+        if self.acc is not acc:
+            self.slots, self.device_slots = {}, {}
+            self.acc = acc
+
+    def device_shown(self) -> frozenset[int]:
+        """The ``id()`` of the device-part parameters whose ``.grad`` is (or was, until the
+        next backward) their sum's placeholder."""
+        return frozenset(self.device_slots)
 
     def clear(self) -> None:
         """Take every placeholder out and forget them (the accumulation was discarded)."""
-        for slot in self.slots.values():
+        for slot in [*self.slots.values(), *self.device_slots.values()]:
             p = slot.rec.param
             if p.grad is not None and p.grad is slot.shown:
                 p.grad = None
-        self.slots = {}
+        self.slots, self.device_slots = {}, {}
         self.acc = None
         self.showing = False
 
     def withdraw(self, *, stepping: bool) -> dict[int, tuple[Edit, ...]]:
         """Take the placeholders out of ``.grad``, before a forward or at ``step()``
-        (``stepping``), and make what the loop did to ``.grad`` the host sums': a tensor
+        (``stepping``), and make what the loop did to ``.grad`` the sums': a tensor
         put in ``.grad`` or written through is the gradient, ``None`` drops it (all of
         them ``None``: the accumulation is discarded, as by ``zero_grad()``). At
         ``step()``, returns the recorded edits per parameter (the step applies them)
@@ -281,7 +174,9 @@ class LoopGrads:
         if acc is not self.micro.acc:
             self.clear()  # (the accumulation ended: a failure discarded it)
             return {}
-        slots = self.slots
+        # Each placeholder by (whether in the device part, its position or id()).
+        slots = {**{(False, i): s for i, s in self.slots.items()},
+                 **{(True, k): s for k, s in self.device_slots.items()}}
         clips = self.micro.config.max_norm is not None or acc.max_norm is not None
         if stepping and clips and any(s.edits or s.applied for s in slots.values()):
             raise ConfigError(
@@ -290,37 +185,37 @@ class LoopGrads:
                 "(max_norm, or opt.clip_grad_norm_()): they would be clipped twice; keep "
                 "one (the loop's own call works under full offload)")
         if self.showing:
-            dropped: list[int] = []
-            replaced: dict[int, torch.Tensor] = {}
-            arriving: dict[int, torch.Tensor] = {}
-            for i, slot in slots.items():
+            dropped: list[tuple[bool, int]] = []
+            replaced: dict[tuple[bool, int], torch.Tensor] = {}
+            arriving: dict[tuple[bool, int], torch.Tensor] = {}
+            for key, slot in slots.items():
                 g = slot.rec.param.grad
                 if slot.incoming is not None:
                     # A backward began without a forward this optimizer saw, and autograd
                     # added its gradient into the placeholder: the hook takes it next.
-                    arriving[i] = slot.incoming
+                    arriving[key] = slot.incoming
                 elif g is not None and g is slot.shown:
                     if slot.real is not None and slot.real._version != slot.real_version:
-                        replaced[i] = slot.real  # written through (a read leaves it)
+                        replaced[key] = slot.real  # written through (a read leaves it)
                 elif g is None:
-                    dropped.append(i)
+                    dropped.append(key)
                 else:
-                    replaced[i] = local(g)
+                    replaced[key] = local(g)
             everything = len(dropped) == len(slots) and not (replaced or arriving)
-            checked: dict[int, torch.Tensor] = {}
+            checked: dict[tuple[bool, int], torch.Tensor] = {}
             if dropped or replaced:
                 self._refuse_late("set to None" if everything else "replaced")
                 if clips and not everything:
                     raise ConfigError(
-                        f"param.grad of {[slots[i].rec.name for i in [*dropped, *replaced]][:4]} "
+                        f"param.grad of {[slots[k].rec.name for k in [*dropped, *replaced]][:4]} "
                         "was replaced or set to None after the backward while the optimizer "
                         "clips with max_norm (whose norm was taken before): clip in the loop "
                         "instead (torch.nn.utils.clip_grad_norm_), or leave .grad as it is")
-                checked = {i: self._checked(slots[i].rec, t) for i, t in replaced.items()}
+                checked = {k: self._checked(slots[k], t) for k, t in replaced.items()}
             # Checked: now change things.
-            for i, slot in slots.items():
+            for key, slot in slots.items():
                 p = slot.rec.param
-                p.grad = wrap_like(p, arriving[i]) if i in arriving else None
+                p.grad = wrap_like(p, arriving[key]) if key in arriving else None
                 slot.incoming = None
             self.showing = False
             if dropped and everything:
@@ -328,14 +223,28 @@ class LoopGrads:
                                    "(model.zero_grad())", classify_final=True)
                 return {}
             if dropped or replaced:
-                self.micro.edit_sums(checked, dropped)
-                for i in [*dropped, *replaced]:
-                    slots.pop(i)
+                self._edit_sums(slots, checked, dropped)
         if not stepping:
             return {}
-        edits = {i: tuple(s.edits) for i, s in slots.items() if s.edits}
-        self.slots, self.acc = {}, None
+        edits = {i: tuple(s.edits) for i, s in self.slots.items() if s.edits}
+        self.slots, self.device_slots, self.acc = {}, {}, None
         return edits
+
+    def _edit_sums(self, slots: dict[tuple[bool, int], GradSlot],
+                   replaced: dict[tuple[bool, int], torch.Tensor],
+                   dropped: list[tuple[bool, int]]) -> None:
+        """Make the gradients the loop replaced or dropped the sums' (each part's), and
+        forget their placeholders."""
+        host_r = {k: t for (dev, k), t in replaced.items() if not dev}
+        host_d = [k for dev, k in dropped if not dev]
+        if host_r or host_d:
+            self.micro.edit_sums(host_r, host_d)
+        dev_r = {slots[key].dev: t for key, t in replaced.items() if key[0]}
+        dev_d = [slots[key].dev for key in dropped if key[0]]
+        if dev_r or dev_d:
+            self.micro.edit_device_sums(dev_r, dev_d)  # type: ignore[arg-type]
+        for dev, k in [*dropped, *replaced]:
+            (self.device_slots if dev else self.slots).pop(k)
 
     def _refuse_late(self, what: str) -> None:
         acc = self.micro.acc
@@ -346,7 +255,8 @@ class LoopGrads:
                 "step; use overlap='forward' (the default) to edit gradients before step()")
 
     @staticmethod
-    def _checked(rec: OffloadedParam, t: torch.Tensor) -> torch.Tensor:
+    def _checked(slot: GradSlot, t: torch.Tensor) -> torch.Tensor:
+        rec = slot.rec
         p = local(rec.param)
         if (t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
                 or t.layout != torch.strided or isinstance(t, HostGrad)):
@@ -355,13 +265,13 @@ class LoopGrads:
                 f"{tuple(t.shape)}, {t.dtype} on {t.device}; FullOffloadOptimizer takes a "
                 f"gradient of the parameter's shape {tuple(p.shape)}, dtype {p.dtype} and "
                 f"device {p.device}")
-        return flat_like(t, rec.order)
+        return t if slot.dev is not None else flat_like(t, rec.order)
 
     # -- what the loop asks of a placeholder --------------------------------------------------
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One aten operation with a placeholder among its arguments."""
-        if any(s.real is not None for s in _slots_in(args, kwargs)):
-            return func(*_real(args), **{k: _real(v) for k, v in kwargs.items()})
+        if any(s.real is not None for s in slots_in(args, kwargs)):
+            return func(*real_of(args), **{k: real_of(v) for k, v in kwargs.items()})
         if func in _ALIAS or (func is aten.view.default and _same_shape(args[0], args[1])):
             return _slot_of(args[0]).alias()
         if func is aten.linalg_vector_norm.default:
@@ -425,7 +335,7 @@ class LoopGrads:
             func(plain, plain_operands if isinstance(operand, (list, tuple)) else operand)
 
     def _on_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        names = sorted({s.rec.name for s in _slots_in(args, kwargs)})
+        names = sorted({s.rec.name for s in slots_in(args, kwargs)})
         raise NeedsRealGradient(
             f"{func} on the gradient of {names} needs its values, and it reached "
             "FullOffloadOptimizer's placeholder where the real gradient cannot be put "
@@ -460,6 +370,8 @@ class LoopGrads:
         return slot.acc
 
     def _rec_now(self, slot: GradSlot) -> Any:
+        if slot.dev is not None:
+            return slot.rec if self.micro.part.owns(slot.dev.param) is slot.dev else None
         return slot.rec if slot.i < len(self.micro.registry) and (
             self.micro.registry[slot.i] is slot.rec) else None
 
@@ -472,6 +384,8 @@ class LoopGrads:
                                                           dtype=dtype)
             return real
         acc = self._ready(slot, "the norm of")
+        if slot.dev is not None:
+            return self.micro.part.norm_of(slot.dev, ord, dim, keepdim, dtype=dtype)
         rec = slot.rec
         device = local(rec.param).device
         if (not slot.edits and not slot.applied and dim is None and not keepdim
@@ -508,6 +422,10 @@ class LoopGrads:
                 "the clipping happens in the step (a clip whose coefficient is 1, under "
                 "its max_norm, changes nothing and passes)")
         self._ready(slot, "scaling")
+        if slot.dev is not None:
+            self.micro.part.scale(slot.dev, [e])  # (its sum is in device memory: now)
+            slot.applied = True
+            return
         slot.edits.append(e)
 
     def _apply_now(self, slot: GradSlot) -> None:
@@ -529,7 +447,10 @@ class LoopGrads:
         loc = local(p)
         real = torch.empty_like(loc, memory_format=torch.preserve_format)
         with torch.no_grad():
-            flat(real, rec.order).copy_(rec.flat_acc)
+            if slot.dev is not None:
+                real.copy_(slot.dev.sum)  # type: ignore[arg-type]
+            else:
+                flat(real, rec.order).copy_(rec.flat_acc)
         slot.real, slot.real_version = real, real._version
         shown = wrap_like(p, real)
         if p.grad is slot.shown:

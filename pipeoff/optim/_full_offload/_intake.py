@@ -45,17 +45,6 @@ class _GradHook:
             intake.on_grad(p)
 
 
-def _owned_by(intake: GradientIntake) -> Any:
-    """Whether a parameter's gradients are ``intake``'s to take (held weakly)."""
-    ref = weakref.ref(intake)
-
-    def owned(p: torch.Tensor) -> bool:
-        owner = _OWNERS.get(p)
-        return owner is not None and owner() is not None and owner() is ref()
-
-    return owned
-
-
 def _remove_hooks(handles: dict[int, Any], probe: list[Any]) -> None:
     for handle in list(handles.values()) + probe:
         handle.remove()
@@ -156,7 +145,6 @@ class GradientIntake:
                 self.lifecycle.use_wrapper(_compat.data_parallel(model))
         taken = []
         part = self.lifecycle.part
-        part.owned = _owned_by(self)  # (the device part's hooks ask it too)
         for rec in [*self.registry, *part.params.values()]:
             before = _OWNERS.get(rec.param)
             owner = before() if before is not None else None
@@ -169,7 +157,8 @@ class GradientIntake:
                 "belonged to another FullOffloadOptimizer, which no longer receives their "
                 "gradients (the newest optimizer of a parameter takes them; load the old "
                 "one's state_dict() into this one to resume)", RuntimeWarning, stacklevel=4)
-        for p in (model.parameters() if model is not None else self.registry.tensors()):
+        for p in (model.parameters() if model is not None
+                  else [*self.registry.tensors(), *part.tensors()]):
             if id(p) in self.grad_hooks:
                 continue
             frozen = not p.requires_grad
@@ -219,9 +208,10 @@ class GradientIntake:
             if self.model_sync.sync():  # the first gradient of a step
                 self.ensure_hooks()  # parameters added to param_groups in place
         i = self.registry.position(p)
-        if i is None:
-            return
-        name = self.registry[i].name
+        dev = lifecycle.part.owns(p) if i is None else None
+        if i is None and (dev is None or not lifecycle.part.listed(p)):
+            return  # (removed from param_groups: its gradient stays, as torch leaves it)
+        name = self.registry[i].name if i is not None else dev.name  # type: ignore[union-attr]
         grad = p.grad
         if grad is None:
             return
@@ -230,6 +220,10 @@ class GradientIntake:
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
                 "(a post-accumulate-grad hook called by hand?): gradients are taken in "
                 "only from loss.backward()")
+        if dev is not None:
+            lifecycle.receive_device(dev)
+            return
+        assert i is not None
         marked = self.explicitly_non_final  # asked when a micro-step begins
         if lifecycle.ddp is not None:
             lifecycle.receive_reduced_later(i, marked=marked)

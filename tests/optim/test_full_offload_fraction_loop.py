@@ -1,0 +1,227 @@
+"""FullOffloadOptimizer(offload_fraction=f < 1): the training loop's own calls on
+``param.grad`` (the HF Trainer's clip, ``clip_grad_value_``, ``p.grad = None``,
+``model.zero_grad()``, reads for logging, writes) reach the device part's FP32 sums
+as they reach the host part's: the device part's gradients are shown through the
+same placeholders (``pipeoff.optim.HostGrad``).
+
+Each is checked bitwise: against the reference (FP32 sums, torch's own clip call on
+them, AdamW on FP32 masters) where the reference can say it, else against the same
+loop at ``offload_fraction=1.0`` (whose placeholders are checked against torch in
+``test_full_offload_grads.py``). These were silent wrong results before: a device-part
+``.grad`` was ``None`` after the backward, so a loop clip saw the host part only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pipeoff import GradientError
+from pipeoff.optim import FullOffloadOptimizer, HostGrad
+from tests.optim.full_reference import Reference
+from tests.optim.test_full_offload import (
+    assert_bitwise,
+    batches,
+    loss_fn,
+    make_model,
+    same_bits,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
+
+KW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def build(model: torch.nn.Module, f: float, **kw: Any) -> FullOffloadOptimizer:
+    return FullOffloadOptimizer(model, torch.optim.AdamW, offload_fraction=f, **{**KW, **kw})
+
+
+def device_part(opt: FullOffloadOptimizer) -> set[int]:
+    return set(opt._lifecycle.part.params)
+
+
+def backwards(opt: FullOffloadOptimizer, model: torch.nn.Module, step: list[Any]) -> None:
+    for m, b in enumerate(step):
+        with opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext():
+            loss_fn(model, b).backward()
+
+
+# -- the loop's clip call, against the reference ----------------------------------------
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_the_loops_clip_call_takes_both_parts_bitwise(f: float, overlap: str) -> None:
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) in the loop (the HF
+    Trainer's call): its norm is over both parts, and its coefficient clips both, as
+    torch's clip over the FP32 sums."""
+    model = make_model()
+    ref = Reference(model, torch.optim.AdamW, **KW)
+    opt = build(model, f, overlap=overlap)
+    if f > 0:
+        assert 0 < len(device_part(opt)) < 8  # both parts hold gradients
+    data = batches(3, 2)
+    norms, ref_norms = [], []
+    for step in data:
+        backwards(opt, model, step)
+        for p in model.parameters():
+            if p.numel():
+                assert isinstance(p.grad, HostGrad), "every gradient is shown, both parts"
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+        for b in step:
+            ref.micro_step(lambda mm, b=b: loss_fn(mm, b))
+        ref_norms.append(ref.step(lambda gs: torch.nn.utils.clip_grad_norm_(gs, 0.05)))
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+    for a, b in zip(norms, ref_norms):
+        assert same_bits(a, b)
+        assert float(b) > 0.05  # it did clip
+    # The optimizer's own norm is the one before the loop's clip, as clip_grad_norm_
+    # returns it.
+    assert same_bits(opt.grad_norm, ref_norms[-1])
+
+
+def test_a_clip_whose_host_part_is_under_max_norm_still_clips_the_device_part() -> None:
+    """The tester's case: the host part's norm alone is under max_norm, the total over
+    both parts above it. Before, the loop's call saw the host part only and clipped
+    nothing."""
+    model = make_model()
+    opt = build(model, 0.3, overlap="none")
+    ref = Reference(model, torch.optim.AdamW, **KW)
+    step = batches(1, 1)[0]
+    backwards(opt, model, step)
+    dev = device_part(opt)
+    host_sq = sum(float(p.grad.norm()) ** 2 for p in model.parameters()
+                  if id(p) not in dev and p.grad is not None)
+    total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                 if p.grad is not None]))
+    max_norm = (host_sq ** 0.5 + total) / 2
+    assert host_sq ** 0.5 < max_norm < total
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    opt.wait_for_step()
+    ref.micro_step(lambda mm: loss_fn(mm, step[0]))
+    want = ref.step(lambda gs: torch.nn.utils.clip_grad_norm_(gs, max_norm))
+    assert same_bits(got, want)
+    assert_bitwise(model, ref)
+
+
+# -- the loop's other calls, against offload_fraction=1.0 ---------------------------------
+
+def _clip_value(opt: Any, model: torch.nn.Module) -> None:
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+
+
+def _zero_one(opt: Any, model: torch.nn.Module) -> None:
+    model.l1.weight.grad.zero_()
+
+
+def _drop_one(opt: Any, model: torch.nn.Module) -> None:
+    model.l1.weight.grad = None
+
+
+def _drop_the_host_part(opt: Any, model: torch.nn.Module) -> None:
+    # At 0.3 l2.weight is the host part's only gradient: the device part steps on.
+    model.l2.weight.grad = None
+
+
+def _model_zero_grad(opt: Any, model: torch.nn.Module) -> None:
+    model.zero_grad()  # nothing steps, in either part
+
+
+def _read_for_logging(opt: Any, model: torch.nn.Module) -> None:
+    # Reads the values (the real gradient is copied to the device), writes nothing.
+    for p in model.parameters():
+        if p.grad is not None:
+            float(p.grad.norm())
+            p.grad.abs().sum().item()
+
+
+def _write_through(opt: Any, model: torch.nn.Module) -> None:
+    model.l1.weight.grad.add_(0.125)  # needs the values: written on the real gradient
+
+
+def _set_by_hand(opt: Any, model: torch.nn.Module) -> None:
+    model.l1.weight.grad = torch.full_like(model.l1.weight, 0.25)
+
+
+def _clip_then_read(opt: Any, model: torch.nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    float(model.l1.weight.grad.norm())  # the clipped sum's norm
+
+
+REPLACES = (_drop_one, _drop_the_host_part, _write_through, _set_by_hand)
+"""Loops that replace or drop a sum after its norm was taken: the host part reports the
+norm taken before (it would need the norm task again); the device part's is taken at
+step(), of what steps. Only the weights are compared."""
+
+LOOPS: list[Callable[[Any, torch.nn.Module], None]] = [
+    _clip_value, _zero_one, _drop_one, _drop_the_host_part, _model_zero_grad,
+    _read_for_logging, _write_through, _set_by_hand, _clip_then_read]
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=lambda fn: fn.__name__.strip("_"))
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_the_loops_edits_reach_the_device_part(f: float, loop: Any) -> None:
+    """Between the last backward and step(), the loop's edit gives the bits it gives at
+    offload_fraction=1.0, and the same grad_norm (l1.weight is in the device part at
+    both fractions; l2.weight in the host part)."""
+    data = batches(3, 2)
+    models, norms, shown = [], [], []
+    for frac in (1.0, f):
+        model = make_model()
+        opt = build(model, frac)
+        if frac < 1:
+            host = {n for n, p in model.named_parameters() if id(p) not in device_part(opt)}
+            assert host == ({"l2.weight"} if frac == 0.3 else set())
+        seen = []
+        for step in data:
+            backwards(opt, model, step)
+            seen.append(repr(model.l1.weight.grad).split(":")[0])
+            loop(opt, model)
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        models.append(model)
+        norms.append(opt.grad_norm)
+        shown.append(seen)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    if loop is _model_zero_grad:
+        assert norms == [None, None]
+    elif loop not in REPLACES:
+        assert same_bits(norms[0], norms[1])
+    assert shown[0] == shown[1]  # a placeholder of the same shape and dtype
+
+
+def test_a_backward_after_the_device_parts_gradients_were_read_is_refused() -> None:
+    """Reading a placeholder ends the accumulation, in the device part too: another
+    backward before step() raises (it would add to sums already clipped or read)."""
+    model = make_model()
+    opt = build(model, 0.0)
+    step = batches(1, 2)[0]
+    loss_fn(model, step[0]).backward()
+    float(model.l1.weight.grad.norm())
+    with pytest.raises(GradientError, match="after"):
+        loss_fn(model, step[1]).backward()
+    opt.zero_grad()
+    backwards(opt, model, step)  # goes on after zero_grad()
+    opt.step()
+    opt.wait_for_step()
+
+
+def test_a_device_part_placeholder_kept_across_step_refuses() -> None:
+    model = make_model()
+    opt = build(model, 0.0)
+    backwards(opt, model, batches(1, 1)[0])
+    kept = model.l1.weight.grad
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(GradientError, match="step already taken"):
+        kept.norm()
+    assert "device part's gradient sum of 'l1.weight'" in repr(kept)
