@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,6 +41,34 @@ def test_bitwise_equal_on_streams_with_a_device_part(gpu: Gpu, overlap: str, f: 
     dev = sum(rec.param.numel() for rec in part.params.values())
     assert stats["master_bytes_device"] == 4 * dev
     assert stats["state_bytes_device"] >= 8 * dev
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_the_loops_clip_call_over_both_parts_on_streams(gpu: Gpu, f: float) -> None:
+    """torch.nn.utils.clip_grad_norm_(net.parameters()) in the loop: the device part's
+    norms and its coefficient run on the caller's stream beside the host part's lanes;
+    bitwise the reference's clip over the FP32 sums."""
+    data = batches(gpu, 3, 2)
+    kw: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    ref = reference(gpu, data, max_norm=0.02, **kw)  # the same clip, on the FP32 sums
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, chunk_numel=3000, slot_bytes=4096,
+                               offload_fraction=f, **kw)
+    opt.attach()
+    norms = []
+    with pipeoff.testing.delay_lane("d2h", 0.002), pipeoff.testing.delay_lane("h2d", 0.002):
+        for step in data:
+            for k, x in enumerate(step):
+                with opt.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
+                    loss(net, x).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02))
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+    assert all(float(n) > 0.02 for n in norms), norms  # it did clip
 
 
 @pytest.mark.parametrize("mutated", [False, True])
