@@ -80,8 +80,8 @@ def test_rows_are_present_and_consistent() -> None:
     # pipeoff prices its one-pass final micro-step, prime-rl the fold then the step.
     assert by["full-offload-forward"].host_bytes_per_param == 32
     assert by["full-offload-backward"].host_bytes_per_param == 40
-    # Stepping the chunks in the order the forward needs them only helps.
-    assert by["full-offload-forward-ordered"].time_ms <= by["full-offload-forward"].time_ms
+    # Stepping the chunks in the order the forward needs them (as built) only helps.
+    assert by["full-offload-forward"].time_ms <= by["full-offload-forward-last-first"].time_ms
 
 
 def test_peak_device_bytes_fall_as_the_fraction_rises() -> None:

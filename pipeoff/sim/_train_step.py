@@ -15,11 +15,12 @@ lanes, and the optimizer's work beside it as the feature builds it:
   parameter), the step over when the last chunk's weights land;
 - ``full-offload-forward``: pipeoff's ``FullOffloadOptimizer(overlap="forward")``:
   the host step after the backward (in one pass with the native design, 32 B),
-  each unit of the next forward waiting only for its own chunks' weights; the
-  step costs what the forward waits for (``exposed_ms``);
-- ``full-offload-forward-ordered``: the same with the chunks stepped in the order
-  the next forward needs them (the plan builds them last parameter first, for
-  the backward; a prediction for a change not built yet);
+  its chunks in the order the next forward needs them (``MicroStepPlan.build``,
+  ``forward_order``), each unit of the next forward waiting only for its own
+  chunks' weights; the step costs what the forward waits for (``exposed_ms``);
+- ``full-offload-forward-last-first``: the same with the chunks stepped last
+  parameter first (the backward's order, as the optimizer did before
+  2026-12-05): the next forward's first unit waits for the whole host step;
 - ``fraction-F`` and ``auto``: a share ``1 - F`` of the state kept on the
   device and stepped there before the next forward (the units that run first),
   the rest as ``full-offload-forward``; ``auto`` picks the fastest fraction whose
@@ -67,7 +68,7 @@ PRIME_RL_DESIGN = "native-fold"
 """The host design prime-rl's rows are priced with: its native AdamW reads the FP32
 gradient sum the fold wrote (fold at arrival, then step and cast: 40 B per parameter)."""
 TRAIN_STEP_SCHEDULES = ("no-offload", "full-offload-backward", "full-offload-forward",
-                        "full-offload-forward-ordered")
+                        "full-offload-forward-last-first")
 """The rows every train-step prediction has (fraction and ``auto`` rows on request)."""
 
 SLOT_BYTES = 64 << 20
@@ -296,11 +297,12 @@ class _Model:
         return trace.summary().makespan_us / 1e3, trace, cost
 
     def forward_overlap(self, fraction: float, *,
-                        forward_order: bool = False) -> tuple[float, Trace, int, bool]:
+                        forward_order: bool = True) -> tuple[float, Trace, int, bool]:
         """The step with ``fraction`` of the state offloaded (the units the next forward
         runs last), the rest kept and stepped on the device: (ms, trace, kept elements,
         one pass). ``forward_order``: the host steps its chunks in the order the next
-        forward needs them, not in the plan's (last parameter first)."""
+        forward needs them (as the optimizer does under ``overlap="forward"``), else
+        last parameter first."""
         from pipeoff.optim._full_offload._graph import h2d_task, step_task
 
         total = sum(self.numels)
@@ -329,9 +331,9 @@ class _Model:
             src = full_offload_graph(sub, chunk_numel=self.step.chunk_numel,
                                      one_pass=one_pass)
             plan = _full_offload_plan(sub, chunk_numel=self.step.chunk_numel,
-                                      slot_bytes=SLOT_BYTES, slots=SLOTS, compute_itemsize=2)
-            if forward_order:
-                plan = dataclasses.replace(plan, chunks=plan.chunks[::-1])
+                                      slot_bytes=SLOT_BYTES, slots=SLOTS, compute_itemsize=2,
+                                      forward_order=forward_order)
+            if forward_order:  # (the optimizer's plan under overlap="forward")
                 src = plan.graph(None, final=True, norm_first=one_pass, held=frozenset(
                     range(len(plan.params))) if one_pass else frozenset())
             extra = _grad_deps(src, self.shape, self.unit_of, bwd0, off)
@@ -393,12 +395,12 @@ def train_step(shape: ModelShape, step: TrainStep, cost: CostModel, *,
     how = " (one pass)" if one_pass else ""
     rows.append(row("full-offload-forward", ms, trace, 0, 1.0, _step_bytes(cost, one_pass),
                     f"pipeoff: the host step{how} under the next forward, its chunks in the "
-                    "plan's order (last parameter first: the first layer waits for all)"))
-    ms, trace, _, one_pass = m.forward_overlap(1.0, forward_order=True)
-    rows.append(row("full-offload-forward-ordered", ms, trace, 0, 1.0,
+                    "order the forward needs them"))
+    ms, trace, _, one_pass = m.forward_overlap(1.0, forward_order=False)
+    rows.append(row("full-offload-forward-last-first", ms, trace, 0, 1.0,
                     _step_bytes(cost, one_pass),
-                    f"as full-offload-forward, the chunks stepped{how} in the order the next "
-                    "forward needs them (not built yet)"))
+                    f"as full-offload-forward, the chunks stepped{how} last parameter first "
+                    "(before 2026-12-05: the first layer waits for all)"))
     if step.offload_fraction is not None:
         f = float(step.offload_fraction)
         ms, trace, kept, one_pass = m.forward_overlap(f)

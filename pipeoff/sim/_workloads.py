@@ -242,13 +242,13 @@ def optimizer_schedule(shape: ModelShape, *, chunk_bytes: int | None, prefetch: 
 
 
 def _full_offload_plan(shape: ModelShape, *, chunk_numel: int, slot_bytes: int, slots: int,
-                       compute_itemsize: int) -> MicroStepPlan:
+                       compute_itemsize: int, forward_order: bool = False) -> MicroStepPlan:
     from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
 
     params = [ParamSizes(name=name, numel=n, grad_itemsize=compute_itemsize,
                          weight_itemsize=compute_itemsize) for name, n in shape.local_numels]
     return MicroStepPlan.build(params, chunk_numel=chunk_numel, slot_bytes=slot_bytes,
-                               slots=slots)
+                               slots=slots, forward_order=forward_order)
 
 
 def full_offload_graph(shape: ModelShape, *, chunk_numel: int = 16 << 20,

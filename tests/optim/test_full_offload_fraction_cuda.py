@@ -4,9 +4,8 @@ the reference beside the host part's streams; its join's wait removed is a race.
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
+from typing import Any
 
 import pytest
 import torch

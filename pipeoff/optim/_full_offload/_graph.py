@@ -303,7 +303,8 @@ class MicroStepPlan:
     params: tuple[ParamSizes, ...]
     """The parameters, in ``param_groups`` order."""
     chunks: tuple[tuple[int, ...], ...]
-    """Per optimizer chunk, its parameters (``pipeoff.optim._plan.whole_chunks``, last first)."""
+    """Per optimizer chunk in the order the host steps them, its parameters
+    (``pipeoff.optim._plan.whole_chunks``, packed from the last parameter)."""
     slot_bytes: int
     """Most bytes of one host slot (a larger gradient ships in pieces)."""
     host_budget_bytes: int
@@ -311,9 +312,18 @@ class MicroStepPlan:
 
     @classmethod
     def build(cls, params: Sequence[ParamSizes], *, chunk_numel: int, slot_bytes: int,
-              slots: int) -> MicroStepPlan:
-        """Chunks of at most ``chunk_numel`` elements, ``slots`` host slots of ``slot_bytes``."""
+              slots: int, forward_order: bool = False) -> MicroStepPlan:
+        """Chunks of at most ``chunk_numel`` elements, ``slots`` host slots of ``slot_bytes``.
+
+        The chunks are packed from the last parameter (the backward finishes it
+        first) and stepped in that order, or with ``forward_order`` the other way
+        round: the first parameters' chunk first, so that the next forward's first
+        modules wait for their own chunk only, not for the whole host step
+        (``overlap="forward"`` and ``"none"``; ``overlap="backward"`` steps each chunk
+        as its gradients arrive, last parameter first)."""
         chunks = whole_chunks([p.numel for p in params], chunk_numel, last_first=True)
+        if forward_order:
+            chunks = chunks[::-1]
         return cls(params=tuple(params), chunks=chunks,
                    slot_bytes=slot_bytes,
                    host_budget_bytes=host_budget(params, chunks, slot_bytes=slot_bytes,

@@ -350,7 +350,7 @@ class ParamRegistry:
             [ParamSizes(name=rec.name, numel=rec.numel, grad_itemsize=rec.param.dtype.itemsize,
                         weight_itemsize=rec.param.dtype.itemsize) for rec in params],
             chunk_numel=self.config.chunk_numel, slot_bytes=self.config.slot_bytes,
-            slots=self.config.slots)
+            slots=self.config.slots, forward_order=self.config.overlap != "backward")
         for rec in params:
             rec.ensure_state(self.state_keys(param_groups[rec.group]), self.pin)
 
