@@ -13,7 +13,7 @@ checked, and one LocalSGD sync on NCCL), ``cuda_tests.txt`` and
 ``local_sgd_staging.md``, ``sim_vs_measured.md``, the host node's DRAM bandwidth per
 rank and DiLoCo's outer step (``host_node.py``, ``bench_outer_step.py``),
 ``offload_fraction="auto"``'s measured rates and choice against measured steps
-(``bench_auto_fraction.py``),
+(``bench_auto_fraction.py``, OffloadOptimizer's and FullOffloadOptimizer's),
 the traces it measured (``traces/*.json``), and ``summary.md`` with all tables.
 Without a GPU it says so and exits with code 2.
 """
@@ -260,10 +260,12 @@ def main() -> int:
                                      str(len(os.sched_getaffinity(0)))], timeout=120))
 
     log("5f/7 offload_fraction='auto': its measured rates and choice against measured steps")
-    sections.append("## offload_fraction='auto'\n\n" + run_script(
-        "bench_auto_fraction.py", out, ["--layers", "8" if args.quick else "24", "--width",
-                                        "8192", "--rounds", "3" if args.quick else "5"],
-        timeout=150))
+    sections.append("## offload_fraction='auto'\n\n" + "\n".join(run_script(
+        "bench_auto_fraction.py", out, [
+            # (full: one model and optimizer per fraction, masters in pinned host memory)
+            "--layers", "8" if args.quick or optimizer == "full" else "24", "--width", "8192",
+            "--rounds", "3" if args.quick else "5", "--optimizer", optimizer], timeout=150)
+        for optimizer in ("offload", "full")))
 
     log("6/7 LocalSGD staging, measured against predicted")
     numels = [1 << 22] * (16 if args.quick else 64)  # 16 MiB parameters

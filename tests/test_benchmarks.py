@@ -40,9 +40,11 @@ def test_gpu_checks_refuse_without_a_gpu() -> None:
 
 
 @pytest.mark.slow  # runs a benchmark script (subprocess)
-def test_auto_fraction_benchmark_runs_on_cpu() -> None:
+@pytest.mark.parametrize("optimizer", ["offload", "full"])
+def test_auto_fraction_benchmark_runs_on_cpu(optimizer: str) -> None:
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_auto_fraction.py"),
-                          "--layers", "2", "--width", "128", "--rounds", "1", "--device", "cpu"],
+                          "--layers", "2", "--width", "128", "--rounds", "1", "--device", "cpu",
+                          "--optimizer", optimizer],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "auto chose offload_fraction=" in res.stdout and "(auto)" in res.stdout
