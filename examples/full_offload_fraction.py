@@ -2,7 +2,9 @@
 host and device memory; checkpoint, and resume at another fraction.
 
 A small BF16 language model trains with ``FullOffloadOptimizer(offload_fraction=F)``,
-two micro-steps of gradient accumulation per step and gradient clipping: about ``F``
+two micro-steps of gradient accumulation per step and gradient clipping (the loop's own
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 0.4)`` call, as the HF Trainer
+makes it; ``--clip optimizer``: the optimizer's ``max_norm=0.4``): about ``F``
 of the FP32 masters, AdamW state and FP32 gradient sums live in host memory (the host
 part, stepped on host lanes while the next forward runs), the rest (the first
 parameters, in param-group order) in device memory, stepped by torch's own AdamW on
@@ -13,6 +15,10 @@ Prints each step's loss and gradient norm, and where the memory is
 (``memory_stats()``) before and after the restart.
 
     python examples/full_offload_fraction.py --steps 4 --fraction 0.5 --resume-fraction 0.0
+
+After each backward every parameter's ``.grad``, in both parts, holds a placeholder
+for its FP32 gradient sum (``pipeoff.optim.HostGrad``): the loop's clip call takes the
+norm over both parts and its coefficient clips both.
 
 ``--fraction auto`` lets the optimizer choose the first run's fraction from a device
 memory budget (``--device-budget-bytes``; default on CUDA the free memory, elsewhere
@@ -60,11 +66,17 @@ def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
+CLIP = "loop"
+"""Where the gradients are clipped: ``"loop"`` (torch's call on ``model.parameters()``)
+or ``"optimizer"`` (``max_norm``)."""
+
+
 def optimizer(model: nn.Module, fraction: float | str,
               budget: int | None = None) -> FullOffloadOptimizer:
     extra = {} if budget is None else {"device_budget_bytes": budget}
     return FullOffloadOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
-                                max_norm=1.0, offload_fraction=fraction, **extra)
+                                max_norm=0.4 if CLIP == "optimizer" else None,
+                                offload_fraction=fraction, **extra)
 
 
 def fraction_arg(text: str) -> float | str:
@@ -81,10 +93,15 @@ def train(model: nn.Module, opt: FullOffloadOptimizer, data: list[list[torch.Ten
                 loss = loss_of(model, batch) / len(micro_batches)
                 loss.backward()
             total += loss.item()
+        if CLIP == "loop":
+            # Both parts' FP32 sums: the norm over all of them, the coefficient on all.
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.4)
         opt.step()  # returns once the host part's chunks are launched
         opt.zero_grad()
+        if CLIP == "optimizer":
+            norm = opt.grad_norm
         if verbose:
-            print(f"step {step} grad norm {float(opt.grad_norm):.4f} loss {total:.4f}")
+            print(f"step {step} grad norm {float(norm):.4f} loss {total:.4f}")
     opt.wait_for_step()
 
 
@@ -105,7 +122,11 @@ def main() -> None:
     parser.add_argument("--device-budget-bytes", type=int, default=None,
                         help="with --fraction auto: the device part's budget")
     parser.add_argument("--resume-fraction", type=float, default=0.0)
+    parser.add_argument("--clip", choices=("loop", "optimizer"), default="loop",
+                        help="clip in the loop (torch's call) or in the optimizer (max_norm)")
     args = parser.parse_args()
+    global CLIP
+    CLIP = args.clip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 128, (8, 33), generator=g).to(device) for _ in range(2)]

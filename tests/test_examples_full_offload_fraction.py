@@ -14,9 +14,10 @@ pytestmark = pytest.mark.slow  # runs an example script (subprocess)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "full_offload_fraction.py"
 
 
-def test_full_offload_fraction_example() -> None:
+@pytest.mark.parametrize("clip", ["loop", "optimizer"])
+def test_full_offload_fraction_example(clip: str) -> None:
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "4", "--resume-steps", "3",
-                          "--fraction", "0.5", "--resume-fraction", "0.0"],
+                          "--fraction", "0.5", "--resume-fraction", "0.0", "--clip", clip],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines()
