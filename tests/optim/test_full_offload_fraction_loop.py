@@ -19,8 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from pipeoff import GradientError
+from pipeoff import ConfigError, GradientError, StepFailedError
 from pipeoff.optim import FullOffloadOptimizer, HostGrad
 from tests.optim.full_reference import Reference
 from tests.optim.test_full_offload import (
@@ -225,3 +228,93 @@ def test_a_device_part_placeholder_kept_across_step_refuses() -> None:
     with pytest.raises(GradientError, match="step already taken"):
         kept.norm()
     assert "device part's gradient sum of 'l1.weight'" in repr(kept)
+
+
+# -- reentrant checkpoints -------------------------------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 16, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.a(h)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks under torch.utils.checkpoint(use_reentrant=True) between a tied
+    embedding and head: each block's gradients come from a backward inside the
+    backward, the embedding's after them, from the outer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 16)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(16, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("f", [0.0, 0.5])
+def test_a_reentrant_checkpoint_shows_both_parts_at_the_outer_backwards_end(
+        f: float, micro: int) -> None:
+    """The inner backward's end shows the device part's sums; a gradient of the outer
+    backward takes them out, and its end shows both parts again. Before, at 0.5 the
+    host part's checkpointed gradients were missing from .grad (a clip over part of
+    them), and with accumulation the slots shown earlier looked dropped: the next
+    backward waited for its own gradients and timed out."""
+    g = torch.Generator().manual_seed(1)
+    data = [[(torch.randint(0, 13, (3, 5), generator=g), torch.randint(0, 13, (3, 5),
+                                                                     generator=g))
+             for _ in range(micro)] for _ in range(2)]
+    results = []
+    for frac in (1.0, f):
+        torch.manual_seed(0)
+        model = _Checkpointed().to(torch.bfloat16)
+        opt = build(model, frac, timeout=60)
+        norms = []
+        for step in data:
+            for idx, tgt in step:
+                F.cross_entropy(model(idx).float().reshape(-1, 13), tgt.reshape(-1)).backward()
+            assert all(isinstance(p.grad, HostGrad) for p in model.parameters())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        if frac < 1:
+            parts = {id(p) in device_part(opt) for p in model.parameters()}
+            assert parts == ({True} if frac == 0 else {True, False})
+        results.append((model, norms))
+    (want, want_norms), (got, got_norms) = results
+    for a, b in zip(want_norms, got_norms):
+        assert same_bits(a, b)
+    for (name, p), q in zip(want.named_parameters(), got.parameters()):
+        assert same_bits(p, q), name
+
+
+def test_a_refusal_inside_a_backward_leaves_the_step_refused_until_zero_grad() -> None:
+    """What the loop did to .grad refused in a backward's hook (a submodule's backward
+    without the model's forward, after a gradient was dropped under max_norm): the
+    backward raises and the step is dirty."""
+    model = make_model()
+    opt = build(model, 0.3, max_norm=1.0)
+    step = batches(1, 1)[0]
+    loss_fn(model, step[0]).backward()
+    model.l1.weight.grad = None
+    with pytest.raises(ConfigError, match="set to None after the backward"):
+        model.l2(torch.randn(2, 24).to(torch.bfloat16)).float().sum().backward()
+    with pytest.raises(StepFailedError):
+        opt.step()
+    opt.zero_grad()
+    backwards(opt, model, step)
+    opt.step()
+    opt.wait_for_step()

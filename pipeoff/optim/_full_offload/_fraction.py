@@ -115,16 +115,34 @@ class FractionLifecycle(Lifecycle):
             self.health.dirty = err
             raise err
         self.part.fold(rec, rec.param.grad)  # type: ignore[arg-type]
+        ms = self.micro
+        if ms is not None and ms.deferred is not None:
+            # A reentrant checkpoint's inner backward ended the host part's micro-step
+            # early: end it with this (outer) backward, as a host gradient would.
+            if _compat.outermost_backward_frame() is ms.deferred:
+                ms.deferred = None
+                _compat.queue_backward_callback(lambda: self.end_backward(ms))
+            else:
+                self.end_backward(ms, force=True)  # that backward is over
         bid = _compat.backward_id()
         if self._shown_in != bid:
             self._shown_in = bid
             _compat.queue_backward_callback(self._show_device)
 
     def _show_device(self) -> None:
-        """The end of a backward with device-part gradients: the loop sees their sums."""
+        """The end of a backward with device-part gradients (or of a reentrant
+        checkpoint's inner one: a gradient of the outer backward takes the placeholders
+        out, and its end shows them again): the loop sees their sums."""
         self._shown_in = -1
         if self._device_only():
             assert self.acc is not None
+            self.grads.install_device(self.acc, self.part.with_sums())
+
+    def _show(self) -> None:
+        """The end of a backward with host-part gradients: the loop sees both parts'
+        sums (a device part's shown at an inner backward's end and taken out since)."""
+        super()._show()
+        if self.acc is not None and self.part.params:
             self.grads.install_device(self.acc, self.part.with_sums())
 
     # -- transitions -----------------------------------------------------------------------

@@ -116,7 +116,8 @@ class LoopGrads:
             if slot is None or slot.rec is not rec:
                 slot = self.slots[i] = GradSlot(self, acc, i, rec)
             p.grad = slot.shown
-        self.showing = bool(self.slots or self.device_slots)
+            slot.out = True
+        self.showing = self._any_out()
 
     def install_device(self, acc: Accumulation, recs: Sequence[DeviceParam]) -> None:
         """The end of a backward with device-part gradients: a placeholder in the ``.grad``
@@ -131,7 +132,11 @@ class LoopGrads:
                 slot = self.device_slots[id(p)] = GradSlot(
                     self, acc, -1, dev, dev)  # type: ignore[arg-type]
             p.grad = slot.shown
-        self.showing = bool(self.slots or self.device_slots)
+            slot.out = True
+        self.showing = self._any_out()
+
+    def _any_out(self) -> bool:
+        return any(s.out for s in [*self.slots.values(), *self.device_slots.values()])
 
     def _begin(self, acc: Accumulation) -> None:
         if self.acc is not acc:
@@ -177,6 +182,7 @@ class LoopGrads:
         # Each placeholder by (whether in the device part, its position or id()).
         slots = {**{(False, i): s for i, s in self.slots.items()},
                  **{(True, k): s for k, s in self.device_slots.items()}}
+        out = {key: s for key, s in slots.items() if s.out}
         clips = self.micro.config.max_norm is not None or acc.max_norm is not None
         if stepping and clips and any(s.edits or s.applied for s in slots.values()):
             raise ConfigError(
@@ -188,7 +194,7 @@ class LoopGrads:
             dropped: list[tuple[bool, int]] = []
             replaced: dict[tuple[bool, int], torch.Tensor] = {}
             arriving: dict[tuple[bool, int], torch.Tensor] = {}
-            for key, slot in slots.items():
+            for key, slot in out.items():
                 g = slot.rec.param.grad
                 if slot.incoming is not None:
                     # A backward began without a forward this optimizer saw, and autograd
@@ -201,7 +207,7 @@ class LoopGrads:
                     dropped.append(key)
                 else:
                     replaced[key] = local(g)
-            everything = len(dropped) == len(slots) and not (replaced or arriving)
+            everything = len(dropped) == len(out) and not (replaced or arriving)
             checked: dict[tuple[bool, int], torch.Tensor] = {}
             if dropped or replaced:
                 self._refuse_late("set to None" if everything else "replaced")
@@ -213,10 +219,11 @@ class LoopGrads:
                         "instead (torch.nn.utils.clip_grad_norm_), or leave .grad as it is")
                 checked = {k: self._checked(slots[k], t) for k, t in replaced.items()}
             # Checked: now change things.
-            for key, slot in slots.items():
+            for key, slot in out.items():
                 p = slot.rec.param
                 p.grad = wrap_like(p, arriving[key]) if key in arriving else None
                 slot.incoming = None
+                slot.out = False
             self.showing = False
             if dropped and everything:
                 self.micro.discard("every param.grad was set to None after the backward "

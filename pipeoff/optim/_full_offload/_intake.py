@@ -203,7 +203,13 @@ class GradientIntake:
             # A backward whose forward this optimizer did not see (a submodule called
             # alone): the placeholders leave .grad now; what autograd added into this
             # one is its gradient.
-            lifecycle.grads.withdraw(stepping=False)
+            try:
+                lifecycle.grads.withdraw(stepping=False)
+            except Exception as err:
+                # (what the loop put in .grad was refused, mid-backward: this step's
+                # gradients are incomplete; step() refuses until zero_grad())
+                lifecycle.fail_current(err)
+                raise
         if lifecycle.acc is None and lifecycle.micro is None:
             if self.model_sync.sync():  # the first gradient of a step
                 self.ensure_hooks()  # parameters added to param_groups in place

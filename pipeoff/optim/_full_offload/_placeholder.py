@@ -37,8 +37,8 @@ class GradSlot:
     backward), read there; the lanes never touch it.
     """
 
-    __slots__ = ("acc", "applied", "dev", "edits", "i", "incoming", "owner", "placeholder",
-                 "real", "real_version", "rec", "shown")
+    __slots__ = ("acc", "applied", "dev", "edits", "i", "incoming", "out", "owner",
+                 "placeholder", "real", "real_version", "rec", "shown")
 
     def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam,
                  dev: DeviceParam | None = None) -> None:
@@ -63,6 +63,10 @@ class GradSlot:
         self.real_version = 0
         self.placeholder = HostGrad(local(rec.param), self)
         self.shown: torch.Tensor = wrap_like(rec.param, self.placeholder)
+        self.out = False
+        """Whether it was put in ``param.grad`` and not taken out since: what the loop did
+        to ``.grad`` is read only from these (a slot of an earlier backward that was
+        not shown again is not a gradient the loop dropped)."""
         """What ``param.grad`` holds: the placeholder, then the real gradient."""
 
     def loop_grads(self) -> LoopGrads:
