@@ -450,7 +450,8 @@ REVIEW = (
         name="r19:native-region-returns-early", file="pipeoff/_native/hoststep.c",
         old="    while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) < r->chunks)\n",
         new="    while (0)\n",
-        tests=("tests/optim/test_host_kernel.py::test_a_call_returns_only_when_every_chunk_is_done",),
+        tests=("tests/optim/test_host_kernel.py::test_the_region_returns_after_its_last_chunk",
+               "tests/optim/test_host_kernel.py::test_a_call_returns_only_when_every_chunk_is_done"),
         hazard="a native kernel returns while helper threads still write its chunks: the "
                "H2D copy (or the next step) reads half-stepped masters"),
     Mutant(

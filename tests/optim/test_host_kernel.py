@@ -212,6 +212,27 @@ def test_the_last_chunks_wake_up_reaches_a_caller_about_to_wait(tmp_path: Path) 
     assert run.returncode == 0 and run.stdout.strip() == "returned", (run.stdout, run.stderr)
 
 
+def test_the_region_returns_after_its_last_chunk(tmp_path: Path) -> None:
+    """The region's return (hoststep.c ``parallel``): the caller waits until every chunk
+    is done. tests/optim/region_returns.c compiles hoststep.c as it is, with
+    ``pthread_cond_wait`` wrapped, and holds a helper's chunk open until the caller is
+    about to wait for the region: a region that returns without that wait returns
+    with the chunk open, every time (the timed test above only when a helper is
+    descheduled mid-chunk)."""
+    cc = _native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "region_returns"
+    build = subprocess.run(
+        [*cc, "-O0", "-std=gnu99", "-pthread", f"-I{_native.SOURCE.parent}", "-o", str(exe),
+         str(Path(__file__).with_name("region_returns.c")), "-lm"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True,
+                         timeout=WAKEUP_TIMEOUT_S, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "returned", (run.stdout, run.stderr)
+
+
 def test_the_scalars_round_as_torch_rounds_them() -> None:
     """Hyperparameters whose float rounding matters (1 - beta1 not exact, lr * wd tiny)."""
     k = kernel()
