@@ -266,3 +266,12 @@ def test_dtensor_parameters_and_a_ddp_wrapper_refuse_auto(monkeypatch: pytest.Mo
     assert opt.offload_fraction < 1.0
     with pytest.raises(ConfigError, match="offload_fraction < 1.*DistributedDataParallel"):
         opt._lifecycle.use_wrapper(object())  # ...and a wrapper found at a forward
+
+
+def test_a_budget_below_accumulate_gpus_host_sums_says_what_they_are(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    inject(monkeypatch, GPU_LIKE)
+    with pytest.raises(ConfigError, match=r"device_budget_bytes=64 .*FP32 gradient sums, "
+                                          r"which accumulate='gpu' keeps on the device.*"
+                                          r"accumulate='cpu'"):
+        build(make_model(), budget=64, accumulate="gpu")

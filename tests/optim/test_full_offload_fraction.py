@@ -512,3 +512,46 @@ def test_parameters_added_later_are_the_host_parts() -> None:
         runs.append(model)
     for p, q in zip(runs[0].parameters(), runs[1].parameters()):
         assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("f", [0.0, 0.5])
+def test_sgd_without_momentum_saves_the_device_parts_masters(f: float) -> None:
+    """SGD without momentum has no per-parameter state: the entries are the masters,
+    in both parts, in torch's order, and a resume at the same fraction is bitwise."""
+    data = batches(4, 1)
+
+    def sgd(model: torch.nn.Module, frac: float) -> FullOffloadOptimizer:
+        return FullOffloadOptimizer(model, torch.optim.SGD, lr=0.1, offload_fraction=frac)
+
+    whole = make_model()
+    train(sgd(whole, f), whole, data)
+    model = make_model()
+    opt = sgd(model, f)
+    train(opt, model, data[:2])
+    sd = copy.deepcopy(opt.state_dict())
+    stepped = [k for k, p in enumerate(model.parameters()) if p.numel()]
+    assert list(sd["state"]) == sorted(sd["state"]) and set(stepped) <= set(sd["state"])
+    assert all("master" in e for e in sd["state"].values())
+    weights = copy.deepcopy(model.state_dict())
+    model = make_model(seed=5)
+    model.load_state_dict(weights)
+    again = sgd(model, f)
+    again.load_state_dict(sd)
+    train(again, model, data[2:])
+    for p, q in zip(whole.parameters(), model.parameters()):
+        assert same_bits(p, q)
+
+
+def test_the_state_dicts_keys_are_in_torchs_order_at_every_fraction() -> None:
+    keys = []
+    for f in FRACTIONS:
+        model = make_model()
+        opt = build(model, f)
+        train(opt, model, batches(1, 1))
+        keys.append(list(opt.state_dict()["state"]))
+    assert keys[0] == sorted(keys[0]) and keys.count(keys[0]) == len(keys)
+
+
+def test_minus_zero_is_zero() -> None:
+    opt = build(make_model(), -0.0)
+    assert math.copysign(1.0, opt.offload_fraction) == 1.0

@@ -318,3 +318,75 @@ def test_a_refusal_inside_a_backward_leaves_the_step_refused_until_zero_grad() -
     backwards(opt, model, step)
     opt.step()
     opt.wait_for_step()
+
+
+class _Twice(nn.Module):
+    """One Linear used twice, each time under a reentrant checkpoint: two gradients for
+    its parameters in one backward, from two inner backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = nn.Linear(16, 16)
+        self.inp = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.blk, self.inp(x), use_reentrant=True)
+        h = checkpoint(self.blk, F.gelu(h), use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_a_second_gradient_in_one_backward_is_refused_in_the_device_part(f: float) -> None:
+    """As the host part refuses it (f=1.0): summing the two in FP32 would not be what
+    torch's .grad holds (their BF16 sum)."""
+    torch.manual_seed(0)
+    model = _Twice().to(torch.bfloat16)
+    opt = build(model, f)
+    assert id(model.blk.bias) in device_part(opt)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    with pytest.raises(GradientError, match=r"a second gradient for 'blk\.(weight|bias)'"):
+        model(x).float().sum().backward()
+    with pytest.raises(StepFailedError):
+        opt.step()
+    opt.zero_grad()
+
+
+class _Interrupted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.l3 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, boom: bool = False) -> torch.Tensor:
+        h = F.gelu(self.l1(x))
+        if boom:
+            def interrupt(g: torch.Tensor) -> None:
+                raise KeyboardInterrupt("Ctrl-C in the middle of the backward")
+            h.register_hook(interrupt)
+        return self.l3(F.gelu(self.l2(h)))
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("f", [0.0, 0.5])
+def test_a_backward_interrupted_after_device_part_gradients_leaves_the_step_refused(
+        f: float, overlap: str) -> None:
+    """A Ctrl-C in the backward after l3's and l2's gradients (device-part ones among
+    them) and before l1's: step() refuses until zero_grad(), as with the host part
+    alone, instead of stepping on part of the gradients."""
+    torch.manual_seed(0)
+    model = _Interrupted().to(torch.bfloat16)
+    opt = build(model, f, overlap=overlap)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(KeyboardInterrupt):
+        model(x, boom=True).float().pow(2).mean().backward()
+    with pytest.raises(StepFailedError):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.wait_for_step()
+    assert not torch.equal(model.l1.weight, before[0])

@@ -186,7 +186,10 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
 
     return choose(weights, elements, budget=budget, budget_source=source,
                   chunk_bytes=int(chunk_numel * per_element), prefetch=0, rates=rates,
-                  seconds=seconds, staging_of=staging_of)
+                  seconds=seconds, staging_of=staging_of,
+                  staging_is="the host part's FP32 gradient sums, which accumulate='gpu' keeps "
+                  "on the device during an accumulation, 4 B an element); give a larger "
+                  "budget, or accumulate='cpu' (no device staging")
 
 
 def is_auto(fraction: Any) -> bool:

@@ -59,7 +59,9 @@ def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
         packed = {k: v for k, v in g.items() if k != "params"}
         packed["params"] = [ids.setdefault(id(p), len(ids)) for p in g["params"]]
         groups.append(packed)
-    return {"state": {ids[id(p)]: v for p, v in state.items()}, "param_groups": groups}
+    # (numbered and ordered as torch numbers them, whichever part holds the entry)
+    numbered = sorted((ids[id(p)], v) for p, v in state.items())
+    return {"state": dict(numbered), "param_groups": groups}
 
 
 def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],

@@ -62,7 +62,7 @@ class DeviceParam:
     gradient sum (``None`` without a gradient since the last step), and torch's state
     entry for it (on the device)."""
 
-    __slots__ = ("master", "name", "param", "state", "sum", "version")
+    __slots__ = ("master", "name", "param", "state", "stepped", "sum", "version")
 
     def __init__(self, param: torch.Tensor, name: str) -> None:
         self.param = param
@@ -72,6 +72,9 @@ class DeviceParam:
             self.master.copy_(param)  # widening: exact
         self.sum: torch.Tensor | None = None
         self.state: dict[str, Any] = {}
+        self.stepped = False
+        """Stepped at least once (or loaded with a master): its entry is saved, also
+        without state (SGD without momentum), as the host part's."""
         self.version = param._version
         """The weight's version counter after this optimizer's last write to it."""
 
@@ -306,6 +309,7 @@ class FullDevicePart:
         with torch.no_grad():
             for rec in recs:
                 rec.state = state[rec.master]
+                rec.stepped = True
                 rec.sum = None
                 rec.param.copy_(rec.master)  # the weight: the master's cast
                 rec.version = rec.param._version
@@ -362,9 +366,10 @@ class FullDevicePart:
 
     # -- checkpoints and memory --------------------------------------------------------------
     def entries(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Per device-part parameter with state, torch's entry plus ``"master"``."""
+        """Per device-part parameter stepped at least once (or loaded with state), torch's
+        entry plus ``"master"``."""
         return {rec.param: {**rec.state, "master": rec.master}
-                for rec in self.params.values() if rec.state}
+                for rec in self.params.values() if rec.state or rec.stepped}
 
     def load(self, entries: Mapping[int, Mapping[str, Any]],
              param_groups: Sequence[Mapping[str, Any]]) -> None:
@@ -377,6 +382,7 @@ class FullDevicePart:
                 entry = entries.get(pid)
                 rec.sum = None
                 rec.state = {}
+                rec.stepped = entry is not None and "master" in entry
                 if entry is None or "master" not in entry:
                     rec.master.copy_(rec.param)
                 for key, val in (entry or {}).items():

@@ -78,6 +78,12 @@ class FractionLifecycle(Lifecycle):
         """The backward whose end shows the device part's sums (its id)."""
         self._both: tuple[Accumulation | None, torch.Tensor | None] = (None, None)
         """The accumulation whose total norm over both parts was taken, and that norm."""
+        self._received: tuple[int, set[int]] = (0, set())
+        """The outermost backward running (its frame's ``id()``) and the device-part
+        parameters it gave a gradient (a second one is refused, as the host part's)."""
+        self._open = False
+        """A backward gave device-part gradients and has not ended (its end callback
+        never ran: it raised, or a Ctrl-C stopped it): its gradients are partial."""
 
     def split(self, probe: torch.optim.Optimizer) -> None:
         """Decide the device part over the groups the optimizer was built with (before the
@@ -114,6 +120,20 @@ class FractionLifecycle(Lifecycle):
             err = GradientError(after_final_message(self.config.overlap))
             self.health.dirty = err
             raise err
+        outer = id(_compat.outermost_backward_frame())
+        if self._received[0] != outer:
+            self._received = (outer, set())
+        if id(rec.param) in self._received[1]:
+            twice = GradientError(
+                f"a second gradient for {rec.name!r} in one backward: it is used both inside "
+                "and outside a reentrant checkpoint (torch.utils.checkpoint with "
+                "use_reentrant=True runs a backward of its own), or its hook ran twice. "
+                "FullOffloadOptimizer takes one gradient per parameter per backward; use "
+                "use_reentrant=False (torch's recommended setting)")
+            self.fail_current(twice)
+            raise twice
+        self._received[1].add(id(rec.param))
+        self._open = True
         self.part.fold(rec, rec.param.grad)  # type: ignore[arg-type]
         ms = self.micro
         if ms is not None and ms.deferred is not None:
@@ -134,9 +154,25 @@ class FractionLifecycle(Lifecycle):
         checkpoint's inner one: a gradient of the outer backward takes the placeholders
         out, and its end shows them again): the loop sees their sums."""
         self._shown_in = -1
+        if _compat.outer_backward_frame() is None:  # the outermost backward ended
+            self._received = (0, set())
+            self._open = False
         if self._device_only():
             assert self.acc is not None
             self.grads.install_device(self.acc, self.part.with_sums())
+
+    def close_open_backward(self, why: str) -> None:
+        """As :class:`Lifecycle`'s; a backward whose device-part gradients came but whose
+        end never did (it raised, or was interrupted) leaves the step dirty too: its
+        sums hold part of its gradients."""
+        super().close_open_backward(why)
+        if self._open and _compat.backward_id() < 0:
+            self._open = False
+            self._received = (0, set())
+            if self.health.dirty is None:
+                self.health.dirty = GradientError(
+                    "a backward with device-part gradients did not finish (it raised, or "
+                    "was interrupted): its gradients are partial")
 
     def _show(self) -> None:
         """The end of a backward with host-part gradients: the loop sees both parts'
@@ -275,6 +311,9 @@ class FractionLifecycle(Lifecycle):
         super().discard(why, classify_final=classify_final)
         self.part.discard()
         self._both = (None, None)
+        if _compat.backward_id() < 0:  # (zero_grad() after a backward that raised)
+            self._open = False
+            self._received = (0, set())
 
     def edit_device_sums(self, replaced: Mapping[DeviceParam, torch.Tensor],
                          dropped: list[DeviceParam]) -> None:

@@ -163,4 +163,4 @@ def check_fraction(value: Any, owner: str) -> float:
         raise ConfigError(
             f"offload_fraction must be a number in [0, 1] (the share of the optimizer "
             f"state kept in host memory: 1.0 all of it, 0.0 none), got {short_repr(value)}")
-    return float(value)
+    return float(value) + 0.0  # (-0.0 is 0.0)

@@ -178,14 +178,15 @@ def step_seconds(rates: Rates, *, elements: int, host_bytes: int, chunk_bytes: i
 def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source: str,
            chunk_bytes: int, prefetch: int, rates: Rates,
            seconds: Callable[[int], float] | None = None,
-           staging_of: Callable[[int], int] | None = None) -> FractionChoice:
+           staging_of: Callable[[int], int] | None = None,
+           staging_is: str | None = None) -> FractionChoice:
     """The fastest fraction of parameters of state ``weights`` (bytes) whose device
     memory fits ``budget``.
 
     ``seconds(host_bytes)`` is the model's step time with ``host_bytes`` of the weights in
     host memory, ``staging_of(host_bytes)`` the device staging it needs beside the device
     part (defaults: ``OffloadOptimizer``'s, :func:`step_seconds` and ``(prefetch + 1)``
-    chunks).
+    chunks), ``staging_is`` what that staging is and how to shrink it (for the error).
 
     Raises:
         ConfigError: naming ``device_budget_bytes``: not even all state on the host
@@ -219,8 +220,9 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
         raise ConfigError(
             f"device_budget_bytes={budget} (the budget of offload_fraction='auto') cannot "
             f"hold even the staging of an all-host step: {cands[-1].device_bytes} B "
-            f"({prefetch + 1} chunks of {chunk_bytes} B); give a larger budget, or a "
-            "smaller chunk_bytes or prefetch")
+            + (f"({staging_is})" if staging_is else
+               f"({prefetch + 1} chunks of {chunk_bytes} B); give a larger budget, or a "
+               "smaller chunk_bytes or prefetch"))
     fastest = min(c.step_ms for c in feasible)
     chosen = max((c for c in feasible if c.step_ms <= fastest * TIE), key=lambda c: c.fraction)
     return FractionChoice(fraction=chosen.fraction, budget_bytes=budget,
