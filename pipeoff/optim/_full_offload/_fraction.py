@@ -204,8 +204,19 @@ class FractionLifecycle(Lifecycle):
 
     def current_norm(self, why: str = "grad_norm was read") -> torch.Tensor | None:
         """The total norm over both parts (the host part's norms waited for), taken once
-        per step: before the loop's edits of the gradients, as the host part's are."""
-        norm = super().current_norm(why)
+        per step: before the loop's edits of the gradients, as the host part's are.
+
+        Raises:
+            Exception: the host part's norm (or a fold before it) failed: the step is
+                dirty from now on (``step()`` refuses until ``zero_grad()``), whether or
+                not its execution has finished failing yet.
+        """
+        try:
+            norm = super().current_norm(why)
+        except Exception as err:
+            if self.health.dirty is None:
+                self.health.dirty = err
+            raise
         acc = self.acc
         if norm is None or acc is None or not self.part.params:
             return norm
