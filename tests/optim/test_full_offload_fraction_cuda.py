@@ -5,6 +5,10 @@ the reference beside the host part's streams; its join's wait removed is a race.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,6 +74,9 @@ def test_the_loops_clip_call_over_both_parts_on_streams(gpu: Gpu, f: float) -> N
     assert all(float(n) > 0.02 for n in norms), norms  # it did clip
 
 
+_ISOLATED = "PIPEOFF_TEST_ISOLATED"
+
+
 @pytest.mark.parametrize("mutated", [False, True])
 def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
                                                                    mutated: bool) -> None:
@@ -78,6 +85,16 @@ def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
     part's kernels on the caller's stream. Without that wait the read races them."""
     if not gpu.simulated:
         pytest.skip("a real GPU shows the race only by timing luck")
+    if mutated and os.environ.get(_ISOLATED) is None:
+        # In a fresh interpreter: in two runs of the whole suite (of about ten) the race
+        # went unobserved after earlier tests in the same process, never alone (80 runs,
+        # loaded or not); the interleaving is the test's own there.
+        node = f"{Path(__file__)}::test_a_reader_off_the_callers_stream_waits_for_the_device_part"
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              f"{node}[simulated-True]"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, _ISOLATED: "1"}, check=False)
+        assert run.returncode == 0, run.stdout[-3000:]
+        return
     net = make_net(gpu)
     gpu.synchronize()
     opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap="none",
