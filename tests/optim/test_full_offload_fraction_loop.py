@@ -417,3 +417,33 @@ def test_a_failed_host_norm_leaves_the_step_dirty_before_its_execution_ends(
     backwards(opt, model, step)
     opt.step()
     opt.wait_for_step()
+
+
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(F.gelu(self.l1(x)))
+
+
+@pytest.mark.parametrize("f", [0.0, 0.5])
+def test_a_whole_model_under_one_reentrant_checkpoint_steps(f: float) -> None:
+    """Every gradient comes from the inner backward, none from the outer one after it:
+    the backward finished, and the step is not refused as if it had been interrupted."""
+    results = []
+    for frac in (1.0, f):
+        torch.manual_seed(0)
+        model = _Small().to(torch.bfloat16)
+        opt = build(model, frac)
+        x = torch.randn(3, 8).to(torch.bfloat16).requires_grad_()
+        for _ in range(2):
+            checkpoint(model, x, use_reentrant=True).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        results.append(model)
+    for p, q in zip(*(m.parameters() for m in results)):
+        assert same_bits(p, q)

@@ -82,8 +82,10 @@ class FractionLifecycle(Lifecycle):
         """The outermost backward running (its frame's ``id()``) and the device-part
         parameters it gave a gradient (a second one is refused, as the host part's)."""
         self._open = False
-        """A backward gave device-part gradients and has not ended (its end callback
-        never ran: it raised, or a Ctrl-C stopped it): its gradients are partial."""
+        """A backward gave device-part gradients and has not ended since (its end
+        callback never ran: it raised, or a Ctrl-C stopped it): its gradients are
+        partial. (A reentrant checkpoint's inner backward ends it too: a backward
+        stopped after one, before another device gradient, is not seen here.)"""
 
     def split(self, probe: torch.optim.Optimizer) -> None:
         """Decide the device part over the groups the optimizer was built with (before the
@@ -154,9 +156,9 @@ class FractionLifecycle(Lifecycle):
         checkpoint's inner one: a gradient of the outer backward takes the placeholders
         out, and its end shows them again): the loop sees their sums."""
         self._shown_in = -1
+        self._open = False  # (an inner backward's end too: what came so far is whole)
         if _compat.outer_backward_frame() is None:  # the outermost backward ended
             self._received = (0, set())
-            self._open = False
         if self._device_only():
             assert self.acc is not None
             self.grads.install_device(self.acc, self.part.with_sums())
