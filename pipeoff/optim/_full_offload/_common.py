@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EDGES", "HYPER_CHANGED", "Accumulation", "MicroStep", "Phase", "Shipped",
            "after_final_message", "capture_hyper", "checked_gradient", "classify",
-           "root_cause", "same_hyper", "writes_to"]
+           "root_cause", "same_hyper", "twice_message", "writes_to"]
 
 
 class Phase(enum.Enum):
@@ -258,6 +258,15 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
         err.add_note(f"pipeoff: {health.torn}; later steps are refused until a "
                      "checkpoint is loaded")
 
+
+
+def twice_message(name: str) -> str:
+    """Why a second gradient for parameter ``name`` in one backward is refused."""
+    return (f"a second gradient for {name!r} in one backward: it is used both inside and "
+            "outside a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True "
+            "runs a backward of its own), or its hook ran twice. FullOffloadOptimizer takes "
+            "one gradient per parameter per backward; use use_reentrant=False (torch's "
+            "recommended setting)")
 
 
 def after_final_message(overlap: str) -> str:

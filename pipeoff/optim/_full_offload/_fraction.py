@@ -41,7 +41,11 @@ from pipeoff import _compat, _faults
 from pipeoff._errors import ConfigError, GradientError
 from pipeoff._lowlevel import settle
 from pipeoff.execution import Execution
-from pipeoff.optim._full_offload._common import Accumulation, after_final_message
+from pipeoff.optim._full_offload._common import (
+    Accumulation,
+    after_final_message,
+    twice_message,
+)
 from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
 from pipeoff.optim._full_offload._graph import step_task
 from pipeoff.optim._full_offload._lanes import LaneResults
@@ -126,12 +130,7 @@ class FractionLifecycle(Lifecycle):
         if self._received[0] != outer:
             self._received = (outer, set())
         if id(rec.param) in self._received[1]:
-            twice = GradientError(
-                f"a second gradient for {rec.name!r} in one backward: it is used both inside "
-                "and outside a reentrant checkpoint (torch.utils.checkpoint with "
-                "use_reentrant=True runs a backward of its own), or its hook ran twice. "
-                "FullOffloadOptimizer takes one gradient per parameter per backward; use "
-                "use_reentrant=False (torch's recommended setting)")
+            twice = GradientError(twice_message(rec.name))
             self.fail_current(twice)
             raise twice
         self._received[1].add(id(rec.param))

@@ -32,6 +32,7 @@ from pipeoff.optim._full_offload._common import (
     checked_gradient,
     classify,
     root_cause,
+    twice_message,
     writes_to,
 )
 from pipeoff.optim._full_offload._config import FullOffloadConfig
@@ -138,12 +139,7 @@ class Lifecycle:
         if ms is None or ms.ended:
             ms = self._begin(marked())
         if i in ms.received:
-            twice = GradientError(
-                f"a second gradient for {rec.name!r} in one backward: it is used both inside "
-                "and outside a reentrant checkpoint (torch.utils.checkpoint with "
-                "use_reentrant=True runs a backward of its own), or its hook ran twice. "
-                "FullOffloadOptimizer takes one gradient per parameter per backward; use "
-                "use_reentrant=False (torch's recommended setting)")
+            twice = GradientError(twice_message(rec.name))
             self.fail_current(twice)
             raise twice
         ms.received.add(i)
