@@ -144,15 +144,27 @@ class HostOuterOptimizer:
             # The user's optimizer got state of its own: take it (torch's loader
             # casts it to the host parameters' device), then drop the device copy.
             self.host.load_state_dict(self.user.state_dict())
-        self.alias()
+        self.alias(adopted=True)
 
-    def alias(self) -> None:
+    def alias(self, adopted: bool = False) -> None:
         """Give the user's optimizer, per parameter, the host optimizer's state dict
         object (steps fill it in place); call after a step that may have created
-        state (on the caller's thread, once the step is done)."""
+        state (on the caller's thread, once the step is done).
+
+        Args:
+            adopted: the host state was just loaded from the user's or a checkpoint's,
+                so every entry of the user's is replaced. Otherwise an entry of the
+                user's that is not the host's (state loaded into the user's optimizer
+                while a sync's tail ran) is kept for the next :meth:`sync_from_user`.
+        """
         user_state, host_state = self.user.state, self.host.state
         for p, h in self._pairs():
             st = host_state.get(h)  # (get: no empty entry is created)
+            mine = user_state.get(p)
+            if not adopted and mine and mine is not st:
+                # Hazard: overwriting state the loop loaded after the decision (a
+                # resume, a surgery) with the host's, which would silently drop it.
+                continue
             if st:
                 user_state[p] = st
             else:
@@ -234,7 +246,7 @@ class HostOuterOptimizer:
             for k, v in b.items():
                 if k != "params":
                     a[k] = v
-        self.alias()
+        self.alias(adopted=True)
 
 
 def host_outers(fragments: Sequence[Any]) -> list[HostOuterOptimizer]:

@@ -451,6 +451,38 @@ def test_outer_state_loaded_before_diloco_is_adopted(mode: str) -> None:
     assert_bitwise(run(mode, **cfg), reference(**cfg))
 
 
+_surgery: dict[int, list[Any]] = {}
+
+
+def _keep_outers(_replica: int, model: nn.Module, outers: Any) -> None:
+    _surgery[id(model)] = [outers, 0]
+
+
+def _halve_momentum_after_the_first_sync(model: nn.Module) -> None:
+    entry = _surgery[id(model)]
+    entry[1] += 1
+    if entry[1] == 4:  # step() of the first sync (sync_every 4) has just returned
+        for o in entry[0]:
+            sd = copy.deepcopy(o.state_dict())
+            for st in sd["state"].values():
+                st["momentum_buffer"].mul_(0.5)
+            o.load_state_dict(sd)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("mode", list(OFFLOADED))
+def test_outer_state_loaded_right_after_a_sync_is_adopted(mode: str, delay: int) -> None:
+    """State loaded into the outer optimizer just after a sync returned (its tail may
+    still run under the pipelined schedule) is stepped with at the next sync, as
+    torchft does; the tail's end used to put the host state back over it (a fresh
+    tester's find: silently the same as no load)."""
+    cfg = {"sync_every": 4, "fragment_sync_delay": delay, "steps": 10,
+           "setup": Setup(pre_build=_keep_outers,
+                          post_step=_halve_momentum_after_the_first_sync)}
+    assert_bitwise(run(mode, **cfg), reference(**cfg))
+
+
 def test_the_users_outer_optimizer_shows_the_host_state() -> None:
     """``outer_optimizer.state_dict()`` (what a user's own checkpoint saves) is the host
     state; a ``load_state_dict()`` into it after construction is adopted at the next
