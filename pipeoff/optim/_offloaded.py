@@ -9,7 +9,8 @@ tensor holds a parameter's state, and which parameters it steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,65 @@ if TYPE_CHECKING:
     from pipeoff.optim._readers import Readers
     from pipeoff.optim._waits import ForwardWaits
 
-__all__ = ["Offloaded", "check_in_model"]
+__all__ = ["Offloaded", "check_in_model", "fires_load_state_dict_hooks",
+           "fires_state_dict_hooks", "with_step_hooks"]
+
+
+def fires_state_dict_hooks(method: Callable[[Any], dict[str, Any]]
+                           ) -> Callable[[Any], dict[str, Any]]:
+    """``state_dict`` that runs the optimizer's own ``register_state_dict_pre_hook`` /
+    ``register_state_dict_post_hook`` hooks, as torch's ``Optimizer.state_dict``
+    (which the override replaces) does; a post hook may return a new dict."""
+    @functools.wraps(method)
+    def state_dict(self: Any) -> dict[str, Any]:
+        for pre in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre(self)
+        out = method(self)
+        for post in list(self._optimizer_state_dict_post_hooks.values()):
+            changed = post(self, out)
+            if changed is not None:
+                out = changed
+        return out
+    return state_dict
+
+
+def fires_load_state_dict_hooks(method: Callable[[Any, dict[str, Any]], None]
+                                ) -> Callable[[Any, dict[str, Any]], None]:
+    """``load_state_dict`` that runs the optimizer's own load hooks as torch's does: a
+    pre hook may return the dict to load instead; post hooks run once it is loaded."""
+    @functools.wraps(method)
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        for pre in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            changed = pre(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        method(self, state_dict)
+        for post in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post(self)
+    return load_state_dict
+
+
+def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                    step: Callable[[Callable[[], Any] | None], Any]) -> Any:
+    """Run ``step(closure)`` between the step hooks registered on the wrapped optimizer
+    instance ``inner`` (an EMA update in its post hook), as torch's wrapper of
+    ``inner.step`` would: the chunks step through the class's step body, which that
+    wrapper does not reach. A pre hook may return ``(args, kwargs)`` with another
+    closure; post hooks run only after a step that returned."""
+    args: tuple[Any, ...] = (inner,) if closure is None else (inner, closure)
+    kwargs: dict[str, Any] = {}
+    for pre in list(inner._optimizer_step_pre_hooks.values()):
+        result = pre(inner, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError("a step pre hook must return None or a tuple of "
+                                   f"(new_args, new_kwargs), got {result!r}")
+            args, kwargs = result
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    out = step(closure)
+    for post in list(inner._optimizer_step_post_hooks.values()):
+        post(inner, args, kwargs)
+    return out
 
 
 def check_in_model(params: Sequence[torch.Tensor], model: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
-from pipeoff.optim import _update
+from pipeoff.optim import _offloaded, _update
 from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._offload import _graph, _join
 from pipeoff.optim._offload._args import (
@@ -314,22 +314,22 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             self.wait_for_step()  # the chunks still read these grads
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @_offloaded.fires_state_dict_hooks
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict (host tensors), after any step in flight.
-
-        Raises:
-            StepFailedError: the last step failed after writing some parameters.
-        """
+        """The wrapped optimizer's state dict (host tensors), after any step in flight
+        (its state-dict hooks run, as torch's do). Raises ``StepFailedError``: the
+        last step failed after writing some parameters."""
         self.wait_for_step()
         self._health.check("state_dict()")
         return self.inner.state_dict()
 
+    @_offloaded.fires_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, then move the state to host memory.
 
         This is also how to go on after a step that failed partway (load the
         model's state too). It is rank-local: no collective runs. Either all of
-        ``state_dict`` is loaded or (on any error) nothing is.
+        ``state_dict`` is loaded or (on any error) nothing is. Its load hooks run.
 
         Raises:
             ConfigError: ``state_dict`` is not an optimizer state dict, or a
@@ -509,7 +509,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         launched = self._last
         with train_span("step", step):
             try:
-                return self._step(closure)
+                return _offloaded.with_step_hooks(self.inner, closure, self._step)  # type: ignore[no-any-return]
             finally:
                 self._steps_called += 1
                 if self._last is not launched:  # (a step that raised before launching has none)
@@ -590,8 +590,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         hold at once (about ``(prefetch + 1) * chunk_bytes`` of device memory),
         reserved in the process's staging pools (:func:`pipeoff.staging.reserve_for`).
 
-        Returns:
-            The bytes allocated.
+        Returns the bytes allocated.
         """
         if not self._chunked:
             return 0

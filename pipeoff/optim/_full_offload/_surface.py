@@ -18,6 +18,7 @@ import torch
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._common import Phase
+from pipeoff.optim._offloaded import fires_load_state_dict_hooks, fires_state_dict_hooks
 
 if TYPE_CHECKING:
     from pipeoff._contract import Health
@@ -133,6 +134,7 @@ class MastersAndCheckpoints:
     def state(self, value: Any) -> None:
         self.__dict__["_base_state"] = value
 
+    @fires_state_dict_hooks
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict (host tensors), each entry with its FP32 ``"master"``.
 
@@ -146,6 +148,7 @@ class MastersAndCheckpoints:
         return _checkpoint.pack(self._registry, self.param_groups,
                                 self._lifecycle.part.entries())
 
+    @fires_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (with or without ``"master"`` entries); then every device
         weight is written from its master. Either all is loaded or nothing.
