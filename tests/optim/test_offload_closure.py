@@ -181,3 +181,32 @@ def test_a_torn_optimizer_refuses_before_running_the_closure(mode: str) -> None:
     with pytest.raises(pipeoff.StepFailedError, match="step"):
         opt.step(closure_for(net, opt, x, 1, calls))
     assert calls == []
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_single_pass_puts_the_state_back_in_host_memory_when_the_closure_raises(
+        fraction: float) -> None:
+    """``single_pass`` moves the state to the device for the wrapped step and back after
+    it; a closure that raises used to leave it in the step's device copies for the rest
+    of the run (a fresh tester's find). Training then goes on as torch's does."""
+    ref, ref_opt, net, _ = make_pair("single_pass")
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+                           mode="single_pass", offload_fraction=fraction)
+    batches = xs(4)
+
+    def raising(model: nn.Module, o: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
+        def closure() -> torch.Tensor:
+            closure_for(model, o, batches[1], 1)()
+            raise Boom("bad batch")
+        return closure
+
+    for model, o in ((ref, ref_opt), (net, opt)):
+        o.step(closure_for(model, o, batches[0], 0))
+        homes = {(id(p), k): v for p in model.parameters() for k, v in o.state[p].items()}
+        with pytest.raises(Boom):
+            o.step(raising(model, o))
+        assert {(id(p), k): v for p in model.parameters()
+                for k, v in o.state[p].items()}.items() == homes.items()
+        for t in (2, 3):
+            o.step(closure_for(model, o, batches[t], t))
+    assert_same(ref, ref_opt, net, opt)
