@@ -18,7 +18,7 @@ from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
 from pipeoff.ft._diloco_tail import SyncTail
-from pipeoff.ft._options import StagingOptions, check_flag
+from pipeoff.ft._options import StagingOptions, check_flag, check_sync_schedule
 from pipeoff.ft._outer import check_outer, host_outers
 from pipeoff.trace import StepStats
 
@@ -106,13 +106,16 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             two buckets).
 
     Raises:
-        ConfigError: an option is given without ``offload_to_cpu=True`` or is out
-            of range; with ``offload_to_cpu=True``: ``should_quantize=True``
-            (torchft's quantized all-reduce runs on the device), a
+        ConfigError: ``sync_every`` (an int, at least and a multiple of the
+            fragments), ``fragment_sync_delay`` (an int in ``[0, sync_every //
+            fragments)``), ``fragment_update_alpha`` (in ``[0, 1]``) or a list of
+            outer optimizers (one per fragment) out of range; an option is given
+            without ``offload_to_cpu=True`` or is out of range; with
+            ``offload_to_cpu=True``: ``should_quantize=True`` (torchft's quantized
+            all-reduce runs on the device), a
             ``backup_device`` other than the CPU, an outer optimizer that is not
             SGD/Adam/AdamW, or one with a parameter in no fragment.
-        ValueError: torchft's own checks (``sync_every``, ``fragment_sync_delay``,
-            ``fragment_update_alpha``, an async quorum).
+        ValueError: torchft's own check of an async quorum.
     """
 
     def __init__(
@@ -136,6 +139,10 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         device_budget_bytes: int | None = None,
     ) -> None:
         offload = check_flag("offload_to_cpu", offload_to_cpu)
+        check_sync_schedule(
+            sync_every, len(model_fragments), fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha,
+            outer_optimizers=len(outer_optimizer) if isinstance(outer_optimizer, list) else None)
         if offload and bucket_bytes is None and bucket_cap_mb is not None:
             # torchft's bucket size (its MiB, as torchft converts them) is the
             # offloaded sync's unless bucket_bytes is given.

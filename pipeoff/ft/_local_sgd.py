@@ -19,7 +19,7 @@ from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._collective import allreduce_bucket
-from pipeoff.ft._options import StagingOptions, offload_flag
+from pipeoff.ft._options import StagingOptions, check_sync_schedule, offload_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
 from pipeoff.staging import reserve_for
@@ -142,6 +142,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         bucket_bytes: int | Literal["per_parameter"] | None = None,
         device_budget_bytes: int | None = None,
     ) -> None:
+        check_sync_schedule(sync_every)  # (before torchft's hooks go on the optimizer)
         super().__init__(manager, model, optimizer, sync_every)
         self._offload = offload_flag(offload_to_cpu, offload_averaged_parameters_to_cpu)
         opts = StagingOptions.resolve(flag="offload_to_cpu",

@@ -11,7 +11,8 @@ from pipeoff._errors import ConfigError
 from pipeoff._validate import parse_bytes
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES
 
-__all__ = ["PER_PARAMETER", "SCHEDULES", "StagingOptions", "check_flag", "offload_flag"]
+__all__ = ["PER_PARAMETER", "SCHEDULES", "StagingOptions", "check_flag", "check_sync_schedule",
+           "offload_flag"]
 
 SCHEDULES = ("pipelined", "synchronous")
 PER_PARAMETER = "per_parameter"
@@ -22,6 +23,47 @@ def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def _int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an int of at least {low}, got {value!r}")
+    return value
+
+
+def check_sync_schedule(sync_every: Any, fragments: int | None = None, *,
+                        fragment_sync_delay: Any = 0, fragment_update_alpha: Any = 0.0,
+                        outer_optimizers: int | None = None) -> None:
+    """torchft's own checks of LocalSGD's (``fragments=None``) or DiLoCo's schedule, as
+    :class:`ConfigError` naming the argument (torchft's are bare asserts or messages
+    that do not name it).
+
+    Raises:
+        ConfigError: ``sync_every`` not an int of at least 1 (for DiLoCo: at least,
+            and a multiple of, the number of fragments); ``fragment_sync_delay`` not
+            an int in ``[0, sync_every // fragments)``; ``fragment_update_alpha`` not a
+            number in ``[0, 1]``; a list of outer optimizers of another length than
+            the fragments.
+    """
+    every = _int("sync_every", sync_every, 1)
+    if fragments is None:
+        return
+    if outer_optimizers is not None and outer_optimizers != fragments:
+        raise ConfigError(f"outer_optimizer is a list of {outer_optimizers}; give one per model "
+                          f"fragment ({fragments}), or one optimizer for all")
+    if every % fragments:
+        raise ConfigError(f"sync_every must be a multiple of the number of model fragments "
+                          f"({fragments}): each fragment syncs once every sync_every steps, "
+                          f"one every sync_every/{fragments}; got {every}")
+    delay = _int("fragment_sync_delay", fragment_sync_delay, 0)
+    if delay >= every // fragments:
+        raise ConfigError(f"fragment_sync_delay must be less than sync_every / fragments "
+                          f"({every // fragments}): a fragment's sync completes before the "
+                          f"next fragment's begins; got {delay}")
+    alpha = fragment_update_alpha
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not 0.0 <= alpha <= 1.0):
+        raise ConfigError(f"fragment_update_alpha must be a number in [0, 1], got {alpha!r}")
 
 
 def offload_flag(offload_to_cpu: Any, old: Any, old_name: str = (

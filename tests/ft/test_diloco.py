@@ -360,6 +360,47 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
         _build(**kwargs)
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"sync_every": 0}, r"sync_every must be an int of at least 1, got 0"),
+    ({"sync_every": 4.0}, r"sync_every must be an int of at least 1, got 4.0"),
+    ({"sync_every": True}, r"sync_every must be an int of at least 1, got True"),
+    ({"fragment_sync_delay": -1}, r"fragment_sync_delay must be an int of at least 0"),
+    ({"fragment_sync_delay": 2}, r"fragment_sync_delay must be less than sync_every"),
+    ({"fragment_update_alpha": -0.1}, r"fragment_update_alpha must be a number in \[0, 1\]"),
+    ({"fragment_update_alpha": float("nan")}, r"fragment_update_alpha must be a number"),
+    ({"fragment_update_alpha": "0.5"}, r"fragment_update_alpha must be a number"),
+])
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_schedule_is_checked_naming_the_argument(kwargs: dict[str, Any], match: str,
+                                                     fragments: int, offload: bool) -> None:
+    """torchft's own checks are bare asserts (``sync_every=0``, alpha NaN), messages that
+    name no argument, or none at all (a negative delay failed at the first sync); both
+    paths raise ``ConfigError`` naming it, before torchft's hooks go on the optimizer
+    (a fresh tester's find)."""
+    model = make_model(0)
+    inner = optim.AdamW(model.parameters())
+    frags = list(model) if fragments == 2 else [model]
+    args = {"sync_every": 2 * fragments, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        pipeoff.ft.DiLoCo(_manager(), frags, inner, optim.SGD(model.parameters(), lr=0.7),
+                          offload_to_cpu=offload, **args)
+    assert not inner._optimizer_step_post_hooks
+
+
+def test_fragment_counts_are_checked_naming_the_argument() -> None:
+    model = make_model(0)
+    frags = list(model)
+    inner = optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="sync_every must be a multiple of the number of model"):
+        pipeoff.ft.DiLoCo(_manager(), frags, inner, optim.SGD(model.parameters(), lr=0.7), 3)
+    with pytest.raises(ConfigError, match="outer_optimizer is a list of 1; give one per model"):
+        pipeoff.ft.DiLoCo(_manager(), frags, inner, [optim.SGD(model.parameters(), lr=0.7)], 2)
+    with pytest.raises(ConfigError, match="sync_every must be an int of at least 1"):
+        pipeoff.ft.LocalSGD(_manager(), model, inner, 0)
+    assert not inner._optimizer_step_post_hooks
+
+
 def test_torchft_checks_still_apply() -> None:
     with pytest.raises(ValueError, match="fragment_update_alpha"):
         _build(offload_to_cpu=True, fragment_update_alpha=2.0)
