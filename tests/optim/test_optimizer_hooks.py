@@ -1,4 +1,5 @@
-"""torch's optimizer hooks under pipeoff's optimizers, as a fresh tester used them.
+"""torch's optimizer hooks and state entries under pipeoff's optimizers, as a fresh tester
+used them.
 
 - Step hooks registered on the optimizer *instance* handed to ``OffloadOptimizer``
   (an EMA update in a post hook) run once per step, as they would on that optimizer
@@ -117,3 +118,20 @@ def test_state_dict_and_load_hooks_registered_on_the_optimizer_run(build: Any) -
     opt.load_state_dict(sd)
     assert seen[2:] == ["load pre", "load post"]
     assert all("tag" not in g for g in opt.param_groups)  # the pre hook's dict was loaded
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
+def test_sgd_without_momentum_keeps_no_state_entries(mode: str, fraction: float) -> None:
+    """torch's SGD without momentum keeps no state; neither does the wrapper (it
+    showed an empty entry per parameter in chunked and overlap: a fresh tester's
+    find). Its state dict is torch's."""
+    ref_model, model = _model(), _model()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt = OffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode=mode,
+                           offload_fraction=fraction, chunk_bytes=256)
+    _train(ref_model, ref, steps=2)
+    _train(model, opt, steps=2)
+    assert opt.state_dict() == ref.state_dict() == {
+        "state": {}, "param_groups": ref.state_dict()["param_groups"]}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))

@@ -199,7 +199,8 @@ class DevicePart:
             shadow.state = collections.defaultdict(dict)
             shadow.param_groups = []
         for p in params:
-            inner.state[p].update(state[p])  # new state (a first step's), and scalars
+            if state.get(p):  # new state (a first step's), and scalars; none: no entry
+                inner.state[p].update(state[p])
         self.written = True
         if accel.is_device(layout.device):
             if self._event is None:

@@ -151,9 +151,10 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
     def commit(i: int) -> None:
         # A parameter's state is committed in one go once all of it is written,
         # so a failed step never leaves a half-initialized entry.
-        st = inner.state[params[i]]
-        st.update(step.scalars.pop(i, {}))
-        st.update(new_state.get(i, {}))
+        # (No entry for a parameter without state: SGD without momentum keeps none.)
+        update = {**step.scalars.pop(i, {}), **new_state.get(i, {})}
+        if update:
+            inner.state[params[i]].update(update)
 
     def commit_all(ends: list[int]) -> None:
         for i in ends:
