@@ -10,6 +10,7 @@ feature failing deep inside a training step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import threading
@@ -39,6 +40,11 @@ TESTED: dict[str, tuple[str, str]] = {
 }
 """Per package, the oldest and newest minor versions pipeoff was tested on; the
 upper bounds of ``pyproject.toml`` admit these and nothing newer."""
+
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +116,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "wrapping the class's step as __wrapped__)"),
     *(PrivateAPI("torch", f"torch.optim.optimizer:Optimizer.{name}",
                  "init_optimizer_hooks / hookless: the hook registries of an optimizer")
-      for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                   "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                   "_optimizer_load_state_dict_pre_hooks",
-                   "_optimizer_load_state_dict_post_hooks")),
+      for name in _HOOK_DICTS),
     PrivateAPI("torch", "torch.distributed.tensor:DTensor._local_tensor",
                "local_tensor: the shard a DTensor holds, the very tensor (its identity is "
                "what forward waits and the read guard key on)"),
@@ -517,22 +520,19 @@ def outer_backward_frame() -> Any:
     return frames[-1] if len(frames) > 1 else None
 
 
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable[..., Any]]:
+    """``opt``'s own hooks of one ``kind`` (``"step_pre"``, ``"state_dict_post"``...), a list."""
+    return list(getattr(opt, f"_optimizer_{kind}_hooks", {}).values())
 
 
 def init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
-    """Give ``opt``, built without ``Optimizer.__init__``, torch's (empty) hook registries
-    and its class the step wrapper that fires them (``_patch_step_function``)."""
+    """Give ``opt`` (no ``__init__`` ran) hook registries, its class the hooks' step wrapper."""
     hookless(opt)
     opt._patch_step_function()
 
 
 def hookless(opt: torch.optim.Optimizer) -> None:
     """Give ``opt`` (built without ``__init__``) empty hook registries of its own."""
-    import collections
-
     for name in _HOOK_DICTS:
         opt.__dict__[name] = collections.OrderedDict()
 

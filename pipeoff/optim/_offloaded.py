@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import StatsHooks, completions, install_train_hooks, step_stats
@@ -36,10 +37,10 @@ def fires_state_dict_hooks(method: Callable[[Any], dict[str, Any]]
     (which the override replaces) does; a post hook may return a new dict."""
     @functools.wraps(method)
     def state_dict(self: Any) -> dict[str, Any]:
-        for pre in list(self._optimizer_state_dict_pre_hooks.values()):
+        for pre in _compat.optimizer_hooks(self, "state_dict_pre"):
             pre(self)
         out = method(self)
-        for post in list(self._optimizer_state_dict_post_hooks.values()):
+        for post in _compat.optimizer_hooks(self, "state_dict_post"):
             changed = post(self, out)
             if changed is not None:
                 out = changed
@@ -53,12 +54,12 @@ def fires_load_state_dict_hooks(method: Callable[[Any, dict[str, Any]], None]
     pre hook may return the dict to load instead; post hooks run once it is loaded."""
     @functools.wraps(method)
     def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-        for pre in list(self._optimizer_load_state_dict_pre_hooks.values()):
+        for pre in _compat.optimizer_hooks(self, "load_state_dict_pre"):
             changed = pre(self, state_dict)
             if changed is not None:
                 state_dict = changed
         method(self, state_dict)
-        for post in list(self._optimizer_load_state_dict_post_hooks.values()):
+        for post in _compat.optimizer_hooks(self, "load_state_dict_post"):
             post(self)
     return load_state_dict
 
@@ -72,7 +73,7 @@ def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | N
     closure; post hooks run only after a step that returned."""
     args: tuple[Any, ...] = (inner,) if closure is None else (inner, closure)
     kwargs: dict[str, Any] = {}
-    for pre in list(inner._optimizer_step_pre_hooks.values()):
+    for pre in _compat.optimizer_hooks(inner, "step_pre"):
         result = pre(inner, args, kwargs)
         if result is not None:
             if not (isinstance(result, tuple) and len(result) == 2):
@@ -81,7 +82,7 @@ def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | N
             args, kwargs = result
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     out = step(closure)
-    for post in list(inner._optimizer_step_post_hooks.values()):
+    for post in _compat.optimizer_hooks(inner, "step_post"):
         post(inner, args, kwargs)
     return out
 
