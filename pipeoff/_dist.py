@@ -39,8 +39,10 @@ def takes_host_tensors(group: Any) -> bool:
     return "nccl" not in backend or "cpu:" in backend
 
 
-def all_reduce_host(t: torch.Tensor, group: Any, device: torch.device) -> torch.Tensor:
-    """``t`` (a host tensor) summed over ``group``, on the host.
+def all_reduce_host(t: torch.Tensor, group: Any, device: torch.device,
+                    op: Any = None) -> torch.Tensor:
+    """``t`` (a host tensor) summed over ``group`` (or reduced by ``op``, a
+    ``dist.ReduceOp``), on the host.
 
     A group that takes host tensors reduces ``t`` in place; one that does not (NCCL)
     gets a copy in ``device`` memory (the caller's accelerator: an index must be given,
@@ -48,11 +50,12 @@ def all_reduce_host(t: torch.Tensor, group: Any, device: torch.device) -> torch.
     """
     import torch.distributed as dist
 
+    op = dist.ReduceOp.SUM if op is None else op
     if takes_host_tensors(group):
-        dist.all_reduce(t, group=group)
+        dist.all_reduce(t, op=op, group=group)
         return t
     dev = t.to(device, copy=True)
-    dist.all_reduce(dev, group=group)
+    dist.all_reduce(dev, op=op, group=group)
     # A synchronous all_reduce makes the current stream wait for NCCL's; the copy back
     # runs on that stream and blocks the host, so the host never reads the sum early.
     return dev.cpu()

@@ -35,10 +35,13 @@ def local(t: Any) -> torch.Tensor:
 
 def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap: str,
              fsdp_flag: bool, max_norm: float | None = None,
-             loop_clip: bool = False) -> dict[str, Any]:
+             loop_clip: bool = False, fraction: float = 1.0,
+             resume_at: float | None = None) -> dict[str, Any]:
     """``loop_clip``: the loop clips with torch's clip_grad_norm_ on the model's DTensor
     gradients (FullOffloadOptimizer's placeholders), the reference with the same call
-    on DTensors of its FP32 sums; else the optimizer clips with ``max_norm``."""
+    on DTensors of its FP32 sums; else the optimizer clips with ``max_norm``.
+    ``fraction``: the ``offload_fraction``; ``resume_at``: after two steps the state
+    dict goes into a new optimizer at this fraction, which takes the third step."""
     from torch.distributed.tensor import DTensor
 
     from pipeoff.optim import FullOffloadOptimizer
@@ -48,12 +51,47 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
     params = list(ref.parameters())
     masters = [local(p).detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
-    opt = FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                               accumulate=accumulate, overlap=overlap,
-                               max_norm=None if loop_clip else max_norm)
+
+    def new_opt(f: float | str) -> FullOffloadOptimizer:
+        # "auto": a budget per rank, rank 1's fits few of its shards (the ranks agree).
+        budget = None if f != "auto" else AUTO_BUDGETS[rank]
+        return FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                    accumulate=accumulate, overlap=overlap,
+                                    max_norm=None if loop_clip else max_norm,
+                                    offload_fraction=f, device_budget_bytes=budget)
+
+    if fraction == "auto":
+        from pipeoff.optim._full_offload import _auto
+        from pipeoff.optim._offload._auto import Rates
+
+        def gpu_like(*args: Any, **kwargs: Any) -> Rates:
+            # A GPU's shape (a device step far faster than the host's), rank 0's a
+            # little faster: alone, rank 0 would keep everything on its device.
+            fast = 2.0 if rank == 0 else 1.0
+            return Rates(h2d_bytes_per_s=fast * 1e9, d2h_bytes_per_s=fast * 1e9,
+                         step_elements_per_s=fast * 1e12, host_step_elements_per_s=1e8)
+
+        measure, _auto.measure_full_rates = _auto.measure_full_rates, gpu_like
+        try:
+            opt = new_opt(fraction)
+        finally:
+            _auto.measure_full_rates = measure
+    else:
+        opt = new_opt(fraction)
+    stats = opt.memory_stats()
+    device_part = stats.get("params_device", 0)
+    choice = opt.offload_choice
+    chosen = None if choice is None else (choice.fraction, choice.budget_bytes,
+                                          stats.get("master_bytes_device", 0)
+                                          + stats.get("state_bytes_device", 0))
     norms: list[tuple[float, float]] = []
     g = torch.Generator().manual_seed(1 + rank)
-    for _ in range(3):
+    for step in range(3):
+        if step == 2 and resume_at is not None:
+            opt.wait_for_step()
+            saved = opt.state_dict()
+            opt = new_opt(resume_at)
+            opt.load_state_dict(saved)
         xs = [torch.randn(4, 16, generator=g).to(dtype) for _ in range(3)]
         acc: dict[int, torch.Tensor] = {}
         for k, x in enumerate(xs):
@@ -131,7 +169,27 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                for a, b in zip(params, mine.parameters()))
     sizes = [local(p).numel() for p in mine.parameters()]
     return {"params_equal": same, "sizes": sizes, "norms": norms,
-            "outside_writes": opt._registry.outside_writes}
+            "outside_writes": opt._registry.outside_writes, "device_part": device_part,
+            "chosen": chosen}
+
+
+FRACTION_CASES = [
+    (torch.float32, "cpu", "none", False, 0.05, False, 0.3),
+    (torch.float32, "cpu", "forward", False, None, False, 0.3),
+    (torch.float32, "gpu", "forward", True, 0.05, False, 0.3),
+    (torch.bfloat16, "gpu", "forward", False, 0.05, True, 0.3),
+    (torch.float32, "cpu", "forward", False, 0.05, False, 0.3, 1.0),
+    (torch.float32, "cpu", "none", False, 0.05, False, 1.0, 0.3),
+    (torch.float32, "cpu", "forward", False, 0.05, False, "auto"),
+]
+"""With a device part (``offload_fraction=0.3``: every parameter but the first weight):
+the optimizer's clip, none, FSDP2's own flag, the loop's clip on BF16, and a resume
+from 0.3 to 1.0 and back."""
+
+
+AUTO_BUDGETS = {0: 1 << 30, 1: 1500}
+"""``device_budget_bytes`` per rank of the ``"auto"`` case: rank 1's holds the masters,
+state and sums (16 B an element) of under 100 of its ~330 elements."""
 
 
 def refused_under_cpu_offload_policy(mesh: Any) -> str:
@@ -170,7 +228,8 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
                      (torch.float32, "cpu", "none", False, 0.05),
                      (torch.float32, "gpu", "forward", False, 0.05),
                      (torch.float32, "cpu", "forward", False, 0.05, True),
-                     (torch.bfloat16, "gpu", "none", False, 0.05, True)]:
+                     (torch.bfloat16, "gpu", "none", False, 0.05, True),
+                     *FRACTION_CASES]:
             try:
                 out[case] = run_case(rank, mesh, *case)
             except Exception as err:  # reported to the test, named

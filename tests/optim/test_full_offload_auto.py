@@ -255,13 +255,9 @@ def test_auto_on_the_simulated_cuda_device(gpu: Gpu) -> None:
         assert gpu.accel.on_device(rec.master)
 
 
-def test_dtensor_parameters_and_a_ddp_wrapper_refuse_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = inject(monkeypatch, GPU_LIKE)
-    sharded = make_model()
-    sharded.l1.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match="offload_fraction='auto'.*DTensor"):
-        build(sharded)
-    assert not calls
+def test_a_ddp_wrapper_refuses_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(DTensor parameters take it, the ranks agreeing: ``test_full_offload_fsdp2.py``.)"""
+    inject(monkeypatch, GPU_LIKE)
     opt = build(make_model(), budget=TOTAL // 2)  # a device part...
     assert opt.offload_fraction < 1.0
     with pytest.raises(ConfigError, match="offload_fraction < 1.*DistributedDataParallel"):

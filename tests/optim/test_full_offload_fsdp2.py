@@ -74,3 +74,41 @@ def test_the_loops_clip_call_on_fsdp2s_dtensor_gradients(results: dict[int, dict
     for rank in (0, 1):
         norms = results[rank][case]["norms"]
         assert norms and all(mine == want and mine > 0.05 for mine, want in norms), norms
+
+
+@pytest.mark.parametrize("case", full_fsdp2_worker.FRACTION_CASES,
+                         ids=["clip-none", "forward", "fsdp2_flag-clip", "loop-clip-bf16",
+                              "resume-0.3-to-1", "resume-1-to-0.3", "auto"])
+def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, dict[Any, Any]],
+                                                             case: Any) -> None:
+    """offload_fraction=0.3 on FSDP2's sharded parameters: the device part steps its
+    local shards with torch's kernel, its norms join the host part's in param-group
+    order before the one all-reduce (the reference's local total, then the square
+    summed over ranks), and a checkpoint moves between fractions."""
+    for rank in (0, 1):
+        r = results[rank][case]
+        assert "error" not in r, r.get("error")
+        assert r["params_equal"], rank
+        if case[6] != "auto":
+            assert r["device_part"] == (5 if case[6] < 1 else 0)  # all but the first weight
+        assert r["outside_writes"] == 0
+        for n in r["norms"]:
+            assert n[0] == n[-1] if len(n) == 3 else n[0] == n[1]  # clipped with; torch's
+    assert ([n[0] for n in results[0][case]["norms"]]
+            == [n[0] for n in results[1][case]["norms"]])
+
+
+def test_auto_under_fsdp2_chooses_one_fraction_on_every_rank(
+        results: dict[int, dict[Any, Any]]) -> None:
+    """"auto" on sharded parameters: the ranks choose from the smallest budget (rank 1's,
+    1500 B against rank 0's 1 GiB), each parameter's largest shard and the slowest
+    rates, so both take the same split (and the same norm collectives). The rates are
+    a GPU's shape, so that rank 0 alone would keep everything on its device."""
+    case = full_fsdp2_worker.FRACTION_CASES[-1]
+    chosen = [results[rank][case]["chosen"] for rank in (0, 1)]
+    assert chosen[0][:2] == chosen[1][:2], chosen
+    assert chosen[0][1] == full_fsdp2_worker.AUTO_BUDGETS[1]
+    assert 0 < chosen[0][0] < 1  # rank 1's budget holds a part of its shards only
+    assert results[0][case]["device_part"] == results[1][case]["device_part"] > 0
+    for rank in (0, 1):
+        assert chosen[rank][2] <= chosen[rank][1]  # the device part fits it

@@ -139,8 +139,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
 
     Raises:
         ConfigError: naming ``offload_fraction``: a mode that refuses a device part
-            (``overlap="backward"``, a ``process_group``, a model under DDP, DTensor
-            parameters); no
+            (``overlap="backward"``, a ``process_group``, a model under DDP); no
             budget to be had (no ``device_budget_bytes`` off CUDA); or naming
             ``device_budget_bytes``: a budget without ``"auto"``.
     """
@@ -156,8 +155,6 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
         why = "a process_group"
     elif ddp:
         why = "DistributedDataParallel"
-    elif any(_is_dtensor(p) for p in params):
-        why = "DTensor parameters (FSDP2)"
     if why is not None:
         raise ConfigError(f"offload_fraction='auto' (a device part) is not available with "
                           f"{why}; use offload_fraction=1.0")
@@ -165,14 +162,16 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
     device = params[0].device if params else torch.device("cpu")
     budget, source = _budget(device, device_budget_bytes)
     group = {"params": params, **probe.defaults}
-    weights = [4 * p.numel() * (2 + len(_update.state_keys(probe, group))) for p in params]
-    sizes = [p.numel() for p in params]
-    total = sum(weights)
-    elements = sum(sizes)
+    sizes = [local(p).numel() for p in params]  # (this rank's shard of a DTensor's)
     grad_bytes = params[0].element_size() if params else 2
     pin = bool(pin_memory) and _accel.current().available()
     rates = (measure or measure_full_rates)(optimizer_class, probe.defaults, device, pin=pin,
                                             threads=threads)
+    if any(_is_dtensor(p) for p in params):
+        sizes, budget, rates = _agree(sizes, budget, rates, local(params[0]).device)
+    weights = [4 * n * (2 + len(_update.state_keys(probe, group))) for n in sizes]
+    total = sum(weights)
+    elements = sum(sizes)
     per_element = total / max(elements, 1)
 
     def seconds(host_bytes: int) -> float:
@@ -190,6 +189,32 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
                   staging_is="the host part's FP32 gradient sums, which accumulate='gpu' keeps "
                   "on the device during an accumulation, 4 B an element); give a larger "
                   "budget, or accumulate='cpu' (no device staging")
+
+
+def _agree(sizes: list[int], budget: int, rates: Rates,
+           device: torch.device) -> tuple[list[int], int, Rates]:
+    """Sharded parameters (FSDP2): what every rank chooses from, so that all choose the
+    same fraction (the split, of global shapes, is the same on every rank, and so are
+    the norm's collectives): each parameter's largest shard, the smallest budget and
+    the slowest rates over the default group (the slowest rank sets a sharded step's
+    time)."""
+    import torch.distributed as dist
+
+    from pipeoff import _dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return sizes, budget, rates
+    group = dist.group.WORLD
+    most = _dist.all_reduce_host(torch.tensor([*sizes, -budget], dtype=torch.float64), group,
+                                 device, op=dist.ReduceOp.MAX).tolist()
+    fields = [f.name for f in dataclasses.fields(rates)]
+    vals = [getattr(rates, f) for f in fields]
+    least = _dist.all_reduce_host(torch.tensor([float("inf") if v is None else v for v in vals],
+                                               dtype=torch.float64), group, device,
+                                  op=dist.ReduceOp.MIN).tolist()
+    new: dict[str, Any] = {f: None if v is None else x for f, v, x in zip(fields, vals, least)}
+    agreed: Rates = dataclasses.replace(rates, **new)
+    return [int(n) for n in most[:-1]], int(-most[-1]), agreed
 
 
 def is_auto(fraction: Any) -> bool:

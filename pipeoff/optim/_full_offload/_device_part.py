@@ -43,8 +43,13 @@ from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
+from pipeoff.optim._tensors import wrap_like
 
-__all__ = ["DeviceParam", "FullDevicePart", "full_weights"]
+__all__ = ["DeviceParam", "FullDevicePart", "HostNorm", "full_weights"]
+
+HostNorm = tuple[torch.Tensor | None, tuple[Any, ...]]
+"""A host-part parameter's gradient norm (``None`` without a gradient) and the process
+groups its square is summed over (``_param.norm_groups``)."""
 
 _LANE = "caller"
 
@@ -58,25 +63,38 @@ def full_weights(param_groups: Sequence[Mapping[str, Any]],
 
 
 class DeviceParam:
-    """One device-part parameter: its FP32 master (laid out as the parameter), its FP32
-    gradient sum (``None`` without a gradient since the last step), and torch's state
-    entry for it (on the device)."""
+    """One device-part parameter: its FP32 master (laid out as the parameter's local
+    tensor: a DTensor's local shard), its FP32 gradient sum (``None`` without a
+    gradient since the last step), and torch's state entry for it (on the device), all
+    local tensors; ``norm_key``: the process groups its squared norm is summed over
+    (``_param.norm_groups``)."""
 
-    __slots__ = ("master", "name", "param", "state", "stepped", "sum", "version")
+    __slots__ = ("master", "name", "norm_key", "param", "state", "stepped", "sum", "version")
 
     def __init__(self, param: torch.Tensor, name: str) -> None:
+        from pipeoff.optim._full_offload._param import norm_groups
+
         self.param = param
         self.name = name
+        self.norm_key = norm_groups(param, None)
+        weight = local(param)
         with torch.no_grad():
-            self.master = torch.empty_like(param, dtype=torch.float32)
-            self.master.copy_(param)  # widening: exact
+            self.master = torch.empty_like(weight, dtype=torch.float32)
+            self.master.copy_(weight)  # widening: exact
         self.sum: torch.Tensor | None = None
         self.state: dict[str, Any] = {}
         self.stepped = False
         """Stepped at least once (or loaded with a master): its entry is saved, also
         without state (SGD without momentum), as the host part's."""
-        self.version = param._version
-        """The weight's version counter after this optimizer's last write to it."""
+        self.version = weight._version
+        """The weight's (local tensor's) version counter after this optimizer's last write
+        to it."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight the step writes: the parameter, or a DTensor's local shard (looked
+        up each time: FSDP2 may swap the local tensor at its lazy init)."""
+        return local(self.param)
 
 
 class FullDevicePart:
@@ -110,17 +128,12 @@ class FullDevicePart:
         """Decide the device part over ``param_groups`` (once, at construction) and create
         its masters; returns the ``id()`` of its parameters.
 
-        Raises:
-            ConfigError: naming ``offload_fraction``: a DTensor parameter (FSDP2).
+        The weights are of global shapes, so every rank of an FSDP2 mesh makes the same
+        split (and issues the same norm collectives).
         """
         if self.fraction >= 1.0:
             return frozenset()
         tensors = [p for g in param_groups for p in g["params"]]
-        for p in tensors:
-            if getattr(p, "placements", None) is not None or local(p) is not p:
-                raise ConfigError(
-                    f"offload_fraction={self.fraction} (a device part) is not available for "
-                    "DTensor parameters (FSDP2) yet: use offload_fraction=1.0")
         on = split_params(full_weights(param_groups, probe), self.fraction).on_device
         for i in sorted(on):
             p = tensors[i]
@@ -139,7 +152,8 @@ class FullDevicePart:
     def fold(self, rec: DeviceParam, g: torch.Tensor) -> None:
         """Fold ``g`` (the gradient a backward left in ``rec.param.grad``) into the FP32
         sum (the first: a widening copy), then release it: the reference's
-        accumulation, on the device."""
+        accumulation, on the device (a DTensor's local shard)."""
+        g = local(g)
         with torch.no_grad():
             if rec.sum is None:
                 rec.sum = g.to(torch.float32, copy=True)
@@ -171,7 +185,7 @@ class FullDevicePart:
         """A gradient the loop put in ``param.grad`` (or wrote through its copy) after the
         backward: the sum from now on (widened: exact)."""
         with torch.no_grad():
-            rec.sum = g.detach().to(torch.float32, copy=True)
+            rec.sum = local(g).detach().to(torch.float32, copy=True)
 
     @staticmethod
     def drop(rec: DeviceParam) -> None:
@@ -201,7 +215,7 @@ class FullDevicePart:
                 raise ConfigError(f"the gradient set by hand for {rec.name!r} is not dense, of "
                                   "the parameter's shape and device")
             with torch.no_grad():
-                rec.sum = g.to(torch.float32, copy=True)
+                rec.sum = local(g).to(torch.float32, copy=True)
             rec.param.grad = None
             took = True
         return took
@@ -221,32 +235,56 @@ class FullDevicePart:
 
     # -- the norm ----------------------------------------------------------------------------
     def total_norm(self, param_groups: Sequence[Mapping[str, Any]],
-                   host_norm: Any) -> torch.Tensor:
+                   host_norm: Callable[[torch.Tensor], HostNorm | None]) -> torch.Tensor:
         """The total 2-norm of every gradient, both parts, as ``clip_grad_norm_(foreach=
         False)`` takes it over the parameters in param-group order: one norm per sum,
         then the norm of their stack. ``host_norm(p)``: a host-part parameter's norm
-        (``None`` without a gradient)."""
-        order: list[torch.Tensor | int] = []  # a host norm, or a device norm's index
+        (``None`` without a gradient) and the groups it is summed over; ``None`` for a
+        parameter the host part does not hold.
+
+        Sharded parameters (FSDP2): per set of groups the stack of its parameters'
+        norms, both parts, in param-group order, then the host part's reduction
+        (``_lanes.reduce_norms``): a collective per group, joined by every rank, also
+        without gradients, as the host part's norm task does.
+        """
+        order: list[tuple[tuple[Any, ...], torch.Tensor | int]] = []
         device: list[torch.Tensor] = []
+        keys: dict[tuple[Any, ...], torch.device] = {}  # every parameter's, in order
         for g in param_groups:
             for p in g["params"]:
                 rec = self.owns(p)
                 if rec is None:
-                    n = host_norm(p)
+                    got = host_norm(p)
+                    if got is None:
+                        continue
+                    n, key = got
+                    if key:
+                        keys.setdefault(key, local(p).device)
                     if n is not None:
-                        order.append(n)
-                elif rec.sum is not None:
-                    order.append(len(device))
-                    device.append(torch.linalg.vector_norm(rec.sum, 2.0))
-        if not order:
+                        order.append((key, n))
+                else:
+                    if rec.norm_key:
+                        keys.setdefault(rec.norm_key, rec.master.device)
+                    if rec.sum is not None:
+                        order.append((rec.norm_key, len(device)))
+                        device.append(torch.linalg.vector_norm(rec.sum, 2.0))
+        if not order and not keys:
             return torch.tensor(0.0)
         # One blocking copy of the device part's norms (the host waits for their
         # kernels on the caller's stream): the total is taken on the host, as the
         # host part's norm task takes it.
         on_host = torch.stack(device).cpu().unbind() if device else ()
-        norms = [on_host[n] if isinstance(n, int) else n for n in order]
-        total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-        return total
+        by_key: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for key, at in order:
+            by_key.setdefault(key, []).append(on_host[at] if isinstance(at, int) else at)
+        partial: dict[tuple[Any, ...], torch.Tensor] = {
+            key: torch.linalg.vector_norm(torch.stack(norms), 2.0)
+            for key, norms in by_key.items()}
+        if not keys:  # nothing to reduce: the norm is this rank's
+            return partial[()]
+        from pipeoff.optim._full_offload._lanes import reduce_norms
+
+        return reduce_norms(partial, list(keys), keys)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, param_groups: Sequence[Mapping[str, Any]], hyper: Sequence[Mapping[str, Any]],
@@ -311,8 +349,8 @@ class FullDevicePart:
                 rec.state = state[rec.master]
                 rec.stepped = True
                 rec.sum = None
-                rec.param.copy_(rec.master)  # the weight: the master's cast
-                rec.version = rec.param._version
+                rec.weight.copy_(rec.master)  # the weight: the master's cast
+                rec.version = rec.weight._version
         self._record(recs[0].param.device)
         return len(recs)
 
@@ -350,26 +388,35 @@ class FullDevicePart:
                 else [r for r in map(self.owns, params) if r is not None])
         with torch.no_grad():
             for rec in recs:
-                if only_written and rec.param._version == rec.version:
+                w = rec.weight
+                if only_written and w._version == rec.version:
                     continue
-                w = rec.param.detach()
-                if not torch.equal(w.view(torch.uint8), rec.master.to(w.dtype).view(torch.uint8)):
-                    rec.master.copy_(w)
-                rec.version = rec.param._version
+                if not torch.equal(w.detach().view(torch.uint8),
+                                   rec.master.to(w.dtype).view(torch.uint8)):
+                    rec.master.copy_(w.detach())
+                rec.version = w._version
 
     def weights_from_masters(self) -> None:
         """Write every device-part weight from its master."""
         with torch.no_grad():
             for rec in self.params.values():
-                rec.param.copy_(rec.master)
-                rec.version = rec.param._version
+                rec.weight.copy_(rec.master)
+                rec.version = rec.weight._version
 
     # -- checkpoints and memory --------------------------------------------------------------
     def entries(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Per device-part parameter stepped at least once (or loaded with state), torch's
-        entry plus ``"master"``."""
-        return {rec.param: {**rec.state, "master": rec.master}
-                for rec in self.params.values() if rec.state or rec.stepped}
+        entry plus ``"master"`` (per-element tensors as DTensors like a DTensor parameter,
+        as torch's optimizer keeps them under FSDP2)."""
+        out = {}
+        for rec in self.params.values():
+            if not (rec.state or rec.stepped):
+                continue
+            entry = {k: wrap_like(rec.param, v) if _per_element(k, v, rec.master) else v
+                     for k, v in rec.state.items()}
+            entry["master"] = wrap_like(rec.param, rec.master)
+            out[rec.param] = entry
+        return out
 
     def load(self, entries: Mapping[int, Mapping[str, Any]],
              param_groups: Sequence[Mapping[str, Any]]) -> None:
@@ -384,7 +431,7 @@ class FullDevicePart:
                 rec.state = {}
                 rec.stepped = entry is not None and "master" in entry
                 if entry is None or "master" not in entry:
-                    rec.master.copy_(rec.param)
+                    rec.master.copy_(rec.weight)
                 for key, val in (entry or {}).items():
                     if key == "master":
                         rec.master.copy_(local(val).reshape(rec.master.shape))
@@ -398,7 +445,7 @@ class FullDevicePart:
                                           or g.get("capturable") else t)
                     else:
                         rec.state[key] = val
-                rec.version = rec.param._version
+                rec.version = rec.weight._version
 
     def memory(self) -> dict[str, int]:
         """Bytes of the device part: ``master_bytes_device``, ``grad_sum_bytes_device``
@@ -416,6 +463,12 @@ class FullDevicePart:
         return {"master_bytes_device": sum(_nbytes(r.master) for r in recs),
                 "grad_sum_bytes_device": sum(_nbytes(r.sum) for r in recs if r.sum is not None),
                 "state_bytes_device": state, "params_device": len(recs)}
+
+
+def _per_element(key: str, val: Any, master: torch.Tensor) -> bool:
+    """Whether a state entry is per-element (saved like the parameter), not a scalar."""
+    return (isinstance(val, torch.Tensor) and key != "step" and val.dim() > 0
+            and val.shape == master.shape)
 
 
 def _nbytes(t: torch.Tensor) -> int:

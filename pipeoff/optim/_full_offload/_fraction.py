@@ -96,8 +96,8 @@ class FractionLifecycle(Lifecycle):
         registry first indexes them).
 
         Raises:
-            ConfigError: naming ``offload_fraction``: DTensor parameters, or a
-                ``DistributedDataParallel`` around the model.
+            ConfigError: naming ``offload_fraction``: a ``DistributedDataParallel``
+                around the model.
         """
         on = self.part.split(self.param_groups(), probe, self.registry.names)
         self.registry.on_device = on
@@ -230,9 +230,11 @@ class FractionLifecycle(Lifecycle):
         assert fin is not None and fin.lanes is not None
         lanes = fin.lanes
 
-        def host_norm(p: torch.Tensor) -> torch.Tensor | None:
+        def host_norm(p: torch.Tensor) -> tuple[torch.Tensor | None, tuple[Any, ...]] | None:
             i = lanes.position_of(p)
-            return None if i is None or res.counts[i] == 0 else res.norms[i]
+            if i is None:
+                return None
+            return (None if res.counts[i] == 0 else res.norms[i]), lanes.norm_groups[i]
 
         # The norm task has ended (waited for above); the chunks read total_norm only
         # after the step gate, which hand_over() opens later on this thread.

@@ -66,7 +66,7 @@ from pipeoff.optim._full_offload._one_pass import ONE_PASS, HeldWork
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.optim._tensors import flat
 
-__all__ = ["LaneResults", "LaneWork", "gate_name"]
+__all__ = ["LaneResults", "LaneWork", "gate_name", "reduce_norms"]
 
 
 def gate_name(rec: OffloadedParam) -> str:
@@ -283,18 +283,7 @@ class LaneWork:
     def allreduce_norm(self, res: LaneResults) -> None:
         """The squared norms (float64) summed over the ranks that hold the other shards
         of the same parameters: over the mesh dimensions they are sharded on."""
-        mine = res.partial_norms.get(())  # replicated parameters: every rank has it all
-        total = torch.zeros((), dtype=torch.float64) if mine is None else mine.double() ** 2
-        # Every rank issues the same collectives in the same order: one per
-        # group of every key any parameter may have (a rank without gradients
-        # for some parameters still joins, with zero).
-        for key in self.all_norm_keys:
-            t = res.partial_norms.get(key)
-            sq = torch.zeros((), dtype=torch.float64) if t is None else t.double() ** 2
-            for group in key:  # (through device memory for a group that takes none of the
-                sq = _dist.all_reduce_host(sq, group, self.norm_devices[key])  # host's)
-            total += sq
-        res.total_norm = total.sqrt().float()
+        res.total_norm = reduce_norms(res.partial_norms, self.all_norm_keys, self.norm_devices)
 
     # -- the step ----------------------------------------------------------------------
     def step_chunk(self, res: LaneResults, hyper_at_launch: list[dict[str, Any]] | None, k: int,
@@ -462,3 +451,25 @@ class LaneWork:
             flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
                                        non_blocking=True)
             rec.version = loc._version  # our own write, not an external one
+
+
+def reduce_norms(partial: Mapping[tuple[Any, ...], torch.Tensor],
+                 keys: Sequence[tuple[Any, ...]],
+                 devices: Mapping[tuple[Any, ...], torch.device]) -> torch.Tensor:
+    """The total 2-norm (FP32, on the host) from each set of groups' local norm
+    (``partial``, ``()`` for parameters every rank holds whole): the squares in float64,
+    each set's summed over its groups, then added. ``keys``: every non-empty set any
+    parameter has, in an order the same on every rank; ``devices``: per set, where a
+    square goes for a group that takes no host tensors (NCCL)."""
+    mine = partial.get(())  # replicated parameters: every rank has it all
+    total = torch.zeros((), dtype=torch.float64) if mine is None else mine.double() ** 2
+    # Every rank issues the same collectives in the same order: one per group of
+    # every key any parameter may have (a rank without gradients for some
+    # parameters still joins, with zero).
+    for key in keys:
+        t = partial.get(key)
+        sq = torch.zeros((), dtype=torch.float64) if t is None else t.double() ** 2
+        for group in key:  # (through device memory for a group that takes none of the
+            sq = _dist.all_reduce_host(sq, group, devices[key])  # host's)
+        total += sq
+    return total.sqrt().float()
