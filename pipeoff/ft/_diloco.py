@@ -139,7 +139,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         device_budget_bytes: int | None = None,
     ) -> None:
         offload = check_flag("offload_to_cpu", offload_to_cpu)
-        check_sync_schedule(
+        sync_every, fragment_sync_delay, fragment_update_alpha = check_sync_schedule(
             sync_every, len(model_fragments), fragment_sync_delay=fragment_sync_delay,
             fragment_update_alpha=fragment_update_alpha,
             outer_optimizers=len(outer_optimizer) if isinstance(outer_optimizer, list) else None)

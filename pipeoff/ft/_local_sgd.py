@@ -142,7 +142,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         bucket_bytes: int | Literal["per_parameter"] | None = None,
         device_budget_bytes: int | None = None,
     ) -> None:
-        check_sync_schedule(sync_every)  # (before torchft's hooks go on the optimizer)
+        sync_every = check_sync_schedule(sync_every)[0]  # (before torchft's hooks go on)
         super().__init__(manager, model, optimizer, sync_every)
         self._offload = offload_flag(offload_to_cpu, offload_averaged_parameters_to_cpu)
         opts = StagingOptions.resolve(flag="offload_to_cpu",

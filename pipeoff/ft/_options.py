@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +28,23 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    # Any integer type torchft's arithmetic takes (numpy's too), not a bool.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ConfigError(f"{name} must be an int of at least {low}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_sync_schedule(sync_every: Any, fragments: int | None = None, *,
                         fragment_sync_delay: Any = 0, fragment_update_alpha: Any = 0.0,
-                        outer_optimizers: int | None = None) -> None:
+                        outer_optimizers: int | None = None) -> tuple[int, int, float]:
     """torchft's own checks of LocalSGD's (``fragments=None``) or DiLoCo's schedule, as
     :class:`ConfigError` naming the argument (torchft's are bare asserts or messages
-    that do not name it).
+    that do not name it). Any integer or real type torchft takes (a numpy scalar, from
+    a config) is accepted.
+
+    Returns:
+        ``(sync_every, fragment_sync_delay, fragment_update_alpha)`` as Python ``int``,
+        ``int`` and ``float``.
 
     Raises:
         ConfigError: ``sync_every`` not an int of at least 1 (for DiLoCo: at least,
@@ -47,7 +55,7 @@ def check_sync_schedule(sync_every: Any, fragments: int | None = None, *,
     """
     every = _int("sync_every", sync_every, 1)
     if fragments is None:
-        return
+        return every, 0, 0.0
     if outer_optimizers is not None and outer_optimizers != fragments:
         raise ConfigError(f"outer_optimizer is a list of {outer_optimizers}; give one per model "
                           f"fragment ({fragments}), or one optimizer for all")
@@ -61,9 +69,10 @@ def check_sync_schedule(sync_every: Any, fragments: int | None = None, *,
                           f"({every // fragments}): a fragment's sync completes before the "
                           f"next fragment's begins; got {delay}")
     alpha = fragment_update_alpha
-    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-            or not 0.0 <= alpha <= 1.0):
+    if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+            or math.isnan(float(alpha)) or not 0.0 <= float(alpha) <= 1.0):
         raise ConfigError(f"fragment_update_alpha must be a number in [0, 1], got {alpha!r}")
+    return every, delay, float(alpha)
 
 
 def offload_flag(offload_to_cpu: Any, old: Any, old_name: str = (

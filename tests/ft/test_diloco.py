@@ -388,6 +388,23 @@ def test_the_schedule_is_checked_naming_the_argument(kwargs: dict[str, Any], mat
     assert not inner._optimizer_step_post_hooks
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_numpy_scalars_from_a_config_are_taken_as_torchft_takes_them(offload: bool) -> None:
+    """A config read with numpy (``np.int64``, ``np.float32``) passes torchft's own checks;
+    pipeoff's (above) took them too, as Python numbers (a fresh tester's find)."""
+    np = pytest.importorskip("numpy")
+    model = make_model(0)
+    inner = optim.AdamW(model.parameters())
+    d = pipeoff.ft.DiLoCo(_manager(), list(model), inner, optim.SGD(model.parameters(), lr=0.7),
+                          np.int64(4), fragment_sync_delay=np.int64(1),
+                          fragment_update_alpha=np.float32(0.5), offload_to_cpu=offload)
+    assert [type(v) for v in (d._sync_every, d._fragment_sync_delay)] == [int, int]
+    assert all(type(f._fragment_update_alpha) is float and f._fragment_update_alpha == 0.5
+               for f in d._fragments)
+    local = pipeoff.ft.LocalSGD(_manager(), model, optim.AdamW(model.parameters()), np.int32(3))
+    assert type(local._sync_every) is int and local._sync_every == 3
+
+
 def test_fragment_counts_are_checked_naming_the_argument() -> None:
     model = make_model(0)
     frags = list(model)
