@@ -113,15 +113,16 @@ def test_full_seconds_formula() -> None:
                               grad_bytes=2) == pytest.approx(10)
 
 
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
 @pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 @pytest.mark.parametrize("rates", [GPU_LIKE, BALANCED], ids=["gpu_like", "balanced"])
 def test_the_choice_fits_and_trains_bitwise(monkeypatch: pytest.MonkeyPatch,
-                                            rates: Rates, accumulate: str) -> None:
+                                            rates: Rates, accumulate: str, overlap: str) -> None:
     inject(monkeypatch, rates)
     budget = TOTAL // 2
     model = make_model()
     ref = reference(model)
-    opt = build(model, budget=budget, accumulate=accumulate)
+    opt = build(model, budget=budget, accumulate=accumulate, overlap=overlap)
     assert 0.0 < opt.offload_fraction < 1.0
     data = batches(3, 2)
     train(opt, model, data)
@@ -209,8 +210,7 @@ def test_a_budget_too_small_takes_all_on_the_host(monkeypatch: pytest.MonkeyPatc
     assert opt.offload_fraction == 1.0
 
 
-@pytest.mark.parametrize("kw", [{"overlap": "backward"}, {"process_group": object()}],
-                         ids=["overlap_backward", "process_group"])
+@pytest.mark.parametrize("kw", [{"process_group": object()}], ids=["process_group"])
 def test_modes_without_a_device_part_refuse_auto(monkeypatch: pytest.MonkeyPatch,
                                                  kw: dict[str, Any]) -> None:
     calls = inject(monkeypatch, GPU_LIKE)

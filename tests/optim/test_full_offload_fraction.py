@@ -58,12 +58,14 @@ def _device_names(opt: FullOffloadOptimizer) -> list[str]:
 # -- exactness ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("micro", [1, 3])
-@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
 @pytest.mark.parametrize("accumulate", ["cpu", "gpu"], ids=lambda v: f"accumulate={v}")
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no_clip", "clip"])
 @pytest.mark.parametrize("f", FRACTIONS)
 def test_bitwise_equal_to_the_reference(f: float, clip: float | None, accumulate: str,
                                         overlap: str, micro: int) -> None:
+    if overlap == "backward" and clip is not None:
+        pytest.skip("overlap='backward' refuses max_norm (it steps before a norm is known)")
     model = make_model()
     ref = reference(model, max_norm=clip)
     opt = build(model, f, accumulate=accumulate, overlap=overlap, max_norm=clip)
@@ -111,6 +113,57 @@ def test_grad_norm_and_clip_grad_norm_take_both_parts(f: float) -> None:
     for a, b in zip(norms, ref_norms):
         assert same_bits(a, b)
     assert same_bits(opt.grad_norm, ref_norms[-1])
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("f", FRACTIONS)
+def test_overlap_backward_steps_the_device_part_at_step_with_the_norm_of_both(
+        f: float, micro: int) -> None:
+    """overlap="backward": the host part steps during the final backward, the device part
+    at step() (the hyperparameters of when that backward began); grad_norm is the norm
+    over both parts, bitwise clip_grad_norm_(foreach=False) over the reference's sums."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, f, overlap="backward")
+    norms, ref_norms = [], []
+    for step in batches(3, micro):
+        for m, b in enumerate(step):
+            with opt.no_sync() if m < len(step) - 1 else contextlib.nullcontext():
+                loss_fn(model, b).backward()
+            ref.micro_step(lambda mm, b=b: loss_fn(mm, b))
+        opt.step()
+        norms.append(opt.grad_norm)
+        opt.zero_grad()
+        # (max_norm=inf: the coefficient is 1.0, the sums unchanged)
+        ref_norms.append(ref.step(lambda gs: torch.nn.utils.clip_grad_norm_(
+            gs, math.inf, foreach=False)))
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+    assert all(same_bits(a, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+    assert (len(_device_names(opt)) > 0) == (f < 1)
+
+
+@pytest.mark.parametrize("f", [0.3, 0.8])
+def test_overlap_backward_zero_grad_without_step_keeps_the_step_of_both_parts(f: float) -> None:
+    """The final backward *is* the step under overlap="backward": a zero_grad() without
+    step() after it warns and keeps it, the device part's half too (not a torn step).
+    (At 0.0 no backward steps: zero_grad() skips the step, as torch's does.)"""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, f, overlap="backward")
+    for k, step in enumerate(batches(2, 1)):
+        loss_fn(model, step[0]).backward()
+        ref.micro_step(lambda mm, b=step[0]: loss_fn(mm, b))
+        if k == 1:
+            with pytest.warns(RuntimeWarning, match="zero_grad.. after the final backward"):
+                opt.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
+        ref.step()
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+    assert opt.memory_stats()["grad_sum_bytes_device"] == 0
 
 
 @pytest.mark.parametrize("f", [0.0, 0.3])
@@ -291,7 +344,6 @@ def test_bad_fractions_are_refused_by_name(value: Any, match: str) -> None:
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"overlap": "backward"}, "offload_fraction=0.3.*overlap='backward'"),
     ({"process_group": object()}, "offload_fraction=0.3.*process_group"),
 ])
 def test_modes_without_a_device_part_are_refused_by_name(kw: dict[str, Any],

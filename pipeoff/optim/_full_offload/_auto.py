@@ -139,7 +139,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
 
     Raises:
         ConfigError: naming ``offload_fraction``: a mode that refuses a device part
-            (``overlap="backward"``, a ``process_group``, a model under DDP); no
+            (a ``process_group``, a model under DDP); no
             budget to be had (no ``device_budget_bytes`` off CUDA); or naming
             ``device_budget_bytes``: a budget without ``"auto"``.
     """
@@ -149,9 +149,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
                               f"(got offload_fraction={fraction!r}); give both or neither")
         return None
     why = None
-    if overlap == "backward":
-        why = "overlap='backward' (use overlap='forward' or 'none')"
-    elif process_group is not None:
+    if process_group is not None:
         why = "a process_group"
     elif ddp:
         why = "DistributedDataParallel"

@@ -136,10 +136,7 @@ def _refuse_device_part(config: FullOffloadConfig) -> None:
         ConfigError: naming ``offload_fraction`` and the mode.
     """
     why = None
-    if config.overlap == "backward":
-        why = ("overlap='backward' (the device part steps at step(), after the global "
-               "norm; use overlap='forward' or 'none')")
-    elif config.process_group is not None:
+    if config.process_group is not None:
         why = ("a process_group (parameters sharded by hand: the clipping norm of the "
                "device part is not summed over ranks)")
     if why is not None:

@@ -44,6 +44,7 @@ from pipeoff.execution import Execution
 from pipeoff.optim._full_offload._common import (
     Accumulation,
     after_final_message,
+    capture_hyper,
     twice_message,
 )
 from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
@@ -248,17 +249,35 @@ class FractionLifecycle(Lifecycle):
         if not self.part.params:
             return super().hand_over(hyper, edits)
         acc = self.acc
-        assert acc is not None and hyper is not None
+        assert acc is not None
         self.part.adopt()  # weights written from outside become masters, as the host's
-        total = self.current_norm("a device part steps")
+        if self.config.overlap == "backward" and acc.final is None and self.micro is None:
+            # No final backward stepped the host part (its gradients, if any, came
+            # under no_sync()): the final micro-step the host part's hand_over would
+            # launch, launched first so that its norm joins the device part's.
+            self._launch_final(acc)
+        total = self.current_norm("a device part steps")  # (grad_norm: both parts')
         assert total is not None
-        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
-        # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks take them.
-        coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        acc = super().hand_over(hyper, edits)  # the host part's chunks go
+        coef = None
+        if self.config.overlap == "backward":
+            # The host part stepped during the final backward, unclipped (clipping is
+            # refused in this mode), with the hyperparameters of when it began: the
+            # device part steps now with the same (an edit in between is refused by
+            # step(), after the step, as without a device part).
+            acc = super().hand_over(hyper, edits)
+            step_hyper = acc.hyper or hyper or capture_hyper(self.param_groups())
+        else:
+            assert hyper is not None
+            max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
+            # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks
+            # take them.
+            coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6),
+                                                             max=1.0)
+            acc = super().hand_over(hyper, edits)  # the host part's chunks go
+            step_hyper = hyper
         self._both = (None, None)
         try:
-            self.part.step(self.param_groups(), hyper, self.registry.probe, coef)
+            self.part.step(self.param_groups(), step_hyper, self.registry.probe, coef)
         except BaseException as err:
             self._device_failed(acc, err)
             raise
