@@ -181,10 +181,11 @@ FRACTION_CASES = [
     (torch.float32, "cpu", "forward", False, 0.05, False, 0.3, 1.0),
     (torch.float32, "cpu", "none", False, 0.05, False, 1.0, 0.3),
     (torch.float32, "cpu", "forward", False, 0.05, False, "auto"),
+    (torch.bfloat16, "cpu", "backward", False, None, False, 0.3),
 ]
 """With a device part (``offload_fraction=0.3``: every parameter but the first weight):
-the optimizer's clip, none, FSDP2's own flag, the loop's clip on BF16, and a resume
-from 0.3 to 1.0 and back."""
+the optimizer's clip, none, FSDP2's own flag, the loop's clip on BF16, a resume
+from 0.3 to 1.0 and back, "auto", and overlap="backward" (BF16)."""
 
 
 AUTO_BUDGETS = {0: 1 << 30, 1: 1500}

@@ -78,7 +78,7 @@ def test_the_loops_clip_call_on_fsdp2s_dtensor_gradients(results: dict[int, dict
 
 @pytest.mark.parametrize("case", full_fsdp2_worker.FRACTION_CASES,
                          ids=["clip-none", "forward", "fsdp2_flag-clip", "loop-clip-bf16",
-                              "resume-0.3-to-1", "resume-1-to-0.3", "auto"])
+                              "resume-0.3-to-1", "resume-1-to-0.3", "auto", "backward-bf16"])
 def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, dict[Any, Any]],
                                                              case: Any) -> None:
     """offload_fraction=0.3 on FSDP2's sharded parameters: the device part steps its
@@ -104,7 +104,7 @@ def test_auto_under_fsdp2_chooses_one_fraction_on_every_rank(
     1500 B against rank 0's 1 GiB), each parameter's largest shard and the slowest
     rates, so both take the same split (and the same norm collectives). The rates are
     a GPU's shape, so that rank 0 alone would keep everything on its device."""
-    case = full_fsdp2_worker.FRACTION_CASES[-1]
+    case = full_fsdp2_worker.FRACTION_CASES[6]
     chosen = [results[rank][case]["chosen"] for rank in (0, 1)]
     assert chosen[0][:2] == chosen[1][:2], chosen
     assert chosen[0][1] == full_fsdp2_worker.AUTO_BUDGETS[1]
