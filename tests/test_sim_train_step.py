@@ -27,6 +27,7 @@ from pipeoff.sim import (
     HostCosts,
     HostNode,
     TrainStep,
+    TrainStepRow,
     model_shape,
     train_step,
 )
@@ -60,10 +61,15 @@ def test_the_moe_preset_is_qwen3_30b_a3b_and_its_flops_count_the_active_experts(
     assert dense.active is None and dense.active_params == dense.params
 
 
+def named(rows: list[TrainStepRow], schedule: str) -> TrainStepRow:
+    return next(r for r in rows if r.schedule == schedule)
+
+
 def test_rows_are_present_and_consistent() -> None:
     got = train_step(QWEN, TrainStep(seq_len=8192, offload_fraction=0.5), cost())
     by = {r.schedule: r for r in got}
-    assert tuple(by)[:4] == TRAIN_STEP_SCHEDULES and "fraction-0.5" in by
+    assert tuple(by)[:5] == TRAIN_STEP_SCHEDULES and "fraction-0.5" in by
+    assert "backward-fraction-0.5" in by
     base = by["no-offload"]
     assert base.vs_no_offload == 1.0 and base.offload_fraction == 0.0
     for r in got:
@@ -85,8 +91,8 @@ def test_rows_are_present_and_consistent() -> None:
 
 
 def test_peak_device_bytes_fall_as_the_fraction_rises() -> None:
-    peaks = [train_step(QWEN, TrainStep(seq_len=2048, offload_fraction=f), cost())[-1]
-             .peak_device_bytes for f in (0.0, 0.3, 0.7, 1.0)]
+    peaks = [named(train_step(QWEN, TrainStep(seq_len=2048, offload_fraction=f), cost()),
+                   f"fraction-{f:g}").peak_device_bytes for f in (0.0, 0.3, 0.7, 1.0)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
 
 
@@ -94,20 +100,21 @@ def test_auto_picks_the_fastest_fraction_that_fits_and_says_why() -> None:
     budget = 40 * 10**9
     got = train_step(QWEN, TrainStep(seq_len=8192, auto=True, device_budget_bytes=budget),
                      cost())
-    auto = got[-1]
+    auto = named(got, "auto")
     assert auto.schedule == "auto" and auto.peak_device_bytes <= budget
     assert 0 < auto.offload_fraction < 1  # all of it on the device does not fit
     assert "fastest" in auto.note and f"below {auto.offload_fraction:g}" in auto.note
     # Nothing that fits is faster.
     for f in (0.6, 0.8, 1.0):
-        r = train_step(QWEN, TrainStep(seq_len=8192, offload_fraction=f), cost())[-1]
+        r = named(train_step(QWEN, TrainStep(seq_len=8192, offload_fraction=f), cost()),
+                  f"fraction-{f:g}")
         assert r.peak_device_bytes > budget or r.time_ms >= auto.time_ms - 1e-6
     # The device's own memory by default (141 GB): every fraction fits, and a small
     # one wins, its host part hidden under the forward's first units and the device
     # step smaller than the whole state's (no-offload's).
     default = train_step(QWEN, TrainStep(seq_len=8192, auto=True), cost())
-    assert "fit 131.32 GiB" in default[-1].note  # 141 GB and "below" not in default[-1].note
-    assert default[-1].time_ms <= default[0].time_ms
+    assert "fit 131.32 GiB" in named(default, "auto").note  # 141 GB, and no "below"
+    assert named(default, "auto").time_ms <= default[0].time_ms
 
 
 def test_a_budget_below_full_offload_is_refused_with_the_least_that_fits() -> None:
@@ -190,7 +197,7 @@ def test_cli_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["feature"] == "train-step" and out["predicted"] is True
     assert out["mfu"] == MFU_MOE and out["active_params"] < out["params"]
     names = [r["schedule"] for r in out["schedule"]]
-    assert names == [*TRAIN_STEP_SCHEDULES, "fraction-0.25"]
+    assert names == [*TRAIN_STEP_SCHEDULES, "fraction-0.25", "backward-fraction-0.25"]
     for r in out["schedule"]:
         assert {"time_ms", "peak_device_bytes", "vs_no_offload", "exposed_ms",
                 "offload_fraction", "note"} <= set(r)
@@ -207,7 +214,7 @@ def test_cli_auto_says_what_it_chose(capsys: pytest.CaptureFixture[str],
     assert "PREDICTED" in out and "auto: offload fraction 0.5: the fastest" in out
     saved = Trace.load(tmp_path / "train-step-auto.json")
     assert saved.metadata["backend"] == "sim"
-    assert len(list(tmp_path.glob("train-step-*.json"))) == 5
+    assert len(list(tmp_path.glob("train-step-*.json"))) == 7  # (auto and auto-backward too)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -231,3 +238,19 @@ def test_cli_train_step_options_are_refused_elsewhere(
     assert main(["simulate", "--feature", "optimizer", "--offload-fraction", "0.5"]) == 2
     assert "--offload-fraction applies only with --feature train-step" in \
         capsys.readouterr().err
+
+
+def test_overlap_backward_with_a_device_part_hides_more_than_the_forward_at_8k() -> None:
+    """Under a 40 GB budget (fraction 0.5 at least) the host part under overlap="backward"
+    (the last units, their gradients first) has the backward and the next forward's
+    first half to hide under; under "forward" only the forward's second half."""
+    got = train_step(QWEN, TrainStep(seq_len=8192, auto=True, device_budget_bytes=40 * 10**9),
+                     cost())
+    fwd, bwd = named(got, "auto"), named(got, "auto-backward")
+    assert fwd.offload_fraction == bwd.offload_fraction == 0.5
+    assert bwd.time_ms < fwd.time_ms
+    assert bwd.exposed_ms < fwd.exposed_ms / 2
+    # At fraction 1 the forward's first unit waits for the chunk stepped last: the
+    # step-at-once of attach() gains (almost) nothing over prime-rl's step().
+    attach, prime = named(got, "full-offload-backward-attach"), named(got, "full-offload-backward")
+    assert attach.time_ms <= prime.time_ms + 1e-6

@@ -21,10 +21,16 @@ lanes, and the optimizer's work beside it as the feature builds it:
 - ``full-offload-forward-last-first``: the same with the chunks stepped last
   parameter first (the backward's order, as the optimizer did before
   2026-12-05): the next forward's first unit waits for the whole host step;
+- ``full-offload-backward-attach``: pipeoff's ``overlap="backward"`` with
+  ``attach()``: the chunks step during the final backward as prime-rl's do (fold
+  then step), but ``step()`` returns at once and each unit of the next forward
+  waits only for its own chunks' weights;
 - ``fraction-F`` and ``auto``: a share ``1 - F`` of the state kept on the
   device and stepped there before the next forward (the units that run first),
   the rest as ``full-offload-forward``; ``auto`` picks the fastest fraction whose
-  device bytes fit a budget.
+  device bytes fit a budget; ``backward-fraction-F`` and ``auto-backward``: the
+  same under ``full-offload-backward-attach`` (the offloaded units are the last,
+  whose gradients the backward produces first).
 
 Device bytes per local parameter (activations, the same in every row, are not
 counted): 16 with its state on the device (FP32 master and gradient, two FP32
@@ -68,7 +74,7 @@ PRIME_RL_DESIGN = "native-fold"
 """The host design prime-rl's rows are priced with: its native AdamW reads the FP32
 gradient sum the fold wrote (fold at arrival, then step and cast: 40 B per parameter)."""
 TRAIN_STEP_SCHEDULES = ("no-offload", "full-offload-backward", "full-offload-forward",
-                        "full-offload-forward-last-first")
+                        "full-offload-forward-last-first", "full-offload-backward-attach")
 """The rows every train-step prediction has (fraction and ``auto`` rows on request)."""
 
 SLOT_BYTES = 64 << 20
@@ -296,15 +302,9 @@ class _Model:
         trace = _run(g, sched, cost)
         return trace.summary().makespan_us / 1e3, trace, cost
 
-    def forward_overlap(self, fraction: float, *,
-                        forward_order: bool = True) -> tuple[float, Trace, int, bool]:
-        """The step with ``fraction`` of the state offloaded (the units the next forward
-        runs last), the rest kept and stepped on the device: (ms, trace, kept elements,
-        one pass). ``forward_order``: the host steps its chunks in the order the next
-        forward needs them (as the optimizer does under ``overlap="forward"``), else
-        last parameter first."""
-        from pipeoff.optim._full_offload._graph import h2d_task, step_task
-
+    def _split(self, fraction: float) -> tuple[set[int], list[int], int]:
+        """The parameters kept on the device at ``fraction`` (the units the forward runs
+        first), the offloaded ones, and the kept elements."""
         total = sum(self.numels)
         kept_idx: list[int] = []
         kept = 0
@@ -318,7 +318,53 @@ class _Model:
                 continue
             break
         keep = set(kept_idx)
-        off = [i for i in range(len(self.numels)) if i not in keep]
+        return keep, [i for i in range(len(self.numels)) if i not in keep], kept
+
+    def backward_attached(self, fraction: float) -> tuple[float, Trace, int, CostModel]:
+        """pipeoff's ``overlap="backward"`` with ``attach()`` and ``fraction`` offloaded: the
+        host part's chunks step during the backward as their gradients land (prime-rl's
+        graph, fold then step), the device part after the backward, and ``step()``
+        returns at once: each unit of the next forward waits only for its own chunks'
+        weights. (ms, trace, kept elements, the cost model it is priced with)."""
+        from pipeoff.optim._full_offload._graph import h2d_task
+
+        cost = _with_design(self.cost, PRIME_RL_DESIGN)
+        keep, off, kept = self._split(fraction)
+        g = TaskGraph()
+        bwd0 = _chain(g, "bwd0", BACKWARD_LANE, self.bwd, [[]] * len(self.bwd))
+        waits: list[list[str]] = [[] for _ in self.units]
+        sched = Schedule.pipelined()  # (unbounded rings, as backward_overlap's)
+        if off:
+            sub = dataclasses.replace(self.shape, global_shapes=tuple(
+                self.shape.global_shapes[i] for i in off))
+            plan = _full_offload_plan(sub, chunk_numel=self.step.chunk_numel,
+                                      slot_bytes=SLOT_BYTES, slots=SLOTS, compute_itemsize=2)
+            src = plan.graph(None, final=True, norm_first=False)
+            _copy(g, src, _grad_deps(src, self.shape, self.unit_of, bwd0, off))
+            for k, chunk in enumerate(plan.chunks):
+                for j in chunk:
+                    waits[self.unit_of[off[j]]].append(h2d_task(k))
+        if keep:
+            g.add_task("device_step", TaskKind.OPTIMIZER_CHUNK, deps=[bwd0[-1]],
+                       nbytes=4 * kept)
+            waits[0].append("device_step")  # at step(), on the caller's stream
+        waits[0].append(bwd0[-1])
+        fwd = _chain(g, "fwd", FORWARD_LANE, self.fwd, waits)
+        bwd = _chain(g, "bwd", BACKWARD_LANE, self.bwd, [[fwd[-1]]] + [[]] * (len(self.bwd) - 1))
+        trace = _run(g, sched, cost)
+        ends = _ends(trace)
+        return (ends[bwd[-1]] - ends[bwd0[-1]]) / 1e6, trace, kept, cost
+
+    def forward_overlap(self, fraction: float, *,
+                        forward_order: bool = True) -> tuple[float, Trace, int, bool]:
+        """The step with ``fraction`` of the state offloaded (the units the next forward
+        runs last), the rest kept and stepped on the device: (ms, trace, kept elements,
+        one pass). ``forward_order``: the host steps its chunks in the order the next
+        forward needs them (as the optimizer does under ``overlap="forward"``), else
+        last parameter first."""
+        from pipeoff.optim._full_offload._graph import h2d_task, step_task
+
+        keep, off, kept = self._split(fraction)
         one_pass = self.cost.host is not None and self.cost.host.one_pass
         g = TaskGraph()
         # Step k's backward, its offloaded part's host step, step k+1's forward and backward.
@@ -401,20 +447,32 @@ def train_step(shape: ModelShape, step: TrainStep, cost: CostModel, *,
                     _step_bytes(cost, one_pass),
                     f"as full-offload-forward, the chunks stepped{how} last parameter first "
                     "(before 2026-12-05: the first layer waits for all)"))
+    ms, trace, _, bcost = m.backward_attached(1.0)
+    rows.append(row("full-offload-backward-attach", ms, trace, 0, 1.0, _step_bytes(bcost, False),
+                    "pipeoff overlap='backward' with attach(): chunks step during the final "
+                    "backward, the next forward waits per unit"))
     if step.offload_fraction is not None:
         f = float(step.offload_fraction)
         ms, trace, kept, one_pass = m.forward_overlap(f)
         rows.append(row(f"fraction-{f:g}", ms, trace, kept, f, _step_bytes(cost, one_pass),
                         f"{1 - f:.0%} of the state on the device, stepped there"))
+        ms, trace, kept, bcost = m.backward_attached(f)
+        rows.append(row(f"backward-fraction-{f:g}", ms, trace, kept, f,
+                        _step_bytes(bcost, False),
+                        f"overlap='backward' with attach(), {1 - f:.0%} of the state on the "
+                        "device, stepped there at step()"))
     if step.auto:
-        rows.append(_auto(m, step, cost, row, (names or {}).get(
-            "device_budget_bytes", "device_budget_bytes")))
+        option = (names or {}).get("device_budget_bytes", "device_budget_bytes")
+        rows.append(_auto(m, step, cost, row, option))
+        rows.append(_auto(m, step, cost, row, option, backward=True))
     base = rows[0].time_ms
     return [dataclasses.replace(r, vs_no_offload=r.time_ms / base) for r in rows]
 
 
 def _auto(m: _Model, step: TrainStep, cost: CostModel, row: Callable[..., TrainStepRow],
-          option: str) -> TrainStepRow:
+          option: str, *, backward: bool = False) -> TrainStepRow:
+    """The ``auto`` row (``backward``: ``auto-backward``, the fractions under
+    ``overlap="backward"`` with ``attach()``)."""
     from pipeoff.trace._format import fmt_bytes
 
     assert cost.compute is not None
@@ -431,15 +489,20 @@ def _auto(m: _Model, step: TrainStep, cost: CostModel, row: Callable[..., TrainS
             f"more ranks")
     tried = []
     for f in FRACTIONS:
-        ms, trace, kept, one_pass = m.forward_overlap(f)
+        if backward:
+            ms, trace, kept, bcost = m.backward_attached(f)
+            host_b = _step_bytes(bcost, False)
+        else:
+            ms, trace, kept, one_pass = m.forward_overlap(f)
+            host_b = _step_bytes(cost, one_pass)
         peak = m.device_bytes(kept) + trace.summary().peak_device_staging_bytes
-        tried.append((ms, peak, f, trace, kept, one_pass))
+        tried.append((ms, peak, f, trace, kept, host_b))
     fits = [t for t in tried if t[1] <= budget]
-    ms, peak, f, trace, kept, one_pass = min(fits, key=lambda t: (round(t[0], 6), t[1]))
+    ms, peak, f, trace, kept, host_b = min(fits, key=lambda t: (round(t[0], 6), t[1]))
     fit = sorted(t[2] for t in fits)
     why = (f"offload fraction {f:g}: the fastest predicted ({ms:.1f} ms) of the fractions "
            f"whose device bytes fit {fmt_bytes(budget)} ({fit[0]:g} to {fit[-1]:g}); "
            f"its device bytes {fmt_bytes(peak)}")
     if fit[0] > 0:
         why += f"; below {fit[0]:g} the state does not fit"
-    return row("auto", ms, trace, kept, f, _step_bytes(cost, one_pass), why)
+    return row("auto-backward" if backward else "auto", ms, trace, kept, f, host_b, why)
