@@ -528,8 +528,8 @@ REVIEW = (
     Mutant(
         name="r29:norm-allreduce-skipped-without-gradients",
         file="pipeoff/optim/_full_offload/_lanes.py",
-        old="        for key in self.all_norm_keys:\n",
-        new="        for key in [k for k in self.all_norm_keys if k in res.partial_norms]:\n",
+        old="    for key in keys:\n",
+        new="    for key in [k for k in keys if k in partial]:\n",
         tests=("tests/optim/test_full_offload_ranks.py::test_a_rank_without_gradients_of_a_"
                "group_still_joins_its_norm_all_reduce",),
         hazard="a rank holding no gradient of a set of groups (an expert no token reached) "
@@ -567,8 +567,8 @@ REVIEW = (
                "parameters and returns: they outlive the sync, its staging and its trace"),
     Mutant(
         name="r58:norm-sum-left-in-device-memory", file="pipeoff/optim/_full_offload/_lanes.py",
-        old="                sq = _dist.all_reduce_host(sq, group, self.norm_devices[key])",
-        new="                _dist.all_reduce_host(sq, group, self.norm_devices[key])",
+        old="            sq = _dist.all_reduce_host(sq, group, devices[key])",
+        new="            _dist.all_reduce_host(sq, group, devices[key])",
         tests=("tests/optim/test_full_offload_ranks.py::test_a_rank_without_gradients_of_a_"
                "group_still_joins_its_norm_all_reduce[device]",),
         hazard="over an NCCL-only group the clipping norm's sum stays on the device copy: "
@@ -583,6 +583,15 @@ REVIEW = (
                "waits_for_the_outer_step",),
         hazard="a checkpoint of the user's outer optimizer taken right after a sync saves "
                "state the outer step has not written (or not yet created)"),
+    Mutant(
+        name="r60:device-only-final-backward-unseen",
+        file="pipeoff/optim/_full_offload/_fraction.py",
+        old="            self._begin(False)\n",
+        new="            pass\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_overlap_backward_sums_are_"
+               "read_and_edits_refused_after_a_device_only_backward",),
+        hazard="a final backward whose gradients are all the device part's is not seen as "
+               "final: an lr edit before step() is taken silently, the sums' reads refused"),
 )
 
 _SPEC = "tests/ft/test_diloco_speculative.py::"

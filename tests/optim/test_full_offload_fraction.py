@@ -143,11 +143,11 @@ def test_overlap_backward_steps_the_device_part_at_step_with_the_norm_of_both(
     assert (len(_device_names(opt)) > 0) == (f < 1)
 
 
-@pytest.mark.parametrize("f", [0.3, 0.8])
+@pytest.mark.parametrize("f", [0.0, 0.3, 0.8])
 def test_overlap_backward_zero_grad_without_step_keeps_the_step_of_both_parts(f: float) -> None:
     """The final backward *is* the step under overlap="backward": a zero_grad() without
-    step() after it warns and keeps it, the device part's half too (not a torn step).
-    (At 0.0 no backward steps: zero_grad() skips the step, as torch's does.)"""
+    step() after it warns and keeps it, the device part's half too (not a torn step),
+    at 0.0 too (whose final backward gives no host gradient)."""
     model = make_model()
     ref = reference(model)
     opt = build(model, f, overlap="backward")
@@ -164,6 +164,91 @@ def test_overlap_backward_zero_grad_without_step_keeps_the_step_of_both_parts(f:
     opt.wait_for_step()
     assert_bitwise(model, ref)
     assert opt.memory_stats()["grad_sum_bytes_device"] == 0
+
+
+@pytest.mark.parametrize("f", [0.0, 0.3])
+def test_overlap_backward_sums_are_read_and_edits_refused_after_a_device_only_backward(
+        f: float) -> None:
+    """A final backward whose gradients are all the device part's (0.0; at 0.3, the host
+    part frozen) is the final one as any other: the loop reads the sums (grad_norm,
+    the HF Trainer's clip_grad_norm_(inf) to log), a hyperparameter edit before
+    step() is refused as at 1.0, and the step is bitwise (a tester's find: "before the
+    final backward" errors at 0.0, an lr edit taken silently)."""
+    model = make_model()
+    if f == 0.3:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in [p for p in model.parameters()][:3]:  # (the device part's first ones)
+            p.requires_grad_(True)
+    ref = reference(model)
+    opt = build(model, f, overlap="backward")
+    data = batches(2, 1)
+    for k, step in enumerate(data):
+        loss_fn(model, step[0]).backward()
+        ref.micro_step(lambda mm, b=step[0]: loss_fn(mm, b))
+        norm = opt.grad_norm
+        clipped = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], math.inf)
+        want = ref.step(lambda gs: torch.nn.utils.clip_grad_norm_(gs, math.inf, foreach=False))
+        assert norm is not None and same_bits(norm, want) and same_bits(clipped, want)
+        if k == 1:
+            opt.param_groups[0]["lr"] = 0.5
+            with pytest.raises(ConfigError, match="param_groups changed after the final"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+
+
+def test_overlap_backward_state_dict_before_step_with_a_device_part_is_refused() -> None:
+    """Between the final backward (the host part stepped) and step() (the device part
+    steps) the state is half a step: state_dict() refuses, naming step(); after step()
+    it is the whole step's (a tester's find: a checkpoint there resumed wrong)."""
+    model = make_model()
+    opt = build(model, 0.3, overlap="backward")
+    data = batches(1, 1)
+    loss_fn(model, data[0][0]).backward()
+    with pytest.raises(pipeoff.GradientError, match="half a step now; call step.. first"):
+        opt.state_dict()
+    opt.step()
+    steps = {int(e["step"]) for e in opt.state_dict()["state"].values()}
+    assert steps == {1}
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+@pytest.mark.parametrize("f", [0.0, 0.3, 1.0])
+def test_a_model_cast_to_bf16_after_construction_steps_on(f: float, overlap: str) -> None:
+    """model.to(torch.bfloat16) between steps: the plan follows the gradients' new size
+    (its slots were sized for FP32 ones), the FP32 masters keep their low bits, and
+    the run is bitwise the reference cast the same way (a tester's find: a raw size
+    mismatch in the gradient copy, then every step refused)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(16, 16),
+                                                                torch.nn.GELU())],
+                                torch.nn.Linear(16, 4))
+    ref = reference(model)
+    opt = build(model, f, overlap=overlap)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 16, generator=gen) for _ in range(3)]
+
+    def run(x: torch.Tensor) -> None:
+        model(x.to(next(model.parameters()).dtype)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref.micro_step(lambda m: m(x.to(next(m.parameters()).dtype)).float().pow(2).mean())
+        ref.step()
+
+    run(xs[0])
+    opt.wait_for_step()
+    model.to(torch.bfloat16)
+    ref.model.to(torch.bfloat16)
+    for x in xs[1:]:
+        run(x)
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("f", [0.0, 0.3])

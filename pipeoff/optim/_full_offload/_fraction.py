@@ -111,9 +111,11 @@ class FractionLifecycle(Lifecycle):
         super().use_wrapper(ddp)
 
     # -- gradients in ------------------------------------------------------------------------
-    def receive_device(self, rec: DeviceParam) -> None:
+    def receive_device(self, rec: DeviceParam, *,
+                       marked: Callable[[], bool] | None = None) -> None:
         """A device-part parameter's gradient, during a backward (admitted by the intake):
         into its sum; the end of the backward shows the sums in ``param.grad``.
+        ``marked``: whether this backward is marked non-final.
 
         Raises:
             GradientError: the accumulation was ended (a read of the gradients, the
@@ -127,6 +129,13 @@ class FractionLifecycle(Lifecycle):
             err = GradientError(after_final_message(self.config.overlap))
             self.health.dirty = err
             raise err
+        if (self.config.overlap == "backward" and marked is not None
+                and (self.micro is None or self.micro.ended) and not marked()):
+            # A final backward whose first gradient is the device part's begins the
+            # host part's final micro-step, as a host gradient would: the step's
+            # hyperparameters, the refusal of a second backward, the sums' reads
+            # (at offload_fraction=0 too, where no host gradient ever comes).
+            self._begin(False)
         outer = id(_compat.outermost_backward_frame())
         if self._received[0] != outer:
             self._received = (outer, set())

@@ -226,11 +226,11 @@ class GradientIntake:
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
                 "(a post-accumulate-grad hook called by hand?): gradients are taken in "
                 "only from loss.backward()")
+        marked = self.explicitly_non_final  # asked when a micro-step begins
         if dev is not None:
-            lifecycle.receive_device(dev)
+            lifecycle.receive_device(dev, marked=marked)
             return
         assert i is not None
-        marked = self.explicitly_non_final  # asked when a micro-step begins
         if lifecycle.ddp is not None:
             lifecycle.receive_reduced_later(i, marked=marked)
             return

@@ -278,7 +278,7 @@ class ParamRegistry:
 
     @staticmethod
     def fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
-        return tuple(tuple((id(p), p.requires_grad) for p in g["params"])
+        return tuple(tuple((id(p), p.requires_grad, p.dtype) for p in g["params"])
                      for g in param_groups)
 
     def changed(self, param_groups: Sequence[Mapping[str, Any]]) -> bool:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeoff._errors import ConfigError
+from pipeoff._errors import ConfigError, GradientError
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._common import Phase
 from pipeoff.optim._offloaded import fires_load_state_dict_hooks, fires_state_dict_hooks
@@ -140,9 +140,20 @@ class MastersAndCheckpoints:
 
         Raises:
             StepFailedError: the last step failed after stepping some masters.
+            GradientError: under ``overlap="backward"`` with a device part, between the
+                final backward (which stepped the host part) and ``step()`` (which
+                steps the device part): the state is half a step.
         """
         self._quiesce()
         self._health.check("state_dict()", stale=False)
+        acc = self._lifecycle.acc
+        if (acc is not None and acc.final is not None and self._lifecycle.part.params
+                and self._lifecycle.config.overlap == "backward"):
+            raise GradientError(
+                "state_dict() between the final backward and step() under "
+                "overlap='backward' with a device part (offload_fraction < 1): the final "
+                "backward stepped the host part, step() steps the device part, so the state "
+                "is half a step now; call step() first")
         if self._model_sync.follow_param_groups():
             self._intake.ensure_hooks()
         return _checkpoint.pack(self._registry, self.param_groups,
