@@ -584,6 +584,15 @@ REVIEW = (
         hazard="a checkpoint of the user's outer optimizer taken right after a sync saves "
                "state the outer step has not written (or not yet created)"),
     Mutant(
+        name="r61:grad-edit-waits-for-an-unopened-norm-all-reduce",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="                self.launcher.reduce_norm(acc)\n                acc.wait_norm(",
+        new="                acc.wait_norm(",
+        tests=("tests/optim/test_full_offload_fsdp2.py::test_a_device_part_under_fsdp2_is_"
+               "bitwise_the_reference",),
+        hazard="under FSDP2 a gradient set or dropped by the loop after the micro-steps "
+               "waits for the norm's all-reduce, whose gate only the caller opens: a hang"),
+    Mutant(
         name="r60:device-only-final-backward-unseen",
         file="pipeoff/optim/_full_offload/_fraction.py",
         old="            self._begin(False)\n",

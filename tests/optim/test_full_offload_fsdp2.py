@@ -78,7 +78,8 @@ def test_the_loops_clip_call_on_fsdp2s_dtensor_gradients(results: dict[int, dict
 
 @pytest.mark.parametrize("case", full_fsdp2_worker.FRACTION_CASES,
                          ids=["clip-none", "forward", "fsdp2_flag-clip", "loop-clip-bf16",
-                              "resume-0.3-to-1", "resume-1-to-0.3", "auto", "backward-bf16"])
+                              "resume-0.3-to-1", "resume-1-to-0.3", "auto", "backward-bf16",
+                              "dropped-grad-1", "dropped-grad-0.3-gpu"])
 def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, dict[Any, Any]],
                                                              case: Any) -> None:
     """offload_fraction=0.3 on FSDP2's sharded parameters: the device part steps its
@@ -89,8 +90,8 @@ def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, d
         r = results[rank][case]
         assert "error" not in r, r.get("error")
         assert r["params_equal"], rank
-        if case[6] != "auto":
-            assert r["device_part"] == (5 if case[6] < 1 else 0)  # all but the first weight
+        if case[6] != "auto":  # (at 0.3: all but the first weight)
+            assert r["device_part"] == (5 if case[6] < 1 else 0)
         assert r["outside_writes"] == 0
         for n in r["norms"]:
             assert n[0] == n[-1] if len(n) == 3 else n[0] == n[1]  # clipped with; torch's
@@ -101,7 +102,7 @@ def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, d
 def test_auto_under_fsdp2_chooses_one_fraction_on_every_rank(
         results: dict[int, dict[Any, Any]]) -> None:
     """"auto" on sharded parameters: the ranks choose from the smallest budget (rank 1's,
-    1500 B against rank 0's 1 GiB), each parameter's largest shard and the slowest
+    3000 B against rank 0's 1 GiB), each parameter's largest shard and the slowest
     rates, so both take the same split (and the same norm collectives). The rates are
     a GPU's shape, so that rank 0 alone would keep everything on its device."""
     case = full_fsdp2_worker.FRACTION_CASES[6]
@@ -111,4 +112,7 @@ def test_auto_under_fsdp2_chooses_one_fraction_on_every_rank(
     assert 0 < chosen[0][0] < 1  # rank 1's budget holds a part of its shards only
     assert results[0][case]["device_part"] == results[1][case]["device_part"] > 0
     for rank in (0, 1):
-        assert chosen[rank][2] <= chosen[rank][1]  # the device part fits it
+        # The device part's masters, state and sums at their most fit it on every rank
+        # (the choice counts each parameter's largest shard, split as the optimizer
+        # splits, over global shapes: a tester found 1632 B of a 1500 B budget).
+        assert 0 < results[rank][case]["device_peak"] <= chosen[rank][2] <= chosen[rank][1]

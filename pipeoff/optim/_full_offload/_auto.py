@@ -165,9 +165,14 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
     pin = bool(pin_memory) and _accel.current().available()
     rates = (measure or measure_full_rates)(optimizer_class, probe.defaults, device, pin=pin,
                                             threads=threads)
-    if any(_is_dtensor(p) for p in params):
-        sizes, budget, rates = _agree(sizes, budget, rates, local(params[0]).device)
-    weights = [4 * n * (2 + len(_update.state_keys(probe, group))) for n in sizes]
+    per = 4 * (2 + len(_update.state_keys(probe, group)))
+    split_weights = None
+    sharded = [p for p in params if _is_dtensor(p)]
+    if sharded:
+        sizes, budget, rates = _agree(sizes, budget, rates, local(params[0]).device,
+                                      getattr(sharded[0], "device_mesh", None))
+        split_weights = [per * p.numel() for p in params]  # (global: the optimizer's split)
+    weights = [per * n for n in sizes]
     total = sum(weights)
     elements = sum(sizes)
     per_element = total / max(elements, 1)
@@ -182,6 +187,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
         return 0 if accumulate != "gpu" or not total else int(4 * host_bytes / per_element)
 
     return choose(weights, elements, budget=budget, budget_source=source,
+                  split_weights=split_weights,
                   chunk_bytes=int(chunk_numel * per_element), prefetch=0, rates=rates,
                   seconds=seconds, staging_of=staging_of,
                   staging_is="the host part's FP32 gradient sums, which accumulate='gpu' keeps "
@@ -189,27 +195,34 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
                   "budget, or accumulate='cpu' (no device staging")
 
 
-def _agree(sizes: list[int], budget: int, rates: Rates,
-           device: torch.device) -> tuple[list[int], int, Rates]:
-    """Sharded parameters (FSDP2): what every rank chooses from, so that all choose the
-    same fraction (the split, of global shapes, is the same on every rank, and so are
-    the norm's collectives): each parameter's largest shard, the smallest budget and
-    the slowest rates over the default group (the slowest rank sets a sharded step's
-    time)."""
+def _agree(sizes: list[int], budget: int, rates: Rates, device: torch.device,
+           mesh: Any) -> tuple[list[int], int, Rates]:
+    """Sharded parameters (FSDP2): what every rank of their mesh chooses from, so that
+    all choose the same fraction (the split, of global shapes, is the same on every
+    rank, and so are the norm's collectives): each parameter's largest shard, the
+    smallest budget and the slowest rates (the slowest rank sets a sharded step's
+    time). Over the mesh's groups, one dimension after another (a pipeline stage's
+    mesh holds only its ranks)."""
     import torch.distributed as dist
 
     from pipeoff import _dist
 
     if not dist.is_available() or not dist.is_initialized():
         return sizes, budget, rates
-    group = dist.group.WORLD
-    most = _dist.all_reduce_host(torch.tensor([*sizes, -budget], dtype=torch.float64), group,
-                                 device, op=dist.ReduceOp.MAX).tolist()
+    groups = ([dist.group.WORLD] if mesh is None
+              else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1])
+
+    def over(values: list[float], op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        for g in groups:
+            t = _dist.all_reduce_host(t, g, device, op=op)
+        out: list[float] = t.tolist()
+        return out
+
+    most = over([*sizes, -budget], dist.ReduceOp.MAX)
     fields = [f.name for f in dataclasses.fields(rates)]
     vals = [getattr(rates, f) for f in fields]
-    least = _dist.all_reduce_host(torch.tensor([float("inf") if v is None else v for v in vals],
-                                               dtype=torch.float64), group, device,
-                                  op=dist.ReduceOp.MIN).tolist()
+    least = over([float("inf") if v is None else v for v in vals], dist.ReduceOp.MIN)
     new: dict[str, Any] = {f: None if v is None else x for f, v, x in zip(fields, vals, least)}
     agreed: Rates = dataclasses.replace(rates, **new)
     return [int(n) for n in most[:-1]], int(-most[-1]), agreed

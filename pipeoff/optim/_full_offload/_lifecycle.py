@@ -495,6 +495,9 @@ class Lifecycle:
                 continue
             if ms.final:
                 _one_pass.fold(acc, "a gradient was set by hand or dropped")
+                # (Sharded: the norm task ends in the all-reduce, whose gate only this
+                # thread opens; waited for without it, each rank waited for itself.)
+                self.launcher.reduce_norm(acc)
                 acc.wait_norm(self.config.timeout)  # its folds (its chunks wait for step())
             else:
                 settle(ms.execution, timeout=self.config.timeout)

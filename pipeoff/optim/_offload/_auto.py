@@ -179,9 +179,12 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
            chunk_bytes: int, prefetch: int, rates: Rates,
            seconds: Callable[[int], float] | None = None,
            staging_of: Callable[[int], int] | None = None,
-           staging_is: str | None = None) -> FractionChoice:
+           staging_is: str | None = None,
+           split_weights: Sequence[int] | None = None) -> FractionChoice:
     """The fastest fraction of parameters of state ``weights`` (bytes) whose device
-    memory fits ``budget``.
+    memory fits ``budget``; ``split_weights``: the weights the optimizer's split is made
+    on, where they are not ``weights`` (FSDP2: the split over global shapes, the bytes
+    of each parameter's largest shard).
 
     ``seconds(host_bytes)`` is the model's step time with ``host_bytes`` of the weights in
     host memory, ``staging_of(host_bytes)`` the device staging it needs beside the device
@@ -209,7 +212,7 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
     fractions = sorted({min(1.0, best_share), *GRID})
     cands = []
     for f in fractions:
-        split = split_params(weights, f)
+        split = split_params(weights if split_weights is None else split_weights, f)
         on_device = sum(weights[i] for i in split.on_device)
         host_bytes = total - on_device
         used = on_device + staging_of(host_bytes)
