@@ -41,7 +41,7 @@ def test_an_nccl_only_group_gets_a_device_copy_and_the_sum_comes_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
 
-    def all_reduce(t: torch.Tensor, group: Any = None) -> None:
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
         seen.append(t)
         t.mul_(2)  # the peer's equal share
 
@@ -56,7 +56,7 @@ def test_an_nccl_only_group_gets_a_device_copy_and_the_sum_comes_back(
 def test_a_group_that_takes_host_tensors_reduces_in_place(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: seen.append(t))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen.append(t))
     t = torch.tensor(1.0)
     assert _dist.all_reduce_host(t, _Group("cpu"), torch.device("cuda", 0)) is t
     assert seen == [t]
