@@ -267,23 +267,16 @@ class FractionLifecycle(Lifecycle):
             self._launch_final(acc)
         total = self.current_norm("a device part steps")  # (grad_norm: both parts')
         assert total is not None
-        coef = None
-        if self.config.overlap == "backward":
-            # The host part stepped during the final backward, unclipped (clipping is
-            # refused in this mode), with the hyperparameters of when it began: the
-            # device part steps now with the same (an edit in between is refused by
-            # step(), after the step, as without a device part).
-            acc = super().hand_over(hyper, edits)
-            step_hyper = acc.hyper or hyper or capture_hyper(self.param_groups())
-        else:
-            assert hyper is not None
-            max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
-            # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks
-            # take them.
-            coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6),
-                                                             max=1.0)
-            acc = super().hand_over(hyper, edits)  # the host part's chunks go
-            step_hyper = hyper
+        # (None under overlap="backward", which refuses clipping.)
+        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
+        # torch.nn.utils.clip_grad_norm_'s expressions, as the host part's chunks take them.
+        coef = None if max_norm is None else torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        acc = super().hand_over(hyper, edits)  # the host part's chunks go
+        # Under overlap="backward" the host part stepped during the final backward with
+        # the hyperparameters of when it began: the device part steps with the same (an
+        # edit in between is refused by step(), after the step, as without a device part).
+        step_hyper = (acc.hyper if self.config.overlap == "backward" else None) or hyper \
+            or capture_hyper(self.param_groups())
         self._both = (None, None)
         try:
             self.part.step(self.param_groups(), step_hyper, self.registry.probe, coef)
