@@ -178,6 +178,10 @@ class MasterCopy(Protocol):
         """Make the masters of the weights written from outside (of ``params``, default
         all) the (widened) device weights; the others keep theirs."""
 
+    def adopt_outside_writes(self) -> None:
+        """Adopt now the weights written from outside since the last step that their
+        version counters show (a healing ``model.load_state_dict``)."""
+
     def host_master(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s FP32 master in host memory, shaped and strided as its local
         shard (the tensor itself: a step in flight writes it)."""

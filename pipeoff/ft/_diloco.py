@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -146,6 +147,10 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         if offload and bucket_bytes is None and bucket_cap_mb is not None:
             # torchft's bucket size (its MiB, as torchft converts them) is the
             # offloaded sync's unless bucket_bytes is given.
+            if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real)
+                    or not bucket_cap_mb > 0):
+                raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got "
+                                  f"{bucket_cap_mb!r}")
             bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         opts = StagingOptions.resolve(flag="offload_to_cpu", offload=offload,
                                       schedule=schedule, bucket_bytes=bucket_bytes,
@@ -390,6 +395,13 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         # an asynchronous inner step is still writing. torchft reads or writes the
         # fragment's parameters right after this call.
         self._wait_for_optimizer()
+        fragment = self._fragments[chosen]
+        opt = self._local_optimizer
+        if getattr(fragment, "on_masters", False) and isinstance(opt, MasterCopy):
+            # Hazard: forming pseudo-gradients from masters older than the weights a
+            # healing load (start_quorum, just before) wrote: the peers would average
+            # this replica's pre-heal model.
+            opt.adopt_outside_writes()
         return chosen
 
     def _step_post_hook(self, _optim: optim.Optimizer, _args: tuple[Any, ...],

@@ -305,13 +305,15 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # Read on this thread before any outer task runs (they wait for the
                 # gate): a learning-rate schedule edits the user's groups, a
                 # checkpoint loads the user's optimizer.
-                if self._speculative and (self._spec_stale or self.outer.user_changed()):
+                spec = self._spec
+                if self._speculative and spec is not None and (
+                        self._spec_stale or self.outer.user_changed()
+                        or spec.state_edited()):
                     # Hazard: keeping a step taken with other hyperparameters or state
-                    # than the decision's (an lr schedule's edit, a healing load): it
-                    # is taken again after the decision, in place (the lane that keeps
-                    # the spares runs after the gate opens).
-                    assert self._spec is not None
-                    self._spec.take_in_place()
+                    # than the decision's (an lr schedule's edit, a healing load, the
+                    # state edited in place): it is taken again after the decision, in
+                    # place (the lane that keeps the spares runs after the gate opens).
+                    spec.take_in_place()
                 self.outer.sync_from_user()
             except Exception as err:
                 # Found before the decision: this replica rejects, as after any

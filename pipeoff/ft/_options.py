@@ -56,6 +56,9 @@ def check_sync_schedule(sync_every: Any, fragments: int | None = None, *,
     every = _int("sync_every", sync_every, 1)
     if fragments is None:
         return every, 0, 0.0
+    if fragments < 1:
+        raise ConfigError("model_fragments must hold at least one module (the whole model "
+                          "as one fragment: [model]); got an empty list")
     if outer_optimizers is not None and outer_optimizers != fragments:
         raise ConfigError(f"outer_optimizer is a list of {outer_optimizers}; give one per model "
                           f"fragment ({fragments}), or one optimizer for all")
@@ -126,7 +129,8 @@ class StagingOptions:
             extra = [k for k, v in given.items() if v is not None]
             if extra:
                 shown = ", ".join(f"{k}={given[k]!r}" for k in extra)
-                raise ConfigError(f"{', '.join(extra)} apply only with {flag}=True; "
+                verb = "applies" if len(extra) == 1 else "apply"
+                raise ConfigError(f"{', '.join(extra)} {verb} only with {flag}=True; "
                                   f"got {flag}=False and {shown}")
         sched = "pipelined" if schedule is None else schedule
         if sched == "sync":

@@ -179,7 +179,7 @@ class HostOuterOptimizer:
         parameter (SGD) or two around torch's square root (Adam) over the rank's
         cores, bitwise torch's step; any other runs torch's ``step()`` on the host
         tensors."""
-        mine = [(h, g) for h, g in pairs if id(h) in self._by_host]
+        mine = self.held(pairs)
         if not mine:
             return
         plan = self.native_plan(mine)
@@ -196,6 +196,21 @@ class HostOuterOptimizer:
         finally:
             for h, _ in mine:
                 h.grad = None
+
+    def held(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pairs whose backup this optimizer steps (a fragment parameter left out
+        of the user's outer optimizer, a frozen one, is not stepped: its backup stays,
+        as torchft's does)."""
+        return [(h, g) for h, g in pairs if id(h) in self._by_host]
+
+    def state_versions(self, backups: Sequence[torch.Tensor]) -> list[int]:
+        """The version counters of ``backups``' state tensors: an in-place edit of the
+        state (a loop decaying the momentum through ``outer_optimizer.state``) bumps
+        one; the native kernels write through raw pointers and bump none."""
+        state = self.host.state
+        return [v._version for h in backups for v in (state.get(h) or {}).values()
+                if isinstance(v, torch.Tensor)]
 
     def native_plan(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
                     ) -> list[SgdHyper | AdamHyper] | None:

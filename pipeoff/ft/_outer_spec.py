@@ -20,8 +20,9 @@ healing peer through torchft's checkpoint function, the user's
 Exact when the step taken is the one the decision would have taken: the
 hyperparameters and the state of ``prepare_sync``'s time. ``perform_sync``
 checks: a hyperparameter edited since (an outer learning-rate schedule), state
-loaded into the user's optimizer, or a healing load of the backups and state,
-and the step is then taken after the decision in place, as without speculation
+loaded into the user's optimizer or edited in place (its version counters), or
+a healing load of the backups and state, and the step is then taken after the
+decision in place, as without speculation
 (:meth:`SpeculativeStep.take_in_place`).
 
 Only where the native kernels step every parameter (they step any host tensors);
@@ -72,6 +73,7 @@ class SpeculativeStep:
         self.plan: dict[int, Hyper] | None = None
         """Per backup (``id``), the hyperparameters of the sync in flight's step; ``None``:
         no speculative step for it."""
+        self._versions: list[int] = []
         self.in_place = False
         """The step is taken after the decision, in place (the speculative one is
         dropped: its inputs changed before the decision)."""
@@ -81,10 +83,19 @@ class SpeculativeStep:
         """At ``prepare_sync``, with the user's hyperparameters just synced: whether the
         sync steps speculatively (the native kernels take every pair)."""
         self.in_place = False
+        pairs = self.outer.held(pairs)
         hypers = self.outer.native_plan(pairs) if outer_kernel() is not None else None
         self.plan = (None if hypers is None else
                      {id(h): x for (h, _), x in zip(pairs, hypers, strict=True)})
+        self._versions = self.outer.state_versions([h for h, _ in pairs])
         return self.plan is not None
+
+    def state_edited(self) -> bool:
+        """Whether the outer state was edited in place since :meth:`begin` (the spares
+        may hold a copy from before the edit; torchft's step would read it after)."""
+        assert self.plan is not None
+        return self.outer.state_versions(
+            [h for h in self.backups if id(h) in self.plan]) != self._versions
 
     def take_in_place(self) -> None:
         """Drop the speculative step: after the decision the step is taken in place,
@@ -101,7 +112,7 @@ class SpeculativeStep:
         kernel = outer_kernel()
         assert kernel is not None
         threads = default_threads()
-        for h, g in pairs:
+        for h, g in self.outer.held(pairs):
             hyper = plan[id(h)]
             spare = self._spare.get(id(h))
             if spare is None:
@@ -139,7 +150,7 @@ class SpeculativeStep:
         plan = self.plan
         assert plan is not None
         host_state = self.outer.host.state
-        for h, _ in pairs:
+        for h, _ in self.outer.held(pairs):
             _swap(h, self._spare[id(h)])
             hyper = plan[id(h)]
             if isinstance(hyper, SgdHyper) and hyper.momentum == 0:

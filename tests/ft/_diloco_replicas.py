@@ -86,7 +86,10 @@ def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str,
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=2,
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
+        # A snapshot: torchft's transport serializes it while the peer trains on (the
+        # live weights would make a healing replica's run depend on the timing).
+        state_dict=lambda: {"model": {k: v.detach().clone()
+                                      for k, v in model.state_dict().items()}},
         replica_id=f"replica_{replica_id}", store_addr="localhost", store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
         init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),

@@ -335,10 +335,13 @@ def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"offload_to_cpu": 1}, "offload_to_cpu must be True or False, got 1"),
-    ({"schedule": "pipelined"}, "apply only with offload_to_cpu=True"),
-    ({"bucket_bytes": 64}, "apply only with offload_to_cpu=True"),
+    ({"schedule": "pipelined"}, "applies only with offload_to_cpu=True"),
+    ({"bucket_bytes": 64}, "applies only with offload_to_cpu=True"),
     ({"offload_to_cpu": True, "schedule": "eager"}, "schedule must be 'pipelined' or"),
     ({"offload_to_cpu": True, "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
+    ({"offload_to_cpu": True, "bucket_cap_mb": -1}, "bucket_cap_mb must be a positive number"),
+    ({"schedule": "pipelined", "bucket_bytes": 64},
+     "schedule, bucket_bytes apply only with offload_to_cpu=True"),
     ({"offload_to_cpu": True, "bucket_bytes": 64, "device_budget_bytes": 32},
      "device_budget_bytes=32 is smaller than one bucket"),
     ({"offload_to_cpu": True, "should_quantize": True}, "should_quantize=True cannot"),
@@ -358,6 +361,14 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
         kwargs["outer"] = optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1, differentiable=True)
     with pytest.raises(ConfigError, match=match):
         _build(**kwargs)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_no_model_fragments_is_refused_naming_the_argument(offload: bool) -> None:
+    model = make_model(0)
+    with pytest.raises(ConfigError, match="model_fragments must hold at least one module"):
+        pipeoff.ft.DiLoCo(_manager(), [], optim.AdamW(model.parameters()),
+                          optim.SGD(model.parameters(), lr=0.7), 2, offload_to_cpu=offload)
 
 
 @pytest.mark.parametrize("fragments", [1, 2])

@@ -177,6 +177,31 @@ def test_two_replicas_of_fp32_weights_are_torchfts_bits() -> None:
     assert_bitwise(runs, reference(**cfg))
 
 
+def _reject_then_heal(replica: int, step: int, diloco: Any) -> None:
+    if replica == 0 and step == 3:  # this replica rejects the sync, then heals from its peer
+        diloco._manager.report_error(RuntimeError("injected"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("fragments", "delay"), [(2, 1), (1, 2)])
+def test_a_healed_replica_syncs_from_the_healed_weights(fragments: int, delay: int) -> None:
+    """torchft's heal writes the weights (the Manager's ``load_state_dict``) right before
+    the next sync forms its pseudo-gradients: on the masters those weights are adopted
+    first. Without it the healed replica averaged ``backup - stale master`` into both
+    replicas (from the sync after the heal on, 4e-2 off at delay 1)."""
+    from tests.ft._diloco_replicas import assert_bitwise
+    from tests.ft.test_diloco import reference, run
+
+    def inner(model: nn.Module) -> optim.Optimizer:
+        return FullOffloadOptimizer(model, optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+    cfg = {"sync_every": 4, "fragment_sync_delay": delay, "steps": 12,
+           "n_fragments": fragments, "on_step": _reject_then_heal}
+    runs = run("pipelined", **cfg, inner=inner)
+    assert any("injected" in str(e) for e in runs[0].errors_reported)
+    assert_bitwise(runs, reference(**cfg))
+
+
 def test_on_the_simulated_device_the_masters_path_is_race_free(gpu: Any) -> None:
     """The model on the (simulated) device, its lanes delayed: no access race (the host
     pseudo-gradients uploaded for the all-reduce, the masters' casts copied into the

@@ -157,6 +157,40 @@ def test_a_healing_load_before_the_decision_takes_the_step_again() -> None:
     _assert_same(_loop(False, between=_heal), _loop(True, between=_heal))
 
 
+def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
+    """The loop edits the outer state in place before the decision (a momentum decay),
+    after the speculative step copied it into the spares."""
+    frag = d._fragments[0]
+    if isinstance(d, pipeoff.ft.DiLoCo) and frag._speculative:
+        frag._ex.wait("stepped", timeout=60)  # (the spares hold the state before the edit)
+    for st in frag._outer_optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.dim():
+                v.mul_(0.5)
+
+
+@pytest.mark.parametrize("outer", ["sgd", "adamw"])
+def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: str) -> None:
+    """torchft steps the outer state as it is at the decision: a speculative step whose
+    copy of the state predates an in-place edit is dropped (the state's version counters
+    moved) and the step taken again in place. Without the check, the edit is lost."""
+    outer_of = sgd_nesterov if outer == "sgd" else _outer_adamw
+    _assert_same(_loop(False, between=_decay_state, outer_of=outer_of),
+                 _loop(True, between=_decay_state, outer_of=outer_of))
+
+
+def _all_but_first(ps: Any) -> optim.Optimizer:
+    return sgd_nesterov(list(ps)[1:])
+
+
+def test_an_outer_optimizer_over_some_of_the_fragment_is_torchfts() -> None:
+    """A fragment parameter left out of the outer optimizer (a frozen one, the usual
+    ``[p for p in model.parameters() if p.requires_grad]``) is not stepped, its backup
+    kept, as torchft does (the speculative step asked its plan of every backup: a bare
+    KeyError)."""
+    _assert_same(_loop(False, outer_of=_all_but_first), _loop(True, outer_of=_all_but_first))
+
+
 # -- the waits of keeping the spares -----------------------------------------------------
 def _held(pattern: str, *where: str) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
     """The loop with tasks matching ``pattern`` held until the training thread blocks in

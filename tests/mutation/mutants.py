@@ -614,9 +614,8 @@ SPECULATIVE = (
                "in: the parameters merge with the old global model"),
     Mutant(
         name="r55:speculative-step-kept-after-an-lr-edit", file="pipeoff/ft/_diloco_fragment.py",
-        old="                if self._speculative and (self._spec_stale or "
-            "self.outer.user_changed()):",
-        new="                if self._speculative and self._spec_stale:",
+        old="self._spec_stale or self.outer.user_changed()\n",
+        new="self._spec_stale or False\n",
         tests=(f"{_SPEC}test_an_lr_edited_before_the_decision_is_the_one_stepped",),
         hazard="an outer lr edited between a sync's preparation and its decision (a "
                "schedule) is not the one stepped: torchft steps with the decision's"),
@@ -628,6 +627,31 @@ SPECULATIVE = (
         tests=(f"{_SPEC}test_a_healing_load_before_the_decision_takes_the_step_again",),
         hazard="a healing load of the backups and outer state before the decision is "
                "stepped over by a step taken from the old ones"),
+    Mutant(
+        name="r62:speculative-step-kept-after-an-in-place-state-edit",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="                        or spec.state_edited()):",
+        new="                        or False):",
+        tests=(f"{_SPEC}test_state_edited_in_place_before_the_decision_is_the_state_stepped",),
+        hazard="the outer state edited in place before the decision (a momentum decay) is "
+               "lost: the kept spares hold the state copied before the edit"),
+    Mutant(
+        name="r63:sync-on-masters-before-adopting-a-heal", file="pipeoff/ft/_diloco.py",
+        old="            opt.adopt_outside_writes()\n        return chosen",
+        new="            pass\n        return chosen",
+        tests=("tests/ft/test_diloco_masters.py::test_a_healed_replica_syncs_from_the_"
+               "healed_weights",),
+        hazard="a healed replica forms pseudo-gradients from its stale FP32 masters and "
+               "averages its pre-heal model into every replica"),
+    Mutant(
+        name="r64:checkpoint-before-adopting-the-loops-writes",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old="        self.adopt_outside_writes()\n        return _checkpoint.pack(",
+        new="        return _checkpoint.pack(",
+        tests=("tests/optim/test_full_offload.py::test_a_checkpoint_after_the_loop_wrote_"
+               "the_weights_holds_the_write",),
+        hazard="a checkpoint taken after the loop wrote weights holds the old masters: the "
+               "resume drops the write"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -103,6 +103,21 @@ class MastersAndCheckpoints:
         self._registry.adopt(recs, outside=False)
         self._lifecycle.part.adopt(params, only_written=False)
 
+    def adopt_outside_writes(self) -> None:
+        """Adopt now, as the next step would, the weights written from outside since the
+        last step that their version counters show (``model.load_state_dict``, a clamp,
+        torchft's healing load): their masters become the (widened) weights. For what
+        reads the masters before that step: ``state_dict()``, a DiLoCo sync on the
+        masters.
+
+        Raises:
+            ConfigError: under ``overlap="backward"``, a weight written after the final
+                backward began (as ``step()`` raises).
+        """
+        if self._model_sync.sync():
+            self._intake.ensure_hooks()
+        self._lifecycle.part.adopt()
+
     def host_master(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s FP32 master: the host tensor itself, shaped and strided as its
         local shard (pinned where an accelerator holds the weights). A step in flight
@@ -154,8 +169,10 @@ class MastersAndCheckpoints:
                 "overlap='backward' with a device part (offload_fraction < 1): the final "
                 "backward stepped the host part, step() steps the device part, so the state "
                 "is half a step now; call step() first")
-        if self._model_sync.follow_param_groups():
-            self._intake.ensure_hooks()
+        # Hazard: saving masters older than the weights the loop wrote since the last
+        # step (a clamp, a load): a resume writes every weight from its master, and
+        # would silently drop the write.
+        self.adopt_outside_writes()
         return _checkpoint.pack(self._registry, self.param_groups,
                                 self._lifecycle.part.entries())
 
