@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,6 +15,7 @@ from torch import nn, optim
 from torchft.local_sgd import DiLoCo as _TorchftDiLoCo
 from torchft.local_sgd import _StreamingDiLoCoFragment
 
+from pipeoff import _faults
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
@@ -20,7 +23,7 @@ from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
 from pipeoff.ft._diloco_tail import SyncTail
 from pipeoff.ft._options import StagingOptions, check_flag, check_sync_schedule
-from pipeoff.ft._outer import check_outer, host_outers
+from pipeoff.ft._outer import WaitingState, check_outer, host_outers
 from pipeoff.trace import StepStats
 
 if TYPE_CHECKING:
@@ -175,6 +178,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         self._stats = SyncStats()
         self._tail: SyncTail | None = None
         self._outer_hooks: list[Any] = []
+        self._in_alias = threading.local()
         """The forward waits for a sync's outer step and writes (pipelined, offloaded)."""
         self._exposed: dict[int, tuple[int, int]] = {}
         """Per fragment whose sync's tail is in flight: ``(step, ns step() took)``."""
@@ -328,22 +332,46 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     def __enter__(self) -> DiLoCo:
         if self._tail is not None:
             self._tail.install()
-            outers = {id(f._outer_optimizer): f._outer_optimizer for f in self._fragments}
             self._outer_hooks = [o.register_state_dict_pre_hook(self._before_outer_read)
-                                 for o in outers.values()]
+                                 for o in self._user_outers()]
+            self._wrap_outer_states()
         return super().__enter__()  # type: ignore[no-any-return]
+
+    def _user_outers(self) -> list[optim.Optimizer]:
+        return list({id(f._outer_optimizer): f._outer_optimizer
+                     for f in self._fragments}.values())
+
+    def _wrap_outer_states(self) -> None:
+        """The user's outer optimizers' ``state`` as :class:`WaitingState` (again after a
+        ``load_state_dict()`` replaced it)."""
+        for o in self._user_outers():
+            if not isinstance(o.state, WaitingState):
+                o.state = WaitingState(self._before_outer_state, o.state)
 
     def _before_outer_read(self, _optimizer: optim.Optimizer) -> None:
         """A user's outer optimizer's ``state_dict()`` is about to read the host state it
         shows (from any thread: a checkpoint writer's too)."""
+        self._before_outer_state()
+
+    def _before_outer_state(self) -> None:
+        """The user's outer optimizer's state is accessed (``state_dict()``, or its
+        ``state`` read or edited in place: a momentum decay right after ``step()``)."""
         tail = self._tail
-        if tail is not None and tail.in_flight:
-            # Hazard: a checkpoint of outer state the outer step is still writing, or
-            # missing the state its first step creates (shown once it is done).
+        if tail is None or not tail.in_flight or getattr(self._in_alias, "on", False) \
+                or _faults.disabled("outer_state_waits"):
+            return
+        self._in_alias.on = True  # (alias() below reads the state too)
+        try:
+            # Hazard: reading outer state the outer step is still writing, or editing it
+            # before the step that torchft would have taken before step() returned
+            # (the edit then lost, or stepped over); a checkpoint missing the state its
+            # first step creates (shown once it is done).
             tail.wait_done()
             for f in self._fragments:
                 if isinstance(f, OffloadedFragment):
                     f.outer.alias()  # (the training thread's settle does the same again)
+        finally:
+            self._in_alias.on = False
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
         try:
@@ -356,6 +384,9 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
                 for h in self._outer_hooks:
                     h.remove()
                 self._outer_hooks = []
+                for o in self._user_outers():
+                    if isinstance(o.state, WaitingState):
+                        o.state = defaultdict(dict, dict.items(o.state))
             for f in self._fragments:
                 if isinstance(f, OffloadedFragment):
                     # Hazard: lanes left waiting forever for the decision of a sync
@@ -433,6 +464,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         chosen = self._chosen
         fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \
             else None
+        if fragment is not None and self._tail is not None:
+            self._wrap_outer_states()  # (a load_state_dict() replaced one)
         if fragment is not None:
             offloaded = isinstance(fragment, OffloadedFragment)
             exposed = time.perf_counter_ns() - start

@@ -14,7 +14,8 @@ holds state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ from pipeoff.ft._outer_kernel import (
 from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
-__all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "check_outer", "host_outers"]
+__all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "WaitingState", "check_outer",
+           "host_outers"]
 
 HOST_OUTER_OPTIMIZERS: tuple[type[optim.Optimizer], ...] = tuple(
     cls for cls in ELEMENTWISE if cls in (optim.SGD, optim.Adam, optim.AdamW))
@@ -262,6 +264,75 @@ class HostOuterOptimizer:
                 if k != "params":
                     a[k] = v
         self.alias(adopted=True)
+
+
+class WaitingState(defaultdict):  # type: ignore[type-arg]
+    """The user's outer optimizer's ``state`` while a pipelined DiLoCo is entered: every
+    access calls ``before`` first, which waits for a sync's outer step still writing the
+    state it holds (run under the next forward: torchft's had run before ``step()``
+    returned, so the loop may read or edit the state right after it).
+
+    A ``defaultdict(dict)`` as torch's; a copy or a pickle of it is a plain one.
+
+    Args:
+        before: called on every access, from any thread.
+        data: the entries.
+    """
+
+    def __init__(self, before: Callable[[], None], data: Mapping[Any, Any]) -> None:
+        super().__init__(dict, data)
+        self._before = before
+
+    def __reduce__(self) -> Any:
+        return (defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+    def __getitem__(self, key: Any) -> Any:
+        self._before()
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._before()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._before()
+        super().__delitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._before()
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._before()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._before()
+        return super().__len__()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._before()
+        return super().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._before()
+        return super().pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._before()
+        return super().setdefault(key, default)
+
+    def keys(self) -> Any:
+        self._before()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._before()
+        return super().values()
+
+    def items(self) -> Any:
+        self._before()
+        return super().items()
 
 
 def host_outers(fragments: Sequence[Any]) -> list[HostOuterOptimizer]:

@@ -10,6 +10,7 @@ interleavings are forced by holding tasks until the training thread blocks.
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from collections.abc import Callable, Iterator
@@ -24,7 +25,13 @@ from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
-from tests._stacks import install, release_when_waiting, stack_of, waiting_in
+from tests._stacks import (
+    install,
+    release_when_any_waiting,
+    release_when_waiting,
+    stack_of,
+    waiting_in,
+)
 from tests.ft._diloco_replicas import make_model, sgd_nesterov
 from tests.ft.test_diloco_tail import _manager
 
@@ -237,6 +244,52 @@ def test_the_writes_wait_for_the_spares_to_be_kept() -> None:
         try:
             got = _loop(False, steps=SYNC_EVERY + 1,
                         between=lambda m, i, d, mgr: syncs.append(d._fragments[0]._ex))
+        finally:
+            release.set()
+            watcher.join()
+    _assert_same(got, want)
+
+
+# -- the user's outer state right after step() ---------------------------------------------
+def _edit_after_every_step(torchft: bool, delay: int) -> tuple[list[list[torch.Tensor]],
+                                                                dict[str, Any]]:
+    """Right after every inner ``step()`` the loop halves the outer momentum in place
+    (torchft's outer step ran before ``step()`` returned; pipeoff's runs under the next
+    forward)."""
+    model = make_model(0)
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = sgd_nesterov(model.parameters())
+    cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
+    out = []
+    with cls(_manager(), [model], inner, outer, SYNC_EVERY, fragment_sync_delay=delay,
+             fragment_update_alpha=0.5, **({} if torchft else KW)) as d:
+        for k in range(2 * SYNC_EVERY):
+            _inner_step(model, inner, k)
+            for st in outer.state.values():
+                st["momentum_buffer"].mul_(0.5)
+            out.append([p.detach().clone() for p in model.parameters()])
+        if not torchft:
+            d.wait_for_sync()
+        end = {"state": copy.deepcopy(outer.state_dict()["state"]),
+               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+    assert type(outer.state) is collections.defaultdict  # (DiLoCo's view is gone)
+    return out, end
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_outer_state_edited_right_after_step_is_the_stepped_one(delay: int) -> None:
+    """The sync's outer step (delay 0) or the keep of its spares (delay 1) held until
+    the training thread blocks: the edit's access to ``outer_optimizer.state`` waits
+    for it (or, without that wait, the read of the parameters that follows releases it,
+    too late: the edit found no state yet, or was swapped out with the old storage)."""
+    want = _edit_after_every_step(True, delay)
+    held = r"outer:c\d+" if delay == 0 else "keep"
+    install()
+    with pipeoff.testing.hold_task(held) as release:
+        watcher = release_when_any_waiting(release, ("_before_outer_state",), ("on_read",),
+                                           ("wait_for_sync",))
+        try:
+            got = _edit_after_every_step(False, delay)
         finally:
             release.set()
             watcher.join()

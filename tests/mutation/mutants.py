@@ -212,6 +212,11 @@ SWITCHES = (
     ), "a device part that raised is reported (retryable, or torn) while the host part's "
        "chunks still write: a retry steps them twice, or a loaded checkpoint is "
        "overwritten"),
+    _switch("outer_state_waits", "pipeoff/ft/_diloco.py", (
+        "tests/ft/test_diloco_speculative.py::test_the_outer_state_edited_right_after_step_"
+        "is_the_stepped_one",
+    ), "the loop reads or edits the outer state right after step() while the sync's outer "
+       "step still writes it: the edit is lost or stepped over, the read torn"),
     _switch("diloco_tail_wait", "pipeoff/ft/_diloco_tail.py", (
         "tests/ft/test_diloco_tail.py::test_the_inner_step_waits_for_the_merge",
     ), "the inner step after a DiLoCo sync writes parameters that the sync's merge then "
@@ -575,9 +580,9 @@ REVIEW = (
                "each rank clips by its own shard's norm"),
     Mutant(
         name="r52:diloco-outer-state-dict-before-the-outer-step", file="pipeoff/ft/_diloco.py",
-        old="            # missing the state its first step creates (shown once it is done).\n"
+        old="            # first step creates (shown once it is done).\n"
             "            tail.wait_done()\n",
-        new="            # missing the state its first step creates (shown once it is done).\n"
+        new="            # first step creates (shown once it is done).\n"
             "            pass\n",
         tests=("tests/ft/test_diloco_tail.py::test_the_users_outer_optimizer_state_dict_"
                "waits_for_the_outer_step",),
