@@ -252,7 +252,7 @@ MUTATIONS = frozenset({
     "adopt_waits_readers", "diloco_formed_wait", "grad_read_wait", "grad_edit_wait",
     "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
     "device_part_wait", "host_part_join", "held_copy_dep", "held_release",
-    "full_device_part_wait", "full_host_part_join", "outer_state_waits",
+    "full_device_part_wait", "full_host_part_join", "outer_state_waits", "inner_post_hook_wait",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -302,6 +302,8 @@ MUTATIONS = frozenset({
   the writes of a DiLoCo sync that run on after its decision.
 * ``"diloco_tail_wait"``: DiLoCo's wait for all of a sync's outer step and writes
   before the next inner step, the next sync, its exit and the readers of its figures.
+* ``"inner_post_hook_wait"``: ``OffloadOptimizer``'s wait, before the step post hooks
+  registered on the wrapped optimizer run, for the step's chunks.
 * ``"outer_state_waits"``: the wait of an access to the user's DiLoCo outer
   optimizer's ``state`` (a read, an in-place edit right after ``step()``) for the
   outer step of a sync's tail still writing it.

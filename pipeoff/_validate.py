@@ -7,7 +7,18 @@ from typing import Any
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["check_bytes", "check_int", "parse_bytes", "short_repr"]
+__all__ = ["check_bool", "check_bytes", "check_int", "parse_bytes", "short_repr"]
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``.
+
+    Raises:
+        ConfigError: anything else (``"no"``, ``1``), naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeoff import _compat
+from pipeoff import _compat, _faults
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import StatsHooks, completions, install_train_hooks, step_stats
@@ -65,12 +65,14 @@ def fires_load_state_dict_hooks(method: Callable[[Any, dict[str, Any]], None]
 
 
 def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                    step: Callable[[Callable[[], Any] | None], Any]) -> Any:
+                    step: Callable[[Callable[[], Any] | None], Any],
+                    finish: Callable[[], None] | None = None) -> Any:
     """Run ``step(closure)`` between the step hooks registered on the wrapped optimizer
     instance ``inner`` (an EMA update in its post hook), as torch's wrapper of
     ``inner.step`` would: the chunks step through the class's step body, which that
     wrapper does not reach. A pre hook may return ``(args, kwargs)`` with another
-    closure; post hooks run only after a step that returned."""
+    closure; post hooks run only after a step that returned, and after ``finish()``
+    (the step's chunks done: ``inner.state``, which such a hook reads, does not wait)."""
     args: tuple[Any, ...] = (inner,) if closure is None else (inner, closure)
     kwargs: dict[str, Any] = {}
     for pre in _compat.optimizer_hooks(inner, "step_pre"):
@@ -82,7 +84,12 @@ def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | N
             args, kwargs = result
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     out = step(closure)
-    for post in _compat.optimizer_hooks(inner, "step_post"):
+    posts = _compat.optimizer_hooks(inner, "step_post")
+    if posts and finish is not None and not _faults.disabled("inner_post_hook_wait"):
+        # Hazard: a post hook on the wrapped optimizer reading its state (stale) or
+        # writing it (the edit overwritten) while the step's chunks still write it.
+        finish()
+    for post in posts:
         post(inner, args, kwargs)
     return out
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeoff import _accel, _compat
+from pipeoff import _accel, _compat, _validate
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
@@ -188,9 +188,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.device_budget_bytes = device_budget_bytes
         """The cap on live device staging, if given instead of ``prefetch`` (not auto's)."""
         self.process_group = process_group
-        self.pin_memory = bool(pin_memory) and _accel.current().available()
-        # Optimizer.__init__ is not called (it wants parameters); set what the
-        # base class's hooks, schedulers and repr need.
+        self.pin_memory = (_validate.check_bool("pin_memory", pin_memory)
+                           and _accel.current().available())
+        # Optimizer.__init__ is not called (it wants parameters): what hooks, repr need.
         self.defaults = optimizer.defaults
         _compat.init_optimizer_hooks(self)
         self._inflight: Step | None = None
@@ -509,7 +509,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         launched = self._last
         with train_span("step", step):
             try:
-                return _offloaded.with_step_hooks(self.inner, closure, self._step)  # type: ignore[no-any-return]
+                return _offloaded.with_step_hooks(  # type: ignore[no-any-return]
+                    self.inner, closure, self._step, self.wait_for_step)
             finally:
                 self._steps_called += 1
                 if self._last is not launched:  # (a step that raised before launching has none)

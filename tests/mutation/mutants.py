@@ -212,6 +212,11 @@ SWITCHES = (
     ), "a device part that raised is reported (retryable, or torn) while the host part's "
        "chunks still write: a retry steps them twice, or a loaded checkpoint is "
        "overwritten"),
+    _switch("inner_post_hook_wait", "pipeoff/optim/_offloaded.py", (
+        "tests/optim/test_optimizer_hooks.py::test_the_wrapped_optimizers_post_hooks_run_"
+        "after_an_overlapped_step",
+    ), "a step post hook on the wrapped optimizer reads its state while the overlapped "
+       "step's chunks still write it (stale), or writes it (the edit overwritten)"),
     _switch("outer_state_waits", "pipeoff/ft/_diloco.py", (
         "tests/ft/test_diloco_speculative.py::test_the_outer_state_edited_right_after_step_"
         "is_the_stepped_one",

@@ -125,6 +125,10 @@ def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
     (lambda m: FullOffloadOptimizer(m.parameters(), params=m.parameters()), "not both"),
     (lambda m: FullOffloadOptimizer(next(m.parameters())), "a single tensor"),
     (lambda m: FullOffloadOptimizer(3), "must be a torch.nn.Module"),
+    (lambda m: OffloadOptimizer(torch.optim.AdamW(m.parameters()), pin_memory="no"),
+     "pin_memory must be True or False, got 'no'"),
+    (lambda m: FullOffloadOptimizer(m, pin_memory="no"),
+     "pin_memory must be True or False, got 'no'"),
 ])
 def test_mixed_forms_and_other_tools_knobs_are_refused_by_name(make: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

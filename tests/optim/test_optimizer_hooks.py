@@ -135,3 +135,70 @@ def test_sgd_without_momentum_keeps_no_state_entries(mode: str, fraction: float)
     assert opt.state_dict() == ref.state_dict() == {
         "state": {}, "param_groups": ref.state_dict()["param_groups"]}
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+def _decay_run(wrap: Any, held: bool) -> list[torch.Tensor]:
+    """A step post hook on the wrapped optimizer halves ``exp_avg`` (a momentum decay):
+    with ``held``, the step's chunks are held until the training thread waits."""
+    import pipeoff.testing
+    from tests._stacks import release_when_any_waiting
+
+    model = _model()
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        for st in opt.state.values():
+            st["exp_avg"].mul_(0.5)
+
+    base.register_step_post_hook(post)
+    opt = wrap(base)
+    if not held:
+        _train(model, opt)
+    else:
+        with pipeoff.testing.hold_task("opt.*") as release:
+            # (released by the wait before the hooks, or, without it, by the next
+            # forward's read of the weights: after the hooks ran)
+            watcher = release_when_any_waiting(release, ("wait_for_step",), ("on_read",),
+                                               ("on_module",))
+            try:
+                _train(model, opt)
+            finally:
+                release.set()
+                watcher.join()
+    if isinstance(opt, OffloadOptimizer):
+        opt.wait_for_step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_wrapped_optimizers_post_hooks_run_after_an_overlapped_step(fraction: float
+                                                                        ) -> None:
+    """Under mode="overlap" ``step()`` returns with its chunks in flight, and the
+    wrapped optimizer's ``state`` does not wait: its post hooks run once the chunks are
+    done (they read stale state, a KeyError at the first step, and their writes were
+    overwritten: 2e-2 off)."""
+    want = _decay_run(lambda b: b, held=False)
+    got = _decay_run(lambda b: OffloadOptimizer(b, mode="overlap", offload_fraction=fraction),
+                     held=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
+def test_a_checkpoint_with_float_steps_loads_as_torch_loads_it(mode: str) -> None:
+    """Older checkpoints keep ``step`` as a Python float: torch's loader makes it the
+    tensor its step functions require (the class's ``__setstate__``); every later step
+    raised 'state_steps argument must contain a list of singleton tensors'."""
+    outs = []
+    for wrap in (lambda b: b, lambda b: OffloadOptimizer(b, mode=mode)):
+        model = _model()
+        opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        _train(model, opt, steps=1)
+        sd = opt.state_dict()
+        for st in sd["state"].values():
+            st["step"] = float(st["step"])
+        opt.load_state_dict(sd)
+        _train(model, opt, steps=2)
+        if isinstance(opt, OffloadOptimizer):
+            opt.wait_for_step()
+        outs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

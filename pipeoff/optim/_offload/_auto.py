@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pipeoff import _accel
+from pipeoff import _accel, _compat
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_int, parse_bytes
 from pipeoff.optim._offload._args import DEFAULT_CHUNK_BYTES
@@ -158,7 +158,10 @@ def measure_rates(optimizer: torch.optim.Optimizer, device: torch.device, *, pin
     accepted = inspect.signature(type(optimizer)).parameters  # (defaults may hold more)
     hyper = {k: first[k] for k in optimizer.defaults if k in first and k in accepted}
     probe = type(optimizer)([p], **hyper)
-    step = _seconds(lambda: probe.step(), sync)  # (the untimed call creates the state)
+    # The class's step without torch's hooks: a global step hook (a logger, a
+    # counter) must not see these scratch steps.
+    body = _compat.step_body(type(probe))
+    step = _seconds(lambda: body(probe), sync)  # (the untimed call creates the state)
     return Rates(h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h,
                  step_elements_per_s=numel / step)
 

@@ -197,7 +197,9 @@ class HostLayout:
                                         old=reuse.get(k), reserved=self.reserved,
                                         device_part=dev)
                         for k, v in entry.items()}
-        self.inner.state = state
+        # torch's own loader ends with the class's __setstate__: its fix-ups of older
+        # formats (a float "step" becomes the tensor its step functions require).
+        self.inner.__setstate__({"state": state, "param_groups": self.inner.param_groups})
         self.adopt(layout)
 
 
