@@ -15,6 +15,7 @@ each: fragments, ``fragment_sync_delay``, ``fragment_update_alpha``).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ import torchft.local_sgd  # noqa: E402
 import torchft.local_sgd_integ_test as integ  # noqa: E402
 import torchft.local_sgd_test as unit  # noqa: E402
 from torchft._torchft import LighthouseServer as _LighthouseServer  # noqa: E402
+from torchft.manager import Manager as _Manager  # noqa: E402
 
 import pipeoff.ft  # noqa: E402
 from tests.ft._torchft_cases import run_case  # noqa: E402
@@ -86,12 +88,27 @@ def _lighthouse(**kwargs: Any) -> Any:
     return _LighthouseServer(**kwargs)
 
 
+MANAGER_TIMEOUT = timedelta(seconds=30)
+"""The least quorum, connect and operation timeout of the trainer's Managers. torchft's
+trainer sets 10 s: in a fresh-clone CI run beside other processes on 2 cores, one
+upscale case's quorum RPC ran out of it once (its peers were slow, not stuck; alone
+the case passes). Only a slower failure is waited for longer."""
+
+
+def _manager(*args: Any, **kwargs: Any) -> Any:
+    for key in ("timeout", "quorum_timeout", "connect_timeout"):
+        if key in kwargs:
+            kwargs[key] = max(kwargs[key], MANAGER_TIMEOUT)
+    return _Manager(*args, **kwargs)
+
+
 def _patch(monkeypatch: pytest.MonkeyPatch, mode: str) -> list[Any]:
     created: list[Any] = []
     cls = _mode_class(mode, created)
     for module in (torchft.local_sgd, unit, integ, trainer):
         monkeypatch.setattr(module, "DiLoCo", cls)
     monkeypatch.setattr(integ, "LighthouseServer", _lighthouse)
+    monkeypatch.setattr(trainer, "Manager", _manager)
     return created
 
 
