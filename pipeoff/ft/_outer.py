@@ -206,12 +206,13 @@ class HostOuterOptimizer:
         as torchft's does)."""
         return [(h, g) for h, g in pairs if id(h) in self._by_host]
 
-    def state_versions(self, backups: Sequence[torch.Tensor]) -> list[int]:
-        """The version counters of ``backups``' state tensors: an in-place edit of the
-        state (a loop decaying the momentum through ``outer_optimizer.state``) bumps
-        one; the native kernels write through raw pointers and bump none."""
+    def state_versions(self, backups: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        """The identities and version counters of ``backups``' state tensors: an in-place
+        edit of the state (a loop decaying the momentum through
+        ``outer_optimizer.state``) bumps a version, a tensor put in its place is another
+        object; the native kernels write through raw pointers and bump none."""
         state = self.host.state
-        return [v._version for h in backups for v in (state.get(h) or {}).values()
+        return [(id(v), v._version) for h in backups for v in (state.get(h) or {}).values()
                 if isinstance(v, torch.Tensor)]
 
     def native_plan(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -284,7 +285,28 @@ class WaitingState(defaultdict):  # type: ignore[type-arg]
         self._before = before
 
     def __reduce__(self) -> Any:
+        self._before()
         return (defaultdict, (dict,), None, None, iter(dict.items(self)))
+
+    def __repr__(self) -> str:
+        self._before()
+        return repr(defaultdict(dict, dict.items(self)))
+
+    def clear(self) -> None:
+        self._before()
+        super().clear()
+
+    def popitem(self) -> Any:
+        self._before()
+        return super().popitem()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._before()
+        super().update(*args, **kwargs)
+
+    def copy(self) -> Any:
+        self._before()
+        return defaultdict(dict, dict.items(self))
 
     def __getitem__(self, key: Any) -> Any:
         self._before()

@@ -73,7 +73,7 @@ class SpeculativeStep:
         self.plan: dict[int, Hyper] | None = None
         """Per backup (``id``), the hyperparameters of the sync in flight's step; ``None``:
         no speculative step for it."""
-        self._versions: list[int] = []
+        self._versions: list[tuple[int, int]] = []
         self.in_place = False
         """The step is taken after the decision, in place (the speculative one is
         dropped: its inputs changed before the decision)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -164,26 +165,37 @@ def test_a_healing_load_before_the_decision_takes_the_step_again() -> None:
     _assert_same(_loop(False, between=_heal), _loop(True, between=_heal))
 
 
-def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
-    """The loop edits the outer state in place before the decision (a momentum decay),
-    after the speculative step copied it into the spares."""
+def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any, *,
+                 replace: bool = False) -> None:
+    """The loop edits the outer state before the decision (a momentum decay, in place or
+    by a new tensor), after the speculative step copied it into the spares."""
     frag = d._fragments[0]
     if isinstance(d, pipeoff.ft.DiLoCo) and frag._speculative:
         frag._ex.wait("stepped", timeout=60)  # (the spares hold the state before the edit)
     for st in frag._outer_optimizer.state.values():
-        for v in st.values():
+        for k, v in list(st.items()):
             if isinstance(v, torch.Tensor) and v.dim():
-                v.mul_(0.5)
+                if replace:
+                    st[k] = v * 0.5
+                else:
+                    v.mul_(0.5)
 
 
+@pytest.mark.parametrize("replace", [False, True], ids=["in_place", "replaced"])
 @pytest.mark.parametrize("outer", ["sgd", "adamw"])
-def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: str) -> None:
+def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: str,
+                                                                        replace: bool) -> None:
     """torchft steps the outer state as it is at the decision: a speculative step whose
-    copy of the state predates an in-place edit is dropped (the state's version counters
-    moved) and the step taken again in place. Without the check, the edit is lost."""
+    copy of the state predates an edit is dropped (a state tensor's version counter
+    moved, or another tensor took its place) and the step taken again in place. Without
+    the check, the edit is lost."""
     outer_of = sgd_nesterov if outer == "sgd" else _outer_adamw
-    _assert_same(_loop(False, between=_decay_state, outer_of=outer_of),
-                 _loop(True, between=_decay_state, outer_of=outer_of))
+
+    def edit(*args: Any) -> None:
+        _decay_state(*args, replace=replace)
+
+    _assert_same(_loop(False, between=edit, outer_of=outer_of),
+                 _loop(True, between=edit, outer_of=outer_of))
 
 
 def _all_but_first(ps: Any) -> optim.Optimizer:
@@ -261,17 +273,21 @@ def _edit_after_every_step(torchft: bool, delay: int) -> tuple[list[list[torch.T
     outer = sgd_nesterov(model.parameters())
     cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
     out = []
+    copies: list[Any] = []
     with cls(_manager(), [model], inner, outer, SYNC_EVERY, fragment_sync_delay=delay,
              fragment_update_alpha=0.5, **({} if torchft else KW)) as d:
         for k in range(2 * SYNC_EVERY):
             _inner_step(model, inner, k)
+            copies.append(pickle.loads(pickle.dumps(outer.state)))  # (torch.save's path)
             for st in outer.state.values():
                 st["momentum_buffer"].mul_(0.5)
             out.append([p.detach().clone() for p in model.parameters()])
         if not torchft:
             d.wait_for_sync()
         end = {"state": copy.deepcopy(outer.state_dict()["state"]),
-               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()},
+               "copies": [sorted(torch.cat([v.flatten() for st in c.values() for v in st.values()]
+                                           ).tolist()) if c else [] for c in copies]}
     assert type(outer.state) is collections.defaultdict  # (DiLoCo's view is gone)
     return out, end
 
@@ -293,4 +309,5 @@ def test_the_outer_state_edited_right_after_step_is_the_stepped_one(delay: int) 
         finally:
             release.set()
             watcher.join()
+    assert got[1].pop("copies") == want[1].pop("copies")  # a pickle waits too
     _assert_same(got, want)
