@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -285,8 +286,10 @@ def test_load_state_dict_never_moves_state_to_the_parameters_device(
         opt2.load_state_dict({"state": {}})
 
 
-@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
-def test_global_step_hooks_fire_once_per_step_in_every_mode(mode: str) -> None:
+@contextlib.contextmanager
+def global_step_hook_calls() -> Iterator[list[str]]:
+    """torch's global step pre and post hooks, registered for the block: the calls
+    they saw, in order (``"pre"``, ``"post"``)."""
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -296,14 +299,20 @@ def test_global_step_hooks_fire_once_per_step_in_every_mode(mode: str) -> None:
     handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("pre")),
                register_optimizer_step_post_hook(lambda o, a, k: calls.append("post"))]
     try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "chunked", "overlap"])
+def test_global_step_hooks_fire_once_per_step_in_every_mode(mode: str) -> None:
+    with global_step_hook_calls() as calls:
         net = make_net()
         opt = OffloadOptimizer(torch.optim.AdamW(net.parameters()), mode=mode, chunk_bytes=256)
         net(batches(1)[0], 1).sum().backward()
         opt.step()
         opt.wait_for_step()
-    finally:
-        for h in handles:
-            h.remove()
     assert calls == ["pre", "post"]
 
 

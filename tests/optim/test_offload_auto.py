@@ -183,17 +183,10 @@ def test_auto_on_the_device(gpu: Gpu, rates: Rates) -> None:
 def test_auto_measures_without_firing_global_step_hooks(full: bool) -> None:
     """``"auto"`` times scratch optimizer steps at construction: torch's global step
     hooks (a step counter, a logger) must not see them (they saw 4 pre and 4 post)."""
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
     from pipeoff.optim import FullOffloadOptimizer
+    from tests.optim.test_offload import global_step_hook_calls
 
-    calls: list[str] = []
-    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("pre")),
-               register_optimizer_step_post_hook(lambda o, a, k: calls.append("post"))]
-    try:
+    with global_step_hook_calls() as calls:
         model = torch.nn.Linear(16, 16)
         if full:
             FullOffloadOptimizer(model.to(torch.bfloat16), torch.optim.AdamW,
@@ -201,7 +194,4 @@ def test_auto_measures_without_firing_global_step_hooks(full: bool) -> None:
         else:
             OffloadOptimizer(torch.optim.AdamW(model.parameters()), offload_fraction="auto",
                              device_budget_bytes=10_000)
-    finally:
-        for h in handles:
-            h.remove()
     assert calls == []
