@@ -73,7 +73,9 @@ class HostOuterOptimizer:
     State that arrives in the user's optimizer otherwise (its
     ``load_state_dict()`` before or after DiLoCo was built, which puts the
     tensors on the parameters' device) is adopted by :meth:`sync_from_user`: moved
-    to the host, and the device copy dropped.
+    to the host, and the device copy dropped. State removed from the user's
+    optimizer (a reset: ``state.clear()``, ``del state[p]``) is dropped from the
+    host's there too, so the next step starts it afresh, as torch's would.
 
     Args:
         user: the user's outer optimizer (its ``param_groups`` hold the device
@@ -108,6 +110,9 @@ class HostOuterOptimizer:
         self._by_host = {id(h): h for g in self.host.param_groups for h in g["params"]}
         self._group_of = {id(h): gi for gi, g in enumerate(self.host.param_groups)
                           for h in g["params"]}
+        self._shown: dict[int, dict[str, Any]] = {}
+        """Per backup (``id``), the host state dict last put in the user's optimizer: an
+        entry the user's then lacks was removed by the user, not yet shown to it."""
         self.sync_from_user()
 
     def _ids(self) -> list[list[int]]:
@@ -146,7 +151,24 @@ class HostOuterOptimizer:
             # The user's optimizer got state of its own: take it (torch's loader
             # casts it to the host parameters' device), then drop the device copy.
             self.host.load_state_dict(self.user.state_dict())
+        for h in self._removed():
+            # Hazard: stepping on with the state the user removed (a momentum reset by
+            # outer.state.clear(), del, or loading a state dict without it), where
+            # torchft's next step starts it afresh.
+            del host_state[h]
         self.alias(adopted=True)
+
+    def _removed(self) -> list[torch.Tensor]:
+        """The backups whose host state the user's optimizer showed and no longer holds
+        (``state.clear()``, ``del state[p]``, ``state[p] = {}``, a loaded state dict
+        without it)."""
+        user_state, host_state = self.user.state, self.host.state
+        out = []
+        for p, h in self._pairs():
+            st = host_state.get(h)
+            if st and not user_state.get(p) and self._shown.get(id(h)) is st:
+                out.append(h)
+        return out
 
     def alias(self, adopted: bool = False) -> None:
         """Give the user's optimizer, per parameter, the host optimizer's state dict
@@ -157,20 +179,24 @@ class HostOuterOptimizer:
             adopted: the host state was just loaded from the user's or a checkpoint's,
                 so every entry of the user's is replaced. Otherwise an entry of the
                 user's that is not the host's (state loaded into the user's optimizer
-                while a sync's tail ran) is kept for the next :meth:`sync_from_user`.
+                while a sync's tail ran), or that the user removed since it was shown,
+                is left for the next :meth:`sync_from_user`.
         """
         user_state, host_state = self.user.state, self.host.state
         for p, h in self._pairs():
             st = host_state.get(h)  # (get: no empty entry is created)
             mine = user_state.get(p)
-            if not adopted and mine and mine is not st:
+            if not adopted and mine is not st and (
+                    mine or (st and self._shown.get(id(h)) is st)):
                 # Hazard: overwriting state the loop loaded after the decision (a
-                # resume, a surgery) with the host's, which would silently drop it.
+                # resume, a surgery) with the host's, or putting back state it removed
+                # (a reset), which would silently undo it.
                 continue
             if st:
-                user_state[p] = st
+                user_state[p] = self._shown[id(h)] = st
             else:
                 user_state.pop(p, None)
+                self._shown.pop(id(h), None)
 
     def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and
@@ -239,14 +265,15 @@ class HostOuterOptimizer:
 
     def user_changed(self) -> bool:
         """Whether the user's optimizer differs from the host's since the last
-        :meth:`sync_from_user`: an edited hyperparameter, or state loaded into it."""
+        :meth:`sync_from_user`: an edited hyperparameter, state loaded into it, or state
+        removed from it."""
         for a, b in zip(self.user.param_groups, self.host.param_groups):
             for k, v in a.items():
                 if k != "params" and (k not in b or b[k] is not v and b[k] != v):
                     return True
         user_state, host_state = self.user.state, self.host.state
         return any(user_state.get(p) and user_state.get(p) is not host_state.get(h)
-                   for p, h in self._pairs())
+                   for p, h in self._pairs()) or bool(self._removed())
 
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's state dict: the format of the user's optimizer's, with

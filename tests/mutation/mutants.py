@@ -662,6 +662,22 @@ SPECULATIVE = (
                "the_weights_holds_the_write",),
         hazard="a checkpoint taken after the loop wrote weights holds the old masters: the "
                "resume drops the write"),
+    Mutant(
+        name="r65:outer-state-removed-by-the-loop-kept", file="pipeoff/ft/_outer.py",
+        old="            del host_state[h]\n",
+        new="            pass\n",
+        tests=("tests/ft/test_diloco_outer_state.py::test_a_reset_in_the_synchronous_"
+               "schedule_is_torchfts",),
+        hazard="a reset of the outer state (state.clear(), a load without it) is ignored: "
+               "the host optimizer steps on with the old momentum"),
+    Mutant(
+        name="r66:speculative-step-kept-after-a-state-reset", file="pipeoff/ft/_outer.py",
+        old="                   for p, h in self._pairs()) or bool(self._removed())\n",
+        new="                   for p, h in self._pairs())\n",
+        tests=("tests/ft/test_diloco_outer_state.py::test_a_reset_before_the_decision_is_"
+               "not_stepped_over",),
+        hazard="a reset of the outer state before a delayed sync's decision is lost: the "
+               "kept spares hold the step from the old momentum"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
