@@ -29,6 +29,7 @@ import pipeoff
 import pipeoff.testing
 from pipeoff import TaskGraph, TaskKind
 from pipeoff.executor import _run
+from tests._interrupts import no_collection
 
 FALLBACK_S = 20.0
 """How long the held task waits for the interrupt before it is released anyway (only
@@ -83,7 +84,7 @@ def test_an_interrupt_in_the_unblockable_window_reaches_the_wait(
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            with pytest.raises(KeyboardInterrupt):
+            with no_collection(), pytest.raises(KeyboardInterrupt):
                 if what == "execution":
                     ex.wait(timeout=timeout)
                 else:

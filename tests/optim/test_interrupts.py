@@ -21,6 +21,7 @@ from pipeoff import testing as pt
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.transfer import LiveTensor, StateTransfer
+from tests._interrupts import no_collection
 from tests._stacks import install, stack_of, waiting_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
@@ -62,7 +63,8 @@ def sigint_inside(*where: str, release: threading.Event | None = None) -> Iterat
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     try:
-        yield
+        with no_collection():
+            yield
     finally:
         stop.set()
         t.join()
