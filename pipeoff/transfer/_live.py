@@ -324,10 +324,12 @@ def alias_problems(sources: Mapping[str, LiveTensor],
                    targets: Mapping[str, LiveTensor]) -> list[tuple[str, str]]:
     """Targets whose memory overlaps a source's or another target's on this rank.
 
-    Allowed: a source that *is* the target's view of the same box (an in-place
-    gather: the target keeps its own piece), and two keys' targets that are the
-    same view of the same box (tied weights). Anything else would read bytes that
-    a round already overwrote, or write the same bytes twice in an unknown order.
+    Allowed: a source that *is* the target's view of the same box, of the same key
+    (an in-place gather: the target keeps its own piece). Anything else would read
+    bytes that a round already overwrote, or write the same bytes twice, in an order
+    that depends on the keys' names: another key's source inside a target reads it
+    before or after the write; two keys' targets on the same memory (tied weights)
+    keep the last key's values, whatever the other's source holds.
     """
     pieces: list[tuple[int, int, int, bool, str, LiveTensor, torch.Tensor]] = []
     for is_target, group in ((False, sources), (True, targets)):
@@ -347,21 +349,25 @@ def alias_problems(sources: Mapping[str, LiveTensor],
             if not (a[3] or p[3]):
                 continue  # two sources may share memory: both are only read
             tgt, other = (a, p) if a[3] else (p, a)
-            if _aliased_ok(tgt[5], other[5], other[3]):
+            if not other[3] and other[4] == tgt[4] and _in_place(tgt[5], other[5]):
                 continue
+            if other[3]:
+                why = ("two keys cannot write the same memory (tied weights: transfer one "
+                       "key into it)")
+            else:
+                why = ("transfer through a separate tensor, or give the target exactly "
+                       "its own source's view of its box")
             what = "target" if other[3] else "source"
             problems.append((tgt[4], f"its target memory overlaps the {what} of key "
-                                     f"{other[4]!r} (transfer through a separate tensor, or "
-                                     "give the target exactly the source's view of its box)"))
+                                     f"{other[4]!r} ({why})"))
         active.append(p)
     return problems
 
 
-def _aliased_ok(target: LiveTensor, other: LiveTensor, other_is_target: bool) -> bool:
+def _in_place(target: LiveTensor, other: LiveTensor) -> bool:
+    """Whether the source ``other`` is ``target``'s own view of the source's box."""
     tbox, obox = target.box, other.box
     assert tbox is not None and obox is not None
-    if other_is_target:
-        return tbox == obox and _same_view(target.region(*tbox), other.region(*obox))
     inside = all(t0 <= o0 and o0 + on <= t0 + tn
                  for t0, tn, o0, on in zip(tbox[0], tbox[1], obox[0], obox[1]))
     return inside and _same_view(target.region(*obox), other.region(*obox))

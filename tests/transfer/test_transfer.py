@@ -188,6 +188,15 @@ def test_single_process_transfers_may_run_at_once() -> None:
     (lambda b: ({"a": LiveTensor(b[:8]), "b": LiveTensor(b[8:16])},
                 {"a": LiveTensor(b[16:24]), "b": LiveTensor(b[20:28])}),
      "overlaps the target of key"),
+    # Another key's source inside a target, as an in-place gather's would be: what it
+    # read depended on the keys' names (a, before w: the old values; z, after: w's).
+    (lambda b: ({"a": LiveTensor(b[0:4]), "w": LiveTensor(b[16:24])},
+                {"a": LiveTensor(b[24:28]), "w": LiveTensor(b[0:8])}),
+     "'w': its target memory overlaps the source of key 'a'"),
+    # Tied targets: the last key's values, whatever the other key's source held.
+    (lambda b: ({"emb": LiveTensor(b[0:4]), "head": LiveTensor(b[4:8])},
+                {"emb": LiveTensor(b[16:20]), "head": LiveTensor(b[16:20])}),
+     "two keys cannot write the same memory"),
     (lambda b: ({"w": LiveTensor(b[:1])}, {"w": LiveTensor(b[1:2].expand(4), box=((0,), (1,)),
                                                            global_shape=(1,))}), None),
     (lambda b: ({"w": LiveTensor(b[:4])}, {"w": LiveTensor(b[8:9].expand(4))}),
