@@ -301,24 +301,27 @@ def plan_transfer(sources: Sequence[Sequence[Piece]], targets: Sequence[Sequence
                 cur.append(Run(key=key, src=s, dst=s, lo=blo, size=bsz, dtype=dtype,
                                offset=-1))
         remote = [d for d in dests if d != s]
-        if not remote:
-            continue
-        # Remote runs: a piece and its copies for every destination fit in half the
-        # smallest capacity, so they share a round (and the piece is packed once).
-        cap = min(capacity[r] for r in (s, *remote)) // 2 // len(remote)
-        per = max(item, cap // ALIGN * ALIGN) // dtype.itemsize
-        for blo, bsz in _split(lo, size, max(1, per)):
-            b = _align(math.prod(bsz) * dtype.itemsize)
-            if (load[s] + b * len(remote) > capacity[s]
-                    or any(load[d] + b > capacity[d] for d in remote)):
-                close()
-            for d in remote:
-                offset = seg[s][d]
-                seg[s][d] += b
-                load[d] += b
-                load[s] += b
-                cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
-                               offset=offset))
+        # Remote runs: a piece and its copies for a group of destinations fit in half
+        # the smallest capacity, so they share a round (and the piece is packed once
+        # per group). A group is as many destinations as the sender's capacity holds
+        # one aligned element for: all of them, but for a budget too small for the
+        # fan-out (a tiny budget, many ranks), whose send buffer would exceed it.
+        fan = max(1, min(len(remote), capacity[s] // item))
+        for group in (remote[i:i + fan] for i in range(0, len(remote), fan)):
+            cap = min(capacity[r] for r in (s, *group)) // 2 // len(group)
+            per = max(item, cap // ALIGN * ALIGN) // dtype.itemsize
+            for blo, bsz in _split(lo, size, max(1, per)):
+                b = _align(math.prod(bsz) * dtype.itemsize)
+                if (load[s] + b * len(group) > capacity[s]
+                        or any(load[d] + b > capacity[d] for d in group)):
+                    close()
+                for d in group:
+                    offset = seg[s][d]
+                    seg[s][d] += b
+                    load[d] += b
+                    load[s] += b
+                    cur.append(Run(key=key, src=s, dst=d, lo=blo, size=bsz, dtype=dtype,
+                                   offset=offset))
     close()
     return TransferPlan(world=world, rounds=tuple(rounds), segments=tuple(segments))
 

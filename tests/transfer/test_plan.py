@@ -113,6 +113,26 @@ def test_rounds_stay_within_each_ranks_capacity_and_cover_every_element_once(
     assert bool((seen == 1).all())
 
 
+@pytest.mark.parametrize("capacity", [16, 24, 31, 48, 4096])
+@pytest.mark.parametrize("world", [3, 5])
+def test_a_fan_out_stays_within_the_senders_capacity(capacity: int, world: int) -> None:
+    """One rank holds the tensor, every rank wants it whole (a replicated rollout copy):
+    the sender's copies for all destinations shared one round whatever its capacity, and
+    its send buffer exceeded a small budget (a BudgetError on that rank alone, at launch:
+    its peers waited in the preflight)."""
+    srcs: list[list[Piece]] = [[] for _ in range(world)]
+    srcs[-1] = [whole((3,))]
+    plan = plan_transfer(srcs, [[whole((3,))] for _ in range(world)],
+                         capacity=[capacity] * world)
+    seen = torch.zeros(world, 3, dtype=torch.int32)
+    for r, runs in enumerate(plan.rounds):
+        for rank in range(world):
+            assert plan.send_bytes(r, rank) + plan.recv_bytes(r, rank) <= capacity
+        for u in runs:
+            seen[u.dst, u.lo[0]:u.lo[0] + u.size[0]] += 1
+    assert bool((seen == 1).all())
+
+
 def test_plans_are_identical_for_identical_inputs() -> None:
     srcs = [[piece((0, 0), (3, 7))], [piece((3, 0), (2, 7))]]
     a = plan_transfer(srcs, [[whole()], [whole()]], capacity=[64, 64])
