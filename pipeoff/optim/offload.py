@@ -400,7 +400,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         st = self._inflight
         layout = self._step_layout if st is not None and self._step_layout else self._host.layout
         return host_tensor(self.inner, layout, param, key,
-                           st.host_state if st is not None else {})
+                           st.host_state if st is not None else {}, chunked=self._chunked)
 
     def _stepped_params(self) -> tuple[torch.Tensor, ...]:
         return self._host.current(self._attached).params

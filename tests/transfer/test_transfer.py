@@ -409,6 +409,26 @@ def test_a_full_offload_step_waits_for_transfers_reading_its_masters(
     assert not torch.equal(opt.state[p]["master"], before)  # it did step
 
 
+def test_single_pass_optimizer_state_is_a_source() -> None:
+    """mode="single_pass" keeps no list of per-element keys: its state was refused as
+    missing ("it has []") though opt.state held it."""
+    from pipeoff.optim import OffloadOptimizer
+
+    m = _model()
+    opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1), mode="single_pass")
+    m(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    names = dict(m.named_parameters())
+    src = {f"{n}/{k}": LiveTensor.from_optimizer(opt, p, k) for n, p in names.items()
+           for k in ("exp_avg", "exp_avg_sq")}
+    tg = {k: torch.full_like(v.tensor, float("nan")) for k, v in src.items()}
+    StateTransfer(src, {k: LiveTensor(t) for k, t in tg.items()}).run()
+    assert all(torch.equal(tg[f"{n}/{k}"], opt.state[p][k]) for n, p in names.items()
+               for k in ("exp_avg", "exp_avg_sq"))
+    with pytest.raises(ConfigError, match="scalar state such as 'step'"):
+        LiveTensor.from_optimizer(opt, next(m.parameters()), "step")
+
+
 def test_from_optimizer_refuses_scalar_state_and_strangers() -> None:
     from pipeoff.optim import OffloadOptimizer
 

@@ -129,10 +129,13 @@ def loaded_value(p: torch.Tensor, key: str, value: Any, *, step_on_device: bool,
 
 
 def host_tensor(inner: torch.optim.Optimizer, layout: Layout, param: torch.Tensor, key: str,
-                inflight: Mapping[int, Mapping[str, torch.Tensor]]) -> torch.Tensor:
+                inflight: Mapping[int, Mapping[str, torch.Tensor]], *,
+                chunked: bool = True) -> torch.Tensor:
     """The local host tensor of ``param``'s per-element state ``key``: the one the step in
     flight writes (``inflight``, by parameter index, new state included), else the
-    committed one.
+    committed one. ``chunked``: the layout lists the per-element keys (outside
+    ``mode="single_pass"``, whose per-element state is any tensor of the parameter's
+    shape but ``"step"``, as :func:`offload_state` takes it).
 
     Raises:
         ConfigError: ``param`` is not in ``layout``, is in the device part (its state
@@ -147,7 +150,8 @@ def host_tensor(inner: torch.optim.Optimizer, layout: Layout, param: torch.Tenso
     host = inflight.get(i, {}).get(key)
     if host is None:
         value = inner.state.get(param, {}).get(key)
-        if isinstance(value, torch.Tensor) and key in layout.keys[i]:
+        if isinstance(value, torch.Tensor) and (key in layout.keys[i] if chunked else (
+                key != "step" and local(value).shape == local(param).shape)):
             host = local(value)
     if host is None:
         raise ConfigError(
