@@ -173,7 +173,8 @@ def delay_task(pattern: str, seconds: float) -> contextlib.AbstractContextManage
 def fail_task(
     pattern: str, error: BaseException | Callable[[], BaseException] | None = None
 ) -> contextlib.AbstractContextManager[None]:
-    """Make the tasks whose names fully match ``pattern`` raise ``error`` instead of running.
+    """Make the tasks whose names fully match ``pattern`` raise ``error`` instead of running
+    (a ``must_run`` task's work runs anyway, and sees the failure in ``ctx.failed``).
 
     ``error`` may be an exception or a factory of one; the default is a
     ``RuntimeError`` naming the task pattern.

@@ -704,3 +704,36 @@ def test_fail_work_fires_once_and_never_silently_skips() -> None:
     # More ops asked for than the work makes: it fails once the work returns.
     with pipeoff.testing.fail_work("a", after_ops=50), pytest.raises(RuntimeError):
         pipeoff.execute(g).wait(timeout=30)
+
+
+@pytest.mark.parametrize("how", ["staging", "injected"])
+@pytest.mark.parametrize("schedule", ["pipelined", "synchronous"])
+def test_a_must_run_task_runs_after_its_own_failure_to_start(how: str, schedule: str) -> None:
+    """A collective every rank joins (must_run) whose staging could not be allocated, or
+    whose start failed (an injected failure; a Ctrl-C landing in an injected delay): its
+    work runs anyway, without the buffer, and sees the failure. Cancelled, it left its
+    peers waiting in the collective until the group's timeout."""
+    seen: list[tuple[type, bool]] = []
+    g = TaskGraph()
+    g.add_buffer("wire", 64)
+    g.add_task("exchange", TaskKind.HOST, lambda ctx: seen.append(
+        (type(ctx.failed), "wire" in ctx.buffers)), buffers=["wire"], must_run=True)
+    sched = Schedule.synchronous() if schedule == "synchronous" else Schedule.pipelined()
+    real = StagingPool.acquire
+
+    def oom(pool: StagingPool, nbytes: int) -> object:
+        raise torch.OutOfMemoryError("injected: out of memory allocating staging")
+
+    fault = (pytest.MonkeyPatch.context() if how == "staging"
+             else pipeoff.testing.fail_task("exchange", MemoryError("injected")))
+    with fault as mp:
+        if how == "staging":
+            mp.setattr(StagingPool, "acquire", oom)
+        ex = pipeoff.execute(g, sched)
+        with pytest.raises(torch.OutOfMemoryError if how == "staging" else MemoryError):
+            ex.wait(timeout=30)
+    assert StagingPool.acquire is real
+    assert seen == [(torch.OutOfMemoryError if how == "staging" else MemoryError,
+                     how != "staging")]
+    assert ex.trace.summary() is not None
+

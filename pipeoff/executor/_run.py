@@ -345,6 +345,7 @@ class Run:
         if self.error is not None and not task.must_run:
             self.cancel(i)
             return
+        outcome = OK
         if self.plan.acquire[i]:
             try:
                 for block in self.acquire(i):
@@ -354,16 +355,28 @@ class Run:
                         block.ready.synchronize()
             except BaseException as err:  # e.g. an out-of-memory allocating staging
                 self.fail(i, err)
-                self.cancel(i)
-                return
+                if not task.must_run:
+                    self.cancel(i)
+                    return
+                # A must_run task (a collective every rank joins) runs without the
+                # buffers it did not get (see views()): the run has failed, and its
+                # work sees it in ctx.failed.
+                outcome = FAILED
         result = None
-        outcome = OK
         start = time.perf_counter_ns()
         work = task.work
         if work is not None or self.hooks:
             try:
                 if self.hooks:
-                    _faults.run_hooks(task.name, lane, hooks=self.hooks)
+                    try:
+                        _faults.run_hooks(task.name, lane, hooks=self.hooks)
+                    except BaseException as err:
+                        if not task.must_run:
+                            raise
+                        # A must_run task (a collective every rank joins) runs its work
+                        # anyway, which sees the failure (a Ctrl-C in an injected delay).
+                        outcome = FAILED
+                        self.fail(i, err)
                 if work is not None:
                     ctx = TaskContext(task=task, lane=lane, buffers=self.views(i),
                                       results=self.results, retire=self.retired.add,

@@ -20,7 +20,7 @@ from pipeoff.schedule import Schedule
 from pipeoff.staging import reserve_for
 from pipeoff.trace import Trace
 from pipeoff.transfer._graph import transfer_graph
-from pipeoff.transfer._group import GroupRef, resolve_wire
+from pipeoff.transfer._group import GroupRef, deferred_interrupt, resolve_wire
 from pipeoff.transfer._live import LiveTensor, alias_problems, readiness_problem
 from pipeoff.transfer._plan import ALIGN, Piece, PlanRefusal, Run, TransferPlan, plan_transfer
 
@@ -393,23 +393,39 @@ class StateTransfer:
                 if state.refused:
                     return  # every rank refused at the preflight: no rank joins
                 bad = state.fault is not None or ctx.failed is not None or state.aborted
-                flag = torch.tensor([int(bad)], dtype=torch.int32, device=dev)
-                # Every rank joins, a failed one too, so that no peer waits in vain.
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.group)
-                # A host read of the flag (on a device wire, it synchronizes the comm
-                # stream): every rank must take the same branch before the all-to-all.
-                if int(flag.item()):
-                    state.aborted = True
-                    return
-                empty = torch.empty(0, dtype=torch.uint8, device=dev)
-                send = ctx.buffer(f"send{r}")[:sum(out_splits)] if any(out_splits) else empty
-                recv = ctx.buffer(f"recv{r}")[:sum(in_splits)] if any(in_splits) else empty
+                late: BaseException | None = None
                 try:
-                    dist.all_to_all_single(recv, send, in_splits, out_splits,
-                                           group=state.group)
-                except BaseException as err:
+                    # Everything the all-to-all needs, before the flag: a failure here
+                    # (a Ctrl-C landing on this thread) is this rank's flag.
+                    flag = torch.tensor([int(bad)], dtype=torch.int32, device=dev)
+                    if not bad:
+                        empty = torch.empty(0, dtype=torch.uint8, device=dev)
+                        send = (ctx.buffer(f"send{r}")[:sum(out_splits)] if any(out_splits)
+                                else empty)
+                        recv = (ctx.buffer(f"recv{r}")[:sum(in_splits)] if any(in_splits)
+                                else empty)
+                except BaseException as err:  # noqa: BLE001 - raised once the peers know
                     state.record(ctx.task.name, err)
-                    raise
+                    late, bad = err, True
+                    flag = torch.ones(1, dtype=torch.int32, device=dev)
+                # Hazard: a peer left waiting in this round's collectives until the
+                # group's timeout, by a Ctrl-C between them on this rank (it comes after).
+                with deferred_interrupt():
+                    # Every rank joins, a failed one too, so that no peer waits in vain.
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.group)
+                    # A host read of the flag (on a device wire, it synchronizes the
+                    # comm stream): every rank takes the same branch before the all-to-all.
+                    if int(flag.item()):
+                        state.aborted = True
+                    else:
+                        try:
+                            dist.all_to_all_single(recv, send, in_splits, out_splits,
+                                                   group=state.group)
+                        except BaseException as err:
+                            state.record(ctx.task.name, err)
+                            raise
+                if late is not None:
+                    raise late
             return work
         return make
 
@@ -544,7 +560,11 @@ class StateTransfer:
 
         def translate(err: BaseException) -> BaseException:
             # A rank's own failure is reported as the torn transfer it caused (the
-            # same error on every rank), with the failure as its cause.
+            # same error on every rank), with the failure as its cause; but Ctrl-C
+            # (in a task on the caller's thread) reaches its caller as itself.
+            if isinstance(err, KeyboardInterrupt) and state.torn is not None:
+                err.add_note(f"pipeoff: {state.torn}")
+                return err
             return state.torn if state.torn is not None else err
 
         _lowlevel.translate_failures(ex, translate)

@@ -678,6 +678,42 @@ SPECULATIVE = (
                "not_stepped_over",),
         hazard="a reset of the outer state before a delayed sync's decision is lost: the "
                "kept spares hold the step from the old momentum"),
+    Mutant(
+        name="r67:must-run-task-cancelled-when-its-staging-fails", file=_RUN,
+        old="                if not task.must_run:\n                    self.cancel(i)\n"
+            "                    return\n                # A must_run task",
+        new="                if True:\n                    self.cancel(i)\n"
+            "                    return\n                # A must_run task",
+        tests=("tests/test_executor.py::test_a_must_run_task_runs_after_its_own_failure_"
+               "to_start",),
+        hazard="an out-of-memory allocating a transfer round's wire buffer cancels that "
+               "rank's exchange: its peers wait in the collective until the timeout"),
+    Mutant(
+        name="r68:must-run-task-skipped-when-its-start-fails", file=_RUN,
+        old="                        if not task.must_run:\n                            raise\n",
+        new="                        raise\n",
+        tests=("tests/test_executor.py::test_a_must_run_task_runs_after_its_own_failure_"
+               "to_start",),
+        hazard="a failure starting a collective task (a Ctrl-C in an injected delay) skips "
+               "its work: the peers wait in the collective until the timeout"),
+    Mutant(
+        name="r69:ctrl-c-between-a-rounds-collectives", file="pipeoff/transfer/_group.py",
+        old="    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, "
+            "frame)))\n",
+        new="    pass\n",
+        tests=("tests/transfer/test_transfer.py::test_ctrl_c_between_a_rounds_collectives_"
+               "comes_after_them",),
+        hazard="a Ctrl-C between a transfer round's fault flag and its all-to-all (the "
+               "synchronous schedule) leaves the peers waiting until the group's timeout"),
+    Mutant(
+        name="r70:exchange-failing-before-its-flag", file="pipeoff/transfer/_transfer.py",
+        old="                except BaseException as err:  # noqa: BLE001 - raised once the "
+            "peers know\n",
+        new="                except ZeroDivisionError as err:\n",
+        tests=("tests/transfer/test_transfer_two_ranks.py::test_a_rank_failing_before_it_"
+               "joined_a_round_tears_the_transfer_on_both",),
+        hazard="an exchange that fails before its fault flag never joins the round: its "
+               "peers wait in the collective until the group's timeout"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

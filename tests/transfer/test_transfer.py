@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -539,3 +540,23 @@ def test_a_failure_describing_the_pieces_is_a_refusal(monkeypatch: pytest.Monkey
     monkeypatch.setattr(LiveTensor, "target_problem", boom)
     with pytest.raises(TransferRefusedError, match="describing its pieces raised RuntimeError"):
         StateTransfer({"w": LiveTensor(torch.ones(2))}, {"w": LiveTensor(torch.zeros(2))}).run()
+
+
+def test_ctrl_c_between_a_rounds_collectives_comes_after_them() -> None:
+    """A SIGINT inside deferred_interrupt() (the exchange's flag all-reduce and its
+    all-to-all, on the synchronous schedule's main thread) raises only at its end: a
+    KeyboardInterrupt between the two would leave the peers waiting in the second
+    until the group's timeout."""
+    import signal
+
+    from pipeoff.transfer._group import deferred_interrupt
+
+    after = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            for _ in range(1000):  # (bytecodes, at which an interrupt would be raised)
+                after.append(1)
+    assert len(after) == 1000
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+

@@ -102,6 +102,21 @@ def test_a_fault_in_one_ranks_unpack_is_torn_on_both_ranks_and_nothing_hangs(
     assert a["second"] and b["second"]
 
 
+@pytest.mark.parametrize("case", ["torn_staging", "torn_setup0", "torn_setup2",
+                                  "torn_setup0_sync"])
+def test_a_rank_failing_before_it_joined_a_round_tears_the_transfer_on_both(
+        ranks: dict[int, Any], case: str) -> None:
+    """An out-of-memory allocating a round's wire buffer, or the exchange's own work
+    raising before its fault flag, on rank 1: rank 0 waited in the collective until the
+    group's 30 s timeout."""
+    a, b = ranks[0][case], ranks[1][case]
+    assert a["error"] == b["error"] == "TransferTornError", (a, b)
+    assert a["written"] == b["written"] and a["faults"] == b["faults"]
+    assert list(a["faults"]) == [1], a["faults"]
+    assert a["seconds"] < 20 and b["seconds"] < 20, (a["seconds"], b["seconds"])
+    assert a["second"] and b["second"]
+
+
 def test_launching_twice_aliasing_parameters_and_global_ranks(ranks: dict[int, Any]) -> None:
     for rank, res in ranks.items():
         misc = res["misc"]

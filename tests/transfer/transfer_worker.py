@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -216,6 +217,48 @@ def case_torn(rank: int, world: int, faulty: int = 1) -> dict[str, Any]:
     return out
 
 
+def case_torn_before_joining(rank: int, world: int, how: str,
+                             schedule: str = "pipelined") -> dict[str, Any]:
+    """Rank 1 fails where its exchange had not joined the round's collectives yet: an
+    out-of-memory allocating a round's wire buffer ("staging"; the exchange was
+    cancelled), or its work raising before the fault flag ("setup", at its first
+    torch call or at its third). Its peer waited in the collective until the group's
+    timeout (30 s), and the group was unusable after."""
+    import pipeoff.staging as st
+    import pipeoff.testing as pt
+    from pipeoff.transfer import StateTransfer, TransferTornError
+
+    full = _full((6, 40), torch.float32)
+    storage, dst = _padded_target((6, 40), torch.float32)
+    t = StateTransfer({"w": _padded_source(full, rank, world)}, {"w": dst},
+                      host_budget_bytes=256, device_budget_bytes=256, schedule=schedule)
+    orig, calls = st.StagingPool.acquire, [0]
+
+    def acquire(pool: Any, nbytes: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("injected: out of memory allocating staging")
+        return orig(pool, nbytes)
+
+    fault: Any = contextlib.nullcontext()
+    if rank == 1 and how == "staging":
+        fault = mock.patch.object(st.StagingPool, "acquire", acquire)
+    elif rank == 1:
+        fault = pt.fail_work(r"exchange3", after_ops=0 if how == "setup0" else 2)
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        with fault:
+            t.run()
+        out["error"] = None
+    except TransferTornError as err:
+        out.update(error=type(err).__name__, written=err.written, faults=err.faults)
+    out["seconds"] = time.monotonic() - start
+    t.run()  # the group is usable, staging released
+    out["second"] = torch.equal(corner(storage, (6, 40)), full)
+    return out
+
+
 def case_misc(rank: int, world: int) -> dict[str, Any]:
     from pipeoff import ConfigError
     from pipeoff.transfer import LiveTensor, StateTransfer, TransferRefusedError
@@ -410,6 +453,10 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["refusals"] = case_refusals(rank, world)
         out["torn"] = case_torn(rank, world)
         out["torn_rank0"] = case_torn(rank, world, faulty=0)
+        for how in ("staging", "setup0", "setup2"):
+            out[f"torn_{how}"] = case_torn_before_joining(rank, world, how)
+        out["torn_setup0_sync"] = case_torn_before_joining(rank, world, "setup0",
+                                                           "synchronous")
         out["misc"] = case_misc(rank, world)
         out["delays"] = case_delays(rank, world)
         out["full_offload"] = case_full_offload_broadcast(rank, world, mesh)
