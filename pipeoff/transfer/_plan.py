@@ -188,9 +188,11 @@ def _split(lo: tuple[int, ...], size: tuple[int, ...], max_numel: int) -> list[B
 
 
 def cast_for(key: str, casts: Sequence[tuple[str, torch.dtype]]) -> torch.dtype | None:
-    """The dtype a cast map declares for ``key``: its first matching pattern's."""
+    """The dtype a cast map declares for ``key``: its first matching pattern's (a
+    pattern equal to the key matches it, also when the key holds ``fnmatch``'s
+    characters: ``"layers[0].w"``)."""
     for pattern, dtype in casts:
-        if fnmatch.fnmatchcase(key, pattern):
+        if pattern == key or fnmatch.fnmatchcase(key, pattern):
             return dtype
     return None
 

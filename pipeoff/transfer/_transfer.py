@@ -129,8 +129,9 @@ class StateTransfer:
         host_budget_bytes: most bytes of host staging live at once (default 64 MiB).
         device_budget_bytes: most bytes of device staging live at once (default 64 MiB).
         cast: ``{pattern: dtype}``: targets of keys matching ``pattern``
-            (``fnmatch``; the first match wins) may have that dtype, converted
-            from the source's when packing (round to nearest even, as ``copy_``).
+            (``fnmatch``, or the key's exact name; the first match wins) may have
+            that dtype, converted from the source's when packing (round to nearest
+            even, as ``copy_``).
         wire: ``"host"`` or ``"device"``, the memory that crosses ranks;
             ``"auto"``: device for NCCL, else host.
         schedule: ``"pipelined"`` (the default) or ``"synchronous"`` (the

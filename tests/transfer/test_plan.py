@@ -78,6 +78,15 @@ def test_a_dtype_change_needs_a_matching_cast(declared: list[tuple[str, torch.dt
     assert {u.dtype for r in plan.rounds for u in r} == {torch.bfloat16}
 
 
+def test_a_cast_named_exactly_matches_a_key_with_glob_characters() -> None:
+    """"layers[0].w" as an fnmatch pattern is a character class ("layers0.w"): the
+    exact key name was refused as having no cast declared."""
+    key = "layers[0].w"
+    plan = plan_transfer([[whole(key=key)]], [[whole(key=key, dtype=torch.bfloat16)]],
+                         capacity=[1024], casts=[[(key, torch.bfloat16)]])
+    assert {u.dtype for r in plan.rounds for u in r} == {torch.bfloat16}
+
+
 def test_keys_without_a_source_or_a_target_shapes_and_boxes_are_refused() -> None:
     problems = refusal([[whole()], []], [[whole()], [whole(key="extra")]], capacity=[64, 64])
     assert (1, "extra", problems[0][2]) == problems[0] and "no source" in problems[0][2]
