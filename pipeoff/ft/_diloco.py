@@ -347,6 +347,9 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         for o in self._user_outers():
             if not isinstance(o.state, WaitingState):
                 o.state = WaitingState(self._before_outer_state, o.state)
+        for f in self._fragments:
+            if isinstance(f, OffloadedFragment):
+                f.outer.note_state()
 
     def _before_outer_read(self, _optimizer: optim.Optimizer) -> None:
         """A user's outer optimizer's ``state_dict()`` is about to read the host state it

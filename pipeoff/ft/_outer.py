@@ -111,6 +111,10 @@ class HostOuterOptimizer:
         self._group_of = {id(h): gi for gi, g in enumerate(self.host.param_groups)
                           for h in g["params"]}
         self._shown: dict[int, dict[str, Any]] = {}
+        self._state_obj: Any = None
+        """The user's ``state`` object at the last :meth:`alias` (or :meth:`note_state`):
+        another one there since was put by the loop (``outer.state = defaultdict(dict)``,
+        a reset), which removes every entry it lacks, shown yet or not."""
         """Per backup (``id``), the host state dict last put in the user's optimizer: an
         entry the user's then lacks was removed by the user, not yet shown to it."""
         self.sync_from_user()
@@ -183,9 +187,12 @@ class HostOuterOptimizer:
                 is left for the next :meth:`sync_from_user`.
         """
         user_state, host_state = self.user.state, self.host.state
+        replaced = not adopted and user_state is not self._state_obj
         for p, h in self._pairs():
             st = host_state.get(h)  # (get: no empty entry is created)
             mine = user_state.get(p)
+            if replaced and st and not mine:
+                self._shown[id(h)] = st  # (removed by the reset: sync_from_user drops it)
             if not adopted and mine is not st and (
                     mine or (st and self._shown.get(id(h)) is st)):
                 # Hazard: overwriting state the loop loaded after the decision (a
@@ -197,6 +204,12 @@ class HostOuterOptimizer:
             else:
                 user_state.pop(p, None)
                 self._shown.pop(id(h), None)
+        self._state_obj = user_state
+
+    def note_state(self) -> None:
+        """The user's ``state`` object was replaced by DiLoCo itself (its waiting view),
+        not by the loop."""
+        self._state_obj = self.user.state
 
     def step(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Step the host parameters of ``pairs`` (``(backup, pseudo-gradient)``), and

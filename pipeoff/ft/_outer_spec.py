@@ -6,11 +6,12 @@ outer optimizer after the decision, and so did pipeoff's sync, under the next
 forward. A speculative step takes it as soon as the averages have landed, under
 the inner steps, into *spare* copies of the backups and the outer state:
 
-* on a commit the spares are kept: each backup's (and state tensor's) storage is
-  swapped with its spare's, so the tensors themselves (torchft's
-  ``original_parameters``, the host optimizer's parameters and state keys, the
-  user's optimizer's aliases) stay the same objects; what is left after the
-  decision is the merge's copies;
+* on a commit the spares are kept: each backup's storage is swapped with its
+  spare's, so the tensors themselves (torchft's ``original_parameters``, the host
+  optimizer's parameters) stay the same objects; the state tensors, which the
+  loop reaches through ``outer_optimizer.state`` and may hold views of, are
+  copied from their spares (S to 2 S bytes); what is left after the decision is
+  that copy and the merge's copies;
 * on a reject they are dropped: the backups and the state were never written.
 
 Everything that reads the backups or the outer state before the decision (a
@@ -165,6 +166,9 @@ class SpeculativeStep:
                 continue
             for k, v in spare.items():
                 if isinstance(v, torch.Tensor) and isinstance(real.get(k), torch.Tensor):
-                    _swap(real[k], v)
+                    # Copied, not swapped: the loop may hold a view of a state tensor
+                    # (state[p]["momentum_buffer"].view(-1), .data, .numpy()), which
+                    # a swap of storages would leave on the old one.
+                    real[k].copy_(v)
                 else:
                     real[k] = v

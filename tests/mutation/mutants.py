@@ -54,6 +54,7 @@ def _switch(name: str, file: str, tests: tuple[str, ...], hazard: str, *,
 
 _CUDA = "pipeoff/executor/cuda.py"
 _RUN = "pipeoff/executor/_run.py"
+_SPEC_SRC = "pipeoff/ft/_outer_spec.py"
 _TEST_CUDA = "tests/test_cuda.py"
 _WAITS = "tests/test_cuda_waits.py"
 _OPTIM_CUDA = "tests/optim/test_optim_cuda.py"
@@ -714,6 +715,22 @@ SPECULATIVE = (
                "joined_a_round_tears_the_transfer_on_both",),
         hazard="an exchange that fails before its fault flag never joins the round: its "
                "peers wait in the collective until the group's timeout"),
+    Mutant(
+        name="r71:spares-kept-by-a-swap-under-a-view", file=_SPEC_SRC,
+        old="                    real[k].copy_(v)\n",
+        new="                    _swap(real[k], v)\n",
+        tests=("tests/ft/test_diloco_outer_state.py::test_a_view_of_the_outer_state_sees_"
+               "the_state_after_a_speculative_sync",),
+        hazard="a view of the outer state taken by the loop is left on the old storage by "
+               "a speculative sync: an edit through it is lost"),
+    Mutant(
+        name="r72:replaced-outer-state-undone-by-the-first-step", file="pipeoff/ft/_outer.py",
+        old="        replaced = not adopted and user_state is not self._state_obj\n",
+        new="        replaced = False\n",
+        tests=("tests/ft/test_diloco_outer_state.py::test_a_reset_right_after_the_syncing_"
+               "step_is_torchfts",),
+        hazard="outer.state replaced right after the first sync's step() is refilled with "
+               "the state that step created under the next forward"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
