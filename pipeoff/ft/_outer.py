@@ -111,12 +111,12 @@ class HostOuterOptimizer:
         self._group_of = {id(h): gi for gi, g in enumerate(self.host.param_groups)
                           for h in g["params"]}
         self._shown: dict[int, dict[str, Any]] = {}
+        """Per backup (``id``), the host state dict last put in the user's optimizer: an
+        entry the user's then lacks was removed by the user, not yet shown to it."""
         self._state_obj: Any = None
         """The user's ``state`` object at the last :meth:`alias` (or :meth:`note_state`):
         another one there since was put by the loop (``outer.state = defaultdict(dict)``,
         a reset), which removes every entry it lacks, shown yet or not."""
-        """Per backup (``id``), the host state dict last put in the user's optimizer: an
-        entry the user's then lacks was removed by the user, not yet shown to it."""
         self.sync_from_user()
 
     def _ids(self) -> list[list[int]]:
@@ -167,12 +167,8 @@ class HostOuterOptimizer:
         (``state.clear()``, ``del state[p]``, ``state[p] = {}``, a loaded state dict
         without it)."""
         user_state, host_state = self.user.state, self.host.state
-        out = []
-        for p, h in self._pairs():
-            st = host_state.get(h)
-            if st and not user_state.get(p) and self._shown.get(id(h)) is st:
-                out.append(h)
-        return out
+        return [h for p, h in self._pairs() if (st := host_state.get(h))
+                and not user_state.get(p) and self._shown.get(id(h)) is st]
 
     def alias(self, adopted: bool = False) -> None:
         """Give the user's optimizer, per parameter, the host optimizer's state dict

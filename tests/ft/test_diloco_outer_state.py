@@ -55,6 +55,14 @@ RESETS: dict[str, Callable[[optim.Optimizer], None]] = {
 }
 
 
+def _end(torchft: bool, d: Any, opt: optim.Optimizer) -> dict[str, Any]:
+    """The outer state and the backups once the last sync is done."""
+    if not torchft:
+        d.wait_for_sync()
+    return {"state": copy.deepcopy(opt.state_dict()["state"]),
+            "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+
+
 def _loop(torchft: bool, reset: str, *, delay: int, schedule: str = "pipelined",
           at: int = 2 * SYNC_EVERY - 1, outer: str = "sgd") -> tuple[list[list[torch.Tensor]],
                                                                       dict[str, Any]]:
@@ -76,10 +84,7 @@ def _loop(torchft: bool, reset: str, *, delay: int, schedule: str = "pipelined",
                 RESETS[reset](opt)
                 assert not any(opt.state.values()), "the reset's entries came back"
             out.append([p.detach().clone() for p in model.parameters()])
-        if not torchft:
-            d.wait_for_sync()
-        end = {"state": copy.deepcopy(opt.state_dict()["state"]),
-               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+        end = _end(torchft, d, opt)
     return out, end
 
 
@@ -146,10 +151,7 @@ def _views_edited(torchft: bool, outer: str) -> tuple[list[list[torch.Tensor]], 
                 for v in views:
                     v.mul_(0.5)
             out.append([p.detach().clone() for p in model.parameters()])
-        if not torchft:
-            d.wait_for_sync()
-        end = {"state": copy.deepcopy(opt.state_dict()["state"]),
-               "backups": {n: t.clone() for n, t in d._fragments[0].original_parameters.items()}}
+        end = _end(torchft, d, opt)
     return out, end
 
 
