@@ -291,12 +291,18 @@ def _check_ready(ready: Any) -> None:
 
 
 def readiness_problem(ready: Any) -> str | None:
-    """Wait (on the host) for ``ready``; why it failed, or ``None``."""
+    """Wait (on the host) for ``ready``; why it failed, or ``None``.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C during the wait (never turned into a reason).
+    """
     if ready is None:
         return None
     for r in ready if isinstance(ready, (tuple, list)) else (ready,):
         try:
             r.synchronize()
+        except KeyboardInterrupt:
+            raise  # the caller's Ctrl-C: the preflight tells the peers, then raises it
         except BaseException as err:  # noqa: BLE001 - reported on every rank, not raised here
             return f"waiting for its readiness raised {type(err).__name__}: {err}"
         status = getattr(r, "status", None)

@@ -289,6 +289,7 @@ class StateTransfer:
     def _preflight(self, plan: TransferPlan, state: _State) -> Any:
         def work(ctx: TaskContext) -> None:
             problems: list[tuple[str, str]] = []
+            interrupted: KeyboardInterrupt | None = None
             try:
                 for pieces in (self.sources, self.targets):
                     for key, lt in pieces.items():
@@ -296,6 +297,9 @@ class StateTransfer:
                         if why is not None:
                             problems.append((key, why))
                 sig = plan.signature()
+            except KeyboardInterrupt as err:  # the peers refuse; this rank raises it, below
+                problems.append(("*", "interrupted (KeyboardInterrupt) in the preflight"))
+                interrupted, sig = err, ""
             except BaseException as err:  # noqa: BLE001 - told to every rank, then raised
                 problems.append(("*", f"the preflight raised {type(err).__name__}: {err}"))
                 sig = ""
@@ -313,8 +317,12 @@ class StateTransfer:
                                           f"{everyone[0][1]}"))
             if found:
                 state.refused = True
-                raise TransferRefusedError(tuple((self._global(r, state.group), k, why)
-                                                 for r, k, why in found))
+                refusal = TransferRefusedError(tuple((self._global(r, state.group), k, why)
+                                                     for r, k, why in found))
+                if interrupted is not None:
+                    interrupted.add_note(f"pipeoff: {refusal}")
+                    raise interrupted
+                raise refusal
         return work
 
     # -- the rounds ------------------------------------------------------------------
@@ -407,7 +415,7 @@ class StateTransfer:
                                 else empty)
                 except BaseException as err:  # noqa: BLE001 - raised once the peers know
                     state.record(ctx.task.name, err)
-                    late, bad = err, True
+                    late = err
                     flag = torch.ones(1, dtype=torch.int32, device=dev)
                 # Hazard: a peer left waiting in this round's collectives until the
                 # group's timeout, by a Ctrl-C between them on this rank (it comes after).

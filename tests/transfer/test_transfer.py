@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -560,3 +561,23 @@ def test_ctrl_c_between_a_rounds_collectives_comes_after_them() -> None:
     assert len(after) == 1000
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "pipelined"])
+def test_ctrl_c_in_a_readiness_wait_reaches_the_caller_and_writes_nothing(
+        schedule: str) -> None:
+    """Ctrl-C while the preflight waits for a source's readiness: the peers are told
+    (a refusal naming the interruption), and this rank's caller gets the
+    ``KeyboardInterrupt`` itself, not a ``TransferRefusedError`` made of it."""
+    target = torch.full((5, 7), SENTINEL)
+    ready = failed_completion()
+    with mock.patch.object(type(ready), "synchronize", side_effect=KeyboardInterrupt):
+        t = StateTransfer({"w": LiveTensor(torch.randn(5, 7), ready=ready)},
+                          {"w": LiveTensor(target)}, schedule=schedule)  # type: ignore[arg-type]
+        with pytest.raises(KeyboardInterrupt) as info:
+            t.run()
+    assert any("interrupted (KeyboardInterrupt) in the preflight" in n
+               for n in getattr(info.value, "__notes__", [])), info.value
+    assert bool((target == SENTINEL).all())
+    StateTransfer({"w": LiveTensor(torch.ones(5, 7))}, {"w": LiveTensor(target)}).run()
+    assert bool((target == 1).all())  # nothing was left held
