@@ -6,8 +6,7 @@ the host as autograd finalizes it, is folded into an FP32 accumulator there,
 and the wrapped optimizer's own CPU kernels step FP32 masters in chunks; the
 masters, cast to the compute dtype, go back to the device.
 
-This class is the thin orchestrator with the ``torch.optim.Optimizer`` surface;
-its parts are in ``pipeoff/optim/_full_offload/`` (see its ``__init__``).
+This class is the thin orchestrator; its parts are in ``pipeoff/optim/_full_offload/``.
 """
 
 from __future__ import annotations
@@ -148,16 +147,17 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             parameter is sharded on; none for parameters every rank holds whole).
         timeout: seconds ``step()`` waits before ``StepTimeoutError`` (naming missing grads).
         offload_fraction: the share of masters, state and gradient sums in host memory, in
-            [0, 1] (``0.0``: all on the device), or ``"auto"``: the fastest that fits
-            ``device_budget_bytes`` (default on CUDA: the free memory; docs/full_offload.md).
+            [0, 1] (``0.0``: all on the device; the same on every rank), or ``"auto"``: the
+            fastest that fits ``device_budget_bytes`` (default on CUDA: the free memory).
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``...).
 
     Raises:
-        ConfigError: an argument is out of range; a parameter is not in ``model``,
-            listed twice, not dense, or under FSDP2's ``CPUOffloadPolicy`` or
-            torchft's ``PureDistributedDataParallel``; ``max_norm`` with
-            ``overlap="backward"``; both ``chunk_numel`` and ``chunk_bytes``; flush-to-zero or
-            compiled autograd is on; ``offload_fraction`` not in [0, 1] or not supported.
+        ConfigError: an argument is out of range or not supported (``offload_fraction`` outside
+            [0, 1]...); a parameter is not in ``model``, listed twice, not dense, or under
+            FSDP2's ``CPUOffloadPolicy`` or torchft's ``PureDistributedDataParallel``;
+            ``max_norm`` with ``overlap="backward"``; both ``chunk_numel`` and ``chunk_bytes``;
+            flush-to-zero or compiled autograd is on.
+        PlanMismatchError: under FSDP2, ranks passed different ``offload_fraction`` values.
         UnsupportedOptimizerError: ``optimizer_class`` is not element-wise.
     """
 

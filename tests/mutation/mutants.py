@@ -731,6 +731,14 @@ SPECULATIVE = (
                "step_is_torchfts",),
         hazard="outer.state replaced right after the first sync's step() is refilled with "
                "the state that step created under the next forward"),
+    Mutant(
+        name="r73:ranks-fractions-not-compared", file="pipeoff/optim/_full_offload/_auto.py",
+        old="    if most[0] != -most[1]:\n",
+        new="    if False:\n",
+        tests=("tests/optim/test_full_offload_fsdp2.py::test_fractions_that_differ_between_"
+               "ranks_are_refused_on_every_rank",),
+        hazard="FSDP2 ranks given different offload fractions split differently and hang in "
+               "the norm's collectives at the first clipped step"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -221,6 +221,25 @@ def refused_under_cpu_offload_policy(mesh: Any) -> str:
     return "not refused"
 
 
+def refused_at_differing_fractions(rank: int, mesh: Any) -> str:
+    """Ranks passing different numeric fractions split differently and then hung in the
+    norm's collectives: refused at construction, on both ranks; the group still works."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeoff import PlanMismatchError
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = make_model(torch.float32)
+    fully_shard(m, mesh=mesh)
+    try:
+        FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, offload_fraction=(0.3, 1.0)[rank])
+        said = "not refused"
+    except PlanMismatchError as err:
+        said = str(err)
+    FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, offload_fraction=0.3)  # agrees
+    return said
+
+
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     import faulthandler
     import os
@@ -249,6 +268,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
             except Exception as err:  # reported to the test, named
                 out[case] = {"error": f"{type(err).__name__}: {err}"}
         out["cpu_offload_policy"] = refused_under_cpu_offload_policy(mesh)
+        out["fraction_mismatch"] = refused_at_differing_fractions(rank, mesh)
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()

@@ -47,6 +47,13 @@ def test_a_model_under_cpu_offload_policy_is_refused(results: dict[int, dict[Any
         assert "CPUOffloadPolicy" in results[rank]["cpu_offload_policy"]
 
 
+def test_fractions_that_differ_between_ranks_are_refused_on_every_rank(
+        results: dict[int, dict[Any, Any]]) -> None:
+    said = [results[rank]["fraction_mismatch"] for rank in (0, 1)]
+    assert said[0] == said[1] and "offload_fraction differs" in said[0], said
+    assert "from 0.3 to 1" in said[0]
+
+
 @pytest.mark.parametrize("case", [(torch.float32, "cpu", "none", False, 0.05),
                                   (torch.float32, "gpu", "forward", False, 0.05)],
                          ids=["none", "forward"])

@@ -44,7 +44,7 @@ import torch
 
 from pipeoff import _accel, _compat
 from pipeoff._compat import local_tensor as local
-from pipeoff._errors import ConfigError
+from pipeoff._errors import ConfigError, PlanMismatchError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
 from pipeoff.optim._offload._auto import FractionChoice, Rates, _budget, _seconds, choose
@@ -208,19 +208,12 @@ def _agree(sizes: list[int], budget: int, rates: Rates, device: torch.device,
     mesh holds only its ranks)."""
     import torch.distributed as dist
 
-    from pipeoff import _dist
 
     if not dist.is_available() or not dist.is_initialized():
         return sizes, budget, rates
-    groups = ([dist.group.WORLD] if mesh is None
-              else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1])
 
     def over(values: list[float], op: Any) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        for g in groups:
-            t = _dist.all_reduce_host(t, g, device, op=op)
-        out: list[float] = t.tolist()
-        return out
+        return _over_mesh(values, op, device, mesh)
 
     most = over([*sizes, -budget], dist.ReduceOp.MAX)
     fields = [f.name for f in dataclasses.fields(rates)]
@@ -229,6 +222,45 @@ def _agree(sizes: list[int], budget: int, rates: Rates, device: torch.device,
     new: dict[str, Any] = {f: None if v is None else x for f, v, x in zip(fields, vals, least)}
     agreed: Rates = dataclasses.replace(rates, **new)
     return [int(n) for n in most[:-1]], int(-most[-1]), agreed
+
+
+def _over_mesh(values: list[float], op: Any, device: torch.device, mesh: Any) -> list[float]:
+    """``values`` all-reduced (float64) over ``mesh``'s groups, one dimension after
+    another (a pipeline stage's mesh holds only its ranks); the world without one."""
+    import torch.distributed as dist
+
+    from pipeoff import _dist
+
+    groups = ([dist.group.WORLD] if mesh is None
+              else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1])
+    t = torch.tensor(values, dtype=torch.float64)
+    for g in groups:
+        t = _dist.all_reduce_host(t, g, device, op=op)
+    out: list[float] = t.tolist()
+    return out
+
+
+def check_same_fraction(fraction: float, params: Sequence[torch.Tensor]) -> None:
+    """Sharded parameters (FSDP2): every rank of their mesh must split at the same
+    numeric ``fraction``: ranks that split differently issue different norm
+    collectives, and hang. One all-reduce at construction (none without sharded
+    parameters or torch.distributed).
+
+    Raises:
+        PlanMismatchError: the ranks' fractions differ (on every rank alike).
+    """
+    import torch.distributed as dist
+
+    sharded = [p for p in params if _is_dtensor(p)]
+    if not sharded or not dist.is_available() or not dist.is_initialized():
+        return
+    most = _over_mesh([fraction, -fraction], dist.ReduceOp.MAX, local(sharded[0]).device,
+                      getattr(sharded[0], "device_mesh", None))
+    if most[0] != -most[1]:
+        raise PlanMismatchError(
+            f"offload_fraction differs between the ranks of the parameters' mesh (from "
+            f"{-most[1]:g} to {most[0]:g}); every rank must pass the same value (ranks "
+            "that split differently issue different collectives and hang)")
 
 
 def is_auto(fraction: Any) -> bool:
@@ -252,13 +284,11 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
     """The constructor's step: ``config`` (built with ``offload_fraction=1.0`` for
     ``"auto"``) at the chosen fraction, the choice (``None`` without ``"auto"``), and
     ``params`` (a list with ``"auto"``, which reads them)."""
-    if not is_auto(fraction):
-        full_auto(fraction, [], probe, config.optimizer_class, overlap=config.overlap,
-                  process_group=None, chunk_numel=1, pin_memory=False, threads=None,
-                  device_budget_bytes=device_budget_bytes)  # (refuses a lone budget)
-        return config, None, params
-    if params is not None:
-        params = list(params)
+    if params is not None:  # (read twice: a group's iterator of parameters, listed)
+        params = [{**item, "params": ([item["params"]] if isinstance(item["params"], torch.Tensor)
+                                      else list(item["params"]))}
+                  if isinstance(item, Mapping) and "params" in item else item
+                  for item in params]
     if params is None:
         flat = [] if found is None else list(found.parameters())
     else:
@@ -266,6 +296,12 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
         for item in params:
             flat.extend(item["params"] if isinstance(item, Mapping) else [item])
         flat = [t for t in flat if isinstance(t, torch.Tensor)]
+    if not is_auto(fraction):
+        full_auto(fraction, [], probe, config.optimizer_class, overlap=config.overlap,
+                  process_group=None, chunk_numel=1, pin_memory=False, threads=None,
+                  device_budget_bytes=device_budget_bytes)  # (refuses a lone budget)
+        check_same_fraction(config.offload_fraction, flat)
+        return config, None, params
     choice = full_auto(fraction, flat, probe, config.optimizer_class, overlap=config.overlap,
                        process_group=config.process_group, chunk_numel=config.chunk_numel,
                        pin_memory=config.pin_memory, threads=config.num_threads,
