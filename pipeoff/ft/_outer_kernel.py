@@ -139,8 +139,9 @@ def native_takes(param: torch.Tensor, grad: torch.Tensor,
                  state: Mapping[str, Any] | None) -> bool:
     """Whether :meth:`OuterKernel.step` takes these tensors: contiguous FP32 CPU
     ``param`` and ``grad`` of one size, and the state's tensors (a momentum buffer,
-    Adam's moments; if any) alike, Adam's ``step`` a CPU scalar. BF16 backups, say,
-    run torch's step."""
+    Adam's moments; if any) alike and of ``param``'s shape, Adam's ``step`` a CPU
+    scalar. BF16 backups, say, run torch's step, and so does a state tensor the loop
+    reshaped (where torch's step raises, as in torchft's DiLoCo)."""
     n = param.numel()
     state = state or {}
     held = [state[k] for k in ("momentum_buffer", "exp_avg", "exp_avg_sq") if k in state]
@@ -160,7 +161,7 @@ def native_takes(param: torch.Tensor, grad: torch.Tensor,
     # device memory, which native code must not touch; torch's step runs there.
     accel = _accel.current()
     return (_fp32_1d(param, n) and _fp32_1d(grad, n) and grad.shape == param.shape
-            and all(_fp32_1d(t, n) for t in held)
+            and all(_fp32_1d(t, n) and t.shape == param.shape for t in held)
             and not any(accel.on_device(t) for t in tensors))
 
 

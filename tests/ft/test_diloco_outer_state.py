@@ -161,3 +161,30 @@ def test_a_view_of_the_outer_state_sees_the_state_after_a_speculative_sync(outer
     (``.view(-1)``, ``.data``, ``.numpy()``) was left on the old storage, and an edit
     through it after that sync was lost (1.7e-2 off)."""
     _assert_same(_views_edited(False, outer), _views_edited(True, outer))
+
+
+def _reshaped(torchft: bool, outer: str, delay: int) -> None:
+    model = make_model(0)
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    opt = (sgd_nesterov if outer == "sgd" else _outer_adamw)(model.parameters())
+    cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
+    with cls(_manager(), [model], inner, opt, SYNC_EVERY, fragment_sync_delay=delay,
+             fragment_update_alpha=0.5, **({} if torchft else KW)) as d:
+        for k in range(3 * SYNC_EVERY):
+            _inner_step(model, inner, k)
+            if k == SYNC_EVERY:
+                for st in opt.state.values():
+                    for n, t in list(st.items()):
+                        if isinstance(t, torch.Tensor) and t.dim() > 1:
+                            st[n] = t.reshape(-1)  # (the same elements, another shape)
+        if not torchft:
+            d.wait_for_sync()
+
+
+@pytest.mark.parametrize(("outer", "delay"), [("sgd", 0), ("adamw", 1)])
+def test_a_reshaped_outer_state_raises_as_torchfts(outer: str, delay: int) -> None:
+    """The native outer step took a state tensor of the parameter's element count in
+    any shape, and stepped on where torchft's (torch's) step raises."""
+    for torchft in (True, False):
+        with pytest.raises(RuntimeError, match="must match the size"):
+            _reshaped(torchft, outer, delay)

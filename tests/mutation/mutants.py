@@ -739,6 +739,14 @@ SPECULATIVE = (
                "ranks_are_refused_on_every_rank",),
         hazard="FSDP2 ranks given different offload fractions split differently and hang in "
                "the norm's collectives at the first clipped step"),
+    Mutant(
+        name="r74:reshaped-outer-state-stepped", file="pipeoff/ft/_outer_kernel.py",
+        old="            and all(_fp32_1d(t, n) and t.shape == param.shape for t in held)\n",
+        new="            and all(_fp32_1d(t, n) for t in held)\n",
+        tests=("tests/ft/test_diloco_outer_state.py::test_a_reshaped_outer_state_raises_as_"
+               "torchfts",),
+        hazard="a state tensor the loop reshaped is stepped by the native kernel where "
+               "torch's step raises: the loop's mistake goes on silently"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
