@@ -77,6 +77,17 @@ class PlanMismatchError(PipeoffError, RuntimeError):
     """Raised on every rank when ranks disagree on a plan that must be identical."""
 
 
+class PeerSyncFailedError(PipeoffError, RuntimeError):
+    """Reported to the torchft manager (never raised by ``sync()``) by a replica group
+    whose peer failed a LocalSGD or DiLoCo sync after joining its all-reduces with
+    values that are not its own to average (its error came first, or it was healing).
+
+    This replica group rejects the sync too (``should_commit()`` is ``False``), as
+    under torchft, whose failed peer skips its all-reduces and leaves the others to
+    time out; ``manager.errored()`` holds this error.
+    """
+
+
 class TraceFormatError(PipeoffError, ValueError):
     """Raised when a file is not valid JSON or not a trace that pipeoff wrote."""
 

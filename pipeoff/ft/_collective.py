@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from pipeoff import _compat
+from pipeoff._errors import PeerSyncFailedError
 from pipeoff.graph import TaskContext
 
-__all__ = ["allreduce_bucket"]
+__all__ = ["allreduce_bucket", "vote"]
 
 
 def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
@@ -41,6 +42,13 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
         # the process group's timeout for the collectives this replica would
         # skip. Join them with the local values, as torchft's own path (which
         # issues every all-reduce before waiting) does; the result is discarded.
+        # (Values that are not this replica's to give are told to the peers by
+        # vote(), before should_commit().)
+        if manager.is_participating() is False:
+            # Hazard: a healing replica's stale values summed into the peers'
+            # average, which torchft divides by a participant count without it
+            # (torchft's allreduce zeroes them).
+            flat.zero_()
         if not _compat.allreduce_discarded(manager, flat):
             ctx.retire_buffer(dev)
         if local_failure is not None:
@@ -53,3 +61,46 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
         # commit) and returned False. Hazard: the staging block going back to the
         # pool while the failed collective may still write it.
         ctx.retire_buffer(dev)
+
+
+def vote(manager: Any, failed: bool, device: torch.device) -> None:
+    """Before ``should_commit()``, once this sync's all-reduces are done on this
+    replica: tell the peer replica groups whether this one ``failed`` (joined them
+    with values that were not its to give), and learn whether any of them did; if
+    one did and this one did not, report a :class:`~pipeoff.PeerSyncFailedError` to
+    the manager, so that ``should_commit()`` is ``False`` here too.
+
+    ``failed``: an error was reported to this replica's manager before the sync's
+    first all-reduce (torchft's ``allreduce`` would have skipped every one), or a
+    bucket could not be filled (the buffer held what it held). Not: a ``wait()``
+    that failed after its collective (torchft had issued the rest already), nor a
+    zero pseudo-gradient for a bucket DiLoCo did not form (this replica did not move
+    there).
+
+    Hazard: a peer committing an average that holds such values. torchft's failed
+    replica skips its all-reduces, and its peers time out and reject; a pipeoff
+    replica joins them (so that none waits) and so must say so.
+
+    One SUM all-reduce of one element on the manager's process group, bypassing the
+    manager (whose ``allreduce`` is a no-op once an error was reported); every replica
+    group calls it once per sync, after its last bucket's all-reduce (nothing else
+    is on the group then). A manager without a torch process group (a test's mock)
+    has no peers to tell.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(getattr(manager, "_pg", None), dist.ProcessGroup):
+        return
+    flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
+    joined = _compat.allreduce_discarded(manager, flag)
+    if failed:
+        return  # (this replica rejects the sync already)
+    if not joined:
+        manager.report_error(PeerSyncFailedError(
+            "pipeoff: the all-reduce of the replica groups' sync outcomes failed; this "
+            "sync is rejected"))
+    elif float(flag.item()) != 0.0:
+        manager.report_error(PeerSyncFailedError(
+            f"pipeoff: {int(flag.item())} peer replica group(s) failed this sync after "
+            "joining its all-reduces (their values are not theirs to average); this "
+            "replica group rejects it too, as under torchft"))

@@ -24,6 +24,7 @@ from pipeoff._contract import StepWrites
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
+from pipeoff.ft._collective import vote
 from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
 from pipeoff.ft._diloco_tail import SyncTail, late_note
 from pipeoff.ft._diloco_work import SyncWork
@@ -176,6 +177,9 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             # directly has not).
             self._tail.wait()
         self._failed: BaseException | None = None
+        # An error reported before the first all-reduce (a failed heal in the quorum):
+        # torchft's would skip them all, so this replica's values are not its to give.
+        self._errored_at_start = self._manager.errored() is not None
         self._speculative = self._spec_stale = False
         if self._spec is not None:
             try:
@@ -284,6 +288,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             # does, and the next round starts clean.
             err, self._abandoned = self._abandoned, None
             manager.report_error(err)
+            vote(manager, self._errored_at_start, self._device)  # (abandon() waited)
             manager.should_commit()
             self.restore_parameters()
             return False
@@ -298,6 +303,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # should_commit() is False. It is still called once, as in every
                 # sync: the replica group's other ranks wait on it.
                 manager.report_error(self._failed)
+                vote(manager, self._errored_at_start, self._device)  # (_stop() waited)
                 manager.should_commit()
                 self.restore_parameters()  # torchft's own, synchronous
                 return False
@@ -323,9 +329,11 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 opened = True
                 self._stop(stop)
                 manager.report_error(err)
+                vote(manager, self._errored_at_start, self._device)
                 manager.should_commit()
                 self.restore_parameters()
                 raise
+            vote(manager, self._errored_at_start, self._device)  # (all staged)
             committed = bool(manager.should_commit())
             self.last_committed = committed
             ex.gate("commit").open(committed)

@@ -18,7 +18,7 @@ from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
-from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._collective import allreduce_bucket, vote
 from pipeoff.ft._options import StagingOptions, check_sync_schedule, offload_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
@@ -100,10 +100,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         optimizer: the inner optimizer; its step hooks drive :meth:`sync`.
         sync_every: local steps between syncs.
         offload_to_cpu: stage averaged parameters in host memory until commit
-            (RFC 0003's ``offload_averaged_parameters_to_cpu``; DiLoCo's name).
-            ``False`` is torchft's original path, byte for byte.
+            (RFC 0003's ``offload_averaged_parameters_to_cpu``, at its position;
+            DiLoCo's name). ``False`` is torchft's original path, byte for byte.
         offload_averaged_parameters_to_cpu: the old name of ``offload_to_cpu``,
-            still accepted (also positionally) with a ``FutureWarning``.
+            still accepted (as a keyword) with a ``FutureWarning``.
         schedule: ``"pipelined"`` (the default) or ``"synchronous"`` (RFC 0003's
             sequential path, like :meth:`pipeoff.Schedule.synchronous`; ``"sync"``
             is its old name, accepted with a ``FutureWarning``); only with the
@@ -135,9 +135,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         model: nn.Module,
         optimizer: optim.Optimizer,
         sync_every: int,
-        offload_averaged_parameters_to_cpu: bool | None = None,
-        *,
         offload_to_cpu: bool | None = None,
+        *,
+        offload_averaged_parameters_to_cpu: bool | None = None,
         schedule: Literal["pipelined", "synchronous", "sync"] | None = None,
         bucket_bytes: int | Literal["per_parameter"] | None = None,
         device_budget_bytes: int | None = None,
@@ -317,7 +317,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         params = list(self._model.parameters())
         buckets = self._plan()
         device = local_tensor(params[0], data=True).device if params else torch.device("cpu")
-        commit: dict[str, bool] = {}
+        # (An error reported before the first all-reduce: torchft's would skip them all.)
+        commit: dict[str, bool] = {"errored_at_start": self._manager.errored() is not None}
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
         graph = self._build_graph(params, buckets, device, commit)
@@ -347,6 +348,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # should_commit() is False, so nothing is written back. It is
             # still called once, as in every sync: the replica group's other ranks wait on it.
             self._manager.report_error(err)
+            if ex is not None and "voted" not in commit:  # (its all-reduces ran: ex.wait())
+                unfilled = any(c.status == "failed" for c in ex.events_for(
+                    [f"allreduce:b{k}" for k in range(len(buckets))]))
+                vote(self._manager, commit["errored_at_start"] or unfilled, device)
             self._manager.should_commit()
         finally:
             if ex is not None:
@@ -363,6 +368,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         manager = self._manager
         cuda = _accel.current().is_device(device)
         sync = self._schedule_name == "synchronous"
+        errored_at_start = commit["errored_at_start"]
 
         def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
             def fill(flat: torch.Tensor) -> None:
@@ -390,6 +396,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         def decide(ctx: TaskContext) -> bool:
             # Runs once every bucket is in host staging, so the vote covers
             # every all-reduce's outcome (torchft reports failed waits itself).
+            commit["voted"] = True
+            vote(manager, errored_at_start, device)
             commit["called"] = True
             decided = bool(manager.should_commit())
             commit["decided"] = decided

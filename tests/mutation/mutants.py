@@ -747,6 +747,20 @@ SPECULATIVE = (
                "torchfts",),
         hazard="a state tensor the loop reshaped is stepped by the native kernel where "
                "torch's step raises: the loop's mistake goes on silently"),
+    Mutant(
+        name="r75:failed-peer-not-told", file="pipeoff/ft/_collective.py",
+        old='    if not isinstance(getattr(manager, "_pg", None), dist.ProcessGroup):\n',
+        new="    if True:\n",
+        tests=("tests/ft/test_peer_failed.py",),
+        hazard="a healthy replica commits an average holding the values of a peer that "
+               "failed the sync before its first all-reduce (torchft's peers reject)"),
+    Mutant(
+        name="r76:healing-replica-not-zeroed", file="pipeoff/ft/_collective.py",
+        old="        if manager.is_participating() is False:\n",
+        new="        if False:\n",
+        tests=("tests/ft/test_peer_failed.py",),
+        hazard="a healing replica's stale values summed into its peers' average, divided "
+               "by a participant count without it"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -1,0 +1,123 @@
+"""A replica group that fails a LocalSGD or DiLoCo sync still joins its all-reduces
+(so that no peer waits), with values that are not its own to average: its error was
+reported before the sync (torchft's ``allreduce`` is then a no-op), or its heal failed
+(it was not participating, and torchft would have zeroed its values). Its healthy
+peer must not commit that average: under torchft the peer's all-reduces time out and
+it rejects the sync. Two real torchft replicas (threads) behind a real Lighthouse, on
+gloo; the peer's parameters are compared with the values torchft's rejection leaves.
+
+Before the vote (``pipeoff/ft/_collective.py``) the peer committed the average of
+both replicas (error reported), or its own values plus the failed replica's stale ones,
+summed and divided by a participant count that left the failed one out (heal failed;
+a healing replica's values are now zeroed, as torchft's ``allreduce`` zeroes them).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn, optim
+from torchft.coordination import LighthouseServer
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+import pipeoff.ft
+from pipeoff import PeerSyncFailedError
+
+pytestmark = pytest.mark.slow  # two torchft managers and a Lighthouse per case (~3 s)
+
+_LOCK = threading.Lock()
+
+
+def _model(seed: int) -> nn.Module:
+    with _LOCK:  # (the global RNG, shared by the two threads)
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, 37), nn.ReLU(), nn.Linear(37, 5))
+
+
+def _wrap(kind: str, manager: Manager, model: nn.Module, opt: optim.Optimizer) -> Any:
+    if kind == "local_sgd_sync":
+        return pipeoff.ft.LocalSGD(manager, model, opt, 1, offload_to_cpu=True,
+                                   schedule="synchronous")
+    if kind == "local_sgd_buckets":
+        return pipeoff.ft.LocalSGD(manager, model, opt, 1, offload_to_cpu=True,
+                                   bucket_bytes=100, device_budget_bytes=200)
+    outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    return pipeoff.ft.DiLoCo(manager, [model], opt, outer, 1, offload_to_cpu=True,
+                             bucket_bytes=100, device_budget_bytes=200)
+
+
+def _replica(i: int, lighthouse: str, kind: str, how: str) -> dict[str, Any]:
+    model = _model(i)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    stepped: dict[str, list[torch.Tensor]] = {}
+    opt.register_step_post_hook(lambda *_: stepped.__setitem__(
+        "own", [p.detach().clone() for p in model.parameters()]))
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2 - (how == "heal"),
+        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse,
+        use_async_quorum=how == "heal" and kind != "diloco",  # (DiLoCo: synchronous only)
+        init_sync=False, timeout=timedelta(seconds=60))
+    if how == "heal" and i == 0:
+        manager._step = 2  # ahead: replica 1 heals from it
+    elif how == "heal":
+        def recv(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("injected: the checkpoint fetch failed")
+
+        manager._checkpoint_transport.recv_checkpoint = recv  # type: ignore[method-assign]
+    elif i == 1:  # an error reported after the quorum, before the averaging
+        start = manager.start_quorum
+
+        def start_quorum(*a: Any, **k: Any) -> Any:
+            out = start(*a, **k)
+            manager.report_error(RuntimeError("injected: this replica failed its step"))
+            return out
+
+        manager.start_quorum = start_quorum  # type: ignore[method-assign]
+    try:
+        with _wrap(kind, manager, model, opt) as w:
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
+            opt.step()  # sync_every=1: syncs
+            if kind == "diloco":
+                w.wait_for_sync()
+        return {"after": [p.detach().clone() for p in model.parameters()],
+                "before": before, "own": stepped["own"], "errored": manager.errored()}
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("how", ["reported", "heal"])
+@pytest.mark.parametrize("kind", ["local_sgd_sync", "local_sgd_buckets", "diloco"])
+def test_a_peer_that_failed_the_sync_is_never_averaged_in(kind: str, how: str) -> None:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            healthy, failed = pool.map(_replica, range(2), [lighthouse.address()] * 2,
+                                       [kind] * 2, [how] * 2)
+    finally:
+        lighthouse.shutdown()
+    assert failed["errored"] is not None
+    # torchft's rejection: LocalSGD keeps the local (stepped) values, DiLoCo restores
+    # the backup (the values before the inner step).
+    kept = healthy["before"] if kind == "diloco" else healthy["own"]
+    for p, want in zip(healthy["after"], kept, strict=True):
+        assert torch.equal(p, want), (p - want).abs().max()
+    if how == "heal" and kind != "diloco":
+        # The async quorum: the heal failed inside the first all-reduce, which torchft's
+        # allreduce joins with zeros (not participating), as pipeoff's does every later
+        # one: the peer's average is its own values, committed.
+        assert healthy["errored"] is None, healthy["errored"]
+    else:
+        err = getattr(healthy["errored"], "original_exception", None)  # (torchft's wrapper)
+        assert isinstance(err, PeerSyncFailedError), healthy["errored"]
