@@ -44,7 +44,7 @@ from pipeoff.optim._full_offload._device_part import FullDevicePart
 from pipeoff.optim._full_offload._finder import ModelFinder
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._graph import NORM_ALLREDUCE
-from pipeoff.optim._full_offload._intake import GradientIntake
+from pipeoff.optim._full_offload._intake import GradientIntake, zero_grads
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._full_offload._reports import HostReports
@@ -566,7 +566,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (and a failed accumulation); ``param.grad``
-        is ``None`` already. A step in flight goes on.
+        is ``None`` (``set_to_none=False``: zeros, as torch leaves them, where a gradient
+        came since the last ``set_to_none=True``). A step in flight goes on.
 
         Under ``overlap="backward"`` the final backward has stepped already: a
         ``zero_grad()`` without ``step()`` after it cannot skip that step (it
@@ -592,8 +593,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                 micro.hand_over(None)
                 self.wait_for_step()
         micro.discard("zero_grad() discarded the micro-step", classify_final=True)
-        for rec in self._registry:
-            rec.param.grad = None
+        zero_grads(self._intake, [rec.param for rec in self._registry], set_to_none)
 
     def trace_summary(self) -> Any:
         """The summary of the last step's trace (``None`` before one finished)."""

@@ -125,6 +125,9 @@ class GradientIntake:
         self.grad_hooks: dict[int, Any] = {}
         """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
         self._probe_handles: list[Any] = []
+        self.had_grad: set[int] = set()
+        """The parameters (by ``id()``) that a gradient reached since the last
+        ``zero_grad(set_to_none=True)``: torch keeps a ``.grad`` for each."""
         weakref.finalize(self, _remove_hooks, self.grad_hooks, self._probe_handles)
 
     def ensure_hooks(self) -> None:
@@ -221,6 +224,7 @@ class GradientIntake:
         grad = p.grad
         if grad is None:
             return
+        self.had_grad.add(id(p))
         if _compat.backward_id() < 0:
             raise GradientError(
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
@@ -243,3 +247,19 @@ class GradientIntake:
             p.grad = None  # dropped: step() refuses until zero_grad()
             return
         lifecycle.receive(i, payload, marked=marked)
+
+
+def zero_grads(intake: GradientIntake, host: list[torch.Tensor], set_to_none: bool) -> None:
+    """``zero_grad()``'s ``.grad`` of the ``host`` part's parameters and the device
+    part's (those in ``param_groups``): ``None``; or, with ``set_to_none=False``, a zero
+    tensor for every parameter a gradient reached (as torch leaves it), which the next
+    backward accumulates into and ``step()`` takes like a gradient set by hand.
+
+    Hazard: a parameter that then gets no gradient (an unused branch, an expert not
+    routed to) left unstepped, where torch steps it with a zero gradient (momentum
+    decay, weight decay, the step count)."""
+    if set_to_none:
+        intake.had_grad.clear()
+    part = intake.lifecycle.part
+    for p in [*host, *(q for q in part.tensors() if part.listed(q))]:
+        p.grad = None if set_to_none or id(p) not in intake.had_grad else torch.zeros_like(p)
