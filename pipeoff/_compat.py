@@ -65,6 +65,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch._dynamo.config:skip_nnmodule_hook_guards",
                "recompile_with_hooks: compiled code sees attach()'s hooks"),
     PrivateAPI("torch", "torch._C._dynamo.eval_frame:reset_code", "recompile_with_hooks"),
+    PrivateAPI("torch", "torch._dynamo.external_utils:wrap_inline", "recompile_with_hooks"),
     PrivateAPI("torch", "torch.compiler:_compile_session_context",
                "eager_math: a chunk's math never overlaps a compile session"),
     PrivateAPI("torch", "torch._C:_len_torch_function_stack",
@@ -157,16 +158,13 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._current_fragment",
                "pipeoff.ft.DiLoCo overrides it: torchft's choice of the fragment to sync, and the "
                "inner optimizer's wait before it"),
-    PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._fragment_sync_delay",
-               "DiLoCo: the sync schedule"),
-    PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._sync_every",
-               "DiLoCo: the sync schedule"),
+    *(PrivateAPI("torchft", f"torchft.local_sgd:DiLoCo.{name}", "DiLoCo: the sync schedule")
+      for name in ("_fragment_sync_delay", "_sync_every")),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._local_step",
                "DiLoCo: the sync schedule (reset to 0 after a fragment sync)"),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._local_optimizer",
                "DiLoCo: the inner optimizer (its step count, waits)"),
-    PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._manager",
-               "DiLoCo: the replica's Manager"),
+    PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._manager", "DiLoCo: the replica's Manager"),
     *(PrivateAPI("torchft", f"torchft.local_sgd:DiLoCo.{name}",
                  "pipeoff.ft.DiLoCo overrides it (its spans and waits)")
       for name in ("_step_pre_hook", "_step_post_hook")),
@@ -174,10 +172,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "pipeoff.ft.DiLoCo overrides it (the host outer state)"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._local_optimizer",
                "LocalSGD: the inner optimizer (its step count, waits)"),
-    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._manager",
-               "LocalSGD: the replica's Manager"),
-    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._model",
-               "LocalSGD: the averaged parameters"),
+    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._manager", "LocalSGD: its Manager"),
+    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._model", "LocalSGD: the averaged params"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._step_post_hook",
                "pipeoff.ft.LocalSGD overrides it"),
 )
@@ -284,15 +280,18 @@ def recompile_with_hooks(modules: Iterable[torch.nn.Module]) -> None:
     (``torch._dynamo.config.skip_nnmodule_hook_guards``): code compiled before a
     hook was added keeps running without it, silently. This turns the guard on
     (process-wide; a small guard cost per compiled frame) and drops the code
-    already compiled for these modules' ``forward`` and for ``nn.Module``'s call
-    path (``torch._C._dynamo.eval_frame.reset_code``), so the next call
-    recompiles with the hooks in.
+    compiled for these modules' ``forward``, ``nn.Module``'s call path and the
+    frame a compiled ``torch.nn.*`` root runs in (``wrap_inline``'s ``inner``)
+    (``reset_code``), so the next call recompiles with the hooks in.
     """
     import torch._dynamo
+    import torch._dynamo.external_utils as eu
     from torch._C._dynamo.eval_frame import reset_code
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
-    codes = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
+    inline = getattr(eu, "wrap_inline", None)
+    codes = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__,
+             *(c for c in (inline.__code__.co_consts if inline else ()) if hasattr(c, "co_code"))}
     for m in modules:
         code = getattr(getattr(type(m), "forward", None), "__code__", None)
         if code is not None:
@@ -337,22 +336,20 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
     return _eager_math_lock
 
 
-def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool:
-    """Join an all-reduce of ``tensor`` on torchft ``manager``'s process group, bypassing
-    the manager (whose ``allreduce`` is a no-op once an error was reported), and wait.
-
-    For a replica that has failed a sync but must not leave its peers waiting
-    for collectives it would skip: it contributes ``tensor`` (summed, as
-    torchft's averaging does before dividing) and the result is discarded.
-    Uses ``Manager._pg`` (torchft 0.2). Returns whether the collective
-    completed; failures are swallowed (the sync has failed already).
+def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
+    """Join an all-reduce of ``tensor`` (SUM, in place) on torchft ``manager``'s process
+    group, bypassing the manager (whose ``allreduce`` is a no-op once an error was
+    reported), and wait: for a replica that has failed a sync but must not leave its
+    peers waiting, and for the sync's vote (``pipeoff/ft/_collective.py``).
+    Uses ``Manager._pg`` (torchft 0.2). Returns whether the collective completed
+    (failures are swallowed: the caller's sync has failed), or ``None`` for a
+    manager without a torch process group (a test's mock: no peers).
     """
-    from torch.distributed import AllreduceOptions, ReduceOp
+    from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp
 
     pg = getattr(manager, "_pg", None)
-    if pg is None:
-        raise RuntimeError("pipeoff: torchft's Manager no longer keeps its process group in "
-                           "`_pg`; pipeoff.ft needs an update for this torchft version")
+    if not isinstance(pg, ProcessGroup):
+        return None
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
     try:

@@ -87,14 +87,10 @@ def vote(manager: Any, failed: bool, device: torch.device) -> None:
     is on the group then). A manager without a torch process group (a test's mock)
     has no peers to tell.
     """
-    import torch.distributed as dist
-
-    if not isinstance(getattr(manager, "_pg", None), dist.ProcessGroup):
-        return
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
     joined = _compat.allreduce_discarded(manager, flag)
-    if failed:
-        return  # (this replica rejects the sync already)
+    if failed or joined is None:
+        return  # (this replica rejects the sync already; or it has no peers)
     if not joined:
         manager.report_error(PeerSyncFailedError(
             "pipeoff: the all-reduce of the replica groups' sync outcomes failed; this "

@@ -749,7 +749,7 @@ SPECULATIVE = (
                "torch's step raises: the loop's mistake goes on silently"),
     Mutant(
         name="r75:failed-peer-not-told", file="pipeoff/ft/_collective.py",
-        old='    if not isinstance(getattr(manager, "_pg", None), dist.ProcessGroup):\n',
+        old="    if failed or joined is None:\n",
         new="    if True:\n",
         tests=("tests/ft/test_peer_failed.py",),
         hazard="a healthy replica commits an average holding the values of a peer that "
@@ -770,6 +770,15 @@ SPECULATIVE = (
                "steps_a_parameter_without_a_gradient_as_torch",),
         hazard="after zero_grad(set_to_none=False) a parameter that gets no gradient is "
                "skipped where torch steps it with zeros"),
+    Mutant(
+        name="r78:torch-nn-root-compiled-code-kept", file="pipeoff/_compat.py",
+        old="             *(c for c in (inline.__code__.co_consts if inline else ()) "
+            "if hasattr(c, \"co_code\"))}\n",
+        new="             }\n",
+        tests=("tests/optim/test_patterns.py::test_a_torch_nn_root_compiled_before_attach_"
+               "runs_with_the_hooks",),
+        hazard="an nn.Sequential compiled before attach() keeps running code without the "
+               "hooks' waits and reads weights the step is still writing"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -1194,3 +1194,40 @@ def test_the_compile_session_guard_is_in_before_the_first_step() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow  # torch.compile with aot_eager
+def test_a_torch_nn_root_compiled_before_attach_runs_with_the_hooks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``nn.Sequential`` (a ``torch.nn.*`` class) compiled and run before ``attach()``:
+    torch.compile runs such a root in ``wrap_inline``'s frame, whose code was compiled
+    without hook guards and kept running without attach()'s waits, so with
+    ``read_guard=False`` the forward read weights the step was still writing (8e-2 off,
+    or autograd's in-place error)."""
+    torch._dynamo.reset()
+    # As in a fresh process: no attach() yet has turned Dynamo's hook guards on.
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 4))
+
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    m, ref = net(), net()
+    opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=8192, read_guard=False)
+    fwd = torch.compile(m, backend="aot_eager")
+    fwd(xs[0]).sum()  # the warm-up (grad mode on, as in training), before attach()
+    opt.attach(m)
+    with pipeoff.testing.delay_lane("compute", 0.02):  # (the step still in flight)
+        for x in xs:
+            fwd(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    opt.wait_for_step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters(), strict=True))
