@@ -98,6 +98,7 @@ def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
     (lambda m: OffloadOptimizer(m.parameters(), minimal_size=4096), "minimal_size"),
     (lambda m: OffloadOptimizer(m.parameters(), device="cuda"), "device"),
     (lambda m: OffloadOptimizer(), "needs an optimizer"),
+    (lambda m: OffloadOptimizer(m), "got a module"),
     (lambda m: FullOffloadOptimizer(m.parameters(), offload_gradients=False),
      "always takes the gradients to the host"),
     (lambda m: FullOffloadOptimizer(m.parameters(), pin_memory="yes"), "pin_memory must be"),

@@ -11,12 +11,18 @@ from pipeoff.optim import OffloadOptimizer
 from tests.optim.test_offload import make_net
 
 
-def test_sparse_grads_refused() -> None:
+@pytest.mark.parametrize("mode", ["chunked", "single_pass"])
+def test_sparse_grads_refused_before_anything_is_written(mode: str) -> None:
+    """single_pass stepped the weights, then failed to copy SGD's sparse momentum back
+    (a bare RuntimeError, the optimizer not marked torn: a retry stepped again)."""
     emb = nn.Embedding(10, 4, sparse=True)
-    opt = OffloadOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), mode="chunked")
+    opt = OffloadOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9),
+                           mode=mode)  # type: ignore[arg-type]
+    before = emb.weight.detach().clone()
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(pipeoff.ConfigError, match=r"parameter 0 \(shape \(10, 4\).*sparse"):
         opt.step()
+    assert torch.equal(emb.weight, before) and not opt.inner.state
 
 
 def test_mixed_devices_refused() -> None:

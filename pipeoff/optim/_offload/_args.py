@@ -66,6 +66,12 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
     if params is None:
         raise ConfigError("OffloadOptimizer needs an optimizer to wrap, or the parameters "
                           "and optimizer_class to build one (torchao's form)")
+    if isinstance(params, torch.nn.Module):
+        raise ConfigError(
+            f"OffloadOptimizer takes an optimizer to wrap or parameters, got a module "
+            f"({type(params).__name__}): OffloadOptimizer(torch.optim.AdamW("
+            "model.parameters())), or OffloadOptimizer(model.parameters(), torch.optim.AdamW) "
+            "(FullOffloadOptimizer is the one that takes the model)")
     refuse_foreign(kwargs, "OffloadOptimizer")
     kwargs.pop("offload_gradients", None)  # (False, torchao's default: what this does)
     cls = torch.optim.AdamW if optimizer_class is None else optimizer_class_of(optimizer_class)

@@ -200,6 +200,12 @@ def single_pass(layout: Layout, inner: torch.optim.Optimizer,
     on_device = {id(layout.params[i]) for i in layout.split.on_device}
 
     def h2d(ctx: TaskContext) -> None:
+        for i, p in enumerate(params):
+            if p.grad is not None and p.grad.layout != torch.strided:
+                # Hazard: the step written, then its sparse state (SGD's momentum)
+                # failing to go back to the dense host copy, and a retry stepping twice.
+                raise ConfigError(f"{_describe(i, p)} has a sparse gradient; OffloadOptimizer "
+                                  "supports dense gradients only")
         for p in params:  # each parameter once, even if a group lists it twice
             st = inner.state.get(p)
             if not st or id(p) in on_device:  # the device part's state is there
