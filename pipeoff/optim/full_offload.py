@@ -44,7 +44,7 @@ from pipeoff.optim._full_offload._device_part import FullDevicePart
 from pipeoff.optim._full_offload._finder import ModelFinder
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._graph import NORM_ALLREDUCE
-from pipeoff.optim._full_offload._intake import GradientIntake, zero_grads
+from pipeoff.optim._full_offload._intake import GradientIntake, refuse_if_torn, zero_grads
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._full_offload._reports import HostReports
@@ -567,33 +567,33 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (and a failed accumulation); ``param.grad``
         is ``None`` (``set_to_none=False``: zeros, as torch leaves them, where a gradient
-        came since the last ``set_to_none=True``). A step in flight goes on.
-
-        Under ``overlap="backward"`` the final backward has stepped already: a
-        ``zero_grad()`` without ``step()`` after it cannot skip that step (it
-        warns); to skip steps (a non-finite loss), use ``overlap="forward"``.
+        came since the last ``set_to_none=True``). A step in flight goes on. Under
+        ``overlap="backward"`` the final backward has stepped: this cannot skip it (warns).
 
         Raises:
+            StepFailedError: it abandoned a final backward (that raised) whose chunks
+                had stepped: the parameters are partly stepped (load a checkpoint).
             KeyboardInterrupt: Ctrl-C while waiting for the discarded micro-steps
                 (call ``zero_grad()`` again).
         """
         micro = self._lifecycle
-        micro.settle_deferred()
-        if micro.phase is not Phase.IDLE:
-            if micro.micro is not None:
-                micro.abandon(micro.micro, "zero_grad() was called inside its backward")
-            if (self.overlap == "backward" and micro.phase is Phase.FINAL
-                    and self._health.dirty is None):
-                warnings.warn(
-                    "zero_grad() after the final backward without step(): under "
-                    "overlap='backward' that backward has stepped already (the step is "
-                    "kept); call step() to wait for it, or use overlap='forward' to be "
-                    "able to skip a step", RuntimeWarning, stacklevel=2)
-                self.wait_for_step()  # the step before it (one step in flight at a time)
-                micro.hand_over(None)
-                self.wait_for_step()
-        micro.discard("zero_grad() discarded the micro-step", classify_final=True)
-        zero_grads(self._intake, [rec.param for rec in self._registry], set_to_none)
+        with refuse_if_torn(self._health, "training on after zero_grad()"):
+            micro.settle_deferred()
+            if micro.phase is not Phase.IDLE:
+                if micro.micro is not None:
+                    micro.abandon(micro.micro, "zero_grad() was called before its backward "
+                                  "finished (the backward raised, or is still running)")
+                if (self.overlap == "backward" and micro.phase is Phase.FINAL
+                        and self._health.dirty is None):
+                    warnings.warn("zero_grad() after the final backward without step(): under "
+                                  "overlap='backward' that backward has stepped already (kept); "
+                                  "call step() to wait for it, or use overlap='forward' to be "
+                                  "able to skip a step", RuntimeWarning, stacklevel=3)
+                    self.wait_for_step()  # the step before it (one step in flight at a time)
+                    micro.hand_over(None)
+                    self.wait_for_step()
+            micro.discard("zero_grad() discarded the micro-step", classify_final=True)
+            zero_grads(self._intake, [rec.param for rec in self._registry], set_to_none)
 
     def trace_summary(self) -> Any:
         """The summary of the last step's trace (``None`` before one finished)."""

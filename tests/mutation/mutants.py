@@ -779,6 +779,14 @@ SPECULATIVE = (
                "runs_with_the_hooks",),
         hazard="an nn.Sequential compiled before attach() keeps running code without the "
                "hooks' waits and reads weights the step is still writing"),
+    Mutant(
+        name="r79:torn-by-zero-grad-kept-quiet", file="pipeoff/optim/_full_offload/_intake.py",
+        old="    if before is None and health.torn is not None:\n",
+        new="    if False:\n",
+        tests=("tests/optim/test_full_offload.py::test_zero_grad_after_a_raised_final_backward_"
+               "that_stepped_chunks_refuses",),
+        hazard="the loop trains on after zero_grad() on weights a failed final backward "
+               "had partly stepped"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -756,6 +756,30 @@ def test_a_final_backward_that_raises_after_chunks_stepped_is_a_torn_step() -> N
         opt.step()
 
 
+def test_zero_grad_after_a_raised_final_backward_that_stepped_chunks_refuses() -> None:
+    """A marked micro-step, then a final backward that raises after some chunks stepped,
+    then the loop's ``zero_grad()``: it returned quietly and the loop ran one more
+    forward and backward on partly stepped weights before ``step()`` refused, blaming a
+    ``zero_grad()`` "inside its backward"."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    model = torch.nn.Sequential(a, b).to(torch.bfloat16)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="backward", chunk_numel=1)
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    with opt.no_sync():
+        b(a(x)).float().sum().backward()
+    _Boom.delay = 0.3
+    try:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            # b's chunks step as its gradients land; then the raise, before a's.
+            b(_Boom.apply(a(x))).float().sum().backward()
+    finally:
+        _Boom.delay = 0.0
+    with pytest.raises(StepFailedError, match="checkpoint") as info:
+        opt.zero_grad()
+    assert "before its backward finished" in str(info.value.__cause__)
+
+
 def test_a_failed_chunk_under_backward_overlap_is_torn_not_dirty() -> None:
     model = make_model()
     opt = build(model, overlap="backward", chunk_numel=200)

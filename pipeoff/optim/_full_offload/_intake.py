@@ -10,14 +10,17 @@ routes it into a micro-step. It calls down only: the model sync
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeoff import _compat
+from pipeoff._contract import Health
 from pipeoff._errors import GradientError
 from pipeoff.optim._full_offload._common import checked_gradient
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
@@ -263,3 +266,16 @@ def zero_grads(intake: GradientIntake, host: list[torch.Tensor], set_to_none: bo
     part = intake.lifecycle.part
     for p in [*host, *(q for q in part.tensors() if part.listed(q))]:
         p.grad = None if set_to_none or id(p) not in intake.had_grad else torch.zeros_like(p)
+
+
+@contextlib.contextmanager
+def refuse_if_torn(health: Health, what: str) -> Iterator[None]:
+    """Raise :class:`~pipeoff.StepFailedError` at the end of the block if the block tore
+    the step (``zero_grad()`` abandoning a final backward whose chunks had stepped).
+
+    Hazard: the loop training on, quietly, on weights a failed final backward had
+    partly stepped (``step()`` refused only after the next forward and backward)."""
+    before = health.torn
+    yield
+    if before is None and health.torn is not None:
+        health.check(what, stale=False)
