@@ -12,6 +12,7 @@ next forward ``_diloco_tail.py``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +181,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # An error reported before the first all-reduce (a failed heal in the quorum):
         # torchft's would skip them all, so this replica's values are not its to give.
         self._errored_at_start = self._manager.errored() is not None
+        self._voted = False
         self._speculative = self._spec_stale = False
         if self._spec is not None:
             try:
@@ -288,7 +290,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             # does, and the next round starts clean.
             err, self._abandoned = self._abandoned, None
             manager.report_error(err)
-            vote(manager, self._errored_at_start, self._device)  # (abandon() waited)
+            self._vote()  # (joined by abandon() already)
             manager.should_commit()
             self.restore_parameters()
             return False
@@ -303,7 +305,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # should_commit() is False. It is still called once, as in every
                 # sync: the replica group's other ranks wait on it.
                 manager.report_error(self._failed)
-                vote(manager, self._errored_at_start, self._device)  # (_stop() waited)
+                self._vote()  # (_stop() waited for its all-reduces)
                 manager.should_commit()
                 self.restore_parameters()  # torchft's own, synchronous
                 return False
@@ -329,11 +331,11 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 opened = True
                 self._stop(stop)
                 manager.report_error(err)
-                vote(manager, self._errored_at_start, self._device)
+                self._vote()
                 manager.should_commit()
                 self.restore_parameters()
                 raise
-            vote(manager, self._errored_at_start, self._device)  # (all staged)
+            self._vote()  # (all staged)
             committed = bool(manager.should_commit())
             self.last_committed = committed
             ex.gate("commit").open(committed)
@@ -361,6 +363,10 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # Ctrl-C (or a failing should_commit) before the decision: stop the
                 # lanes that wait for it, so that nothing of this sync runs on.
                 ex.gate("commit").fail(err)
+            with contextlib.suppress(BaseException):  # (a second Ctrl-C skips it)
+                with contextlib.suppress(Exception):
+                    ex.wait()  # (its all-reduces first: the vote follows them on the group)
+                self._vote()
             raise
         finally:
             self._ex = None
@@ -385,6 +391,18 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             ex.wait()
         except BaseException:  # noqa: BLE001 - the failure given, or one before it
             pass
+        # Hazard: a peer waiting in this sync's vote until the group's timeout, and
+        # rejecting, where torchft's peer commits (this replica may never come back
+        # to perform_sync: the loop raised, and that exception goes on).
+        with contextlib.suppress(BaseException):
+            self._vote()
+
+    def _vote(self) -> None:
+        """This sync's vote (``pipeoff/ft/_collective.py``), once, after its all-reduces:
+        every path that ends the sync joins it, as the peers do."""
+        if not self._voted:
+            self._voted = True
+            vote(self._manager, self._errored_at_start, self._device)
 
     def _work(self) -> DiLoCoWork:
         """The lane work of one sync, over this fragment's tensors."""

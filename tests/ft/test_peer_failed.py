@@ -121,3 +121,55 @@ def test_a_peer_that_failed_the_sync_is_never_averaged_in(kind: str, how: str) -
     else:
         err = getattr(healthy["errored"], "original_exception", None)  # (torchft's wrapper)
         assert isinstance(err, PeerSyncFailedError), healthy["errored"]
+
+
+def _leaving(i: int, lighthouse: str) -> dict[str, Any]:
+    """DiLoCo, ``fragment_sync_delay=1``: replica 1's loop raises right after the
+    preparing step (every all-reduce of the sync joined or under way) and leaves the
+    DiLoCo context, never to perform the sync."""
+    model = _model(i)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=1,
+        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+        init_sync=False, timeout=timedelta(seconds=60))
+    outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    raised = None
+    try:
+        with pipeoff.ft.DiLoCo(manager, [model], opt, outer, 2, fragment_sync_delay=1,
+                               offload_to_cpu=True, bucket_bytes=100,
+                               device_budget_bytes=200) as d:
+            for step in range(2):
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum(
+                    ).backward()
+                opt.step()  # step 0 prepares the sync (delay 1), step 1 performs it
+                if step == 0 and i == 1:
+                    raise RuntimeError("injected: replica 1's data loader failed")
+            d.wait_for_sync()
+    except RuntimeError as err:
+        raised = err
+    try:
+        return {"errored": manager.errored(), "step": manager.current_step(),
+                "raised": raised}
+    finally:
+        manager.shutdown(wait=False)
+
+
+def test_a_replica_that_leaves_after_its_all_reduces_lets_its_peer_commit() -> None:
+    """The leaving replica joined every all-reduce, as torchft's does, so torchft's peer
+    commits at once. pipeoff's peer waited in the sync's vote, which the leaving
+    replica never joined, until the group's timeout (60 s), and rejected: the abandoned
+    sync's vote is joined when it is abandoned."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            healthy, left = pool.map(_leaving, range(2), [lighthouse.address()] * 2)
+    finally:
+        lighthouse.shutdown()
+    assert left["raised"] is not None
+    assert healthy["raised"] is None and healthy["errored"] is None, healthy
+    assert healthy["step"] == 1  # committed

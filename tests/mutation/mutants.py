@@ -787,6 +787,14 @@ SPECULATIVE = (
                "that_stepped_chunks_refuses",),
         hazard="the loop trains on after zero_grad() on weights a failed final backward "
                "had partly stepped"),
+    Mutant(
+        name="r80:abandoned-sync-not-voted", file="pipeoff/ft/_diloco_fragment.py",
+        old="        with contextlib.suppress(BaseException):\n            self._vote()\n",
+        new="        pass\n",
+        tests=("tests/ft/test_peer_failed.py::test_a_replica_that_leaves_after_its_all_"
+               "reduces_lets_its_peer_commit",),
+        hazard="a replica that abandons a sync and leaves never joins its vote: the peer "
+               "waits out the group's timeout and rejects, where torchft's commits"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
