@@ -26,7 +26,7 @@ from pipeoff._lowlevel import settle, train_span
 from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
 from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
-from pipeoff.optim._full_offload import _common, _host_kernel
+from pipeoff.optim._full_offload import _common, _host_kernel, _intake
 from pipeoff.optim._full_offload._auto import numeric, resolve
 from pipeoff.optim._full_offload._common import Phase, capture_hyper, same_hyper
 from pipeoff.optim._full_offload._config import (
@@ -44,7 +44,6 @@ from pipeoff.optim._full_offload._device_part import FullDevicePart
 from pipeoff.optim._full_offload._finder import ModelFinder
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._graph import NORM_ALLREDUCE
-from pipeoff.optim._full_offload._intake import GradientIntake, refuse_if_torn, zero_grads
 from pipeoff.optim._full_offload._model_sync import ModelSync, late_write_message
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._full_offload._reports import HostReports
@@ -224,7 +223,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                                             part=FullDevicePart(config.offload_fraction))
         self._model_sync = ModelSync(self._registry, self._lifecycle, config, self._readers,
                                      lambda: self.param_groups)
-        self._intake = GradientIntake(self._lifecycle, self._model_sync)
+        self._intake = _intake.GradientIntake(self._lifecycle, self._model_sync)
         # Forward hooks (attach()); the ended step's traces.
         self._waits = ForwardWaits(self.wait_for_step)
         self._traces = StepTraces(self._lifecycle, self._waits, self.offload_choice)
@@ -397,8 +396,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         _host_kernel.warn_if_off(self.optimizer_class, self.param_groups)
         self.wait_for_step()
         self._health.check("step()")
-        if self._model_sync.sync():
-            self._intake.ensure_hooks()
+        _intake.at_step(self._intake)
         micro = self._lifecycle
         if micro.phase is Phase.IDLE:
             # A failure that stepped nothing and surfaced after step() returned:
@@ -576,8 +574,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             KeyboardInterrupt: Ctrl-C while waiting for the discarded micro-steps
                 (call ``zero_grad()`` again).
         """
-        micro = self._lifecycle
-        with refuse_if_torn(self._health, "training on after zero_grad()"):
+        micro, held = self._lifecycle, _intake.present(self._intake) | self._intake.had_grad
+        with _intake.refuse_if_torn(self._health, "training on after zero_grad()"):
             micro.settle_deferred()
             if micro.phase is not Phase.IDLE:
                 if micro.micro is not None:
@@ -593,7 +591,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                     micro.hand_over(None)
                     self.wait_for_step()
             micro.discard("zero_grad() discarded the micro-step", classify_final=True)
-            zero_grads(self._intake, [rec.param for rec in self._registry], set_to_none)
+            _intake.zero_grads(self._intake, held, set_to_none)
 
     def trace_summary(self) -> Any:
         """The summary of the last step's trace (``None`` before one finished)."""

@@ -795,6 +795,24 @@ SPECULATIVE = (
                "reduces_lets_its_peer_commit",),
         hazard="a replica that abandons a sync and leaves never joins its vote: the peer "
                "waits out the group's timeout and rejects, where torchft's commits"),
+    Mutant(
+        name="r81:grads-taken-early-forgotten", file="pipeoff/optim/_full_offload/_intake.py",
+        old="            | ((intake.delivered | taken) - shown))\n",
+        new="            | (intake.delivered - shown))\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_zero_grad_set_to_none_false_"
+               "follows_torchs_grad",),
+        hazard="a zero .grad that the loop's clip call took into a device-part sum is "
+               "forgotten: the next zero_grad(set_to_none=False) leaves it None and the "
+               "parameter is skipped where torch steps it"),
+    Mutant(
+        name="r82:load-drops-device-grads", file="pipeoff/optim/_full_offload/_device_part.py",
+        old="        for rec in self.params.values():\n            rec.sum = None\n",
+        new="        for rec in self.params.values():\n            rec.sum = None\n"
+            "            rec.param.grad = None\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_zero_grad_set_to_none_false_"
+               "follows_torchs_grad",),
+        hazard="load_state_dict() drops the device part's .grad (torch's keeps it), so the "
+               "result depends on offload_fraction"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

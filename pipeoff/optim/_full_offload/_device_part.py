@@ -226,12 +226,10 @@ class FullDevicePart:
                    for rec in self.params.values())
 
     def discard(self) -> None:
-        """``zero_grad()``: drop the sums (and gradients set by hand; those of parameters
-        removed from the groups are left, as torch's ``zero_grad()`` leaves them)."""
+        """Drop the sums (``zero_grad()``, which sets ``.grad`` itself, or a loaded state
+        dict, which leaves ``.grad`` as torch's ``load_state_dict`` does)."""
         for rec in self.params.values():
             rec.sum = None
-            if self.listed(rec.param):
-                rec.param.grad = None
 
     # -- the norm ----------------------------------------------------------------------------
     def total_norm(self, param_groups: Sequence[Mapping[str, Any]],

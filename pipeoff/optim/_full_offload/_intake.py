@@ -129,8 +129,11 @@ class GradientIntake:
         """The post-accumulate-grad hook of each of the model's parameters, by ``id()``."""
         self._probe_handles: list[Any] = []
         self.had_grad: set[int] = set()
-        """The parameters (by ``id()``) that a gradient reached since the last
-        ``zero_grad(set_to_none=True)``: torch keeps a ``.grad`` for each."""
+        """The parameters (by ``id()``) whose ``.grad`` torch held at the last ``step()``
+        (and keeps after it): ``zero_grad(set_to_none=False)`` zeroes those."""
+        self.delivered: set[int] = set()
+        """The parameters (by ``id()``) a backward's gradient reached since the last
+        ``step()`` or ``zero_grad()`` (taken in, so ``.grad`` may not show it)."""
         weakref.finalize(self, _remove_hooks, self.grad_hooks, self._probe_handles)
 
     def ensure_hooks(self) -> None:
@@ -227,7 +230,7 @@ class GradientIntake:
         grad = p.grad
         if grad is None:
             return
-        self.had_grad.add(id(p))
+        self.delivered.add(id(p))
         if _compat.backward_id() < 0:
             raise GradientError(
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
@@ -252,20 +255,48 @@ class GradientIntake:
         lifecycle.receive(i, payload, marked=marked)
 
 
-def zero_grads(intake: GradientIntake, host: list[torch.Tensor], set_to_none: bool) -> None:
-    """``zero_grad()``'s ``.grad`` of the ``host`` part's parameters and the device
-    part's (those in ``param_groups``): ``None``; or, with ``set_to_none=False``, a zero
-    tensor for every parameter a gradient reached (as torch leaves it), which the next
-    backward accumulates into and ``step()`` takes like a gradient set by hand.
+def _params(intake: GradientIntake) -> list[torch.Tensor]:
+    """The host part's parameters and the device part's in ``param_groups``."""
+    part = intake.lifecycle.part
+    return [*(rec.param for rec in intake.registry),
+            *(q for q in part.tensors() if part.listed(q))]
+
+
+def present(intake: GradientIntake) -> set[int]:
+    """The parameters (by ``id()``) whose ``.grad`` torch would hold now, past the last
+    step: a ``.grad`` (a placeholder, one set by hand, the zeros below), or a gradient
+    taken in that no placeholder shows (one shown and set to ``None`` is dropped): from
+    a backward, or set by hand and taken into a sum early (a clip's norm)."""
+    life = intake.lifecycle
+    shown = {id(s.rec.param) for s in life.grads.slots.values()} | set(life.grads.device_slots)
+    taken = {id(rec.param) for rec in life.part.params.values() if rec.sum is not None}
+    if life.acc is not None:
+        taken |= {id(intake.registry[i].param) for i in life.acc.touched}
+    return ({id(p) for p in _params(intake) if p.grad is not None}
+            | ((intake.delivered | taken) - shown))
+
+
+def at_step(intake: GradientIntake) -> None:
+    """``step()`` begins (before the placeholders are withdrawn): the model's changes
+    followed, and the parameters torch steps (and whose ``.grad`` it keeps) noted."""
+    if intake.model_sync.sync():
+        intake.ensure_hooks()  # parameters added to param_groups in place
+    intake.had_grad, intake.delivered = present(intake), set()
+
+
+def zero_grads(intake: GradientIntake, held: set[int], set_to_none: bool) -> None:
+    """``zero_grad()``'s ``.grad``: ``None``; or, with ``set_to_none=False``, a zero
+    tensor for each of ``held`` (:func:`present` before the micro-steps were discarded,
+    and what the last ``step()`` kept), which the next backward accumulates into and
+    ``step()`` takes like a gradient set by hand.
 
     Hazard: a parameter that then gets no gradient (an unused branch, an expert not
     routed to) left unstepped, where torch steps it with a zero gradient (momentum
     decay, weight decay, the step count)."""
-    if set_to_none:
-        intake.had_grad.clear()
-    part = intake.lifecycle.part
-    for p in [*host, *(q for q in part.tensors() if part.listed(q))]:
-        p.grad = None if set_to_none or id(p) not in intake.had_grad else torch.zeros_like(p)
+    intake.had_grad = set() if set_to_none else held | intake.had_grad
+    intake.delivered = set()
+    for p in _params(intake):
+        p.grad = None if set_to_none or id(p) not in held else torch.zeros_like(p)
 
 
 @contextlib.contextmanager
