@@ -763,8 +763,7 @@ SPECULATIVE = (
                "by a participant count without it"),
     Mutant(
         name="r77:zero-grads-set-to-none", file="pipeoff/optim/_full_offload/_intake.py",
-        old="        p.grad = None if set_to_none or id(p) not in intake.had_grad else "
-            "torch.zeros_like(p)\n",
+        old="        p.grad = None if set_to_none or id(p) not in held else torch.zeros_like(p)\n",
         new="        p.grad = None\n",
         tests=("tests/optim/test_full_offload_loops.py::test_zero_grad_set_to_none_false_"
                "steps_a_parameter_without_a_gradient_as_torch",),
