@@ -1197,17 +1197,24 @@ def test_the_compile_session_guard_is_in_before_the_first_step() -> None:
 
 
 @pytest.mark.slow  # torch.compile with aot_eager
-def test_a_torch_nn_root_compiled_before_attach_runs_with_the_hooks(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_torch_nn_root_compiled_before_attach_runs_with_the_hooks() -> None:
     """An ``nn.Sequential`` (a ``torch.nn.*`` class) compiled and run before ``attach()``:
     torch.compile runs such a root in ``wrap_inline``'s frame, whose code was compiled
     without hook guards and kept running without attach()'s waits, so with
     ``read_guard=False`` the forward read weights the step was still writing (8e-2 off,
     or autograd's in-place error)."""
     torch._dynamo.reset()
-    # As in a fresh process: no attach() yet has turned Dynamo's hook guards on.
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+    # As in a fresh process: no attach() yet has turned Dynamo's hook guards on. (Not
+    # monkeypatch: its undo deletes a config module's attribute, for the whole session.)
+    prior = torch._dynamo.config.skip_nnmodule_hook_guards
+    torch._dynamo.config.skip_nnmodule_hook_guards = True
+    try:
+        _compiled_before_attach()
+    finally:
+        torch._dynamo.config.skip_nnmodule_hook_guards = prior
 
+
+def _compiled_before_attach() -> None:
     def net() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 4))
