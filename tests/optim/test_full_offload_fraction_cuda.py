@@ -91,13 +91,23 @@ def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
     if mutated and os.environ.get(_ISOLATED) is None:
         # In a fresh interpreter: in two runs of the whole suite (of about ten) the race
         # went unobserved after earlier tests in the same process, never alone (80 runs,
-        # loaded or not); the interleaving is the test's own there.
+        # loaded or not); the interleaving is the test's own there. Once (of about ten
+        # suite runs) it went unobserved in its own interpreter too, and no delay of any
+        # lane reproduces that (tried: accumulate, h2d, d2h, host_step, device_part; the
+        # caller on a stream of its own or not), so the interleaving that hides it is not
+        # known and cannot be forced: a known gap. Up to three interpreters, each a
+        # fresh draw; every one must observe no *other* failure.
         node = f"{Path(__file__)}::test_a_reader_off_the_callers_stream_waits_for_the_device_part"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              f"{node}[simulated-True]"], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, _ISOLATED: "1"}, check=False)
-        assert run.returncode == 0, run.stdout[-3000:]
-        return
+        outs = []
+        for _ in range(3):
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  f"{node}[simulated-True]"], capture_output=True, text=True,
+                                 timeout=300, env={**os.environ, _ISOLATED: "1"}, check=False)
+            if run.returncode == 0:
+                return
+            outs.append(run.stdout[-3000:])
+            assert "DID NOT RAISE" in run.stdout, run.stdout[-3000:]
+        raise AssertionError("\n---\n".join(outs))
     net = make_net(gpu)
     gpu.synchronize()
     opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap="none",
