@@ -102,8 +102,9 @@ class Health:
         if self.torn is not None:
             raise StepFailedError(
                 f"{what} refused: {self.torn}, so the parameters and optimizer state are "
-                "partly stepped. Load a checkpoint (the model's and this optimizer's "
-                "load_state_dict) to go on.") from self.torn_cause
+                "not those of a whole step the loop asked for (partly stepped, or stepped "
+                "by a backward that then raised). Load a checkpoint (the model's and this "
+                "optimizer's load_state_dict) to go on.") from self.torn_cause
         if stale and self.stale is not None:
             raise StepFailedError(
                 f"{what} refused: the device weights are stale (a host-to-device copy "

@@ -812,6 +812,15 @@ SPECULATIVE = (
                "follows_torchs_grad",),
         hazard="load_state_dict() drops the device part's .grad (torch's keeps it), so the "
                "result depends on offload_fraction"),
+    Mutant(
+        name="r83:backward-after-a-raised-one", file="pipeoff/optim/_full_offload/_common.py",
+        old="    return began_in is not None and now is not None and now is not began_in\n",
+        new="    return False\n",
+        tests=("tests/optim/test_full_offload.py::test_a_backward_after_one_that_raised_is_"
+               "refused_naming_it",),
+        hazard="a backward after one that raised is taken as the same backward: refused as "
+               "a reentrant checkpoint's second gradient, or (a device part) its gradients "
+               "added to the partial ones"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -580,6 +580,36 @@ def test_a_backward_that_raises_leaves_nothing_hanging() -> None:
     train(opt, model, batches(1, 1))
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_a_backward_after_one_that_raised_is_refused_naming_it(overlap: str,
+                                                               fraction: float) -> None:
+    """The raised backward's gradients are partial: the next backward is refused, and the
+    error names the unfinished backward (not a reentrant checkpoint, which was the
+    message before). After zero_grad() training goes on, bitwise, where nothing stepped
+    (under overlap="backward" the raised final backward may have stepped chunks: a torn
+    step, tested above)."""
+    model = make_model()
+    ref = reference(make_model())
+    opt = build(model, overlap=overlap, offload_fraction=fraction, timeout=30)
+    idx, _, _ = batches(1, 1)[0][0]
+    h = _Boom.apply(model.l1(model.emb(idx)).float()).sum()
+    loss = h + (model.side.weight.float() ** 2).sum()  # side's gradient lands first
+    with pytest.raises(RuntimeError, match="backward failed"):
+        loss.backward()
+    with pytest.raises(GradientError, match="previous backward never finished.*zero_grad"):
+        loss_fn(model, batches(1, 1)[0][0]).backward()
+    if overlap == "backward":
+        with contextlib.suppress(StepFailedError):
+            opt.zero_grad()
+        return
+    opt.zero_grad()
+    data = batches(2, 2, seed=3)
+    train(opt, model, data)
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
 def test_a_gradient_that_never_comes_times_out_naming_the_parameter(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeoff._compat import local_tensor as local
+from pipeoff._compat import outermost_backward_frame
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import GradientError, PipeoffError
 from pipeoff.execution import Execution
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EDGES", "HYPER_CHANGED", "Accumulation", "MicroStep", "Phase", "Shipped",
            "after_final_message", "capture_hyper", "checked_gradient", "classify",
-           "root_cause", "same_hyper", "twice_message", "writes_to"]
+           "root_cause", "same_hyper", "twice_message", "unfinished_before", "writes_to"]
 
 
 class Phase(enum.Enum):
@@ -95,6 +96,9 @@ class MicroStep:
     received: set[int] = dataclasses.field(default_factory=set)
     """Parameters whose gradient this backward shipped."""
     ended: bool = False
+    frame: Any = None
+    """The frame of the outermost backward it began in, until its end (see
+    :func:`unfinished_before`)."""
     deferred: Any = None
     """The frame of the outermost backward, while the end callback of a reentrant
     (inner) backward has fired but the outer one still runs."""
@@ -235,8 +239,9 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
     if stepped and ex.exception is None:
         # The execution ran to the end, but this step failed elsewhere (a
         # gradient refused during the final backward): chunks stepped on it.
-        health.torn = (f"this step failed ({err}) after chunk(s) {stepped} had "
-                       "stepped their masters during the backward")
+        which = ("every chunk" if len(stepped) == nchunks else f"chunk(s) {stepped}")
+        health.torn = (f"this step failed ({err}) after {which} had stepped their "
+                       "masters during the backward")
         return
     if res.torn_chunks:
         health.torn = (f"a step failed in {ex.failed_task!r} while chunk(s) "
@@ -260,8 +265,25 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
 
 
 
-def twice_message(name: str) -> str:
-    """Why a second gradient for parameter ``name`` in one backward is refused."""
+def unfinished_before(began_in: Any) -> bool:
+    """Whether a gradient arriving now comes from another backward than the one whose
+    outermost frame is ``began_in``, which never ended (it raised, or was interrupted:
+    its end callback never ran). A reentrant checkpoint's inner backward shares its
+    outer one's outermost frame. Unknown (``False``) where the gradient's hook runs
+    off the thread that called ``backward()``."""
+    now = outermost_backward_frame()
+    return began_in is not None and now is not None and now is not began_in
+
+
+def twice_message(name: str, began_in: Any = None) -> str:
+    """Why a second gradient for parameter ``name`` in one backward is refused (or a
+    gradient of a backward after one that never ended: ``began_in``, see
+    :func:`unfinished_before`)."""
+    if unfinished_before(began_in):
+        return (f"a gradient for {name!r} from a new backward, while the previous backward "
+                "never finished (it raised, or was interrupted, after some of its gradients "
+                "came: they are partial). Call zero_grad() before the next backward; "
+                "FullOffloadOptimizer does not add a backward to a partial one")
     return (f"a second gradient for {name!r} in one backward: it is used both inside and "
             "outside a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True "
             "runs a backward of its own), or its hook ran twice. FullOffloadOptimizer takes "

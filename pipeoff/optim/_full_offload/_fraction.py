@@ -46,6 +46,7 @@ from pipeoff.optim._full_offload._common import (
     after_final_message,
     capture_hyper,
     twice_message,
+    unfinished_before,
 )
 from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
 from pipeoff.optim._full_offload._graph import step_task
@@ -83,7 +84,7 @@ class FractionLifecycle(Lifecycle):
         """The backward whose end shows the device part's sums (its id)."""
         self._both: tuple[Accumulation | None, torch.Tensor | None] = (None, None)
         """The accumulation whose total norm over both parts was taken, and that norm."""
-        self._received: tuple[int, set[int]] = (0, set())
+        self._received: tuple[Any, set[int]] = (None, set())
         """The outermost backward running (its frame's ``id()``) and the device-part
         parameters it gave a gradient (a second one is refused, as the host part's)."""
         self._open = False
@@ -136,11 +137,12 @@ class FractionLifecycle(Lifecycle):
             # hyperparameters, the refusal of a second backward, the sums' reads
             # (at offload_fraction=0 too, where no host gradient ever comes).
             self._begin(False)
-        outer = id(_compat.outermost_backward_frame())
-        if self._received[0] != outer:
+        began_in = self._received[0] if self._open else None
+        outer = _compat.outermost_backward_frame()
+        if self._received[0] is not outer and not unfinished_before(began_in):
             self._received = (outer, set())
-        if id(rec.param) in self._received[1]:
-            twice = GradientError(twice_message(rec.name))
+        if id(rec.param) in self._received[1] or unfinished_before(began_in):
+            twice = GradientError(twice_message(rec.name, began_in))
             self.fail_current(twice)
             raise twice
         self._received[1].add(id(rec.param))
@@ -167,7 +169,7 @@ class FractionLifecycle(Lifecycle):
         self._shown_in = -1
         self._open = False  # (an inner backward's end too: what came so far is whole)
         if _compat.outer_backward_frame() is None:  # the outermost backward ended
-            self._received = (0, set())
+            self._received = (None, set())
         if self._device_only():
             assert self.acc is not None
             self.grads.install_device(self.acc, self.part.with_sums())
@@ -179,7 +181,7 @@ class FractionLifecycle(Lifecycle):
         super().close_open_backward(why)
         if self._open and _compat.backward_id() < 0:
             self._open = False
-            self._received = (0, set())
+            self._received = (None, set())
             if self.health.dirty is None:
                 self.health.dirty = GradientError(
                     "a backward with device-part gradients did not finish (it raised, or "
@@ -348,7 +350,7 @@ class FractionLifecycle(Lifecycle):
         self._both = (None, None)
         if _compat.backward_id() < 0:  # (zero_grad() after a backward that raised)
             self._open = False
-            self._received = (0, set())
+            self._received = (None, set())
 
     def edit_device_sums(self, replaced: Mapping[DeviceParam, torch.Tensor],
                          dropped: list[DeviceParam]) -> None:

@@ -33,6 +33,7 @@ from pipeoff.optim._full_offload._common import (
     classify,
     root_cause,
     twice_message,
+    unfinished_before,
     writes_to,
 )
 from pipeoff.optim._full_offload._config import FullOffloadConfig
@@ -138,8 +139,8 @@ class Lifecycle:
         # has a graph task of its own; its gradients belong to the outer one.
         if ms is None or ms.ended:
             ms = self._begin(marked())
-        if i in ms.received:
-            twice = GradientError(twice_message(rec.name))
+        if i in ms.received or unfinished_before(ms.frame):
+            twice = GradientError(twice_message(rec.name, ms.frame))
             self.fail_current(twice)
             raise twice
         ms.received.add(i)
@@ -191,7 +192,7 @@ class Lifecycle:
             err = GradientError(after_final_message(self.config.overlap))
             self.health.dirty = err
             raise err
-        ms = MicroStep(final=final)
+        ms = MicroStep(final=final, frame=_compat.outermost_backward_frame())
         if final:
             self._before_final(acc)
         if final or (self.config.accumulate == "cpu" and self.ddp is None):
@@ -226,7 +227,7 @@ class Lifecycle:
         ms.deferred = None
         if self.micro is ms:
             self.micro = None
-        ms.ended = True
+        ms.ended, ms.frame = True, None  # (the frame: kept only while the backward runs)
         ex = ms.execution
         if ex is None:
             self._show()
