@@ -7,7 +7,7 @@ import contextlib
 import copy
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -556,14 +556,35 @@ class _Boom(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
-    delay = 0.0
+    until: Callable[[], bool] | None = None
+    """Raise only once this holds (ordered by the event, not a sleep)."""
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         import time
 
-        time.sleep(_Boom.delay)  # lets the chunks whose gradients landed step first
+        deadline = time.monotonic() + 120
+        while _Boom.until is not None and not _Boom.until():
+            assert time.monotonic() < deadline, "the awaited chunk never stepped"
+            time.sleep(0.001)
         raise RuntimeError("backward failed")
+
+
+def _raise_after_a_chunk_stepped(opt: FullOffloadOptimizer, a: torch.nn.Module,
+                                 b: torch.nn.Module, x: torch.Tensor) -> None:
+    """A final backward under overlap="backward": b's chunks step as its gradients land;
+    the backward raises, before a's gradients, once one of them has stepped."""
+
+    def stepped() -> bool:
+        acc = opt._lifecycle.acc
+        return acc is not None and bool(acc.results.stepped_chunks)
+
+    _Boom.until = stepped
+    try:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            b(_Boom.apply(a(x))).float().sum().backward()
+    finally:
+        _Boom.until = None
 
 
 def test_a_backward_that_raises_leaves_nothing_hanging() -> None:
@@ -777,13 +798,7 @@ def test_a_final_backward_that_raises_after_chunks_stepped_is_a_torn_step() -> N
     model = torch.nn.Sequential(a, b).to(torch.bfloat16)
     opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="backward", chunk_numel=1)
     x = torch.randn(3, 4).to(torch.bfloat16)
-    _Boom.delay = 0.3
-    try:
-        with pytest.raises(RuntimeError, match="backward failed"):
-            # b's chunks step as its gradients land; then the raise, before a's.
-            b(_Boom.apply(a(x))).float().sum().backward()
-    finally:
-        _Boom.delay = 0.0
+    _raise_after_a_chunk_stepped(opt, a, b, x)
     with pytest.raises(StepFailedError, match="checkpoint"):
         opt.step()
     opt.zero_grad()
@@ -804,13 +819,7 @@ def test_zero_grad_after_a_raised_final_backward_that_stepped_chunks_refuses() -
     x = torch.randn(3, 4).to(torch.bfloat16)
     with opt.no_sync():
         b(a(x)).float().sum().backward()
-    _Boom.delay = 0.3
-    try:
-        with pytest.raises(RuntimeError, match="backward failed"):
-            # b's chunks step as its gradients land; then the raise, before a's.
-            b(_Boom.apply(a(x))).float().sum().backward()
-    finally:
-        _Boom.delay = 0.0
+    _raise_after_a_chunk_stepped(opt, a, b, x)
     with pytest.raises(StepFailedError, match="checkpoint") as info:
         opt.zero_grad()
     assert "before its backward finished" in str(info.value.__cause__)
