@@ -83,7 +83,7 @@ def replica(replica_id: int, lighthouse: str, args: argparse.Namespace) -> tuple
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 inner.step()  # DiLoCo's hooks prepare and perform the fragment syncs
-        return float(loss), diloco.last_trace
+        return float(loss.detach()), diloco.last_trace
     finally:
         manager.shutdown(wait=False)
 

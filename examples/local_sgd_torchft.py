@@ -72,7 +72,7 @@ def replica(replica_id: int, lighthouse: str, args: argparse.Namespace) -> tuple
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 opt.step()  # every sync_every steps, the post hook averages
-        return float(loss), local_sgd.last_trace
+        return float(loss.detach()), local_sgd.last_trace
     finally:
         manager.shutdown(wait=False)
 

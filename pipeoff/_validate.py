@@ -7,7 +7,8 @@ from typing import Any
 
 from pipeoff._errors import ConfigError
 
-__all__ = ["check_bool", "check_bytes", "check_int", "parse_bytes", "short_repr"]
+__all__ = ["check_bool", "check_bytes", "check_int", "check_process_group", "parse_bytes",
+           "short_repr"]
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -93,6 +94,26 @@ def check_bytes(name: str, value: Any, *, optional: bool = False) -> int | None:
     if optional and value is None:
         return None
     return parse_bytes(value, name=name)
+
+
+def check_process_group(value: Any, name: str = "process_group") -> Any:
+    """``value`` if it is ``None`` or a ``torch.distributed.ProcessGroup`` (of an
+    initialized ``torch.distributed``).
+
+    Raises:
+        ConfigError: anything else, naming ``name``.
+    """
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(f"{name} was given, but torch.distributed is not initialized")
+    if not isinstance(value, dist.ProcessGroup):
+        raise ConfigError(f"{name} must be a torch.distributed.ProcessGroup (such as "
+                          f"dist.group.WORLD or a DeviceMesh's get_group()) or None, got "
+                          f"{short_repr(value)}")
+    return value
 
 
 def short_repr(value: Any, limit: int = 120) -> str:

@@ -152,8 +152,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         given = "--offload-fraction" if args.offload_fraction is not None else "--mfu"
         raise _UsageError(f"{given} applies only with --feature train-step")
     shape = model_shape(args.model, fsdp=args.fsdp)
-    schedules = tuple(s.strip() for s in (args.schedules or ",".join(
-        FEATURE_SCHEDULES.get(args.feature, ()))).split(",") if s.strip())
+    schedules = tuple(s.strip() for s in (",".join(FEATURE_SCHEDULES.get(args.feature, ()))
+                                          if args.schedules is None else args.schedules
+                                          ).split(",") if s.strip())
+    if not schedules:
+        raise _UsageError(f"no schedule given in --schedules ({args.schedules!r}); leave it "
+                          "out for all of the feature's")
     cost, host = _simulate_cost(args)
     preds = compare(
         shape, args.feature, schedules, cost,
@@ -169,7 +173,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     if args.trace_dir:
         for p in preds:
-            p.trace.save(Path(args.trace_dir) / f"{args.feature}-{p.schedule}.json")
+            path = Path(args.trace_dir) / f"{args.feature}-{p.schedule}.json"
+            try:
+                p.trace.save(path)
+            except OSError as err:
+                raise _UsageError(f"--trace-dir: cannot write {path} "
+                                  f"({err.strerror or err})") from err
     if args.json:
         print(json.dumps([{
             "schedule": p.schedule, "time_ms": p.time_ms, "peak_device_bytes": p.peak_device_bytes,
@@ -341,6 +350,12 @@ def _cmd_train_step(args: argparse.Namespace) -> int:
           "kept, 4 offloaded) + device staging; activations not counted")
     for r in rows:
         print(f"  {r.schedule}: {r.note}")
+    by = {r.schedule: r for r in rows}
+    fwd, bwd = by.get("full-offload-forward"), by.get("full-offload-backward-attach")
+    if fwd is not None and bwd is not None and bwd.time_ms < fwd.time_ms:
+        print("  (FullOffloadOptimizer's default is overlap='forward': it allows clipping, "
+              "max_norm= or the loop's clip_grad_norm_. Without clipping, overlap='backward' "
+              "with attach() hides more of the host step here, under the backward.)")
     return 0
 
 
@@ -386,7 +401,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default="8b",
                      help="0.6b, 8b, 70b, qwen3-30b-a3b (a mixture of experts), or a .json "
                           "of {name: shape} (default: %(default)s)")
-    sim.add_argument("--fsdp", type=int, default=8, help="FSDP ranks (default: %(default)s)")
+    sim.add_argument("--fsdp", type=_int_at_least(1), default=8,
+                     help="FSDP ranks (default: %(default)s)")
     sim.add_argument("--feature", choices=["optimizer", "local-sgd", "full-offload", "transfer",
                                               "diloco", "train-step"],
                      default="optimizer",

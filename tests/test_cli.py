@@ -280,3 +280,31 @@ def test_a_too_small_budget_names_the_options_to_change(
     assert "--device-budget=1000000000 bytes" in err
     assert "raise --device-budget to at least 1GiB" in err and "lower --chunk-bytes" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--fsdp", "0"], "argument --fsdp: must be at least 1, got 0"),
+    (["simulate", "--schedules", ""], "no schedule given in --schedules ('')"),
+    (["simulate", "--schedules", "pipelined", "--trace-dir", "/proc/no/such"],
+     "--trace-dir: cannot write /proc/no/such/optimizer-pipelined.json"),
+])
+def test_simulates_bad_options_exit_2_naming_them(
+        capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """(A new user's finds: --fsdp 0 named no option, an empty --schedules ran them all,
+    an unwritable --trace-dir printed only the OS's errno.)"""
+    from pipeoff.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = int(exit_.code or 0)
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
+def test_python_dash_m_pipeoff_is_the_command() -> None:
+    res = subprocess.run([sys.executable, "-m", "pipeoff", "--help"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "usage: pipeoff" in res.stdout and "simulate" in res.stdout

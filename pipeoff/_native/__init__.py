@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -44,6 +45,7 @@ CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-pthread",
 
 ABI_VERSION = 5
 
+_log = logging.getLogger("pipeoff")
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -109,6 +111,9 @@ def _build(cc: list[str]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".hoststep-", suffix=".so", dir=out_dir)
     os.close(fd)
+    # Once per machine, but long enough (up to a minute) to look like a hang unannounced.
+    _log.warning("pipeoff: compiling the native host kernels for this machine (once; "
+                 "up to a minute; cached in %s; PIPEOFF_NATIVE=0 skips them)", out_dir)
     try:
         proc = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=120, check=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 import threading
 import time
 from collections import defaultdict
@@ -20,6 +19,7 @@ from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
+from pipeoff.ft._args import check_diloco_knobs, check_manager
 from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
 from pipeoff.ft._diloco_tail import SyncTail
 from pipeoff.ft._options import StagingOptions, check_flag, check_sync_schedule
@@ -143,6 +143,11 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         device_budget_bytes: int | None = None,
     ) -> None:
         offload = check_flag("offload_to_cpu", offload_to_cpu)
+        check_manager(manager)
+        check_diloco_knobs(model_fragments, inner_optimizer, outer_optimizer,
+                           backup_device=backup_device, pin_memory=pin_memory,
+                           use_bucketization=use_bucketization, bucket_cap_mb=bucket_cap_mb,
+                           should_quantize=should_quantize)
         sync_every, fragment_sync_delay, fragment_update_alpha = check_sync_schedule(
             sync_every, len(model_fragments), fragment_sync_delay=fragment_sync_delay,
             fragment_update_alpha=fragment_update_alpha,
@@ -150,10 +155,6 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         if offload and bucket_bytes is None and bucket_cap_mb is not None:
             # torchft's bucket size (its MiB, as torchft converts them) is the
             # offloaded sync's unless bucket_bytes is given.
-            if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real)
-                    or not bucket_cap_mb > 0):
-                raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got "
-                                  f"{bucket_cap_mb!r}")
             bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         opts = StagingOptions.resolve(flag="offload_to_cpu", offload=offload,
                                       schedule=schedule, bucket_bytes=bucket_bytes,

@@ -17,6 +17,7 @@ from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.executor import execute
+from pipeoff.ft._args import check_manager, check_module, check_optimizer
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
 from pipeoff.ft._collective import allreduce_bucket, vote
 from pipeoff.ft._options import StagingOptions, check_sync_schedule, offload_flag
@@ -143,6 +144,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         device_budget_bytes: int | None = None,
     ) -> None:
         sync_every = check_sync_schedule(sync_every)[0]  # (before torchft's hooks go on)
+        check_manager(manager)
+        check_module("model", model)
+        check_optimizer("optimizer", optimizer)
         super().__init__(manager, model, optimizer, sync_every)
         self._offload = offload_flag(offload_to_cpu, offload_averaged_parameters_to_cpu)
         opts = StagingOptions.resolve(flag="offload_to_cpu",

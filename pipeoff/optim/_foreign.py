@@ -73,10 +73,9 @@ _WHY: dict[str, dict[str, str]] = {
     },
     # DeepSpeed ZeRO-Offload's offload_optimizer keys.
     "ratio": {
-        "*": "pipeoff offloads all of each parameter's optimizer state (DeepSpeed's "
-             "offload_optimizer.ratio, a partial offload, has no equivalent yet): leave the "
-             "parameters whose state should stay on the device out of the params and step "
-             "them with a plain torch optimizer",
+        "*": "use offload_fraction= (the share of the state kept on the host, in [0, 1]; "
+             "DeepSpeed's offload_optimizer.ratio), or offload_fraction='auto' with "
+             "device_budget_bytes= to let pipeoff choose it",
     },
     "nvme_path": {
         "*": "pipeoff offloads to host memory only (DeepSpeed's ZeRO-Infinity NVMe offload "
@@ -89,9 +88,15 @@ _WHY: dict[str, dict[str, str]] = {
     "fast_init": {"*": "pipeoff allocates host state at construction (nothing to switch)"},
     # Megatron-Core's optimizer offload (OptimizerConfig).
     "optimizer_offload_fraction": {
-        "*": "pipeoff offloads all of each parameter's optimizer state (Megatron's "
-             "optimizer_offload_fraction has no equivalent yet): keep the parameters "
-             "whose state should stay on the device out of the params",
+        "*": "use offload_fraction= (Megatron's optimizer_offload_fraction: the share on "
+             "the host, in [0, 1]), or offload_fraction='auto' with device_budget_bytes=",
+    },
+    "use_precision_aware_optimizer": {
+        _FULL: "FullOffloadOptimizer keeps FP32 masters of BF16/FP16 weights on the host "
+               "and steps them there (Megatron's precision-aware optimizer, offloaded): "
+               "nothing to switch",
+        _STATE: "OffloadOptimizer steps the parameters in their own dtype; for FP32 masters "
+                "of BF16 weights, on the host, use FullOffloadOptimizer",
     },
     "overlap_cpu_optimizer_d2h_h2d": {
         "*": "pipeoff always overlaps its copies with the host step (Megatron's "
@@ -100,6 +105,18 @@ _WHY: dict[str, dict[str, str]] = {
     "optimizer_cpu_offload": {
         "*": "this is pipeoff's optimizer: the offload is what it does (Megatron's "
              "optimizer_cpu_offload=True)",
+    },
+    # The HF Trainer's and prime-rl's names.
+    "max_grad_norm": {
+        _FULL: "use max_norm= (the HF Trainer's max_grad_norm), or the loop's own "
+               "torch.nn.utils.clip_grad_norm_",
+        _STATE: "clip in the loop with torch.nn.utils.clip_grad_norm_ before step() (the "
+                "HF Trainer's max_grad_norm does this already)",
+    },
+    "grad_acc_on_gpu": {
+        _FULL: "use accumulate='gpu' (prime-rl's grad_acc_on_gpu=True) or 'cpu'",
+        _STATE: "OffloadOptimizer leaves gradient accumulation on the device (autograd's "
+                "own); FullOffloadOptimizer(accumulate=) chooses where",
     },
     # FSDP2's fully_shard(offload_policy=CPUOffloadPolicy(...)).
     "offload_policy": {
@@ -123,8 +140,12 @@ def refuse_foreign(kwargs: Mapping[str, Any], where: str) -> None:
         why = rows.get(where, rows.get("*"))
         if why is None:
             continue
-        if key == "offload_gradients" and bool(kwargs[key]) == (where == _FULL):
-            continue  # what the optimizer does (the caller drops the key)
+        if key == "offload_gradients":
+            if not isinstance(kwargs[key], bool):
+                raise ConfigError(f"{where}(offload_gradients=...) must be True or False "
+                                  f"(torchao's flag), got {kwargs[key]!r}")
+            if kwargs[key] == (where == _FULL):
+                continue  # what the optimizer does (the caller drops the key)
         raise ConfigError(f"{where}({key}=...): {why}")
 
 

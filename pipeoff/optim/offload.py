@@ -187,7 +187,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """Chunks staged ahead of the one being updated (``None`` with a device budget)."""
         self.device_budget_bytes = device_budget_bytes
         """The cap on live device staging, if given instead of ``prefetch`` (not auto's)."""
-        self.process_group = process_group
+        self.process_group = _validate.check_process_group(process_group)
         self.pin_memory = (_validate.check_bool("pin_memory", pin_memory)
                            and _accel.current().available())
         # Optimizer.__init__ is not called (it wants parameters): what hooks, repr need.

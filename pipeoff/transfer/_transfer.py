@@ -12,7 +12,7 @@ import torch
 
 from pipeoff import _lowlevel
 from pipeoff._errors import ConfigError, TransferRefusedError, TransferTornError
-from pipeoff._validate import check_int
+from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskContext
@@ -126,8 +126,9 @@ class StateTransfer:
             reference, the default one looked up at each launch), so that
             ``destroy_process_group()`` destroys it; launching afterwards raises
             ``ConfigError``.
-        host_budget_bytes: most bytes of host staging live at once (default 64 MiB).
-        device_budget_bytes: most bytes of device staging live at once (default 64 MiB).
+        host_budget_bytes: most bytes of host staging live at once (default 64 MiB; an
+            int or a size string such as ``"256MiB"``).
+        device_budget_bytes: most bytes of device staging live at once (the same).
         cast: ``{pattern: dtype}``: targets of keys matching ``pattern``
             (``fnmatch``, or the key's exact name; the first match wins) may have
             that dtype, converted from the source's when packing (round to nearest
@@ -143,8 +144,8 @@ class StateTransfer:
     """
 
     def __init__(self, sources: Mapping[str, LiveTensor], targets: Mapping[str, LiveTensor], *,
-                 process_group: Any = None, host_budget_bytes: int = 64 << 20,
-                 device_budget_bytes: int = 64 << 20,
+                 process_group: Any = None, host_budget_bytes: int | str = 64 << 20,
+                 device_budget_bytes: int | str = 64 << 20,
                  cast: Mapping[str, torch.dtype] | None = None,
                  wire: Literal["auto", "host", "device"] = "auto",
                  schedule: Literal["pipelined", "synchronous"] = "pipelined") -> None:
@@ -156,9 +157,8 @@ class StateTransfer:
                     f"targets[{key!r}] is an optimizer's state (LiveTensor.from_optimizer): "
                     "the optimizer would not know its state changed. Transfer into plain "
                     "tensors and load them with opt.load_state_dict(...)")
-        self.host_budget_bytes = check_int("host_budget_bytes", host_budget_bytes, unit="bytes")
-        self.device_budget_bytes = check_int("device_budget_bytes", device_budget_bytes,
-                                             unit="bytes")
+        self.host_budget_bytes = parse_bytes(host_budget_bytes, name="host_budget_bytes")
+        self.device_budget_bytes = parse_bytes(device_budget_bytes, name="device_budget_bytes")
         if cast is None:
             cast = {}
         if not isinstance(cast, Mapping) or not all(

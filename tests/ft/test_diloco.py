@@ -323,13 +323,18 @@ def _manager() -> Any:
     return manager
 
 
+_NONE = object()  # (an outer optimizer of None, where None means the default)
+
+
 def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
     model = make_model(0)
     outer = kwargs.pop("outer", None)
+    manager = kwargs.pop("manager", _manager())
+    fragments = model if kwargs.pop("fragments", None) == "module" else [model]
     return pipeoff.ft.DiLoCo(
-        _manager(), [model], optim.AdamW(model.parameters()),
-        outer if outer is not None else optim.SGD(model.parameters(), lr=0.7, momentum=0.9,
-                                                   nesterov=True),
+        manager, fragments, optim.AdamW(model.parameters()),
+        None if outer is _NONE else outer if outer is not None else optim.SGD(
+            model.parameters(), lr=0.7, momentum=0.9, nesterov=True),
         kwargs.pop("sync_every", 2), **kwargs)
 
 
@@ -350,6 +355,17 @@ def _build(**kwargs: Any) -> pipeoff.ft.DiLoCo:
     ({"offload_to_cpu": True, "outer": "rmsprop"}, "must be a torch.optim.SGD, Adam or AdamW"),
     ({"offload_to_cpu": True, "outer": "foreign"}, "in none of the model fragments"),
     ({"offload_to_cpu": True, "outer": "differentiable"}, "differentiable=True"),
+    # torchft's own arguments, checked in every mode (a new user's finds):
+    ({"bucket_cap_mb": "x"}, "bucket_cap_mb must be a positive number of MiB or None"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number"),
+    ({"use_bucketization": "yes"}, "use_bucketization must be True or False"),
+    ({"pin_memory": "yes"}, "pin_memory must be True or False"),
+    ({"backup_device": "nope"}, "backup_device must be a torch.device"),
+    ({"outer": "none"}, "outer_optimizer must be a torch.optim.Optimizer, got None"),
+    ({"outer": "class"}, "outer_optimizer must be an optimizer instance, got the class SGD"),
+    ({"fragments": "module"}, r"model_fragments must be a list .*Sequential module \(one "
+                              r"fragment: \[model\]\)"),
+    ({"manager": None}, "manager must be a torchft.Manager, got None"),
 ])
 def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
     outer = kwargs.pop("outer", None)
@@ -359,6 +375,10 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
         kwargs["outer"] = optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     elif outer == "differentiable":
         kwargs["outer"] = optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1, differentiable=True)
+    elif outer == "class":
+        kwargs["outer"] = optim.SGD
+    elif outer == "none":
+        kwargs["outer"] = _NONE
     with pytest.raises(ConfigError, match=match):
         _build(**kwargs)
 

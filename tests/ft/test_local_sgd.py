@@ -322,6 +322,18 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
                             optim.SGD(model.parameters(), lr=0.1), 1, **kwargs)
 
 
+@pytest.mark.parametrize("which", ["manager", "model", "optimizer"])
+def test_a_missing_component_is_refused_naming_it(which: str) -> None:
+    """(A new user's find: each was accepted, then failed inside torchft at the first
+    ``with`` or sync, with an AttributeError.)"""
+    model = make_model(0)
+    args: dict[str, Any] = {"manager": _mock_manager(commit=True), "model": model,
+                            "optimizer": optim.SGD(model.parameters(), lr=0.1)}
+    args[which] = None
+    with pytest.raises(pipeoff.ConfigError, match=f"{which} must be a .*, got None"):
+        pipeoff.ft.LocalSGD(args["manager"], args["model"], args["optimizer"], 1)
+
+
 def test_the_old_name_of_offload_to_cpu_still_works_and_warns() -> None:
     model = make_model(0)
     opt = optim.SGD(model.parameters(), lr=0.1)

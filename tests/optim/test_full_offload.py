@@ -228,21 +228,6 @@ def test_clipping_is_refused_with_backward_overlap_and_says_why() -> None:
         build(make_model(), overlap="backward", max_norm=1.0)
 
 
-@pytest.fixture
-def fake_group() -> Iterator[Any]:
-    """Rank 0 of 2 on torch's fake process group (collectives do nothing)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_step_returns_after_the_clipping_norms_all_reduce(
         fake_group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hazard: step() returning while the lane's all-reduce of the clipping norm is still
@@ -270,6 +255,22 @@ def test_step_returns_after_the_clipping_norms_all_reduce(
             opt.zero_grad()
     opt.wait_for_step()
     assert issued == ["norm", "caller"] * 2
+
+
+@pytest.mark.parametrize("which", ["FullOffloadOptimizer", "OffloadOptimizer"])
+def test_a_process_group_that_is_not_one_is_refused_naming_it(fake_group: Any,
+                                                               which: str) -> None:
+    """(A new user's find: process_group="x" was accepted, to fail at the first norm.)"""
+    from pipeoff.optim import OffloadOptimizer
+
+    model = make_model()
+    with pytest.raises(ConfigError, match="process_group must be a "
+                                          "torch.distributed.ProcessGroup .*got 'x'"):
+        if which == "OffloadOptimizer":
+            OffloadOptimizer(model.parameters(), torch.optim.AdamW, process_group="x")
+        else:
+            build(model, process_group="x")
+    build(model, process_group=fake_group)  # a group passes
 
 
 class _Special(torch.nn.Module):

@@ -210,12 +210,11 @@ def test_a_budget_too_small_takes_all_on_the_host(monkeypatch: pytest.MonkeyPatc
     assert opt.offload_fraction == 1.0
 
 
-@pytest.mark.parametrize("kw", [{"process_group": object()}], ids=["process_group"])
 def test_modes_without_a_device_part_refuse_auto(monkeypatch: pytest.MonkeyPatch,
-                                                 kw: dict[str, Any]) -> None:
+                                                 fake_group: Any) -> None:
     calls = inject(monkeypatch, GPU_LIKE)
     with pytest.raises(ConfigError, match="offload_fraction='auto'"):
-        build(make_model(), **kw)
+        build(make_model(), process_group=fake_group)
     assert not calls  # refused before measuring
 
 

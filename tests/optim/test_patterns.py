@@ -744,6 +744,29 @@ class WorkerThreadRead(nn.Module):
         return self.aux(h) + side.result()
 
 
+@pytest.mark.parametrize(("args", "kw", "match"), [
+    (("class",), {}, "make_optimizer must build the optimizer from a model .*the class AdamW"),
+    (("instance",), {}, "make_optimizer must .*an instance of AdamW"),
+    (("fn",), {"loss_fn": 5}, "loss_fn must be a function, got 5"),
+    (("fn",), {"attach": "no"}, "attach must be True or False"),
+    (("fn", None), {}, "batches must be an iterable"),
+    (("fn",), {"model": 3}, "model must be a torch.nn.Module or a function"),
+])
+def test_check_overlap_refuses_bad_arguments_by_name(args: tuple[Any, ...], kw: dict[str, Any],
+                                                     match: str) -> None:
+    """(A new user's finds: an optimizer class where the factory goes, the natural slip
+    since the optimizers take a class, gave torch's "can only optimize Tensors".)"""
+    from pipeoff import ConfigError
+    from pipeoff.optim import check_overlap
+
+    model = kw.pop("model", torch.nn.Linear(2, 2))
+    make = {"class": torch.optim.AdamW, "fn": lambda m: torch.optim.AdamW(m.parameters()),
+            "instance": torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())}[args[0]]
+    xs = args[1] if len(args) > 1 else [torch.randn(3, 2) for _ in range(3)]
+    with pytest.raises(ConfigError, match=match):
+        check_overlap(model, make, xs, **kw)
+
+
 def test_check_overlap_names_the_parameter_read_too_early() -> None:
     from pipeoff.optim import check_overlap
 

@@ -271,6 +271,11 @@ def test_bad_arguments_are_named(kw: dict[str, Any], words: str) -> None:
         StateTransfer({}, {}, **kw)
 
 
+def test_budgets_take_size_strings_as_every_bytes_argument_does() -> None:
+    t = StateTransfer({}, {}, host_budget_bytes="64KiB", device_budget_bytes="1MB")
+    assert (t.host_budget_bytes, t.device_budget_bytes) == (65536, 10**6)
+
+
 def test_bad_tensors_are_named() -> None:
     with pytest.raises(ConfigError, match=r"sources\['w'\] must be a pipeoff.transfer"):
         StateTransfer({"w": torch.zeros(3)}, {})  # type: ignore[dict-item]

@@ -45,6 +45,7 @@ import torch
 from pipeoff import _accel, _compat
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError, PlanMismatchError
+from pipeoff._validate import check_bytes
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
 from pipeoff.optim._offload._auto import FractionChoice, Rates, _budget, _seconds, choose
@@ -148,6 +149,7 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
     """
     if not is_auto(fraction):
         if device_budget_bytes is not None:
+            check_bytes("device_budget_bytes", device_budget_bytes)
             raise ConfigError("device_budget_bytes is the budget of offload_fraction='auto' "
                               f"(got offload_fraction={fraction!r}); give both or neither")
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._errors import ConfigError, UnsupportedOptimizerError
-from pipeoff._validate import check_int, parse_bytes, short_repr
+from pipeoff._validate import check_int, check_process_group, parse_bytes, short_repr
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _accumulate
 from pipeoff.optim._offload._args import check_fraction
@@ -95,9 +96,12 @@ class FullOffloadConfig:
         if not isinstance(self.pin_memory, bool):
             raise ConfigError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         check_int("num_threads", self.num_threads, optional=True, as_bound=True)
+        check_process_group(self.process_group)
         timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < math.inf):  # (refuses nan too)
+            raise ConfigError(f"timeout must be a positive, finite number of seconds, "
+                              f"got {timeout!r}")
         object.__setattr__(self, "timeout", float(timeout))
         for flag in _FLAGS:
             if self.defaults.get(flag):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 import warnings
 from typing import Any
 
@@ -83,8 +84,20 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
     try:
+        params = list(params)
+    except TypeError:
+        raise ConfigError("params must be an iterable of parameters or of param group dicts, "
+                          f"got {short_repr(params)}") from None
+    if not params:
+        raise ConfigError("params is empty: OffloadOptimizer got no parameters to optimize")
+    try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as err:
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if unknown:
+            raise ConfigError(
+                f"{unknown.group(1)}= is neither an OffloadOptimizer argument nor a "
+                f"hyperparameter of {cls.__name__}: {err}") from err
         raise ConfigError(f"{cls.__name__} refused {sorted(kwargs)}: {err}") from err
 
 

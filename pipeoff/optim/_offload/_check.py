@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipeoff import _compat, _faults
 from pipeoff._errors import ConfigError
+from pipeoff._validate import short_repr
 
 __all__ = ["OverlapReport", "check_overlap"]
 
@@ -112,12 +113,35 @@ def check_overlap(
         An :class:`OverlapReport`; ``report.format()`` explains it.
 
     Raises:
-        ConfigError: fewer than 2 batches, a bad ``delay_s``, or a model whose runs
+        ConfigError: an argument of the wrong kind (an optimizer class for
+            ``make_optimizer``), fewer than 2 batches, a bad ``delay_s``, or a model whose runs
             differ before any optimizer step (not deterministic: nothing to compare).
     """
     from pipeoff.optim.offload import OffloadOptimizer
 
-    xs = list(batches)
+    given: Any = make_optimizer
+    if isinstance(given, torch.optim.Optimizer) or (
+            isinstance(given, type) and issubclass(given, torch.optim.Optimizer)):
+        name = given.__qualname__ if isinstance(given, type) else type(given).__qualname__
+        what = "the class" if isinstance(given, type) else "an instance of"
+        raise ConfigError(
+            f"make_optimizer must build the optimizer from a model (each run trains a fresh "
+            f"copy), got {what} {name}: pass lambda m: torch.optim.{name}(m.parameters(), "
+            "lr=...)")
+    for name, fn in (("make_optimizer", make_optimizer), ("loss_fn", loss_fn)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be a function, got {short_repr(fn)}")
+    if not (isinstance(model, torch.nn.Module) or callable(model)):
+        raise ConfigError(f"model must be a torch.nn.Module or a function returning a fresh "
+                          f"one, got {short_repr(model)}")
+    for name, flag in (("attach", attach), ("read_guard", read_guard)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}")
+    try:
+        xs = list(batches)
+    except TypeError:
+        raise ConfigError(f"batches must be an iterable of inputs (a list; 3 to 5 are "
+                          f"enough), got {short_repr(batches)}") from None
     if len(xs) < 2:
         raise ConfigError(f"batches must hold at least 2 inputs (a race shows from the second "
                           f"step on), got {len(xs)}")
