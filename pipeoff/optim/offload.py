@@ -559,11 +559,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             if self.mode == "chunked":
                 self._wait_synchronously()  # the one host wait of a chunked step
             else:
-                restore = st.restore  # lanes shrink it as chunks finish: read by key
+                refs = st.grad_refs  # (not restore: it shrinks as chunks are issued)
 
                 def grad_of(i: int) -> torch.Tensor | None:
-                    pg = restore.get(i)
-                    return None if pg is None else pg[1]
+                    ref = refs.get(i)
+                    return None if ref is None else ref()
 
                 self._last_waits = self._waits.begin(StepWrites(
                     execution=st.execution, write_tasks=st.opt_tasks, params=layout.params,

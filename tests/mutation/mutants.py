@@ -821,6 +821,16 @@ SPECULATIVE = (
         hazard="a backward after one that raised is taken as the same backward: refused as "
                "a reentrant checkpoint's second gradient, or (a device part) its gradients "
                "added to the partial ones"),
+    Mutant(
+        name="r84:guarded-grads-shrink", file="pipeoff/optim/offload.py",
+        old="                refs = st.grad_refs  # (not restore: it shrinks as chunks are "
+            "issued)\n",
+        new="                refs = {i: r for i, r in st.grad_refs.items() if i in st.restore}\n",
+        tests=("tests/optim/test_optim_cuda.py::test_grads_zeroed_in_place_wait_with_a_"
+               "device_part",),
+        hazard="the read guard knows only the gradients of chunks not yet issued when the "
+               "forward waits begin (after the device part steps): zeroing the others in "
+               "place races the compute stream's kernels still reading them"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

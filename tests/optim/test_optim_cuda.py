@@ -155,6 +155,48 @@ def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads(gpu: Gpu) -
         assert q.grad is not None and not gpu.read(q.grad).any()
 
 
+@pytest.mark.parametrize("how", ["grad.zero_()", "model.zero_grad(False)"])
+def test_grads_zeroed_in_place_wait_with_a_device_part(gpu: Gpu, how: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hazard: the read guard knowing a gradient only while its chunk's host side had not
+    finished: at offload_fraction < 1 the device part steps before the forward waits
+    begin, so a chunk issued meanwhile (its kernels still queued on the compute stream)
+    had its gradient unguarded, and zeroing it in place raced them (a tester's find).
+    Forced: the device part steps only once the first chunk has been issued."""
+    x = batches(gpu, 1)[0]
+    ref = make_net(gpu)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    net = make_net(gpu)
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
+                           chunk_bytes=4096, offload_fraction=0.3)
+    opt.attach(net)
+    real = type(opt._device).step
+
+    def after_the_first_chunk(*args: Any) -> Any:
+        st = opt._inflight
+        assert st is not None and st.updated
+        first, deadline = min(st.updated), time.monotonic() + 120
+        while first in st.restore:  # its chunk's host side has not finished yet
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        return real(*args)
+
+    monkeypatch.setattr(type(opt._device), "step", after_the_first_chunk)
+    with pipeoff.testing.delay_lane("compute", 0.01):
+        net(x).pow(2).mean().backward()
+        opt.step()
+        if how == "grad.zero_()":
+            for p in net.parameters():
+                p.grad.zero_()  # type: ignore[union-attr]
+        else:
+            net.zero_grad(set_to_none=False)
+        opt.wait_for_step()
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
+
+
 def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False,
                post_optim: bool = False) -> tuple[list[Any], Any]:
     """Make each Linear of ``model`` look like an FSDP2 unit with all-gather streams.

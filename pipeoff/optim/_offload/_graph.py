@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,9 @@ class Step:
     (dropped as chunks finish)."""
     restore: dict[int, tuple[torch.Tensor, torch.Tensor]]
     """(param, grad) of the parameters not yet updated, to give grads back on failure."""
+    grad_refs: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    """The captured ``.grad`` of each updated parameter, weakly (for the forward waits:
+    ``restore`` shrinks once a chunk is issued, while on CUDA its kernels still read)."""
     scalars: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per parameter, the scalar state its last chunk produced, until committed."""
     written: set[int] = field(default_factory=set)
@@ -142,7 +146,8 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
 
     cuda = _accel.current().is_device(layout.device)
     step = Step(execution=None, opt_tasks=(), grads=grads,  # type: ignore[arg-type]
-                restore=restore, updated=tuple(grads))
+                restore=restore, updated=tuple(grads),
+                grad_refs={i: weakref.ref(g) for i, (_, g) in restore.items()})
     for i in grads:
         st = inner.state.get(params[i], {})
         step.host_state[i] = {k: _local(st[k]) for k in present[i]}
