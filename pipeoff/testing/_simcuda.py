@@ -471,6 +471,16 @@ class SimulatedCuda:
             func(*meta_args, **meta_kwargs)
         except NotImplementedError:
             return None  # no meta kernel: run it now
+        if torch.Tag.nondeterministic_seeded in func.tags and len(tensors) == 1:
+            # CUDA fixes a random kernel's draws at its launch (Philox offsets taken
+            # from the generator in issue order): drawing on the worker would
+            # interleave with the host's later seeding and draws (a seeded model
+            # built twice came out different). Draw now, into scratch memory the
+            # kernel then copies from.
+            target = args[0]
+            scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype)
+            func(scratch, *args[1:], **kwargs)
+            func, args, kwargs = torch.ops.aten.copy_.default, (target, scratch), {}
         # What the kernel will touch is fixed now: the tensors' storages and strides
         # at issue (a later `p.data = new` or swap_tensors must not redirect it),
         # and a 0-dim host tensor's value (a scalar argument, read at the launch).
