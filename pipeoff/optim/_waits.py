@@ -464,16 +464,22 @@ class ForwardWaits:
             if self.cuda and streams is None:
                 streams = (_accel.current().current_stream(self.device),)
             t0 = time.perf_counter_ns()
-            for comp in st.execution.events_for([st.write_tasks[c] for c in todo]):
-                if streams:
-                    for s in streams:
-                        if _faults.disabled("hook_stream_wait"):
-                            continue
-                        # Hazard: this stream (compute, or FSDP's all-gather copy-in)
-                        # reading parameters the chunk is still writing.
-                        comp.wait(s)
-                else:
-                    comp.wait()  # host lanes: block until the chunk has written them
+            try:
+                for comp in st.execution.events_for([st.write_tasks[c] for c in todo]):
+                    if streams:
+                        for s in streams:
+                            if _faults.disabled("hook_stream_wait"):
+                                continue
+                            # Hazard: this stream (compute, or FSDP's all-gather
+                            # copy-in) reading parameters the chunk is still writing.
+                            comp.wait(s)
+                    else:
+                        comp.wait()  # host lanes: block until the chunk has written them
+            except KeyboardInterrupt as err:
+                err.add_note("pipeoff: interrupted while a read waited for the optimizer "
+                             "step in flight, which goes on: it has not failed and must not "
+                             "be repeated. Call wait_for_step() to wait for it.")
+                raise
             t1 = time.perf_counter_ns()
             with self._lock:
                 waited.update(todo)

@@ -261,6 +261,32 @@ def test_a_synchronous_step_completes_before_the_interrupt_is_passed_on() -> Non
     goes_on_alike(opt, model, ref, ref_model)
 
 
+# -- OffloadOptimizer's forward waits ---------------------------------------------------------
+
+@pytest.mark.parametrize("attach", [True, False], ids=["hook", "read_guard"])
+def test_a_forward_waiting_for_the_step_in_flight(attach: bool) -> None:
+    """Ctrl-C while a forward waits for a chunk (a hook's wait, or the read guard's): the
+    step goes on, and the interrupt says so (it carried no note: a tester's find)."""
+    model = make_model().float()
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    if attach:
+        opt.attach(model)
+    with pt.hold_task("opt.*") as release:
+        backward(model, 0)
+        opt.step()  # returns at once; its chunks are held
+        opt.zero_grad()
+        err = interrupted(lambda: model(batch(1).float()), "wait_for", "wait")
+        release.set()
+    assert any("must not be repeated" in n for n in getattr(err, "__notes__", ())), err
+    opt.wait_for_step()
+    ref_model = make_model().float()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    backward(ref_model, 0)
+    ref.step()
+    assert_same(model, ref_model)  # stepped once
+
+
 # -- state transfers reading an optimizer's state --------------------------------------------
 
 @pytest.mark.parametrize("kind", ["full", "offload"])

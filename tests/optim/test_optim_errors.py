@@ -25,6 +25,22 @@ def test_sparse_grads_refused_before_anything_is_written(mode: str) -> None:
     assert torch.equal(emb.weight, before) and not opt.inner.state
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_differentiable_is_refused_in_the_chunked_modes(mode: str, fraction: float) -> None:
+    """At fraction 1 it stepped silently, outside autograd (a tester's find), where
+    torch's step refuses leaf parameters; refused at every step (groups are edited)."""
+    net = make_net()
+    before = [p.detach().clone() for p in net.parameters()]
+    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    opt = OffloadOptimizer(inner, mode=mode, offload_fraction=fraction)  # type: ignore[arg-type]
+    inner.param_groups[0]["differentiable"] = True  # set after construction, as a loop may
+    net(torch.randn(4, 8), 1).sum().backward()
+    with pytest.raises(pipeoff.ConfigError, match="differentiable=True.*single_pass"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+
+
 def test_mixed_devices_refused() -> None:
     a = nn.Parameter(torch.zeros(3))
     b = nn.Parameter(torch.zeros(5, device="meta"))

@@ -118,6 +118,12 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
     plan = layout.plan
     assert plan is not None, "launch() needs a chunked layout"
     params, keys = layout.params, layout.keys
+    for g in inner.param_groups:  # (checked at each step: groups are edited in place)
+        if g.get("differentiable"):
+            raise ConfigError(
+                "differentiable=True: the chunks step the parameters outside autograd, so "
+                "no graph would record the step (torch's own step refuses it for leaf "
+                "parameters); use mode='single_pass', which runs torch's step")
     # Capture everything the chunks read, so that zero_grad(), a scheduler's
     # step() or the next backward cannot change this step's math.
     grads, restore = capture_grads(layout)
