@@ -20,19 +20,17 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PRIVATE_APIS", "TESTED", "active_data_parallel", "allreduce_discarded",
-           "backward_id", "check_private_apis", "compiled_autograd_active",
-           "compiled_original", "cuda_sleep", "data_parallel", "ddp_gradient_sync",
-           "disabled_torch_function", "dtensor_box",
-           "dynamo_disable", "eager_math", "force_eager", "fsdp_all_gather_streams",
-           "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states",
-           "fsdp_sharded_params", "fsdp_state", "fused_adam_kernel", "hookless",
-           "init_optimizer_hooks",
+__all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_private_apis",
+           "compiled_autograd_active", "compiled_original", "cuda_sleep", "data_parallel",
+           "ddp_gradient_sync", "dtensor_box", "dynamo_disable",
+           "dynamo_skip_frame", "eager_math", "force_eager", "fsdp_all_gather_streams",
+           "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params",
+           "fsdp_state", "fused_adam_kernel", "hookless", "init_optimizer_hooks",
            "installed_version", "is_compiling", "local_tensor", "make_wrapper_subclass",
-           "outer_backward_frame",
-           "outermost_backward_frame", "PrivateAPI", "profiler_enabled",
-           "queue_backward_callback", "recompile_with_hooks", "restore_stance", "runs_compiled",
-           "set_torch_function_stack", "step_body", "torch_function_stack", "uncompiled_name"]
+           "outer_backward_frame", "outermost_backward_frame", "PRIVATE_APIS", "PrivateAPI",
+           "profiler_enabled", "queue_backward_callback", "recompile_with_hooks", "restore_stance",
+           "runs_compiled", "set_torch_function_stack", "step_body", "TESTED",
+           "torch_function_stack", "uncompiled_name"]
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.9", "2.13"),
@@ -68,6 +66,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch._dynamo.external_utils:wrap_inline", "recompile_with_hooks"),
     PrivateAPI("torch", "torch.compiler:_compile_session_context",
                "eager_math: a chunk's math never overlaps a compile session"),
+    PrivateAPI("torch", "torch._dynamo.eval_frame:skip_code",
+               "dynamo_skip_frame: the read guard's __torch_function__ is never a frame"),
     PrivateAPI("torch", "torch._C:_len_torch_function_stack",
                "torch_function_stack: the read guard sits below the user's modes"),
     PrivateAPI("torch", "torch._C:_get_function_stack_at", "torch_function_stack"),
@@ -131,8 +131,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch:Tensor._make_wrapper_subclass",
                "make_wrapper_subclass: FullOffloadOptimizer's gradient placeholders "
                "(param.grad stands for the host sum; the loop's clip calls see it)"),
-    PrivateAPI("torch", "torch._C:_disabled_torch_function_impl",
-               "the placeholders dispatch at the aten level only (HostGrad)"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "allreduce_discarded: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
@@ -237,6 +235,14 @@ def dynamo_disable(fn: F) -> F:
     torch.distributed), which ``import pipeoff`` must not.
     """
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
+def dynamo_skip_frame(code: Any) -> None:
+    """Dynamo never compiles ``code`` as a frame of its own (called from eager code, it
+    runs eagerly); it still inlines it into the code it traces. Imported lazily."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
 
 
 def is_compiling() -> bool:
@@ -550,10 +556,6 @@ def make_wrapper_subclass(cls: type[torch.Tensor], like: torch.Tensor) -> torch.
     return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined, no-any-return]
         cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device,
         layout=like.layout, requires_grad=False)
-
-
-disabled_torch_function: Any = torch._C._disabled_torch_function_impl
-"""A tensor subclass's ``__torch_function__`` that dispatches at the aten level only."""
 
 
 def local_tensor(t: torch.Tensor, *, data: bool = False) -> torch.Tensor:

@@ -814,8 +814,8 @@ SPECULATIVE = (
                "result depends on offload_fraction"),
     Mutant(
         name="r83:backward-after-a-raised-one", file="pipeoff/optim/_full_offload/_common.py",
-        old="    return began_in is not None and now is not None and now is not began_in\n",
-        new="    return False\n",
+        old="        and now[1] is not began_in[1]\n",
+        new="        and False\n",
         tests=("tests/optim/test_full_offload.py::test_a_backward_after_one_that_raised_is_"
                "refused_naming_it",),
         hazard="a backward after one that raised is taken as the same backward: refused as "
@@ -831,6 +831,32 @@ SPECULATIVE = (
         hazard="the read guard knows only the gradients of chunks not yet issued when the "
                "forward waits begin (after the device part steps): zeroing the others in "
                "place races the compute stream's kernels still reading them"),
+    Mutant(
+        name="r85:backward-mark-ignores-the-thread", file="pipeoff/optim/_full_offload/_common.py",
+        old="    return began_in is not None and now is not None and now[0] == began_in[0] \\\n",
+        new="    return began_in is not None and now is not None and True \\\n",
+        tests=("tests/optim/test_full_offload.py::test_backwards_on_two_threads_at_once_are_"
+               "not_taken_for_a_raised_one",),
+        hazard="a backward on another thread, running while this one is, taken for a backward "
+               "after one that raised: legitimate concurrent backwards refused"),
+    Mutant(
+        name="r86:abandoned-micro-step-keeps-its-frame",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="        ms.ended, ms.began_in = True, None\n        if self.micro is ms:\n"
+            "            self.micro = None\n        if err is None:\n",
+        new="        ms.ended = True\n        if self.micro is ms:\n"
+            "            self.micro = None\n        if err is None:\n",
+        tests=("tests/optim/test_full_offload.py::test_a_raised_backwards_graph_is_freed_by_"
+               "zero_grad",),
+        hazard="a raised backward's micro-step keeps its frame after zero_grad(): the loss, "
+               "the graph and its saved activations stay alive through the retry"),
+    Mutant(
+        name="r87:read-guard-frame-compiled", file="pipeoff/optim/_waits.py",
+        old="        _skip_guard_frame()\n", new="",
+        tests=("tests/optim/test_overlap.py::test_a_compiled_llama_with_the_read_guard",),
+        hazard="Dynamo compiles the read guard's eager call from a frame it fell back on: "
+               "is_compiling() true there (no wait), and a cached x.shape returned for "
+               "x.device"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

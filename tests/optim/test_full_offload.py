@@ -632,6 +632,93 @@ def test_a_backward_after_one_that_raised_is_refused_naming_it(overlap: str,
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_backwards_on_two_threads_at_once_are_not_taken_for_a_raised_one(
+        overlap: str, fraction: float) -> None:
+    """Thread A's backward has given l2's gradients and is blocked inside; thread B runs a
+    whole backward over the disjoint ``side``. The check for a backward after one that
+    raised took B for that (a tester's find): each thread's backward is its own."""
+    import threading
+
+    a_gave, b_done = threading.Event(), threading.Event()
+
+    class Hold(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            a_gave.set()
+            assert b_done.wait(60)
+            return g
+
+    def loss_a(m: torch.nn.Module, idx: torch.Tensor, hold: bool) -> torch.Tensor:
+        h = m.l1(m.emb(idx).detach())
+        return m.l2(torch.relu(Hold.apply(h) if hold else h)).float().pow(2).mean()
+
+    def loss_b(m: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return m.side(m.emb(idx).detach()).float().pow(2).mean()
+
+    model, ref = make_model(), reference(make_model())
+    opt = build(model, overlap=overlap, offload_fraction=fraction, timeout=60)
+    idx = batches(1, 1)[0][0][0]
+    errors: list[BaseException] = []
+
+    def thread_b() -> None:
+        try:
+            assert a_gave.wait(60)
+            loss_b(model, idx).backward()
+        except BaseException as err:  # noqa: BLE001 - reported by the assert below
+            errors.append(err)
+        finally:
+            b_done.set()
+
+    b = threading.Thread(target=thread_b)
+    b.start()
+    loss_a(model, idx, True).backward()
+    b.join()
+    assert not errors, errors
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_step()
+    ref.micro_step(lambda m: loss_a(m, idx, False) + loss_b(m, idx))  # disjoint: same sums
+    ref.step()
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize(("overlap", "accumulate", "marked"), [
+    ("none", "cpu", False), ("forward", "cpu", False), ("backward", "cpu", False),
+    ("forward", "gpu", True)])  # (a non-final micro-step summed on the device: no execution)
+def test_a_raised_backwards_graph_is_freed_by_zero_grad(overlap: str, accumulate: str,
+                                                       marked: bool) -> None:
+    """The catch-an-OOM-and-retry pattern: after a backward that raised and zero_grad(),
+    nothing of its graph stays alive (a tester's find: a micro-step kept the backward's
+    frame, and with it the loss, the graph and its saved activations)."""
+    import gc
+    import weakref
+
+    model = make_model()
+    opt = build(model, overlap=overlap, accumulate=accumulate, timeout=30)
+    idx, _, _ = batches(1, 1)[0][0]
+
+    def raise_in_backward() -> Any:
+        big = torch.randn(512, 512, requires_grad=True)
+        h = model.l2(_Boom.apply(torch.relu(model.l1(model.emb(idx)))))
+        loss = (h + big.sum().to(torch.bfloat16)).float().sum()
+        with pytest.raises(RuntimeError, match="backward failed"), \
+                opt.no_sync() if marked else contextlib.nullcontext():
+            loss.backward()
+        return weakref.ref(big)
+
+    alive = raise_in_backward()
+    with contextlib.suppress(StepFailedError):  # (overlap="backward": a torn step)
+        opt.zero_grad()
+    gc.collect()
+    assert alive() is None
+
+
 def test_a_gradient_that_never_comes_times_out_naming_the_parameter(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model()

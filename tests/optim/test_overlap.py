@@ -322,3 +322,45 @@ def test_detach_waits_for_the_step_in_flight() -> None:
         opt.detach()
         assert opt.last_execution is not None and opt.last_execution.done()
     watcher.join()
+
+
+@pytest.mark.slow  # compiles a (tiny) transformers model twice: about 10 s
+def test_a_compiled_llama_with_the_read_guard() -> None:
+    """A frame ``torch.compile`` runs eagerly (Dynamo gave up on the resume function after
+    a hook's graph break inside the decoder loop) called the read guard eagerly, and
+    Dynamo compiled that call as a frame of its own (a tester's find): ``is_compiling()``
+    was true there, so the guard did not wait, and its cached result for
+    ``inputs_embeds.shape`` came back for ``inputs_embeds.device`` (a TypeError in
+    ``torch.arange``). The guard's frame is now skipped by Dynamo."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+
+    def run(read_guard: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=32,
+                                       tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg)
+        opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="overlap",
+                               chunk_bytes=2048, read_guard=read_guard)
+        opt.attach(model)
+        compiled = torch.compile(model, backend="aot_eager")
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            ids = torch.randint(0, 64, (2, 8), generator=g)
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    try:
+        guarded = run(True)  # raised TypeError at the second forward
+        unguarded = run(False)
+    finally:
+        torch._dynamo.reset()
+    # (Not bitwise: where the guard leaves the stack changes how Dynamo splits graphs.)
+    for a, b in zip(guarded, unguarded):
+        torch.testing.assert_close(a, b)

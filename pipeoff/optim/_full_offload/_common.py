@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,9 +97,9 @@ class MicroStep:
     received: set[int] = dataclasses.field(default_factory=set)
     """Parameters whose gradient this backward shipped."""
     ended: bool = False
-    frame: Any = None
-    """The frame of the outermost backward it began in, until its end (see
-    :func:`unfinished_before`)."""
+    began_in: tuple[int, Any] | None = None
+    """The backward it began in (:func:`backward_mark`; see :func:`unfinished_before`),
+    until it ends, is abandoned or discarded."""
     deferred: Any = None
     """The frame of the outermost backward, while the end callback of a reentrant
     (inner) backward has fired but the outer one still runs."""
@@ -265,24 +266,36 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
 
 
 
-def unfinished_before(began_in: Any) -> bool:
-    """Whether a gradient arriving now comes from another backward than the one whose
-    outermost frame is ``began_in``, which never ended (it raised, or was interrupted:
-    its end callback never ran). A reentrant checkpoint's inner backward shares its
-    outer one's outermost frame. Unknown (``False``) where the gradient's hook runs
-    off the thread that called ``backward()``."""
-    now = outermost_backward_frame()
-    return began_in is not None and now is not None and now is not began_in
+def backward_mark() -> tuple[int, Any] | None:
+    """This thread and the frame of its outermost backward (``None`` outside a backward,
+    or where the gradient's hook runs off the thread that called ``backward()``). The
+    frame itself, not its id (a dead frame's id is soon another's): whoever keeps a mark
+    drops it when the micro-step ends, is abandoned or discarded, or a raised backward's
+    graph and activations would stay alive."""
+    frame = outermost_backward_frame()
+    return None if frame is None else (threading.get_ident(), frame)
 
 
-def twice_message(name: str, began_in: Any = None) -> str:
+def unfinished_before(began_in: tuple[int, Any] | None) -> bool:
+    """Whether a gradient arriving now comes from another backward than the one marked
+    ``began_in`` (:func:`backward_mark`) on this same thread, which then never ended (it
+    raised, or was interrupted: its end callback never ran). A reentrant checkpoint's
+    inner backward shares its outer one's outermost frame. ``False`` where unknown: on
+    another thread (backwards may run at once on two), or off the calling thread."""
+    now = backward_mark()
+    return began_in is not None and now is not None and now[0] == began_in[0] \
+        and now[1] is not began_in[1]
+
+
+def twice_message(name: str, began_in: tuple[int, Any] | None = None) -> str:
     """Why a second gradient for parameter ``name`` in one backward is refused (or a
     gradient of a backward after one that never ended: ``began_in``, see
     :func:`unfinished_before`)."""
     if unfinished_before(began_in):
         return (f"a gradient for {name!r} from a new backward, while the previous backward "
                 "never finished (it raised, or was interrupted, after some of its gradients "
-                "came: they are partial). Call zero_grad() before the next backward; "
+                "came: they are partial). Call the optimizer's zero_grad() before the next "
+                "backward (the model's zero_grad() does not reach the gradients it took); "
                 "FullOffloadOptimizer does not add a backward to a partial one")
     return (f"a second gradient for {name!r} in one backward: it is used both inside and "
             "outside a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True "

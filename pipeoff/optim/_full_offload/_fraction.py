@@ -44,6 +44,7 @@ from pipeoff.execution import Execution
 from pipeoff.optim._full_offload._common import (
     Accumulation,
     after_final_message,
+    backward_mark,
     capture_hyper,
     twice_message,
     unfinished_before,
@@ -84,8 +85,8 @@ class FractionLifecycle(Lifecycle):
         """The backward whose end shows the device part's sums (its id)."""
         self._both: tuple[Accumulation | None, torch.Tensor | None] = (None, None)
         """The accumulation whose total norm over both parts was taken, and that norm."""
-        self._received: tuple[Any, set[int]] = (None, set())
-        """The outermost backward running (its frame's ``id()``) and the device-part
+        self._received: tuple[tuple[int, Any] | None, set[int]] = (None, set())
+        """The backward running (``backward_mark()``) and the device-part
         parameters it gave a gradient (a second one is refused, as the host part's)."""
         self._open = False
         """A backward gave device-part gradients and has not ended since (its end
@@ -138,9 +139,9 @@ class FractionLifecycle(Lifecycle):
             # (at offload_fraction=0 too, where no host gradient ever comes).
             self._begin(False)
         began_in = self._received[0] if self._open else None
-        outer = _compat.outermost_backward_frame()
-        if self._received[0] is not outer and not unfinished_before(began_in):
-            self._received = (outer, set())
+        mark = backward_mark()
+        if self._received[0] != mark and not unfinished_before(began_in):
+            self._received = (mark, set())
         if id(rec.param) in self._received[1] or unfinished_before(began_in):
             twice = GradientError(twice_message(rec.name, began_in))
             self.fail_current(twice)

@@ -28,6 +28,7 @@ from pipeoff.optim._full_offload._common import (
     Phase,
     Shipped,
     after_final_message,
+    backward_mark,
     capture_hyper,
     checked_gradient,
     classify,
@@ -139,8 +140,8 @@ class Lifecycle:
         # has a graph task of its own; its gradients belong to the outer one.
         if ms is None or ms.ended:
             ms = self._begin(marked())
-        if i in ms.received or unfinished_before(ms.frame):
-            twice = GradientError(twice_message(rec.name, ms.frame))
+        if i in ms.received or unfinished_before(ms.began_in):
+            twice = GradientError(twice_message(rec.name, ms.began_in))
             self.fail_current(twice)
             raise twice
         ms.received.add(i)
@@ -192,7 +193,7 @@ class Lifecycle:
             err = GradientError(after_final_message(self.config.overlap))
             self.health.dirty = err
             raise err
-        ms = MicroStep(final=final, frame=_compat.outermost_backward_frame())
+        ms = MicroStep(final=final, began_in=backward_mark())
         if final:
             self._before_final(acc)
         if final or (self.config.accumulate == "cpu" and self.ddp is None):
@@ -227,7 +228,7 @@ class Lifecycle:
         ms.deferred = None
         if self.micro is ms:
             self.micro = None
-        ms.ended, ms.frame = True, None  # (the frame: kept only while the backward runs)
+        ms.ended, ms.began_in = True, None
         ex = ms.execution
         if ex is None:
             self._show()
@@ -303,7 +304,7 @@ class Lifecycle:
     def abandon(self, ms: MicroStep, why: str, err: BaseException | None = None) -> None:
         """Fail what of a micro-step's execution still waits for a gate (a backward that
         never ended, a step that will not come)."""
-        ms.ended = True
+        ms.ended, ms.began_in = True, None
         if self.micro is ms:
             self.micro = None
         if err is None:
