@@ -839,6 +839,26 @@ def test_compiled_autograd_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         build(make_model())
 
 
+def test_compiled_autograd_turned_on_after_construction_is_refused_at_the_backward() -> None:
+    """(A tester's find: the backward failed with torch's AssertionError from
+    queue_callback, "only supported when Compiled Autograd is enabled with fullgraph".)"""
+    import warnings
+
+    from torch._dynamo import compiled_autograd
+
+    model = make_model()
+    opt = build(model, overlap="forward", timeout=30)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with compiled_autograd._enable(torch.compile(backend="eager")), \
+                    pytest.raises(ConfigError, match="compiled autograd is on"):
+                loss_fn(model, batches(1, 1)[0][0]).backward()
+    finally:
+        torch._dynamo.reset()
+    opt.zero_grad()
+
+
 def test_num_threads_applies_to_the_host_lanes_only() -> None:
     model = make_model()
     opt = build(model, num_threads=1)

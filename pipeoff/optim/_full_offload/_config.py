@@ -197,9 +197,10 @@ def refuse_environment() -> None:
             "call torch.set_flush_denormal(False)")
     if _compat.compiled_autograd_active():
         raise ConfigError(
-            "compiled autograd is on: it skips post-accumulate-grad hooks, so no "
-            "gradient would reach FullOffloadOptimizer; compile the model, not the "
-            "backward (torch._dynamo.config.compiled_autograd = False)")
+            "compiled autograd is on: FullOffloadOptimizer's gradient hooks need the "
+            "end-of-backward callbacks it does not give (unless fullgraph=True, and then "
+            "the hooks are traced, not run as each gradient lands); compile the model, not "
+            "the backward (torch._dynamo.config.compiled_autograd = False)")
 
 
 def check_model(model: Any) -> None:

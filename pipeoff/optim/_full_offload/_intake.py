@@ -23,6 +23,7 @@ from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import GradientError
 from pipeoff.optim._full_offload._common import checked_gradient
+from pipeoff.optim._full_offload._config import refuse_environment
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._model_sync import ModelSync
 
@@ -207,6 +208,8 @@ class GradientIntake:
         owner = _OWNERS.get(p)
         if owner is None or owner() is not self:
             return  # another (newer) optimizer's parameter, or none's
+        if _compat.compiled_autograd_active():  # (turned on after the constructor's check)
+            refuse_environment()
         lifecycle = self.lifecycle
         if lifecycle.grads.showing:
             # A backward whose forward this optimizer did not see (a submodule called
