@@ -23,6 +23,7 @@ from pipeoff import _accel, _faults
 from pipeoff._compat import local_tensor
 from pipeoff._contract import StepWrites
 from pipeoff._errors import ConfigError, PipeoffError
+from pipeoff._lowlevel import is_failure_of
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
 from pipeoff.ft._collective import vote
@@ -364,8 +365,14 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # lanes that wait for it, so that nothing of this sync runs on.
                 ex.gate("commit").fail(err)
             with contextlib.suppress(BaseException):  # (a second Ctrl-C skips it)
-                with contextlib.suppress(Exception):
+                try:
                     ex.wait()  # (its all-reduces first: the vote follows them on the group)
+                except BaseException as failure:
+                    # Its own failure (the gate failed with `err` above fails the tasks
+                    # that waited for it): every task has ended, so vote. Anything else
+                    # interrupted this wait: a second Ctrl-C, which skips the vote.
+                    if not is_failure_of(failure, ex):
+                        raise
                 self._vote()
             raise
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,7 +16,7 @@ from pipeoff import _accel
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import SyncStats, train_span
+from pipeoff._lowlevel import SyncStats, is_failure_of, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._args import check_manager, check_module, check_optimizer
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
@@ -332,6 +333,17 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         try:
             ex = execute(graph, schedule)
             ex.wait()
+        except KeyboardInterrupt as err:
+            if ex is not None and "voted" not in commit and is_failure_of(err, ex):
+                # Ctrl-C in a task (an all-reduce's wait; the synchronous schedule runs
+                # its tasks on this thread): every task has ended, the must_run
+                # all-reduces included, and no decision came. The peers still wait for
+                # this replica's vote, which the decide task would have given; a second
+                # Ctrl-C skips it. (Ctrl-C in this thread's own wait leaves the
+                # execution running: its decide task votes.)
+                with contextlib.suppress(BaseException):
+                    vote(self._manager, commit["errored_at_start"], device)
+            raise
         except Exception as err:
             if commit.get("decided"):
                 # A write-back failed after the commit (in practice a device

@@ -173,3 +173,144 @@ def test_a_replica_that_leaves_after_its_all_reduces_lets_its_peer_commit() -> N
     assert left["raised"] is not None
     assert healthy["raised"] is None and healthy["errored"] is None, healthy
     assert healthy["step"] == 1  # committed
+
+
+def _interrupted(i: int, lighthouse: str, kind: str) -> dict[str, Any]:
+    """Replica 1 gets Ctrl-C in the wait of its sync's first all-reduce (after the
+    collective: the peer's values arrived), as a slow peer makes likely."""
+    model = _model(i)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2,
+        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+        init_sync=False, timeout=timedelta(seconds=60))
+    if i == 1:
+        real = manager.allreduce
+        hit: list[bool] = []
+
+        class Interrupted:
+            def __init__(self, work: Any) -> None:
+                self.work = work
+
+            def wait(self, *a: Any, **k: Any) -> Any:
+                out = self.work.wait(*a, **k)
+                if not hit:
+                    hit.append(True)
+                    raise KeyboardInterrupt
+                return out
+
+        manager.allreduce = lambda *a, **k: Interrupted(real(*a, **k))  # type: ignore[method-assign]
+    raised = None
+    try:
+        with _wrap(kind, manager, model, opt) as w:
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
+            opt.step()  # sync_every=1: syncs
+            if kind == "diloco":
+                w.wait_for_sync()
+    except KeyboardInterrupt as err:
+        raised = err
+    try:
+        return {"errored": manager.errored(), "step": manager.current_step(), "raised": raised}
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("kind", ["local_sgd_sync", "local_sgd_buckets", "diloco"])
+def test_ctrl_c_in_a_sync_still_lets_the_peer_commit(kind: str) -> None:
+    """torchft's interrupted replica had issued its all-reduces, so its peer commits at
+    once. pipeoff's peer also waits for the interrupted replica's vote: it was skipped
+    (a tester's find), and the peer waited out the group's timeout and rejected."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            healthy, stopped = pool.map(_interrupted, range(2), [lighthouse.address()] * 2,
+                                        [kind] * 2)
+    finally:
+        lighthouse.shutdown()
+    assert isinstance(stopped["raised"], KeyboardInterrupt), stopped
+    assert healthy["raised"] is None and healthy["errored"] is None, healthy
+    assert healthy["step"] == 1  # committed
+
+
+def test_ctrl_c_while_a_diloco_sync_waits_before_its_decision_lets_the_peer_commit() -> None:
+    """A real SIGINT to replica 1 (on the main thread) while its perform_sync() waits for
+    the averages (replica 0's all-reduce held until then). The commit gate is failed
+    with the interrupt, so the wait for the all-reduces re-raised it, and the vote was
+    skipped (a tester's find): the peer waited out the timeout and rejected, where
+    torchft's peer commits."""
+    import signal
+    import time
+
+    from tests._interrupts import no_collection
+    from tests._stacks import install, stack_of, waiting_in
+
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    go = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while waiting_in(stack_of(main), ("perform_sync", "_settle")) is None:
+            if time.monotonic() > deadline:
+                go.set()
+                return
+            time.sleep(0.001)
+        signal.pthread_kill(main, signal.SIGINT)
+        go.set()  # replica 0's all-reduce goes now
+
+    def held(i: int, lighthouse: str) -> dict[str, Any]:
+        model = _model(i)
+        opt = optim.SGD(model.parameters(), lr=0.1)
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2,
+            load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+            replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
+            world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
+            init_sync=False, timeout=timedelta(seconds=60))
+        if i == 0:
+            real = manager.allreduce
+
+            def late(*a: Any, **k: Any) -> Any:
+                assert go.wait(120)
+                return real(*a, **k)
+
+            manager.allreduce = late  # type: ignore[method-assign]
+        raised = None
+        try:
+            with _wrap("diloco", manager, model, opt) as w:
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum(
+                    ).backward()
+                opt.step()  # sync_every=1: syncs
+                w.wait_for_sync()
+        except KeyboardInterrupt as err:
+            raised = err
+        try:
+            return {"errored": manager.errored(), "step": manager.current_step(),
+                    "raised": raised}
+        finally:
+            manager.shutdown(wait=False)
+
+    install()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        with ThreadPoolExecutor(1) as pool, no_collection():
+            peer = pool.submit(held, 0, lighthouse.address())
+            watcher.start()
+            stopped = held(1, lighthouse.address())
+            healthy = peer.result()
+    finally:
+        go.set()
+        watcher.join()
+        signal.signal(signal.SIGINT, old)
+        lighthouse.shutdown()
+    assert isinstance(stopped["raised"], KeyboardInterrupt), stopped
+    assert healthy["raised"] is None and healthy["errored"] is None, healthy
+    assert healthy["step"] == 1  # committed

@@ -857,6 +857,25 @@ SPECULATIVE = (
         hazard="Dynamo compiles the read guard's eager call from a frame it fell back on: "
                "is_compiling() true there (no wait), and a cached x.shape returned for "
                "x.device"),
+    Mutant(
+        name="r88:local-sgd-ctrl-c-skips-the-vote", file="pipeoff/ft/_local_sgd.py",
+        old="            if ex is not None and \"voted\" not in commit and "
+            "is_failure_of(err, ex):\n",
+        new="            if False:\n",
+        tests=("tests/ft/test_peer_failed.py::test_ctrl_c_in_a_sync_still_lets_the_peer_"
+               "commit",),
+        hazard="Ctrl-C in a LocalSGD sync's task (the synchronous schedule's all-reduce "
+               "wait): the replica leaves without its vote, and the healthy peer waits out "
+               "the group's timeout and rejects, where torchft's peer commits"),
+    Mutant(
+        name="r89:diloco-ctrl-c-skips-the-vote", file="pipeoff/ft/_diloco_fragment.py",
+        old="                    if not is_failure_of(failure, ex):\n",
+        new="                    if True:\n",
+        tests=("tests/ft/test_peer_failed.py::test_ctrl_c_while_a_diloco_sync_waits_before_"
+               "its_decision_lets_the_peer_commit",),
+        hazard="Ctrl-C before a DiLoCo sync's decision: the wait for its all-reduces "
+               "re-raises the interrupt the commit gate was failed with, and the vote is "
+               "skipped: the healthy peer rejects after the group's timeout"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
