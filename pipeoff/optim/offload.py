@@ -134,8 +134,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             number in [0, 1] or ``"auto"``; ``"auto"`` without a budget to be
             had, or one too small for the staging); parameters on mixed devices,
             not dense in memory, or (outside ``single_pass``) listed twice.
-        UnsupportedOptimizerError: a chunked mode was asked of an optimizer that
-            is not element-wise.
+        UnsupportedOptimizerError: a chunked mode was asked of a non-element-wise optimizer.
         PlanMismatchError: ranks of ``process_group`` disagree on the plan.
     """
 
@@ -342,6 +341,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
                               f"'state' and 'param_groups'), got {type(state_dict).__name__}")
         self._host.load(state_dict, self._attached)
+        self._device.mark(self.inner)  # (the device part's loaded state: for the readers)
         self._health.torn = None
 
     def wait_for_step(self) -> None:

@@ -876,6 +876,24 @@ SPECULATIVE = (
         hazard="Ctrl-C before a DiLoCo sync's decision: the wait for its all-reduces "
                "re-raises the interrupt the commit gate was failed with, and the vote is "
                "skipped: the healthy peer rejects after the group's timeout"),
+    Mutant(
+        name="r90:full-load-unmarked", file="pipeoff/optim/_full_offload/_device_part.py",
+        old="        if self.params:  # (after a load too: the readers off the caller's stream "
+            "wait)\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload_fraction_cuda.py::test_a_reader_off_the_"
+               "callers_stream_after_load_state_dict_waits",),
+        hazard="a reader off the caller's stream after load_state_dict() and wait_for_step() "
+               "reads device-part weights the load's copies are still writing"),
+    Mutant(
+        name="r91:offload-load-unmarked", file="pipeoff/optim/offload.py",
+        old="        self._device.mark(self.inner)  # (the device part's loaded state: for the "
+            "readers)\n",
+        new="",
+        tests=("tests/optim/test_optim_cuda.py::test_a_reader_off_the_callers_stream_after_"
+               "load_state_dict_waits",),
+        hazard="a reader off the caller's stream after load_state_dict() and wait_for_step() "
+               "reads device-part state the load's copies are still writing"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

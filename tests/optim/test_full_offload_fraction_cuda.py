@@ -136,3 +136,30 @@ def test_a_reader_off_the_callers_stream_waits_for_the_device_part(gpu: Gpu,
         gpu.accel.launch(side, read)
         gpu.synchronize()
     assert torch.equal(got[0], first.detach())
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_a_reader_off_the_callers_stream_after_load_state_dict_waits(gpu: Gpu,
+                                                                     overlap: str) -> None:
+    """load_state_dict() writes the device-part weights (and masters, state) on the
+    caller's stream; after wait_for_step() a stream of its own reads them. The join
+    waited only for a step's kernels, so the read raced the load's (a tester's find)."""
+    if not gpu.simulated:
+        pytest.skip("a real GPU shows the race only by timing luck")
+    import copy
+
+    net = make_net(gpu)
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, lr=1e-2, overlap=overlap,
+                               offload_fraction=0.3)
+    loss(net, batches(gpu, 1, 1)[0][0]).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.wait_for_step()
+    first = next(iter(net.parameters()))
+    assert opt._lifecycle.part.owns(first) is not None  # a device-part weight
+    side = gpu.accel.new_stream(gpu.device, name="reader")
+    got: list[torch.Tensor] = []
+    gpu.accel.launch(side, lambda: got.append(first.detach().clone()))
+    gpu.synchronize()
+    assert torch.equal(got[0], first.detach())

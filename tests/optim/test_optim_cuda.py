@@ -197,6 +197,32 @@ def test_grads_zeroed_in_place_wait_with_a_device_part(gpu: Gpu, how: str,
         assert torch.equal(gpu.read(p), gpu.read(q))
 
 
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+def test_a_reader_off_the_callers_stream_after_load_state_dict_waits(gpu: Gpu,
+                                                                     mode: str) -> None:
+    """At offload_fraction=0 load_state_dict() copies the state into device memory on the
+    caller's stream; after wait_for_step() a stream of its own reads it. Nothing ordered
+    the read after the copies (a tester's find)."""
+    if not gpu.simulated:
+        pytest.skip("a real GPU shows the race only by timing luck")
+    import copy
+
+    net = make_net(gpu)
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
+                           chunk_bytes=4096, offload_fraction=0.0)
+    net(batches(gpu, 1)[0]).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.wait_for_step()
+    p = next(iter(net.parameters()))
+    side = gpu.accel.new_stream(gpu.device, name="reader")
+    got: list[torch.Tensor] = []
+    gpu.accel.launch(side, lambda: got.append(opt.state[p]["exp_avg"].clone()))
+    gpu.synchronize()
+    assert torch.equal(got[0], opt.state[p]["exp_avg"])
+
+
 def _fsdp_stub(gpu: Gpu, model: nn.Sequential, *, one_rank: bool = False,
                post_optim: bool = False) -> tuple[list[Any], Any]:
     """Make each Linear of ``model`` look like an FSDP2 unit with all-gather streams.

@@ -400,6 +400,8 @@ class FullDevicePart:
             for rec in self.params.values():
                 rec.weight.copy_(rec.master)
                 rec.version = rec.weight._version
+        if self.params:  # (after a load too: the readers off the caller's stream wait)
+            self._record(next(iter(self.params.values())).param.device)
 
     # -- checkpoints and memory --------------------------------------------------------------
     def entries(self) -> dict[torch.Tensor, dict[str, Any]]:

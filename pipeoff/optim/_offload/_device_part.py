@@ -202,14 +202,25 @@ class DevicePart:
             if state.get(p):  # new state (a first step's), and scalars; none: no entry
                 inner.state[p].update(state[p])
         self.written = True
-        if accel.is_device(layout.device):
+        self._record(layout.device)
+        return len(params)
+
+    def mark(self, inner: torch.optim.Optimizer) -> None:
+        """State was loaded (``load_state_dict``) into the device part on the caller's
+        stream: the next :meth:`wait` (``wait_for_step()``) waits for those copies too."""
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if params:
+            self._record(local(params[0]).device)
+
+    def _record(self, device: torch.device) -> None:
+        accel = _accel.current()
+        if accel.is_device(device):
             if self._event is None:
                 self._event = accel.new_event()
-            # Hazard: none here; this marks the end of the device part's kernels on
-            # the caller's stream for the readers off it (see wait()).
-            self._event.record(accel.current_stream(layout.device))
+            # Hazard: none here; this marks the end of the device part's kernels (or
+            # loaded copies) on the caller's stream for the readers off it (wait()).
+            self._event.record(accel.current_stream(device))
             self._pending = True
-        return len(params)
 
     def wait(self) -> None:
         """Block the host until the last device part's kernels have run (nothing to do on
