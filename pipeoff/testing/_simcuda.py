@@ -181,7 +181,12 @@ class SimulatedCuda:
     def new_stream(self, device: torch.device, priority: int = 0,
                    name: str = "") -> SimStream:
         with self.lock:
-            s = SimStream(self, name or f"stream{len(self.streams)}", priority)
+            name = name or f"stream{len(self.streams)}"
+        # Started outside the lock: the new worker thread can run a finalizer
+        # (_device_freed, which takes the lock) before it signals that it started,
+        # which the thread starting it waits for: a deadlock under the lock.
+        s = SimStream(self, name, priority)
+        with self.lock:
             self.streams.append(s)
         return s
 
