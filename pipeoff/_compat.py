@@ -23,7 +23,7 @@ import torch
 __all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_private_apis",
            "compiled_autograd_active", "compiled_original", "cuda_sleep", "data_parallel",
            "ddp_gradient_sync", "dtensor_box", "dynamo_disable",
-           "dynamo_skip_frame", "eager_math", "force_eager", "fsdp_all_gather_streams",
+           "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params",
            "fsdp_state", "fused_adam_kernel", "hookless", "init_optimizer_hooks",
            "installed_version", "is_compiling", "local_tensor", "make_wrapper_subclass",
@@ -66,8 +66,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch._dynamo.external_utils:wrap_inline", "recompile_with_hooks"),
     PrivateAPI("torch", "torch.compiler:_compile_session_context",
                "eager_math: a chunk's math never overlaps a compile session"),
-    PrivateAPI("torch", "torch._dynamo.eval_frame:skip_code",
-               "dynamo_skip_frame: the read guard's __torch_function__ is never a frame"),
     PrivateAPI("torch", "torch._C:_len_torch_function_stack",
                "torch_function_stack: the read guard sits below the user's modes"),
     PrivateAPI("torch", "torch._C:_get_function_stack_at", "torch_function_stack"),
@@ -235,14 +233,6 @@ def dynamo_disable(fn: F) -> F:
     torch.distributed), which ``import pipeoff`` must not.
     """
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
-
-
-def dynamo_skip_frame(code: Any) -> None:
-    """Dynamo never compiles ``code`` as a frame of its own (called from eager code, it
-    runs eagerly); it still inlines it into the code it traces. Imported lazily."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(code)
 
 
 def is_compiling() -> bool:

@@ -99,24 +99,6 @@ class _ReadGuard(TorchFunctionMode):
         return not self.waits.pending
 
 
-_GUARD_FRAME_SKIPPED = False
-
-
-def _skip_guard_frame() -> None:
-    """Keep Dynamo from compiling ``_ReadGuard.__torch_function__`` as a frame of its own.
-
-    Eager code that runs under ``torch.compile`` (a frame Dynamo fell back on, a resume
-    function it skipped) calls the guard eagerly, and Dynamo would compile that call as a
-    frame: with ``is_compiling()`` true there, so no wait, and with no guard on ``func``,
-    so ``x.device`` reused the compiled ``x.shape`` (a ``torch.Size``). Skipped, the call
-    runs eagerly (and waits); Dynamo still inlines the guard into the code it traces.
-    """
-    global _GUARD_FRAME_SKIPPED
-    if not _GUARD_FRAME_SKIPPED:
-        _compat.dynamo_skip_frame(_ReadGuard.__torch_function__.__code__)
-        _GUARD_FRAME_SKIPPED = True
-
-
 def _compiled_read(waits: ForwardWaits) -> None:
     """Compiled code of a model the optimizer is not attached to is about to run.
 
@@ -329,7 +311,6 @@ class ForwardWaits:
         popped in its place. Below every other mode, each exits as it entered.
         """
         _pop_inert_guards()
-        _skip_guard_frame()
         modes = _compat.torch_function_stack()
         if any(m is self._guard for m in modes):
             return  # still on this thread's stack from an earlier step

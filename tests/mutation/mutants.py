@@ -851,13 +851,6 @@ SPECULATIVE = (
         hazard="a raised backward's micro-step keeps its frame after zero_grad(): the loss, "
                "the graph and its saved activations stay alive through the retry"),
     Mutant(
-        name="r87:read-guard-frame-compiled", file="pipeoff/optim/_waits.py",
-        old="        _skip_guard_frame()\n", new="",
-        tests=("tests/optim/test_overlap.py::test_a_compiled_llama_with_the_read_guard",),
-        hazard="Dynamo compiles the read guard's eager call from a frame it fell back on: "
-               "is_compiling() true there (no wait), and a cached x.shape returned for "
-               "x.device"),
-    Mutant(
         name="r88:local-sgd-ctrl-c-skips-the-vote", file="pipeoff/ft/_local_sgd.py",
         old="            if ex is not None and \"voted\" not in commit and "
             "is_failure_of(err, ex):\n",
