@@ -438,3 +438,54 @@ def test_a_collective_writes_its_tensors() -> None:
                 (x * 2).sum()
     finally:
         dist.destroy_process_group()
+
+
+# -- tensor subclasses that answer operations themselves --------------------------------
+class _Wrapper(torch.Tensor):
+    """A tensor subclass that answers operations itself, on the tensor it wraps (as
+    pipeoff's gradient placeholders and DTensor do)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        return func(*[a.inner if isinstance(a, _Wrapper) else a for a in args],
+                    **(kwargs or {}))
+
+
+def test_what_a_tensor_subclass_issues_runs_in_its_streams_order() -> None:
+    """A norm a subclass takes of the tensor it wraps runs after the in-place add queued
+    before it on the same stream. (Run inside the device's own handler, it ran at once:
+    the loop's clip under FullOffloadOptimizer read a device-part sum without the last
+    micro-step's gradient, with no race reported.)"""
+    with device() as sim:
+        x = torch.zeros(1000)
+        sim.sleep(sim.default, 0.2)  # the stream is late: the add below waits there
+        x.add_(1.0)
+        assert float(torch.linalg.vector_norm(_Wrapper(x))) == pytest.approx(1000 ** 0.5)
+
+
+def test_what_a_tensor_subclass_issues_is_checked() -> None:
+    """Operations a subclass issues on real tensors are checked like any other: reading
+    a tensor another stream writes, without waiting for it, is a race."""
+
+    def program(sim: Sim, wait: bool) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.full((1000,), 1.0)
+        if wait:
+            ev = sim.new_event()
+            ev.record(a)
+            sim.default.wait_event(ev)
+            sim.record_stream(x, sim.default)  # (freed after the default stream's read)
+        (_Wrapper(x) + 1).sum()
+
+    flagged(lambda sim: program(sim, wait=False))
+    accepted(lambda sim: program(sim, wait=True))

@@ -97,6 +97,11 @@ class _Checker(TorchDispatchMode):
         self.sim = sim
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(_answers_itself(t) for t in types):
+            # A subclass that answers operations itself (a placeholder gradient, a
+            # DTensor) does, with this mode on: what it issues is checked and queued
+            # in order. (In this handler it ran now, unchecked, ahead of its stream.)
+            return NotImplemented
         kwargs = kwargs or {}
         deferred = self.sim._defer(func, args, kwargs)
         if deferred is not None:
@@ -105,6 +110,10 @@ class _Checker(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.sim._on_result(out, actor)
         return out
+
+
+def _answers_itself(cls: type) -> bool:
+    return getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
 
 
 class _HostReads(TorchFunctionMode):
