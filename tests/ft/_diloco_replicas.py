@@ -6,18 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn, optim
 from torchft.coordination import LighthouseServer
 from torchft.local_sgd import DiLoCo as TorchftDiLoCo
-from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
+from tests.ft._managers import replica_manager
 
 
 @dataclass
@@ -70,7 +67,6 @@ def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str,
              inner: Callable[[nn.Module], optim.Optimizer] | None,
              on_step: Callable[[int, int, Any], None] | None,
              setup: Setup = Setup()) -> DiLoCoRun:
-    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     model = setup.model(replica_id)
     if setup.fragments is not None:
         frags = setup.fragments(model, n_fragments)
@@ -83,17 +79,14 @@ def _replica(replica_id: int, lighthouse: str, cls: type[Any], kwargs: dict[str,
     if setup.pre_build is not None:
         setup.pre_build(replica_id, model, outers)
     data = torch.Generator().manual_seed(100 + replica_id)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=2,
+    manager, _store = replica_manager(
+        f"replica_{replica_id}", lighthouse,
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
         # A snapshot: torchft's transport serializes it while the peer trains on (the
         # live weights would make a healing replica's run depend on the timing).
         state_dict=lambda: {"model": {k: v.detach().clone()
                                       for k, v in model.state_dict().items()}},
-        replica_id=f"replica_{replica_id}", store_addr="localhost", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
-        init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
-    )
+        timeout_s=20, quorum_timeout_s=30)
     out = DiLoCoRun()
     report = manager.report_error
 

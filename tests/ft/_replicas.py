@@ -7,17 +7,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn, optim
 from torchft.coordination import LighthouseServer
-from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
+from tests.ft._managers import replica_manager
 
 
 @dataclass
@@ -46,20 +43,15 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
              optimizer: Callable[[nn.Module], optim.Optimizer] | None = None,
              use_async_quorum: bool = False, step_delay: Callable[[int], float] | None = None,
              ) -> ReplicaRun:
-    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
     model = make(replica_id)  # distinct starting points: the average differs from both
     opt = (optim.SGD(model.parameters(), lr=0.1) if optimizer is None
            else optimizer(model))
     data = torch.Generator().manual_seed(100 + replica_id)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)) if pg is None else pg(replica_id),
-        min_replica_size=2,
+    manager, _store = replica_manager(
+        f"replica_{replica_id}", lighthouse,
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        replica_id=f"replica_{replica_id}", store_addr="localhost", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=lighthouse, use_async_quorum=use_async_quorum,
-        init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
-    )
+        state_dict=lambda: {"model": model.state_dict()}, use_async_quorum=use_async_quorum,
+        timeout_s=20, quorum_timeout_s=30, pg=None if pg is None else pg(replica_id))
     out = ReplicaRun()
     report = manager.report_error
 

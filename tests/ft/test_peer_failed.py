@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn, optim
 from torchft.coordination import LighthouseServer
 from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
 from pipeoff import PeerSyncFailedError
+from tests.ft._managers import replica_manager
 
 pytestmark = pytest.mark.slow  # two torchft managers and a Lighthouse per case (~3 s)
 
@@ -60,14 +58,10 @@ def _replica(i: int, lighthouse: str, kind: str, how: str) -> dict[str, Any]:
     stepped: dict[str, list[torch.Tensor]] = {}
     opt.register_step_post_hook(lambda *_: stepped.__setitem__(
         "own", [p.detach().clone() for p in model.parameters()]))
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2 - (how == "heal"),
-        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse,
-        use_async_quorum=how == "heal" and kind != "diloco",  # (DiLoCo: synchronous only)
-        init_sync=False, timeout=timedelta(seconds=60))
+    manager, _store = replica_manager(
+        f"r{i}", lighthouse, state_dict=model.state_dict,
+        load_state_dict=model.load_state_dict, min_replica_size=2 - (how == "heal"),
+        use_async_quorum=how == "heal" and kind != "diloco")  # (DiLoCo: synchronous only)
     if how == "heal" and i == 0:
         manager._step = 2  # ahead: replica 1 heals from it
     elif how == "heal":
@@ -129,13 +123,9 @@ def _leaving(i: int, lighthouse: str) -> dict[str, Any]:
     DiLoCo context, never to perform the sync."""
     model = _model(i)
     opt = optim.SGD(model.parameters(), lr=0.1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=1,
-        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
-        init_sync=False, timeout=timedelta(seconds=60))
+    manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
+                                      load_state_dict=model.load_state_dict,
+                                      min_replica_size=1)
     outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     raised = None
     try:
@@ -180,13 +170,8 @@ def _interrupted(i: int, lighthouse: str, kind: str) -> dict[str, Any]:
     collective: the peer's values arrived), as a slow peer makes likely."""
     model = _model(i)
     opt = optim.SGD(model.parameters(), lr=0.1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2,
-        load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-        replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
-        init_sync=False, timeout=timedelta(seconds=60))
+    manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
+                                      load_state_dict=model.load_state_dict)
     if i == 1:
         real = manager.allreduce
         hit: list[bool] = []
@@ -265,13 +250,8 @@ def test_ctrl_c_while_a_diloco_sync_waits_before_its_decision_lets_the_peer_comm
     def held(i: int, lighthouse: str) -> dict[str, Any]:
         model = _model(i)
         opt = optim.SGD(model.parameters(), lr=0.1)
-        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=2,
-            load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-            replica_id=f"r{i}", store_addr="localhost", store_port=store.port, rank=0,
-            world_size=1, lighthouse_addr=lighthouse, use_async_quorum=False,
-            init_sync=False, timeout=timedelta(seconds=60))
+        manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
+                                          load_state_dict=model.load_state_dict)
         if i == 0:
             real = manager.allreduce
 

@@ -22,6 +22,12 @@ def make_net(gpu: Gpu) -> nn.Module:
                                     nn.GELU(), nn.Linear(64, 8)))
 
 
+def offload(net: nn.Module, mode: Any, **kw: Any) -> OffloadOptimizer:
+    """The optimizer these tests step: AdamW (lr 1e-3) in ``mode``, 4 KiB chunks."""
+    return OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,
+                            chunk_bytes=4096, **kw)
+
+
 def batches(gpu: Gpu, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [gpu.tensor(torch.randn(16, 32, generator=g)) for _ in range(n)]
@@ -122,8 +128,7 @@ def test_without_forward_waits_the_forward_reads_stale_params(gpu: Gpu) -> None:
     if not gpu.simulated:
         pytest.skip("a real GPU shows it only by timing luck")
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096)
+    opt = offload(net, "overlap")
     xs = batches(gpu, 2)
     with pipeoff.testing.delay_lane("compute", 0.01), pipeoff.testing.disable("read_guard"), \
             pytest.raises(pipeoff.testing.DataRaceError):
@@ -143,8 +148,7 @@ def test_zero_grad_in_place_waits_for_the_chunks_that_read_the_grads(gpu: Gpu) -
     ref(x).pow(2).mean().backward()
     ref_opt.step()
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096, read_guard=False)
+    opt = offload(net, "overlap", read_guard=False)
     with pipeoff.testing.delay_lane("compute", 0.01):
         net(x).pow(2).mean().backward()
         opt.step()
@@ -169,8 +173,7 @@ def test_grads_zeroed_in_place_wait_with_a_device_part(gpu: Gpu, how: str,
     ref(x).pow(2).mean().backward()
     ref_opt.step()
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096, offload_fraction=0.3)
+    opt = offload(net, "overlap", offload_fraction=0.3)
     opt.attach(net)
     real = type(opt._device).step
 
@@ -208,8 +211,7 @@ def test_a_reader_off_the_callers_stream_after_load_state_dict_waits(gpu: Gpu,
     import copy
 
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
-                           chunk_bytes=4096, offload_fraction=0.0)
+    opt = offload(net, mode, offload_fraction=0.0)
     net(batches(gpu, 1)[0]).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
@@ -327,8 +329,7 @@ def test_fsdp_units_make_their_all_gather_streams_wait(gpu: Gpu, mutation: str |
     for mode in ("chunked", "overlap"):
         net = make_net(gpu)
         _fsdp_stub(gpu, net)  # type: ignore[arg-type]
-        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
-                               chunk_bytes=4096, read_guard=False)
+        opt = offload(net, mode, read_guard=False)
         opt.attach(net)
         mutated = pipeoff.testing.disable(mutation) if mutation and mode == "overlap" else (
             contextlib.nullcontext())
@@ -353,8 +354,7 @@ def test_a_one_rank_fsdp_unit_copies_its_shards_on_the_compute_stream(gpu: Gpu) 
     for mode in ("chunked", "overlap"):
         net = make_net(gpu)
         _fsdp_stub(gpu, net, one_rank=True)  # type: ignore[arg-type]
-        opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode=mode,  # type: ignore[arg-type]
-                               chunk_bytes=4096, read_guard=False)
+        opt = offload(net, mode, read_guard=False)
         opt.attach(net)
         with pipeoff.testing.delay_lane("compute", 0.005):
             outs = train(net, opt, batches(gpu, 3))
@@ -373,8 +373,7 @@ def test_forward_waits_never_block_the_host(gpu: Gpu, monkeypatch: pytest.Monkey
     ``wait_event`` on the current stream. On a GPU it checks the timing.
     """
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096)
+    opt = offload(net, "overlap")
     opt.attach(net)
     xs = batches(gpu, 2)
     host_syncs: list[str] = []
@@ -422,8 +421,7 @@ def test_a_reserved_optimizer_allocates_no_host_memory_after_construction(
     import copy
 
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096)
+    opt = offload(net, "overlap")
     allocations: list[Any] = []
     real = gpu.accel.host_empty
     monkeypatch.setattr(gpu.accel, "host_empty",
@@ -448,8 +446,7 @@ def test_capturing_a_forward_that_must_wait_is_refused(gpu: Gpu) -> None:
     if not gpu.simulated:
         pytest.skip("capturing a real CUDA graph is exercised by the GPU suite")
     net = make_net(gpu)
-    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), mode="overlap",
-                           chunk_bytes=4096)
+    opt = offload(net, "overlap")
     opt.attach(net)
     xs = batches(gpu, 2)
     with pipeoff.testing.delay_lane("compute", 0.02):
