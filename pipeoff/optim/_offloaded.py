@@ -94,6 +94,17 @@ def with_step_hooks(inner: torch.optim.Optimizer, closure: Callable[[], Any] | N
     return out
 
 
+def in_param_order(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its ``"state"`` in the groups' parameter order, as torch's
+    optimizers create it (a device part stepped first created its entries first)."""
+    state = state_dict["state"]
+    order = [i for g in state_dict["param_groups"] for i in g["params"] if i in state]
+    listed = set(order)
+    state_dict["state"] = {**{i: state[i] for i in order},
+                           **{k: v for k, v in state.items() if k not in listed}}
+    return state_dict
+
+
 def check_in_model(params: Sequence[torch.Tensor], model: torch.nn.Module) -> None:
     """Raise :class:`ConfigError` naming the first of ``params`` that ``model`` lacks."""
     owned = {id(p) for p in model.parameters()}

@@ -320,7 +320,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         last step failed after writing some parameters."""
         self.wait_for_step()
         self._health.check("state_dict()")
-        return self.inner.state_dict()
+        return _offloaded.in_param_order(self.inner.state_dict())
 
     @_offloaded.fires_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
