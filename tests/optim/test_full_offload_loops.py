@@ -626,3 +626,105 @@ def test_zero_grad_set_to_none_false_follows_torchs_grad(how: str, fraction: flo
         m, torch.optim.AdamW, overlap="forward", offload_fraction=fraction, **kw), False, how)
     torchs = _branchy(lambda m: torch.optim.AdamW(m.parameters(), **kw), False, how)
     assert all(torch.equal(a, b) for a, b in zip(mine, torchs, strict=True))
+
+
+# -- a state dict that went through another optimizer (a tester's find) ----------------
+
+def _plain_torch(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _offload(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from pipeoff.optim import OffloadOptimizer
+
+    return OffloadOptimizer(_plain_torch(model))
+
+
+def _plain_train(opt: Any, model: torch.nn.Module, data: list[list[Any]]) -> None:
+    for step in data:
+        for b in step:
+            loss_fn(model, b).backward()
+        opt.step()
+        opt.zero_grad()
+    getattr(opt, "wait_for_step", lambda: None)()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+@pytest.mark.parametrize("middle", [_plain_torch, _offload], ids=["torch", "offload"])
+def test_masters_carried_through_another_optimizer_are_not_taken(middle: Any,
+                                                                 model_first: bool,
+                                                                 fraction: float) -> None:
+    """FullOffloadOptimizer's state dict, loaded into torch's AdamW (or OffloadOptimizer),
+    which keeps ``"master"`` as state (cast to BF16) and never steps it; trained on there,
+    saved, and loaded back. Before, the weights were written from those masters: the
+    model silently went back to the first checkpoint's weights, with the later moments
+    and step count. Now they are another optimizer's masters: the masters come from the
+    weights (as for a plain optimizer's state dict, which it must equal bitwise), with a
+    warning."""
+    data = batches(5, 1)
+    first = make_model()
+    opt = build(first, offload_fraction=fraction)
+    train_plainly(opt, first, data[:2])
+    model = make_model(seed=3)
+    model.load_state_dict(first.state_dict())
+    other = middle(model)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _plain_train(other, model, data[2:4])
+    saved = copy.deepcopy((model.state_dict(), other.state_dict()))
+    assert saved[1]["state"][0]["master"].dtype == torch.bfloat16  # torch cast it
+
+    def resume(strip: bool) -> torch.nn.Module:
+        m = make_model(seed=4)
+        o = build(m, offload_fraction=fraction)
+        sd = copy.deepcopy(saved[1])
+        if strip:  # the plain optimizer's state dict: no masters
+            for entry in sd["state"].values():
+                entry.pop("master")
+        if model_first:
+            m.load_state_dict(saved[0])
+        with (contextlib.nullcontext() if strip else
+              pytest.warns(RuntimeWarning, match="8 saved 'master' entries .* are not FP32")):
+            o.load_state_dict(sd)
+        if not model_first:
+            m.load_state_dict(saved[0])  # adopted at the next step
+        else:
+            for p, q in zip(m.state_dict().values(), saved[0].values()):
+                assert same_bits(p, q), "the loaded model's weights are kept"
+        train_plainly(o, m, data[4:])
+        return m
+
+    for p, q in zip(resume(strip=False).parameters(), resume(strip=True).parameters()):
+        assert same_bits(p, q)
+
+
+def test_param_groups_keep_keys_torch_keeps() -> None:
+    """A group's ``"name"``, or the ``"initial_lr"`` torch's schedulers need to resume with
+    ``last_epoch >= 0``: torch keeps keys its optimizer does not take in the group; they
+    were passed to AdamW's constructor and refused (a tester's find)."""
+
+    def run(extra: bool) -> tuple[torch.nn.Module, FullOffloadOptimizer]:
+        model = make_model()
+        body = [p for n, p in model.named_parameters() if not n.startswith("l2")]
+        tag = ({"name": "body", "initial_lr": 1e-2} if extra else {})
+        opt = FullOffloadOptimizer([{"params": body, **tag}], torch.optim.AdamW, lr=1e-2)
+        opt.add_param_group({"params": list(model.l2.parameters()), "lr": 1e-3,
+                             **({"name": "l2", "initial_lr": 1e-3} if extra else {})})
+        if extra:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e, last_epoch=2)
+        else:
+            for g in opt.param_groups:
+                g["initial_lr"] = g["lr"]
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e, last_epoch=2)
+        train_plainly(opt, model, batches(2, 1))
+        sched.step()
+        return model, opt
+
+    model, opt = run(extra=True)
+    plain, _ = run(extra=False)
+    assert [g["name"] for g in opt.param_groups] == ["body", "l2"]
+    assert [g["name"] for g in opt.state_dict()["param_groups"]] == ["body", "l2"]
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert same_bits(p, q)
+    with pytest.raises(ConfigError, match="weight_decy"):  # the constructor's own: still checked
+        FullOffloadOptimizer(make_model(), torch.optim.AdamW, weight_decy=0.1)

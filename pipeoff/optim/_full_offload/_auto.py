@@ -36,7 +36,6 @@ that balances the two parts, or all on the host where the host step is faster.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ from pipeoff._errors import ConfigError, PlanMismatchError
 from pipeoff._validate import check_bytes
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
+from pipeoff.optim._full_offload._config import accepted
 from pipeoff.optim._offload._auto import FractionChoice, Rates, _budget, _seconds, choose
 
 __all__ = ["full_auto", "full_seconds", "is_auto", "measure_full_rates", "numeric",
@@ -73,19 +73,11 @@ def _host_step_rate(optimizer_class: type[torch.optim.Optimizer], defaults: Mapp
     else:
         q = p.clone().requires_grad_(True)
         q.grad = g
-        opt = optimizer_class([q], **_accepted(optimizer_class, defaults))
+        opt = optimizer_class([q], **accepted(optimizer_class, defaults))
 
         def run() -> None:
             _compat.step_body(type(opt))(opt)  # (no global step hooks)
     return numel / _seconds(run, lambda: None)
-
-
-def _accepted(optimizer_class: type[torch.optim.Optimizer],
-              defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``defaults`` less what ``optimizer_class`` does not take (torch's defaults may
-    hold more than its signature)."""
-    accepted = inspect.signature(optimizer_class).parameters
-    return {k: v for k, v in defaults.items() if k in accepted}
 
 
 def measure_full_rates(optimizer_class: type[torch.optim.Optimizer],
@@ -107,7 +99,7 @@ def measure_full_rates(optimizer_class: type[torch.optim.Optimizer],
     d2h = _seconds(lambda: host.copy_(dev, non_blocking=pin), sync)
     p = torch.zeros(numel, device=device, requires_grad=True)
     p.grad = torch.full_like(p, 1e-3)
-    probe = optimizer_class([p], **_accepted(optimizer_class, defaults))
+    probe = optimizer_class([p], **accepted(optimizer_class, defaults))
     # The class's step without torch's hooks: a global step hook (a logger, a
     # counter) must not see these scratch steps.
     body = _compat.step_body(type(probe))

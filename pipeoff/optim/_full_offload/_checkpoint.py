@@ -17,7 +17,8 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import flat, flat_like, host_alloc, wrap_like
 
-__all__ = ["elementwise", "entries", "load", "pack", "plan_load", "step_entry"]
+__all__ = ["elementwise", "entries", "foreign_masters_message", "foreign_master", "load", "pack",
+           "plan_load", "step_entry"]
 
 Plan = list[tuple[int, Mapping[str, Any]]]
 """Per parameter with a saved entry, its position and the entry."""
@@ -131,17 +132,22 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
 
 
 def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
-         saved_groups: Sequence[Mapping[str, Any]], plan: Plan) -> None:
+         saved_groups: Sequence[Mapping[str, Any]], plan: Plan) -> list[str]:
     """Write a checked state dict: the groups' hyperparameters, each parameter's state
-    and master (a parameter without a saved master, or without an entry, takes the
-    model's weight as its master: load the model's state dict first). Does not write
-    the device weights."""
+    and master (a parameter without a saved master, or without an entry, or whose saved
+    master is another optimizer's (:func:`foreign_master`), takes the model's weight as
+    its master: load the model's state dict first). Does not write the device weights.
+
+    Returns:
+        The names of the parameters whose saved master was another optimizer's.
+    """
     for s, g in zip(saved_groups, param_groups):
         for k, v in s.items():
             if k != "params":
                 g[k] = v
     for rec in registry:
         rec.forget_state()
+    foreign: list[str] = []
     with torch.no_grad():
         loaded = {i for i, _ in plan}
         for i, rec in enumerate(registry):
@@ -156,7 +162,8 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 if elementwise(key, val, keys_of_group):
                     src = flat_like(local(val), rec.order)
                     if key == "master":
-                        rec.flat_master.copy_(src)
+                        if not foreign_master(entry):
+                            rec.flat_master.copy_(src)
                         continue
                     if key not in st:
                         st[key] = host_alloc([(rec.local.shape, torch.float32, rec.order)],
@@ -170,8 +177,30 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                                         if isinstance(val, torch.Tensor) else val)
             rec.present = tuple(keys)
             rec.stepped = True
-            if "master" not in entry:
+            if "master" not in entry or foreign_master(entry):
                 rec.master.copy_(rec.local)
+            if foreign_master(entry):
+                foreign.append(rec.name)
+    return foreign
+
+
+def foreign_masters_message(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more"
+                                                     if len(names) > 3 else "")
+    return (f"FullOffloadOptimizer.load_state_dict: {len(names)} saved 'master' "
+            f"entries ({shown}) are not FP32, so this optimizer did not save them: the state "
+            "dict went through another optimizer (torch's, or OffloadOptimizer), which kept "
+            "them as state, cast to the parameter's dtype, and never stepped them. Those "
+            "masters were taken from the model's weights (widened), as for a plain "
+            "optimizer's state dict: load the model's state dict before the optimizer's.")
+
+
+def foreign_master(entry: Mapping[str, Any]) -> bool:
+    """Whether ``entry``'s ``"master"`` is not one this optimizer saved (always FP32):
+    another optimizer kept it as state, cast to the parameter's dtype, and never stepped
+    it. Writing the weight from it would silently roll the model back."""
+    m = entry.get("master")
+    return isinstance(m, torch.Tensor) and m.dtype != torch.float32
 
 
 def step_entry(val: Any, group: Mapping[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 from collections.abc import Iterable, Mapping
@@ -125,13 +126,27 @@ class FullOffloadConfig:
         for flag in _FLAGS:
             if group.get(flag):
                 raise ConfigError(f"param group: {flag}=True is not for FullOffloadOptimizer")
-        hyper = {**self.defaults, **group}
+        hyper = {**self.defaults, **accepted(self.optimizer_class, group)}
         try:
             return self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
         except (TypeError, ValueError) as err:
             what = "hyperparameters" if not group else "group's hyperparameters"
             raise ConfigError(f"{self.optimizer_class.__name__} refused the {what} "
                               f"{group or dict(self.defaults)}: {err}") from None
+
+def accepted(optimizer_class: type[torch.optim.Optimizer],
+             hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """``hyper`` less what ``optimizer_class``'s constructor does not take: torch keeps
+    other keys in a group (a group's ``"name"``, a scheduler's ``"initial_lr"``), and its
+    ``defaults`` may hold more than its signature."""
+    try:
+        taken = inspect.signature(optimizer_class).parameters
+    except (TypeError, ValueError):
+        return dict(hyper)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        return dict(hyper)
+    return {k: v for k, v in hyper.items() if k in taken}
+
 
 def _refuse_device_part(config: FullOffloadConfig) -> None:
     """The modes a device part (``offload_fraction < 1``) does not support yet.

@@ -419,11 +419,14 @@ class FullDevicePart:
         return out
 
     def load(self, entries: Mapping[int, Mapping[str, Any]],
-             param_groups: Sequence[Mapping[str, Any]]) -> None:
+             param_groups: Sequence[Mapping[str, Any]]) -> list[str]:
         """Load checked entries (by ``id()`` of the parameter); a parameter without one
-        takes its weight as its master and no state. As torch's ``load_state_dict``, a
-        ``step`` stays on the host unless the group is fused or capturable."""
+        takes its weight as its master and no state; one whose saved master is another
+        optimizer's takes its weight as its master (their names are returned). As torch's
+        ``load_state_dict``, a ``step`` stays on the host unless the group is fused or
+        capturable."""
         group_of = {id(p): g for g in param_groups for p in g["params"]}
+        foreign: list[str] = []
         with torch.no_grad():
             for pid, rec in self.params.items():
                 entry = entries.get(pid)
@@ -445,7 +448,11 @@ class FullDevicePart:
                                           or g.get("capturable") else t)
                     else:
                         rec.state[key] = val
+                if entry is not None and _checkpoint.foreign_master(entry):
+                    rec.master.copy_(rec.weight)  # (another optimizer's: see _checkpoint)
+                    foreign.append(rec.name)
                 rec.version = rec.weight._version
+        return foreign
 
     def memory(self) -> dict[str, int]:
         """Bytes of the device part: ``master_bytes_device``, ``grad_sum_bytes_device``

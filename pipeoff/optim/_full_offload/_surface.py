@@ -10,6 +10,7 @@ parts it names below.
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -179,7 +180,9 @@ class MastersAndCheckpoints:
     @fires_load_state_dict_hooks
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (with or without ``"master"`` entries); then every device
-        weight is written from its master. Either all is loaded or nothing.
+        weight is written from its master. Either all is loaded or nothing. A master
+        that is not FP32 was kept, unstepped, by another optimizer the state dict went
+        through: the weight is taken as that master instead (``RuntimeWarning``).
 
         Clears a failed or torn step. Creating state never steps the optimizer.
 
@@ -199,8 +202,12 @@ class MastersAndCheckpoints:
         # being replaced.
         self._lifecycle.discard("discarded", classify_final=False)
         self._model_sync.accel_sync()
-        _checkpoint.load(self._registry, self.param_groups, state_dict["param_groups"], plan)
-        self._lifecycle.part.load(others, self.param_groups)
+        foreign = _checkpoint.load(self._registry, self.param_groups,
+                                   state_dict["param_groups"], plan)
+        foreign += self._lifecycle.part.load(others, self.param_groups)
+        if foreign:
+            warnings.warn(_checkpoint.foreign_masters_message(foreign), RuntimeWarning,
+                          stacklevel=3)
         self._health.torn = None
         self._health.dirty = None
         self.refresh_device_weights()
