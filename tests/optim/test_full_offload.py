@@ -334,13 +334,21 @@ def test_delayed_lanes_change_no_bit(lane: str, overlap: str) -> None:
 
 
 def test_a_step_that_does_not_wait_for_accumulation_is_wrong() -> None:
+    """Wrong either way: the weights differ, or (when a chunk writes a weight before the
+    backward has used it) autograd refuses the backward."""
     model = make_model()
     ref = reference(model)
     with testing.disable("accumulate_dep"):
         opt = build(model, overlap="backward", chunk_numel=200)
         data = batches(2, 2)
-        with testing.delay_lane("accumulate", 0.01):
-            train(opt, model, data)
+        try:
+            with testing.delay_lane("accumulate", 0.01):
+                train(opt, model, data)
+        except RuntimeError as err:
+            assert "modified by an inplace operation" in str(err)
+            with contextlib.suppress(Exception):
+                opt.zero_grad()
+            return
     train_reference(ref, data)
     assert differs(model, ref)
 
