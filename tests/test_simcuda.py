@@ -489,3 +489,41 @@ def test_what_a_tensor_subclass_issues_is_checked() -> None:
 
     flagged(lambda sim: program(sim, wait=False))
     accepted(lambda sim: program(sim, wait=True))
+
+
+def test_a_free_does_not_wait_for_its_streams_lock() -> None:
+    """A storage's finalizer runs wherever a collection does: here on a thread holding
+    the device's lock, while the lock of the stream the storage was made on is held
+    (its worker holds it while it lets go of a finished item, whose own frees wait for
+    the device's lock: a deadlock a tester hit under load). The free's check must not
+    wait for the stream's lock; it runs once the stream takes it back."""
+    import threading
+
+    with device() as sim:
+        s = sim.new_stream(sim.device)
+        with sim.use_stream(s):
+            box = [torch.ones(1000)]  # made on s
+        held, release, freed = threading.Event(), threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with s._cond:
+                held.set()
+                release.wait(60)
+
+        def free() -> None:
+            with sim.lock:
+                box.clear()  # the finalizer: the free's check goes to s
+            freed.set()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(60)
+        freer = threading.Thread(target=free)
+        freer.start()
+        try:
+            assert freed.wait(60), "the free waited for the stream's lock"
+        finally:
+            release.set()
+            holder.join()
+            freer.join()
+        s.synchronize()

@@ -305,7 +305,7 @@ class SimulatedCuda:
         # The free itself orders nothing: on CUDA the host drops the last reference
         # when it issues work, whichever stream's work (here, thread) dropped it.
         host = self.clocks.hosts_vc()
-        made_by._enqueue(("launch", functools.partial(
+        made_by.enqueue_freed(("launch", functools.partial(
             self._check_free, made_by, fences, accesses)), clock=host)
 
     def _check_free(self, made_by: SimStream, fences: set[Any],

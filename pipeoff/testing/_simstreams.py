@@ -105,6 +105,8 @@ class SimStream:
         self.priority = priority
         self.vc: dict[Any, int] = {}
         self._q: deque[tuple[Any, ...]] = deque()
+        self._orphans: deque[tuple[Any, ...]] = deque()
+        """Items a storage finalizer could not enqueue (see :meth:`enqueue_freed`)."""
         # Reentrant: a storage finalizer (the free check) may enqueue onto this
         # stream from inside code that holds the lock, when a collection runs there.
         self._cond = threading.Condition(threading.RLock())
@@ -143,7 +145,7 @@ class SimStream:
 
     def query(self) -> bool:
         with self._cond:
-            if self._q or self._busy:
+            if self._q or self._busy or self._orphans:
                 return False
         self.sim.clocks.host_acquire(dict(self.vc))  # done: the host may read its results
         return True
@@ -171,18 +173,35 @@ class SimStream:
             self._q.append((*item, enq))
             self._cond.notify_all()
 
+    def enqueue_freed(self, item: tuple[Any, ...], clock: dict[Any, int]) -> None:
+        """:meth:`_enqueue` for a storage finalizer, which runs wherever a collection
+        does: perhaps holding the device's lock, while this stream's worker holds this
+        stream's lock and its own finalizer waits for the device's (a deadlock, found
+        under load). So it never waits here: a taken lock leaves the item to the
+        worker, which looks for such items at least every 50 ms."""
+        if not self._cond.acquire(blocking=False):
+            self._orphans.append((*item, clock))
+            return
+        try:
+            self._q.append((*item, clock))
+            self._cond.notify_all()
+        finally:
+            self._cond.release()
+
     def drain(self) -> None:
         """Block until every item enqueued so far has executed."""
         with self._cond:
-            while self._q or self._busy:
-                self._cond.wait()
+            while self._q or self._busy or self._orphans:
+                self._cond.wait(0.05)
 
     def _loop(self) -> None:
         self.sim.worker_started(self)
         while True:
             with self._cond:
-                while not self._q and not self._stop:
-                    self._cond.wait()
+                while not self._q and not self._orphans and not self._stop:
+                    self._cond.wait(0.05)  # (an orphan comes without a notify)
+                while self._orphans:
+                    self._q.append(self._orphans.popleft())
                 if self._stop and not self._q:
                     return
                 item = self._q.popleft()
@@ -194,6 +213,9 @@ class SimStream:
                     self.sim.reports.found(err)  # a race was noted when found
                 self.sim.reports.undelivered.append(err)
             finally:
+                # Its tensors are let go here, not under this stream's lock: their
+                # finalizers take the device's lock.
+                del item
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
