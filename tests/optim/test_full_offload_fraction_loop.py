@@ -447,3 +447,35 @@ def test_a_whole_model_under_one_reentrant_checkpoint_steps(f: float) -> None:
         results.append(model)
     for p, q in zip(*(m.parameters() for m in results)):
         assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("f", [1.0, 0.3])
+def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
+    """The loop reads the gradients' values (``param.grad`` is then the real gradient),
+    then clips inside a ``TorchDispatchMode`` (``FlopCounterMode`` around the step):
+    torch's foreach multiply bumps no version counter there, and the step took the
+    unclipped sums (a tester's find). Bitwise the same loop without the mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    def run(mode: bool) -> torch.nn.Module:
+        model = make_model()
+        opt = build(model, f, overlap="none")
+        for step in batches(2, 1):
+            backwards(opt, model, step)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.sum()  # a read: the real gradient from now on
+            with PassThrough() if mode else contextlib.nullcontext():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, foreach=True)
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        return model
+
+    for p, q in zip(run(True).parameters(), run(False).parameters()):
+        assert same_bits(p, q)

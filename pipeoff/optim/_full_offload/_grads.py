@@ -201,7 +201,7 @@ class LoopGrads:
                     # added its gradient into the placeholder: the hook takes it next.
                     arriving[key] = slot.incoming
                 elif g is not None and g is slot.shown:
-                    if slot.real is not None and slot.real._version != slot.real_version:
+                    if slot.real is not None and _written(slot):
                         replaced[key] = slot.real  # written through (a read leaves it)
                 elif g is None:
                     dropped.append(key)
@@ -464,6 +464,23 @@ class LoopGrads:
             p.grad = shown
         slot.shown = shown
         return real
+
+
+def _written(slot: GradSlot) -> bool:
+    """Whether the loop wrote ``slot.real`` (the real gradient a read made). Its version
+    counter says so, except where torch bumps none: an in-place foreach op under a
+    ``TorchDispatchMode`` (``FlopCounterMode`` around the loop's clip), whose write the
+    step missed (a tester's find). Then its values say so: they are no longer the sum's
+    cast they were made as."""
+    real = slot.real
+    assert real is not None
+    if real._version != slot.real_version:
+        return True
+    with torch.no_grad():
+        if slot.dev is not None:
+            return slot.dev.sum is None or not torch.equal(real, slot.dev.sum.to(real.dtype))
+        acc = slot.rec.flat_acc
+        return not torch.equal(flat(real, slot.rec.order).to(acc.device), acc.to(real.dtype))
 
 
 def _is_one(v: Any) -> bool:
