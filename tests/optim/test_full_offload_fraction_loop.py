@@ -479,3 +479,39 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
 
     for p, q in zip(run(True).parameters(), run(False).parameters()):
         assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("f", [1.0, 0.3])
+def test_a_read_of_a_nan_gradient_is_not_a_write(f: float) -> None:
+    """A NaN check in the loop (a read) of a gradient holding a NaN: the step takes the
+    FP32 sum, bitwise the loop without the read, and ``max_norm`` does not refuse it as
+    a replaced gradient (a NaN never equals itself: the first version of the value
+    check took the read for a write; a tester's find)."""
+
+    def run(read: bool, **kw: Any) -> torch.nn.Module:
+        model = make_model()
+        opt = FullOffloadOptimizer(model, torch.optim.SGD, offload_fraction=f, lr=0.5, **kw)
+        first = [True]
+
+        def poison(g: torch.Tensor) -> torch.Tensor:
+            if first[0]:
+                first[0] = False
+                g = g.clone()
+                g.view(-1)[0] = float("nan")
+            return g
+
+        model.l1.weight.register_hook(poison)
+        for step in batches(1, 2):
+            backwards(opt, model, step)
+            if read:
+                for p in model.parameters():
+                    if p.grad is not None and p.numel():
+                        torch.isfinite(p.grad).all()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        return model
+
+    for p, q in zip(run(True).parameters(), run(False).parameters()):
+        assert same_bits(p, q)
+    run(True, max_norm=1.0)  # no ConfigError

@@ -478,9 +478,15 @@ def _written(slot: GradSlot) -> bool:
         return True
     with torch.no_grad():
         if slot.dev is not None:
-            return slot.dev.sum is None or not torch.equal(real, slot.dev.sum.to(real.dtype))
+            return slot.dev.sum is None or not _same_bits(real, slot.dev.sum.to(real.dtype))
         acc = slot.rec.flat_acc
-        return not torch.equal(flat(real, slot.rec.order).to(acc.device), acc.to(real.dtype))
+        return not _same_bits(flat(real, slot.rec.order).to(acc.device), acc.to(real.dtype))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals itself: a read of a NaN gradient is not a write)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def _is_one(v: Any) -> bool:
