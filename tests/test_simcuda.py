@@ -307,6 +307,9 @@ def test_a_native_step_reading_a_pending_copy_is_a_race() -> None:
         param, m, v = (sim.host_empty(1000, torch.float32, pinned=True).zero_()
                        for _ in range(3))
         kernel.adam_step(param, grad, m, v, None, hyper, step=1.0, scale=None, threads=1)
+        # Before grad is freed: freeing host memory a pending copy writes is a race of
+        # its own, which would pass this test with the step's reads unannounced.
+        stream.synchronize()
 
     flagged(lambda sim: step(sim, waited=False))
     accepted(lambda sim: step(sim, waited=True))
