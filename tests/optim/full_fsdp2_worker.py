@@ -240,6 +240,31 @@ def refused_at_differing_fractions(rank: int, mesh: Any) -> str:
     return said
 
 
+def foreach_weight_write(mesh: Any, refresh: bool) -> bool:
+    """Whether weights halved by ``torch._foreach_mul_`` between two steps (lr 0) stay
+    halved. torch 2.13's in-place foreach ops on DTensors bump no version counter,
+    so only ``refresh_masters()`` tells the optimizer (docs/full_offload.md)."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = make_model(torch.bfloat16)
+    shard(m, mesh)
+    opt = FullOffloadOptimizer(m, torch.optim.SGD, lr=0.0)
+
+    def step() -> None:
+        m(torch.ones(2, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    before = [local(p).clone() for p in m.parameters()]
+    with torch.no_grad():
+        torch._foreach_mul_(list(m.parameters()), 0.5)
+    if refresh:
+        opt.refresh_masters()
+    step()
+    return all(torch.equal(local(p), b * 0.5) for p, b in zip(m.parameters(), before))
+
+
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     import faulthandler
     import os
@@ -269,6 +294,8 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
                 out[case] = {"error": f"{type(err).__name__}: {err}"}
         out["cpu_offload_policy"] = refused_under_cpu_offload_policy(mesh)
         out["fraction_mismatch"] = refused_at_differing_fractions(rank, mesh)
+        out["foreach_write"] = {refresh: foreach_weight_write(mesh, refresh)
+                                for refresh in (False, True)}
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()
