@@ -449,6 +449,14 @@ def test_a_whole_model_under_one_reentrant_checkpoint_steps(f: float) -> None:
         assert same_bits(p, q)
 
 
+def read_every_gradient(model: torch.nn.Module, read: Any) -> None:
+    """``read(param.grad)`` for every gradient there is: a value read, after which
+    ``param.grad`` is the real gradient rather than the placeholder."""
+    for p in model.parameters():
+        if p.grad is not None and p.numel():
+            read(p.grad)
+
+
 @pytest.mark.parametrize("f", [1.0, 0.3])
 def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
     """The loop reads the gradients' values (``param.grad`` is then the real gradient),
@@ -467,9 +475,7 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
         opt = build(model, f, overlap="none")
         for step in batches(2, 1):
             backwards(opt, model, step)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.sum()  # a read: the real gradient from now on
+            read_every_gradient(model, torch.sum)  # the real gradient from now on
             with PassThrough() if mode else contextlib.nullcontext():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, foreach=True)
             opt.step()
@@ -504,9 +510,7 @@ def test_a_read_of_a_nan_gradient_is_not_a_write(f: float) -> None:
         for step in batches(1, 2):
             backwards(opt, model, step)
             if read:
-                for p in model.parameters():
-                    if p.grad is not None and p.numel():
-                        torch.isfinite(p.grad).all()
+                read_every_gradient(model, lambda g: torch.isfinite(g).all())
             opt.step()
             opt.zero_grad()
         opt.wait_for_step()
