@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pipeoff import _accel, _compat, _faults
+from pipeoff._inert import inert
 from pipeoff.optim._waits import ForwardWaits
 
 __all__ = ["install", "set_post_optim_event", "unwrap"]
@@ -106,18 +107,10 @@ class _ForwardWait:
         _opaque_wait()(self, module)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert_hook, ())
+        return (inert, ())
 
 
-def _inert_hook(*args: Any) -> Any:
-    return _Inert()
-
-
-class _Inert:
-    """What a pickled or copied forward wait becomes: a hook that does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
+_inert_hook = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
 
 
 _OPAQUE: Any = None

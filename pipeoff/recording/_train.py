@@ -29,6 +29,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._contract import steps_taken
+from pipeoff._inert import inert
 from pipeoff.recording import _recorder
 
 __all__ = ["TRAIN_LANE", "install_train_hooks", "train_span"]
@@ -108,18 +109,10 @@ class _TrainHook:
         _opaque()(self, out)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert, ())
+        return (inert, ())
 
 
-def _inert() -> Any:
-    return _Inert()
-
-
-class _Inert:
-    """What a pickled or copied train hook becomes: a hook that does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
+_inert = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
 
 
 _OPAQUE: Any = None

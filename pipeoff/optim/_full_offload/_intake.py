@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import GradientError
+from pipeoff._inert import inert
 from pipeoff.optim._full_offload._common import checked_gradient
 from pipeoff.optim._full_offload._config import refuse_environment
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
@@ -72,7 +73,7 @@ class _WrapperProbe:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled (torch.save(model)): the copy belongs to no optimizer.
-        return (_inert_probe, ())
+        return (inert, ())
 
 
 def _probe(probe: _WrapperProbe, module: torch.nn.Module) -> None:
@@ -98,15 +99,7 @@ def _opaque_probe() -> Any:
     return _OPAQUE_PROBE
 
 
-class _InertProbe:
-    """What a pickled probe becomes: a forward pre-hook that does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-def _inert_probe() -> _InertProbe:
-    return _InertProbe()
+_inert_probe = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
 
 
 class GradientIntake:
