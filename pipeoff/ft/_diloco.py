@@ -23,7 +23,7 @@ from pipeoff.ft._args import check_diloco_knobs, check_manager
 from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
 from pipeoff.ft._diloco_tail import SyncTail
 from pipeoff.ft._options import StagingOptions, check_flag, check_sync_schedule
-from pipeoff.ft._outer import WaitingState, check_outer, host_outers
+from pipeoff.ft._outer import WaitingState, check_outer, host_outers, own_read
 from pipeoff.trace import StepStats
 
 if TYPE_CHECKING:
@@ -360,6 +360,13 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     def _before_outer_state(self) -> None:
         """The user's outer optimizer's state is accessed (``state_dict()``, or its
         ``state`` read or edited in place: a momentum decay right after ``step()``)."""
+        if not own_read():
+            for f in self._fragments:
+                if isinstance(f, OffloadedFragment):
+                    # Hazard: keeping a speculative outer step taken from state the
+                    # loop then edited where no version counter shows it (torch's
+                    # in-place foreach ops under a TorchDispatchMode bump none).
+                    f.note_state_access()
         tail = self._tail
         if tail is None or not tail.in_flight or getattr(self._in_alias, "on", False) \
                 or _faults.disabled("outer_state_waits"):

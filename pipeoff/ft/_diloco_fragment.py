@@ -256,6 +256,11 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - the same failure, kept above
             pass
 
+    def note_state_access(self) -> None:
+        """The loop accessed the user's outer state (any thread)."""
+        if self._spec is not None:
+            self._spec.note_access()
+
     def wait_formed(self) -> None:
         """Before an inner step: wait until no task of the sync in flight reads the
         parameters (on CUDA, the caller's stream waits; the host does not)."""

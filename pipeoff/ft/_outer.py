@@ -14,9 +14,11 @@ holds state.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import optim
@@ -33,7 +35,31 @@ from pipeoff.optim._full_offload._host_kernel import default_threads
 from pipeoff.optim._update import ELEMENTWISE
 
 __all__ = ["HOST_OUTER_OPTIMIZERS", "HostOuterOptimizer", "WaitingState", "check_outer",
-           "host_outers"]
+           "host_outers", "own_read"]
+
+
+_OWN = threading.local()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def own_read() -> bool:
+    """Whether this thread is in pipeoff's own reads of the user's outer state (not the
+    loop's: :class:`WaitingState`'s ``before`` may tell them apart)."""
+    return bool(getattr(_OWN, "on", False))
+
+
+def _own_reads(fn: _F) -> _F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before = own_read()
+        _OWN.on = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _OWN.on = before
+
+    return wrapper  # type: ignore[return-value]
+
 
 HOST_OUTER_OPTIMIZERS: tuple[type[optim.Optimizer], ...] = tuple(
     cls for cls in ELEMENTWISE if cls in (optim.SGD, optim.Adam, optim.AdamW))
@@ -137,6 +163,7 @@ class HostOuterOptimizer:
                 f"{self.name}.param_groups changed (groups or parameters added, removed or "
                 "reordered) after DiLoCo was built; build a new DiLoCo")
 
+    @_own_reads
     def sync_from_user(self) -> None:
         """Copy the user's current hyperparameters (an edited ``lr``) into the host
         optimizer's groups, and adopt state loaded into the user's optimizer.
@@ -170,6 +197,7 @@ class HostOuterOptimizer:
         return [h for p, h in self._pairs() if (st := host_state.get(h))
                 and not user_state.get(p) and self._shown.get(id(h)) is st]
 
+    @_own_reads
     def alias(self, adopted: bool = False) -> None:
         """Give the user's optimizer, per parameter, the host optimizer's state dict
         object (steps fill it in place); call after a step that may have created
@@ -272,6 +300,7 @@ class HostOuterOptimizer:
             return {}
         return self.host.state[h]
 
+    @_own_reads
     def user_changed(self) -> bool:
         """Whether the user's optimizer differs from the host's since the last
         :meth:`sync_from_user`: an edited hyperparameter, state loaded into it, or state

@@ -75,6 +75,8 @@ class SpeculativeStep:
         """Per backup (``id``), the hyperparameters of the sync in flight's step; ``None``:
         no speculative step for it."""
         self._versions: list[tuple[int, int]] = []
+        self._accessed = False
+        """The loop accessed the user's outer state since :meth:`begin`."""
         self.in_place = False
         """The step is taken after the decision, in place (the speculative one is
         dropped: its inputs changed before the decision)."""
@@ -89,13 +91,22 @@ class SpeculativeStep:
         self.plan = (None if hypers is None else
                      {id(h): x for (h, _), x in zip(pairs, hypers, strict=True)})
         self._versions = self.outer.state_versions([h for h, _ in pairs])
+        self._accessed = False
         return self.plan is not None
 
+    def note_access(self) -> None:
+        """The loop accessed the user's outer state (from any thread): it may have edited
+        it where no version counter shows (torch's in-place foreach ops under a
+        ``TorchDispatchMode``, or on DTensors, bump none)."""
+        self._accessed = True
+
     def state_edited(self) -> bool:
-        """Whether the outer state was edited in place since :meth:`begin` (the spares
-        may hold a copy from before the edit; torchft's step would read it after)."""
+        """Whether the outer state may have been edited in place since :meth:`begin` (the
+        spares may hold a copy from before the edit; torchft's step would read it
+        after): a version counter moved, a tensor was replaced, or the loop accessed the
+        state at all."""
         assert self.plan is not None
-        return self.outer.state_versions(
+        return self._accessed or self.outer.state_versions(
             [h for h in self.backups if id(h) in self.plan]) != self._versions
 
     def take_in_place(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn, optim
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
 import pipeoff
@@ -107,6 +108,19 @@ def test_speculative_syncs_are_torchfts_bits(outer: str) -> None:
     _assert_same(_loop(False, outer_of=outer_of), _loop(True, outer_of=outer_of))
 
 
+def test_a_loop_that_leaves_the_outer_state_alone_keeps_the_speculative_step() -> None:
+    """Any access of the outer state by the loop drops the speculative step (an edit a
+    version counter may not show); pipeoff's own reads of it must not."""
+    frags: list[Any] = []
+
+    def keep(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any) -> None:
+        frags.append(d._fragments[0])
+
+    _loop(False, between=keep)
+    assert frags and frags[-1]._spec.plan is not None
+    assert not frags[-1]._spec.in_place
+
+
 def test_the_outer_step_is_taken_before_the_decision_into_spares() -> None:
     """Right after the preparing step, before the decision: the speculative step is done
     (it waits for no gate), and the backups and the outer state, which a healing peer or
@@ -165,34 +179,52 @@ def test_a_healing_load_before_the_decision_takes_the_step_again() -> None:
     _assert_same(_loop(False, between=_heal), _loop(True, between=_heal))
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing (as FlopCounterMode around a loop): torch's
+    in-place foreach ops under it bump no version counter."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any, *,
-                 replace: bool = False) -> None:
-    """The loop edits the outer state before the decision (a momentum decay, in place or
-    by a new tensor), after the speculative step copied it into the spares."""
+                 how: str = "in_place") -> None:
+    """The loop edits the outer state before the decision (a momentum decay: in place,
+    by a new tensor, or by a foreach op under a dispatch mode), after the speculative
+    step copied it into the spares."""
     frag = d._fragments[0]
     if isinstance(d, pipeoff.ft.DiLoCo) and frag._speculative:
         frag._ex.wait("stepped", timeout=60)  # (the spares hold the state before the edit)
+    if how == "foreach_under_a_mode":
+        bufs = [v for st in frag._outer_optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim()]
+        if bufs:  # (none before the first outer step)
+            with _PassThrough():
+                torch._foreach_mul_(bufs, 0.5)
+        return
     for st in frag._outer_optimizer.state.values():
         for k, v in list(st.items()):
             if isinstance(v, torch.Tensor) and v.dim():
-                if replace:
+                if how == "replaced":
                     st[k] = v * 0.5
                 else:
                     v.mul_(0.5)
 
 
-@pytest.mark.parametrize("replace", [False, True], ids=["in_place", "replaced"])
+@pytest.mark.parametrize("how", ["in_place", "replaced", "foreach_under_a_mode"])
 @pytest.mark.parametrize("outer", ["sgd", "adamw"])
 def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: str,
-                                                                        replace: bool) -> None:
+                                                                        how: str) -> None:
     """torchft steps the outer state as it is at the decision: a speculative step whose
     copy of the state predates an edit is dropped (a state tensor's version counter
-    moved, or another tensor took its place) and the step taken again in place. Without
-    the check, the edit is lost."""
+    moved, another tensor took its place, or the loop accessed the state: a foreach op
+    under a dispatch mode bumps no version) and the step taken again in place. Without
+    the check, the edit is lost (the last case: a tester's find)."""
     outer_of = sgd_nesterov if outer == "sgd" else _outer_adamw
 
     def edit(*args: Any) -> None:
-        _decay_state(*args, replace=replace)
+        _decay_state(*args, how=how)
 
     _assert_same(_loop(False, between=edit, outer_of=outer_of),
                  _loop(True, between=edit, outer_of=outer_of))

@@ -887,6 +887,23 @@ SPECULATIVE = (
                "load_state_dict_waits",),
         hazard="a reader off the caller's stream after load_state_dict() and wait_for_step() "
                "reads device-part state the load's copies are still writing"),
+    Mutant(
+        name="r92:speculative-step-ignores-the-loops-access", file="pipeoff/ft/_outer_spec.py",
+        old="        return self._accessed or self.outer.state_versions(\n",
+        new="        return self.outer.state_versions(\n",
+        tests=("tests/ft/test_diloco_speculative.py::test_state_edited_in_place_before_the_"
+               "decision_is_the_state_stepped[sgd-foreach_under_a_mode]",),
+        hazard="the loop edits the outer state with a foreach op under a TorchDispatchMode "
+               "(no version bump) before the decision: the speculative step taken from the "
+               "state before the edit is kept, and the edit is lost"),
+    Mutant(
+        name="r93:own-reads-drop-the-speculative-step", file="pipeoff/ft/_diloco.py",
+        old="        if not own_read():\n",
+        new="        if True:\n",
+        tests=("tests/ft/test_diloco_speculative.py::test_a_loop_that_leaves_the_outer_state_"
+               "alone_keeps_the_speculative_step",),
+        hazard="pipeoff's own reads of the user's outer state count as the loop's: every "
+               "speculative outer step is dropped and taken again after the decision"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
