@@ -904,6 +904,17 @@ SPECULATIVE = (
                "alone_keeps_the_speculative_step",),
         hazard="pipeoff's own reads of the user's outer state count as the loop's: every "
                "speculative outer step is dropped and taken again after the decision"),
+    Mutant(
+        name="r94:a-bitless-write-counts-by-version", file="pipeoff/optim/_full_offload/_grads.py",
+        old="        return not _same_bits(flat(real, slot.rec.order).to(acc.device), "
+            "acc.to(real.dtype))\n",
+        new="        return real._version > 0 or not _same_bits(flat(real, slot.rec.order)"
+            ".to(acc.device), acc.to(real.dtype))\n",
+        tests=("tests/optim/test_full_offload_fraction_loop.py::test_a_clip_that_changes_no_"
+               "bit_after_a_read_steps_the_sums[1.0]",),
+        hazard="a write to the real gradient that changes no bit (the clip's multiply by "
+               "1.0) counts as a write by its version counter: the step takes the BF16 "
+               "cast, where the same loop under a dispatch mode takes the FP32 sums"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

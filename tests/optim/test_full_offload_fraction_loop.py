@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import pipeoff.testing
@@ -449,6 +450,15 @@ def test_a_whole_model_under_one_reentrant_checkpoint_steps(f: float) -> None:
         assert same_bits(p, q)
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing (as ``FlopCounterMode``): torch's in-place
+    foreach ops under it bump no version counter."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def read_every_gradient(model: torch.nn.Module, read: Any) -> None:
     """``read(param.grad)`` for every gradient there is: a value read, after which
     ``param.grad`` is the real gradient rather than the placeholder."""
@@ -463,12 +473,6 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
     then clips inside a ``TorchDispatchMode`` (``FlopCounterMode`` around the step):
     torch's foreach multiply bumps no version counter there, and the step took the
     unclipped sums (a tester's find). Bitwise the same loop without the mode."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class PassThrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            return func(*args, **(kwargs or {}))
 
     def run(mode: bool) -> torch.nn.Module:
         model = make_model()
@@ -476,7 +480,7 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
         for step in batches(2, 1):
             backwards(opt, model, step)
             read_every_gradient(model, torch.sum)  # the real gradient from now on
-            with PassThrough() if mode else contextlib.nullcontext():
+            with _PassThrough() if mode else contextlib.nullcontext():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, foreach=True)
             opt.step()
             opt.zero_grad()
@@ -485,6 +489,40 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
 
     for p, q in zip(run(True).parameters(), run(False).parameters()):
         assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("f", [1.0, 0.3])
+def test_a_clip_that_changes_no_bit_after_a_read_steps_the_sums(f: float) -> None:
+    """A read, then the loop's clip under its threshold (torch multiplies by 1.0: no bit
+    of the BF16 gradient changes): the step takes the FP32 sums, with or without a
+    dispatch mode around the clip, bitwise the loop without the read and the clip (a
+    tester's find: the version counter made it the BF16 cast without a mode, the sums
+    under one)."""
+    gen = torch.Generator().manual_seed(1)
+    data = [[torch.randn(8, 16, generator=gen).to(torch.bfloat16) for _ in range(2)]
+            for _ in range(3)]
+
+    def run(clip: bool, mode: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(torch.bfloat16)
+        opt = build(model, f, overlap="none")
+        for step in data:
+            for m, x in enumerate(step):
+                with opt.no_sync() if m == 0 else contextlib.nullcontext():
+                    model(x).float().pow(2).mean().backward()
+            if clip:
+                read_every_gradient(model, lambda g: torch.isfinite(g).all())
+                with _PassThrough() if mode else contextlib.nullcontext():
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_step()
+        return model
+
+    plain = run(False, False)
+    for mode in (False, True):
+        for p, q in zip(run(True, mode).parameters(), plain.parameters()):
+            assert same_bits(p, q), mode
 
 
 @pytest.mark.parametrize("f", [1.0, 0.3])

@@ -458,7 +458,7 @@ class LoopGrads:
                 real.copy_(slot.dev.sum)  # type: ignore[arg-type]
             else:
                 flat(real, rec.order).copy_(rec.flat_acc)
-        slot.real, slot.real_version = real, real._version
+        slot.real = real
         shown = wrap_like(p, real)
         if p.grad is slot.shown:
             p.grad = shown
@@ -467,15 +467,17 @@ class LoopGrads:
 
 
 def _written(slot: GradSlot) -> bool:
-    """Whether the loop wrote ``slot.real`` (the real gradient a read made). Its version
-    counter says so, except where torch bumps none: an in-place foreach op under a
-    ``TorchDispatchMode`` (``FlopCounterMode`` around the loop's clip), whose write the
-    step missed (a tester's find). Then its values say so: they are no longer the sum's
-    cast they were made as."""
+    """Whether the loop wrote ``slot.real`` (the real gradient a read made): its values are
+    no longer the sum's cast they were made as.
+
+    By values alone, not the version counter: torch bumps none for an in-place foreach
+    op under a ``TorchDispatchMode`` (``FlopCounterMode`` around the loop's clip), whose
+    write the step missed (a tester's find); and a write that changes no bit (the clip's
+    multiply by 1.0 under its threshold, or by a coefficient too close to 1 for a BF16
+    gradient) would otherwise step the cast where the same loop under a mode steps the
+    FP32 sum (another tester's find). Such a write leaves the FP32 sum to step."""
     real = slot.real
     assert real is not None
-    if real._version != slot.real_version:
-        return True
     with torch.no_grad():
         if slot.dev is not None:
             return slot.dev.sum is None or not _same_bits(real, slot.dev.sum.to(real.dtype))

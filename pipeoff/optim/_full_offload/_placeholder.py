@@ -38,7 +38,7 @@ class GradSlot:
     """
 
     __slots__ = ("acc", "applied", "dev", "edits", "i", "incoming", "out", "owner",
-                 "placeholder", "real", "real_version", "rec", "shown")
+                 "placeholder", "real", "rec", "shown")
 
     def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam,
                  dev: DeviceParam | None = None) -> None:
@@ -60,7 +60,6 @@ class GradSlot:
         the optimizer did not see), until the parameter's hook takes it."""
         self.real: torch.Tensor | None = None
         """The gradient copied to the device by an operation that needed its values."""
-        self.real_version = 0
         self.placeholder = HostGrad(local(rec.param), self)
         self.shown: torch.Tensor = wrap_like(rec.param, self.placeholder)
         self.out = False
