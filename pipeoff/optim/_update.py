@@ -21,7 +21,8 @@ import torch
 from pipeoff import _compat
 from pipeoff._errors import UnsupportedOptimizerError
 
-__all__ = ["ELEMENTWISE", "ChunkGroup", "group_of", "make_shadow", "state_keys", "step_chunk"]
+__all__ = ["ELEMENTWISE", "ChunkGroup", "group_of", "make_shadow", "state_keys", "step_chunk",
+           "step_count", "wrote_before_failing"]
 
 
 def _adam_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
@@ -187,3 +188,34 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
         shadow.state = collections.defaultdict(dict)
         shadow.param_groups = []
 
+
+
+def step_count(step: Any) -> float:
+    """A ``step`` state entry's value (a tensor or a number); 0 when there is none."""
+    if step is None:
+        return 0.0
+    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+
+
+def wrote_before_failing(groups: Sequence[Mapping[str, Any]], changed: bool,
+                         counts: Sequence[float | None], steps: Sequence[Any]) -> bool:
+    """Whether a torch optimizer's step that raised may have written its parameters.
+
+    Args:
+        groups: the step's param groups (``fused``: a fused kernel bumps no version
+            counter, and fused SGD counts no step).
+        changed: a parameter's version counter moved.
+        counts: per parameter, its step count before the step (:func:`step_count`), or
+            ``None`` where it is not read (in device memory: ``.item()`` would block).
+        steps: per parameter, its ``step`` state entry after the failure.
+    """
+    if changed or any(g.get("fused") for g in groups):
+        return True
+    if any(c is None or step_count(s) > c for c, s in zip(counts, steps, strict=True)):
+        return True
+    # Under a TorchDispatchMode (FlopCounterMode around the step), torch's in-place
+    # foreach ops bump no version counter: where no step count can say otherwise (SGD
+    # keeps none), the step may have written.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None and all(s is None for s in steps)

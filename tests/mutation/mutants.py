@@ -915,6 +915,25 @@ SPECULATIVE = (
         hazard="a write to the real gradient that changes no bit (the clip's multiply by "
                "1.0) counts as a write by its version counter: the step takes the BF16 "
                "cast, where the same loop under a dispatch mode takes the FP32 sums"),
+    Mutant(
+        name="r95:failed-step-counts-unread", file="pipeoff/optim/_update.py",
+        old="    if any(c is None or step_count(s) > c for c, s in zip(counts, steps, "
+            "strict=True)):\n",
+        new="    if False:\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_a_device_part_failure_after_"
+               "it_wrote_is_torn[under_a_dispatch_mode]",),
+        hazard="a device-part step that raised after writing masters under a dispatch mode "
+               "(no version bump) says no master was stepped, and the next step goes on "
+               "from the torn state"),
+    Mutant(
+        name="r96:failed-step-under-a-mode-trusted", file="pipeoff/optim/_update.py",
+        old="    return _get_current_dispatch_mode() is not None and all(s is None for s in "
+            "steps)\n",
+        new="    return False\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_step_without_step_"
+               "counts_under_a_dispatch_mode_may_have_written",),
+        hazard="an optimizer without step counts (SGD) that raised mid-step under a dispatch "
+               "mode is taken as having written nothing"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeoff.testing
 from pipeoff import ConfigError, StepFailedError
@@ -509,6 +510,61 @@ def test_a_host_part_failure_after_the_device_part_stepped_is_torn() -> None:
     assert "the device part" in "\n".join(info.value.__notes__)
     with pytest.raises(StepFailedError):
         opt.step()
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing (as ``FlopCounterMode``): torch's in-place
+    foreach ops under it bump no version counter."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [False, True], ids=["plain", "under_a_dispatch_mode"])
+def test_a_device_part_failure_after_it_wrote_is_torn(mode: bool) -> None:
+    """torch's foreach Adam raises in group 1's setup (amsgrad turned on there only) after
+    it stepped group 0's masters: the step is torn and later steps are refused, also
+    under a dispatch mode, whose foreach writes bump no version counter (a tester's
+    find: 'no master was stepped', and the next step went through)."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4)).to(torch.bfloat16)
+    groups = [{"params": list(model[0].parameters())},
+              {"params": list(model[2].parameters())}]
+    opt = FullOffloadOptimizer(groups, torch.optim.Adam, lr=1e-2, foreach=True,
+                               offload_fraction=0.0, overlap="none")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def step() -> None:
+        model(x).float().pow(2).mean().backward()
+        with _PassThrough() if mode else contextlib.nullcontext():
+            opt.step()
+
+    step()
+    opt.zero_grad()
+    opt.param_groups[1]["amsgrad"] = True
+    with pytest.raises(KeyError) as info:
+        step()
+    assert "after the device part had written" in "\n".join(info.value.__notes__)
+    opt.param_groups[1]["amsgrad"] = False
+    opt.zero_grad()
+    with pytest.raises(StepFailedError):
+        step()
+
+
+def test_a_failed_step_without_step_counts_under_a_dispatch_mode_may_have_written() -> None:
+    """SGD keeps no step count: under a dispatch mode, where its foreach writes bump no
+    version counter, a failure counts as written; outside one, the counters tell."""
+    from pipeoff.optim._update import wrote_before_failing
+
+    groups = [{"params": [], "fused": None}]
+    assert not wrote_before_failing(groups, False, [0.0], [None])
+    with _PassThrough():
+        assert wrote_before_failing(groups, False, [0.0], [None])
+        assert not wrote_before_failing(groups, False, [0.0], [torch.tensor(0.0)])
+    assert wrote_before_failing(groups, False, [0.0], [torch.tensor(1.0)])
+    assert wrote_before_failing(groups, True, [0.0], [None])
+    assert wrote_before_failing([{"params": [], "fused": True}], False, [0.0], [None])
 
 
 def test_the_host_part_takes_the_fold_then_step_path_and_holds_nothing() -> None:

@@ -44,6 +44,7 @@ from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
 from pipeoff.optim._tensors import wrap_like
+from pipeoff.optim._update import step_count, wrote_before_failing
 
 __all__ = ["DeviceParam", "FullDevicePart", "HostNorm", "full_weights"]
 
@@ -323,6 +324,11 @@ class FullDevicePart:
             rec.master.grad = rec.sum
         shadow.state = state
         versions = [rec.master._version for rec in recs]
+        accel = _accel.current()
+        # A step count in device memory (capturable, fused) is not read: .item() would
+        # block the host on the caller's stream. A failure then counts as written.
+        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else step_count(s)
+                  for s in (state[rec.master].get("step") for rec in recs)]
         hooks = _faults.snapshot() if _faults.installed() else ()
         body = _compat.step_body(type(shadow))
         try:
@@ -332,9 +338,10 @@ class FullDevicePart:
                 # thread inside step(), where that thread cannot be compiling.
                 body(shadow)
         except BaseException:
-            # A fused kernel bumps no version counter.
-            self.written = any(g.get("fused") for g in shadow.param_groups) or any(
-                rec.master._version != v for rec, v in zip(recs, versions))
+            self.written = wrote_before_failing(
+                shadow.param_groups,
+                any(rec.master._version != v for rec, v in zip(recs, versions)),
+                counts, [state[rec.master].get("step") for rec in recs])
             raise
         finally:
             for rec in recs:

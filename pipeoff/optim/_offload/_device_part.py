@@ -43,6 +43,7 @@ from pipeoff import _accel, _compat, _faults
 from pipeoff._compat import local_tensor as local
 from pipeoff.optim import _update
 from pipeoff.optim._tensors import wrap_like
+from pipeoff.optim._update import step_count, wrote_before_failing
 
 if TYPE_CHECKING:
     from pipeoff.optim._offload._layout import Layout
@@ -178,7 +179,7 @@ class DevicePart:
         versions = [b._version for b in bases]
         # A step count in device memory (capturable, fused) is not read: .item() would
         # block the host on the caller's stream. A failure then counts as written.
-        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else _count(s)
+        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else step_count(s)
                   for s in (state[p].get("step") for p in params)]
         hooks = _faults.snapshot() if _faults.installed() else ()
         # The step hooks already ran around OffloadOptimizer.step: the body only.
@@ -190,10 +191,9 @@ class DevicePart:
                 # thread inside step(), where that thread cannot be compiling.
                 body(shadow)
         except BaseException:
-            # A fused kernel bumps no version counter (and fused SGD counts no step).
-            self.written = any(g.get("fused") for g in shadow.param_groups) or any(
-                b._version != v for b, v in zip(bases, versions)) or any(
-                c is None or _count(state[p].get("step")) > c for p, c in zip(params, counts))
+            self.written = wrote_before_failing(
+                shadow.param_groups, any(b._version != v for b, v in zip(bases, versions)),
+                counts, [state[p].get("step") for p in params])
             raise
         finally:
             shadow.state = collections.defaultdict(dict)
@@ -234,13 +234,6 @@ class DevicePart:
             # has not written yet.
             self._event.synchronize()
         self._pending = False
-
-
-def _count(step: Any) -> float:
-    """A ``step`` state entry's value (a tensor or a number); 0 when there is none."""
-    if step is None:
-        return 0.0
-    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
 
 
 def state_bytes(inner: torch.optim.Optimizer, layout: Layout,
