@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_private_apis",
            "compiled_autograd_active", "compiled_original", "cuda_sleep", "data_parallel",
-           "ddp_gradient_sync", "dtensor_box", "dynamo_disable",
+           "ddp_gradient_sync", "dispatch_mode_active", "dtensor_box", "dynamo_disable",
            "eager_math", "force_eager", "fsdp_all_gather_streams",
            "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params",
            "fsdp_state", "fused_adam_kernel", "hookless", "init_optimizer_hooks",
@@ -80,6 +80,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.utils._python_dispatch:TorchDispatchMode",
                "pipeoff.testing's simulated CUDA device checks every access"),
     PrivateAPI("torch", "torch.utils._pytree:tree_flatten", "pipeoff.testing (the same)"),
+    PrivateAPI("torch", "torch.utils._python_dispatch:_get_current_dispatch_mode",
+               "dispatch_mode_active: foreach writes under a mode bump no version counter"),
     PrivateAPI("torch", "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
                "dtensor_box: the box of the global index space a DTensor shard holds "
                "(pipeoff.transfer.LiveTensor.from_dtensor)"),
@@ -233,6 +235,13 @@ def dynamo_disable(fn: F) -> F:
     torch.distributed), which ``import pipeoff`` must not.
     """
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is active on this thread (``FlopCounterMode``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def is_compiling() -> bool:

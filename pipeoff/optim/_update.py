@@ -216,6 +216,4 @@ def wrote_before_failing(groups: Sequence[Mapping[str, Any]], changed: bool,
     # Under a TorchDispatchMode (FlopCounterMode around the step), torch's in-place
     # foreach ops bump no version counter: where no step count can say otherwise (SGD
     # keeps none), the step may have written.
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode() is not None and all(s is None for s in steps)
+    return _compat.dispatch_mode_active() and all(s is None for s in steps)

@@ -927,8 +927,7 @@ SPECULATIVE = (
                "from the torn state"),
     Mutant(
         name="r96:failed-step-under-a-mode-trusted", file="pipeoff/optim/_update.py",
-        old="    return _get_current_dispatch_mode() is not None and all(s is None for s in "
-            "steps)\n",
+        old="    return _compat.dispatch_mode_active() and all(s is None for s in steps)\n",
         new="    return False\n",
         tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_step_without_step_"
                "counts_under_a_dispatch_mode_may_have_written",),
