@@ -333,10 +333,19 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
     def __enter__(self) -> DiLoCo:
         if self._tail is not None:
             self._tail.install()
+        if self._watches_outer_state():
             self._outer_hooks = [o.register_state_dict_pre_hook(self._before_outer_read)
                                  for o in self._user_outers()]
             self._wrap_outer_states()
         return super().__enter__()  # type: ignore[no-any-return]
+
+    def _watches_outer_state(self) -> bool:
+        """Whether the user's outer optimizers' ``state`` is shown as a
+        :class:`WaitingState`: a sync's tail writes it under the next forward, or a
+        speculative outer step must see the loop's accesses (with any inner optimizer,
+        FullOffloadOptimizer's too, which has no tail)."""
+        return self._tail is not None or any(
+            isinstance(f, OffloadedFragment) and f.speculates for f in self._fragments)
 
     def _user_outers(self) -> list[optim.Optimizer]:
         return list({id(f._outer_optimizer): f._outer_optimizer
@@ -392,6 +401,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         finally:
             if self._tail is not None:
                 self._tail.remove()
+            if self._watches_outer_state():
                 for h in self._outer_hooks:
                     h.remove()
                 self._outer_hooks = []
@@ -475,7 +485,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         chosen = self._chosen
         fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \
             else None
-        if fragment is not None and self._tail is not None:
+        if fragment is not None and self._watches_outer_state():
             self._wrap_outer_states()  # (a load_state_dict() replaced one)
         if fragment is not None:
             offloaded = isinstance(fragment, OffloadedFragment)

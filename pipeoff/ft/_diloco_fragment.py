@@ -256,6 +256,11 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - the same failure, kept above
             pass
 
+    @property
+    def speculates(self) -> bool:
+        """Whether its syncs may take the outer step before the decision."""
+        return self._spec is not None
+
     def note_state_access(self) -> None:
         """The loop accessed the user's outer state (any thread)."""
         if self._spec is not None:

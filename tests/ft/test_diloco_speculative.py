@@ -11,6 +11,7 @@ interleavings are forced by holding tasks until the training thread blocks.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import pickle
 import threading
@@ -228,6 +229,51 @@ def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: s
 
     _assert_same(_loop(False, between=edit, outer_of=outer_of),
                  _loop(True, between=edit, outer_of=outer_of))
+
+
+@pytest.mark.parametrize("how", ["in_place", "foreach_under_a_mode"])
+def test_a_state_edit_before_the_decision_is_stepped_over_full_offload(how: str) -> None:
+    """With FullOffloadOptimizer as the inner optimizer (no sync tail) the outer state was
+    shown as a plain dict: the loop's access went unseen, and a foreach edit under a
+    dispatch mode was lost (a tester's find). Bitwise torchft's over the same inner
+    optimizer."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    sync, delay = 3, 1
+
+    def run(torchft: bool) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
+        model = make_model(0)
+        inner = FullOffloadOptimizer(model, optim.SGD, lr=0.1)
+        outer = sgd_nesterov(model.parameters())
+        cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
+        kw = {} if torchft else {"offload_to_cpu": True, "bucket_bytes": 64,
+                                 "device_budget_bytes": 128}
+        out = []
+        with cls(_manager(), [model], inner, outer, sync, fragment_sync_delay=delay,
+                 fragment_update_alpha=0.5, **kw) as d:
+            for k in range(9):
+                inner.zero_grad()
+                x = torch.randn(2, 12, generator=torch.Generator().manual_seed(k))
+                model(x).pow(2).mean().backward()
+                inner.step()
+                if d._local_step == sync - delay:  # prepared; the decision at the next step
+                    frag = d._fragments[0]
+                    if not torchft and frag._speculative:
+                        frag._ex.wait("stepped", timeout=60)  # (the spares: before the edit)
+                    bufs = [v for st in outer.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor) and v.dim()]
+                    with _PassThrough() if how != "in_place" else contextlib.nullcontext():
+                        if bufs:
+                            torch._foreach_mul_(bufs, 0.5)
+                out.append([p.detach().clone() for p in model.parameters()])
+            if not torchft:
+                d.wait_for_sync()
+            end = {"state": copy.deepcopy(outer.state_dict()["state"]),
+                   "backups": {n: t.clone()
+                               for n, t in d._fragments[0].original_parameters.items()}}
+        return out, end
+
+    _assert_same(run(False), run(True))
 
 
 def _all_but_first(ps: Any) -> optim.Optimizer:

@@ -933,6 +933,16 @@ SPECULATIVE = (
                "counts_under_a_dispatch_mode_may_have_written",),
         hazard="an optimizer without step counts (SGD) that raised mid-step under a dispatch "
                "mode is taken as having written nothing"),
+    Mutant(
+        name="r97:speculation-unwatched-without-a-tail", file="pipeoff/ft/_diloco.py",
+        old="            isinstance(f, OffloadedFragment) and f.speculates for f in "
+            "self._fragments)\n",
+        new="            False for f in self._fragments)\n",
+        tests=("tests/ft/test_diloco_speculative.py::test_a_state_edit_before_the_decision_"
+               "is_stepped_over_full_offload[foreach_under_a_mode]",),
+        hazard="over FullOffloadOptimizer (no sync tail) the outer state is a plain dict: "
+               "the loop's access before the decision goes unseen and a foreach edit under "
+               "a dispatch mode is lost"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
