@@ -22,7 +22,7 @@ from pipeoff import _compat
 from pipeoff._errors import UnsupportedOptimizerError
 
 __all__ = ["ELEMENTWISE", "ChunkGroup", "group_of", "make_shadow", "state_keys", "step_chunk",
-           "step_count", "wrote_before_failing"]
+           "StepMarks", "mark_step", "step_count", "wrote_before_failing"]
 
 
 def _adam_keys(group: Mapping[str, Any]) -> tuple[str, ...]:
@@ -197,23 +197,53 @@ def step_count(step: Any) -> float:
     return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
 
 
-def wrote_before_failing(groups: Sequence[Mapping[str, Any]], changed: bool,
-                         counts: Sequence[float | None], steps: Sequence[Any]) -> bool:
-    """Whether a torch optimizer's step that raised may have written its parameters.
+@dataclass(frozen=True)
+class StepMarks:
+    """What a torch optimizer's step may change, read before it: whether it had written
+    anything when it raised (:func:`wrote_before_failing`)."""
 
-    Args:
-        groups: the step's param groups (``fused``: a fused kernel bumps no version
-            counter, and fused SGD counts no step).
-        changed: a parameter's version counter moved.
-        counts: per parameter, its step count before the step (:func:`step_count`), or
-            ``None`` where it is not read (in device memory: ``.item()`` would block).
-        steps: per parameter, its ``step`` state entry after the failure.
+    versions: tuple[int, ...]
+    """The parameters' version counters."""
+    state: tuple[tuple[tuple[str, int, int], ...], ...]
+    """Per parameter, its state's tensors (key, identity, version counter)."""
+    counts: tuple[float | None, ...]
+    """Per parameter, its step count (:func:`step_count`), or ``None`` where it is not
+    read (in device memory: ``.item()`` would block the host on the stream)."""
+
+
+def _state_marks(st: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    return tuple((k, id(v), v._version) for k, v in st.items() if isinstance(v, torch.Tensor))
+
+
+def mark_step(params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]],
+              on_device: Callable[[torch.Tensor], bool]) -> StepMarks:
+    """:class:`StepMarks` of a step of ``params`` (their local tensors) whose state dicts,
+    in the same order, are ``states`` (the ones the step writes into)."""
+    return StepMarks(
+        tuple(p._version for p in params), tuple(_state_marks(st) for st in states),
+        tuple(None if isinstance(s, torch.Tensor) and on_device(s) else step_count(s)
+              for s in (st.get("step") for st in states)))
+
+
+def wrote_before_failing(opt: torch.optim.Optimizer, marks: StepMarks,
+                         params: Sequence[torch.Tensor],
+                         states: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether ``opt``'s step that raised may have written its parameters or their state
+    (then it is not retried: a retry would step twice what it had stepped).
+
+    Written: a fused kernel ran (it bumps no version counter, and fused SGD counts no
+    step); a parameter's or a state tensor's version counter moved, or the state gained,
+    lost or replaced a tensor (SGD's momentum written before a failure at ``-lr``); a
+    step count moved or is not read. Under a ``TorchDispatchMode`` (``FlopCounterMode``
+    around the step) torch's in-place foreach ops bump no version counter: an optimizer
+    that keeps no step count (SGD) may then have written whatever the counters say.
     """
-    if changed or any(g.get("fused") for g in groups):
+    if any(g.get("fused") for g in opt.param_groups):
         return True
-    if any(c is None or step_count(s) > c for c, s in zip(counts, steps, strict=True)):
+    if tuple(p._version for p in params) != marks.versions or tuple(
+            _state_marks(st) for st in states) != marks.state:
         return True
-    # Under a TorchDispatchMode (FlopCounterMode around the step), torch's in-place
-    # foreach ops bump no version counter: where no step count can say otherwise (SGD
-    # keeps none), the step may have written.
-    return _compat.dispatch_mode_active() and all(s is None for s in steps)
+    if any(c is None or step_count(st.get("step")) > c
+           for c, st in zip(marks.counts, states, strict=True)):
+        return True
+    return _compat.dispatch_mode_active() and isinstance(opt, torch.optim.SGD)

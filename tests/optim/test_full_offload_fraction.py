@@ -552,19 +552,53 @@ def test_a_device_part_failure_after_it_wrote_is_torn(mode: bool) -> None:
         step()
 
 
-def test_a_failed_step_without_step_counts_under_a_dispatch_mode_may_have_written() -> None:
-    """SGD keeps no step count: under a dispatch mode, where its foreach writes bump no
-    version counter, a failure counts as written; outside one, the counters tell."""
-    from pipeoff.optim._update import wrote_before_failing
+@pytest.mark.parametrize("which", ["full_offload", "offload"])
+def test_a_device_part_failure_after_it_wrote_state_only_is_torn(which: str) -> None:
+    """torch's SGD writes the momentum buffers, then raises at ``-lr`` (an lr edited to a
+    string) before any parameter: the step is torn, not retried (a tester's find: 'no
+    master was stepped', and the retry advanced the momentum twice)."""
+    from pipeoff.optim import OffloadOptimizer
 
-    groups = [{"params": [], "fused": None}]
-    assert not wrote_before_failing(groups, False, [0.0], [None])
-    with _PassThrough():
-        assert wrote_before_failing(groups, False, [0.0], [None])
-        assert not wrote_before_failing(groups, False, [0.0], [torch.tensor(0.0)])
-    assert wrote_before_failing(groups, False, [0.0], [torch.tensor(1.0)])
-    assert wrote_before_failing(groups, True, [0.0], [None])
-    assert wrote_before_failing([{"params": [], "fused": True}], False, [0.0], [None])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    kw: dict[str, Any] = {"lr": 1e-2, "momentum": 0.9, "foreach": True, "offload_fraction": 0.0}
+    opt: Any = (FullOffloadOptimizer(model, torch.optim.SGD, overlap="none", **kw)
+                if which == "full_offload"
+                else OffloadOptimizer(model.parameters(), torch.optim.SGD, **kw))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.wait_for_step()
+        opt.zero_grad()
+
+    step()
+    opt.param_groups[0]["lr"] = "x"
+    with pytest.raises(TypeError):
+        step()
+    opt.zero_grad()
+    opt.param_groups[0]["lr"] = 1e-2
+    with pytest.raises(StepFailedError):
+        step()
+
+
+def test_a_failed_step_is_told_written_by_its_state_and_under_a_mode_without_counts() -> None:
+    """SGD keeps no step count: under a dispatch mode, where its foreach writes bump no
+    version counter, a failure counts as written; Adam's counts tell (its first step,
+    failing before its state exists, wrote nothing); state gained counts as written."""
+    from pipeoff.optim._update import mark_step, wrote_before_failing
+
+    p = torch.zeros(3)
+    for cls in (torch.optim.SGD, torch.optim.Adam):
+        opt = cls([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        st: dict[str, Any] = {}
+        marks = mark_step([p], [st], lambda t: False)
+        assert not wrote_before_failing(opt, marks, [p], [st])
+        with _PassThrough():
+            assert wrote_before_failing(opt, marks, [p], [st]) == (cls is torch.optim.SGD)
+        st["momentum_buffer"] = torch.zeros(3)
+        assert wrote_before_failing(opt, marks, [p], [st])
 
 
 def test_the_host_part_takes_the_fold_then_step_path_and_holds_nothing() -> None:

@@ -44,7 +44,7 @@ from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
 from pipeoff.optim._tensors import wrap_like
-from pipeoff.optim._update import step_count, wrote_before_failing
+from pipeoff.optim._update import mark_step, wrote_before_failing
 
 __all__ = ["DeviceParam", "FullDevicePart", "HostNorm", "full_weights"]
 
@@ -323,12 +323,8 @@ class FullDevicePart:
                 rec.sum.mul_(coef)
             rec.master.grad = rec.sum
         shadow.state = state
-        versions = [rec.master._version for rec in recs]
-        accel = _accel.current()
-        # A step count in device memory (capturable, fused) is not read: .item() would
-        # block the host on the caller's stream. A failure then counts as written.
-        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else step_count(s)
-                  for s in (state[rec.master].get("step") for rec in recs)]
+        masters = [rec.master for rec in recs]
+        marks = mark_step(masters, [state[m] for m in masters], _accel.current().on_device)
         hooks = _faults.snapshot() if _faults.installed() else ()
         body = _compat.step_body(type(shadow))
         try:
@@ -338,10 +334,8 @@ class FullDevicePart:
                 # thread inside step(), where that thread cannot be compiling.
                 body(shadow)
         except BaseException:
-            self.written = wrote_before_failing(
-                shadow.param_groups,
-                any(rec.master._version != v for rec, v in zip(recs, versions)),
-                counts, [state[rec.master].get("step") for rec in recs])
+            self.written = wrote_before_failing(shadow, marks, masters,
+                                                [state[m] for m in masters])
             raise
         finally:
             for rec in recs:

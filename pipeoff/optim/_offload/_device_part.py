@@ -43,7 +43,7 @@ from pipeoff import _accel, _compat, _faults
 from pipeoff._compat import local_tensor as local
 from pipeoff.optim import _update
 from pipeoff.optim._tensors import wrap_like
-from pipeoff.optim._update import step_count, wrote_before_failing
+from pipeoff.optim._update import mark_step, wrote_before_failing
 
 if TYPE_CHECKING:
     from pipeoff.optim._offload._layout import Layout
@@ -176,11 +176,7 @@ class DevicePart:
         shadow.state = state
         accel = _accel.current()
         bases = [local(p) for p in params]
-        versions = [b._version for b in bases]
-        # A step count in device memory (capturable, fused) is not read: .item() would
-        # block the host on the caller's stream. A failure then counts as written.
-        counts = [None if isinstance(s, torch.Tensor) and accel.on_device(s) else step_count(s)
-                  for s in (state[p].get("step") for p in params)]
+        marks = mark_step(bases, [state[p] for p in params], accel.on_device)
         hooks = _faults.snapshot() if _faults.installed() else ()
         # The step hooks already ran around OffloadOptimizer.step: the body only.
         body = _compat.step_body(type(shadow))
@@ -191,9 +187,8 @@ class DevicePart:
                 # thread inside step(), where that thread cannot be compiling.
                 body(shadow)
         except BaseException:
-            self.written = wrote_before_failing(
-                shadow.param_groups, any(b._version != v for b, v in zip(bases, versions)),
-                counts, [state[p].get("step") for p in params])
+            self.written = wrote_before_failing(shadow, marks, bases,
+                                                [state[p] for p in params])
             raise
         finally:
             shadow.state = collections.defaultdict(dict)
