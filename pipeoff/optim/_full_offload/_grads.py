@@ -214,9 +214,10 @@ class LoopGrads:
                 if clips and not everything:
                     raise ConfigError(
                         f"param.grad of {[slots[k].rec.name for k in [*dropped, *replaced]][:4]} "
-                        "was replaced or set to None after the backward while the optimizer "
-                        "clips with max_norm (whose norm was taken before): clip in the loop "
-                        "instead (torch.nn.utils.clip_grad_norm_), or leave .grad as it is")
+                        "was replaced, written or set to None after the backward while the "
+                        "optimizer clips with max_norm (whose norm was taken before): clip in "
+                        "the loop instead (torch.nn.utils.clip_grad_norm_), or leave .grad as "
+                        "it is")
                 checked = {k: self._checked(slots[k], t) for k, t in replaced.items()}
             # Checked: now change things.
             for key, slot in out.items():
