@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -356,22 +357,24 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         ``load_state_dict()`` replaced it)."""
         for o in self._user_outers():
             if not isinstance(o.state, WaitingState):
-                o.state = WaitingState(self._before_outer_state, o.state)
+                o.state = WaitingState(functools.partial(self._before_outer_state, o),
+                                       o.state)
         for f in self._fragments:
             if isinstance(f, OffloadedFragment):
                 f.outer.note_state()
 
-    def _before_outer_read(self, _optimizer: optim.Optimizer) -> None:
+    def _before_outer_read(self, optimizer: optim.Optimizer) -> None:
         """A user's outer optimizer's ``state_dict()`` is about to read the host state it
         shows (from any thread: a checkpoint writer's too)."""
-        self._before_outer_state()
+        self._before_outer_state(optimizer)
 
-    def _before_outer_state(self) -> None:
-        """The user's outer optimizer's state is accessed (``state_dict()``, or its
-        ``state`` read or edited in place: a momentum decay right after ``step()``)."""
+    def _before_outer_state(self, optimizer: optim.Optimizer) -> None:
+        """The user's outer optimizer ``optimizer``'s state is accessed (``state_dict()``,
+        or its ``state`` read or edited in place: a momentum decay right after
+        ``step()``)."""
         if not own_read():
             for f in self._fragments:
-                if isinstance(f, OffloadedFragment):
+                if isinstance(f, OffloadedFragment) and f._outer_optimizer is optimizer:
                     # Hazard: keeping a speculative outer step taken from state the
                     # loop then edited where no version counter shows it (torch's
                     # in-place foreach ops under a TorchDispatchMode bump none).
@@ -485,8 +488,10 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         chosen = self._chosen
         fragment = self._fragments[chosen] if self._local_step == 0 and chosen is not None \
             else None
-        if fragment is not None and self._watches_outer_state():
-            self._wrap_outer_states()  # (a load_state_dict() replaced one)
+        if chosen is not None and self._watches_outer_state():
+            # (A load_state_dict() replaced one: after a sync, and after a preparation,
+            # whose speculative step must see the loop's accesses until the decision.)
+            self._wrap_outer_states()
         if fragment is not None:
             offloaded = isinstance(fragment, OffloadedFragment)
             exposed = time.perf_counter_ns() - start

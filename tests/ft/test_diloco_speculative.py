@@ -231,19 +231,22 @@ def test_state_edited_in_place_before_the_decision_is_the_state_stepped(outer: s
                  _loop(True, between=edit, outer_of=outer_of))
 
 
-@pytest.mark.parametrize("how", ["in_place", "foreach_under_a_mode"])
-def test_a_state_edit_before_the_decision_is_stepped_over_full_offload(how: str) -> None:
-    """With FullOffloadOptimizer as the inner optimizer (no sync tail) the outer state was
-    shown as a plain dict: the loop's access went unseen, and a foreach edit under a
-    dispatch mode was lost (a tester's find). Bitwise torchft's over the same inner
-    optimizer."""
+@pytest.mark.parametrize("how", ["in_place", "foreach_under_a_mode", "loaded_then_foreach"])
+@pytest.mark.parametrize("inner_of", ["sgd", "full_offload"])
+def test_a_state_edit_before_the_decision_is_the_state_stepped(inner_of: str, how: str) -> None:
+    """The loop edits the outer state between a preparation and its decision: bitwise
+    torchft's. Tester's finds, each lost the edit (a foreach op under a dispatch mode):
+    over FullOffloadOptimizer (no sync tail) the state was shown as a plain dict; after
+    the loop's ``load_state_dict()`` before the preparation (``loaded_then_foreach``),
+    the torch loader's plain dict was shown until the next sync's end."""
     from pipeoff.optim import FullOffloadOptimizer
 
     sync, delay = 3, 1
 
     def run(torchft: bool) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:
         model = make_model(0)
-        inner = FullOffloadOptimizer(model, optim.SGD, lr=0.1)
+        inner: Any = (FullOffloadOptimizer(model, optim.SGD, lr=0.1) if inner_of == "full_offload"
+                      else optim.SGD(model.parameters(), lr=0.1))
         outer = sgd_nesterov(model.parameters())
         cls = TorchftDiLoCo if torchft else pipeoff.ft.DiLoCo
         kw = {} if torchft else {"offload_to_cpu": True, "bucket_bytes": 64,
@@ -256,15 +259,16 @@ def test_a_state_edit_before_the_decision_is_stepped_over_full_offload(how: str)
                 x = torch.randn(2, 12, generator=torch.Generator().manual_seed(k))
                 model(x).pow(2).mean().backward()
                 inner.step()
-                if d._local_step == sync - delay:  # prepared; the decision at the next step
+                if how == "loaded_then_foreach" and k == 6:  # (after a sync, before the next)
+                    outer.load_state_dict(copy.deepcopy(outer.state_dict()))
+                if d._local_step == sync - delay and k > 2:  # prepared; decided next step
                     frag = d._fragments[0]
                     if not torchft and frag._speculative:
                         frag._ex.wait("stepped", timeout=60)  # (the spares: before the edit)
                     bufs = [v for st in outer.state.values() for v in st.values()
                             if isinstance(v, torch.Tensor) and v.dim()]
                     with _PassThrough() if how != "in_place" else contextlib.nullcontext():
-                        if bufs:
-                            torch._foreach_mul_(bufs, 0.5)
+                        torch._foreach_mul_(bufs, 0.5)
                 out.append([p.detach().clone() for p in model.parameters()])
             if not torchft:
                 d.wait_for_sync()
