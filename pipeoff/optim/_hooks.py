@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pipeoff import _accel, _compat, _faults
-from pipeoff._inert import inert
+from pipeoff._inert import InertHook, inert
 from pipeoff.optim._waits import ForwardWaits
 
 __all__ = ["install", "set_post_optim_event", "unwrap"]
@@ -110,7 +110,8 @@ class _ForwardWait:
         return (inert, ())
 
 
-_inert_hook = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
+# (The names models pickled by pipeoff before 2026-12-06 hold.)
+_inert_hook, _Inert = inert, InertHook
 
 
 _OPAQUE: Any = None

@@ -204,15 +204,13 @@ class StepMarks:
 
     versions: tuple[int, ...]
     """The parameters' version counters."""
-    state: tuple[tuple[tuple[str, int, int], ...], ...]
-    """Per parameter, its state's tensors (key, identity, version counter)."""
+    state: tuple[tuple[torch.Tensor, int], ...]
+    """The state's tensors before the step, with their version counters (tensors the
+    step adds or puts in their place live in the step's own state dicts, which the
+    callers drop when it raises)."""
     counts: tuple[float | None, ...]
     """Per parameter, its step count (:func:`step_count`), or ``None`` where it is not
     read (in device memory: ``.item()`` would block the host on the stream)."""
-
-
-def _state_marks(st: Mapping[str, Any]) -> tuple[tuple[str, int, int], ...]:
-    return tuple((k, id(v), v._version) for k, v in st.items() if isinstance(v, torch.Tensor))
 
 
 def mark_step(params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]],
@@ -220,7 +218,9 @@ def mark_step(params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]
     """:class:`StepMarks` of a step of ``params`` (their local tensors) whose state dicts,
     in the same order, are ``states`` (the ones the step writes into)."""
     return StepMarks(
-        tuple(p._version for p in params), tuple(_state_marks(st) for st in states),
+        tuple(p._version for p in params),
+        tuple((v, v._version) for st in states for v in st.values()
+              if isinstance(v, torch.Tensor)),
         tuple(None if isinstance(s, torch.Tensor) and on_device(s) else step_count(s)
               for s in (st.get("step") for st in states)))
 
@@ -232,18 +232,22 @@ def wrote_before_failing(opt: torch.optim.Optimizer, marks: StepMarks,
     (then it is not retried: a retry would step twice what it had stepped).
 
     Written: a fused kernel ran (it bumps no version counter, and fused SGD counts no
-    step); a parameter's or a state tensor's version counter moved, or the state gained,
-    lost or replaced a tensor (SGD's momentum written before a failure at ``-lr``); a
-    step count moved or is not read. Under a ``TorchDispatchMode`` (``FlopCounterMode``
-    around the step) torch's in-place foreach ops bump no version counter: an optimizer
-    that keeps no step count (SGD) may then have written whatever the counters say.
+    step); a parameter's or a state tensor's version counter moved (SGD's momentum,
+    written before a failure at ``-lr``); a step count moved or is not read. Where
+    torch's in-place foreach ops bump no version counter, under a ``TorchDispatchMode``
+    (``FlopCounterMode`` around the step) or on ``DTensor`` parameters (FSDP2), an
+    optimizer that keeps no step count (SGD) may have written whatever the counters
+    say. State the step added (a first step's, up to an out-of-memory error while
+    making it) is the step's own: the callers drop it, so it is not a write.
     """
     if any(g.get("fused") for g in opt.param_groups):
         return True
-    if tuple(p._version for p in params) != marks.versions or tuple(
-            _state_marks(st) for st in states) != marks.state:
+    if tuple(p._version for p in params) != marks.versions or any(
+            v._version != n for v, n in marks.state):
         return True
     if any(c is None or step_count(st.get("step")) > c
            for c, st in zip(marks.counts, states, strict=True)):
         return True
-    return _compat.dispatch_mode_active() and isinstance(opt, torch.optim.SGD)
+    blind = _compat.dispatch_mode_active() or any(
+        _compat.local_tensor(p) is not p for p in params)
+    return blind and isinstance(opt, torch.optim.SGD)

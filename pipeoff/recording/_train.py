@@ -29,7 +29,7 @@ import torch
 
 from pipeoff import _compat
 from pipeoff._contract import steps_taken
-from pipeoff._inert import inert
+from pipeoff._inert import InertHook, inert
 from pipeoff.recording import _recorder
 
 __all__ = ["TRAIN_LANE", "install_train_hooks", "train_span"]
@@ -112,7 +112,8 @@ class _TrainHook:
         return (inert, ())
 
 
-_inert = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
+# (The names models pickled by pipeoff before 2026-12-06 hold.)
+_inert, _Inert = inert, InertHook
 
 
 _OPAQUE: Any = None

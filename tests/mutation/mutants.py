@@ -950,6 +950,32 @@ SPECULATIVE = (
                "it_wrote_state_only_is_torn[full_offload]",),
         hazard="torch's SGD writes its momentum, then raises before any parameter: the step "
                "is taken as clean and retried, advancing the momentum twice"),
+    Mutant(
+        name="r99:outer-state-rewrapped-after-syncs-only", file="pipeoff/ft/_diloco.py",
+        old="        if chosen is not None and self._watches_outer_state():\n",
+        new="        if self._local_step == 0 and chosen is not None and "
+            "self._watches_outer_state():\n",
+        tests=("tests/ft/test_diloco_speculative.py::test_a_state_edit_before_the_decision_"
+               "is_the_state_stepped[sgd-loaded_then_foreach]",),
+        hazard="after the loop's load_state_dict() of the outer optimizer before a "
+               "preparation, its plain dict is shown until the sync ends: an edit under a "
+               "dispatch mode before the decision is lost"),
+    Mutant(
+        name="r100:failed-sgd-step-on-dtensors-trusted", file="pipeoff/optim/_update.py",
+        old="        _compat.local_tensor(p) is not p for p in params)\n",
+        new="        False for p in params)\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_step_is_told_written_"
+               "by_its_state_and_under_a_mode_without_counts",),
+        hazard="SGD over FSDP2's DTensors raising mid-step after foreach writes (no version "
+               "bump): taken as clean and retried"),
+    Mutant(
+        name="r101:nan-payloads-differ", file="pipeoff/optim/_full_offload/_grads.py",
+        old="        same |= a.isnan() & b.isnan()\n",
+        new="        same = same\n",
+        tests=("tests/optim/test_full_offload_fraction_loop.py::test_nans_of_other_payloads_"
+               "are_the_same_bits",),
+        hazard="a read of a NaN gradient cast on the device (another NaN payload) counts as "
+               "a write: the step takes the cast, or max_norm refuses it"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

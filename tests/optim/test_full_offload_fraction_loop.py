@@ -525,6 +525,18 @@ def test_a_clip_that_changes_no_bit_after_a_read_steps_the_sums(f: float) -> Non
             assert same_bits(p, q), mode
 
 
+def test_nans_of_other_payloads_are_the_same_bits() -> None:
+    """A cast on the device may give another NaN payload than the host's: still not a
+    write (a reviewer's find)."""
+    from pipeoff.optim._full_offload._grads import _same_bits
+
+    a = torch.tensor([float("nan"), 1.0]).to(torch.bfloat16)
+    b = a.clone()
+    b.view(torch.int16)[0] = 0x7FFF  # another quiet NaN
+    assert _same_bits(a, b)
+    assert not _same_bits(a, torch.tensor([float("nan"), 2.0]).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("f", [1.0, 0.3])
 def test_a_read_of_a_nan_gradient_is_not_a_write(f: float) -> None:
     """A NaN check in the loop (a read) of a gradient holding a NaN: the step takes the

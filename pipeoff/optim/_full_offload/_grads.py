@@ -487,9 +487,15 @@ def _written(slot: GradSlot) -> bool:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (a NaN equals itself: a read of a NaN gradient is not a write)."""
+    """Bit for bit, a NaN equal to any NaN: a read of a NaN gradient is not a write (a NaN
+    never equals itself, and a cast on the device may give another NaN payload than
+    the host's)."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    a, b = a.contiguous(), b.contiguous()
+    same = a.view(ints) == b.view(ints)
+    if a.is_floating_point():
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
 
 
 def _is_one(v: Any) -> bool:

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import GradientError
-from pipeoff._inert import inert
+from pipeoff._inert import InertHook, inert
 from pipeoff.optim._full_offload._common import checked_gradient
 from pipeoff.optim._full_offload._config import refuse_environment
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
@@ -99,7 +99,8 @@ def _opaque_probe() -> Any:
     return _OPAQUE_PROBE
 
 
-_inert_probe = inert  # (the name models pickled by pipeoff before 2026-12-06 hold)
+# (The names models pickled by pipeoff before 2026-12-06 hold.)
+_inert_probe, _InertProbe = inert, InertHook
 
 
 class GradientIntake:

@@ -175,8 +175,9 @@ class DevicePart:
             state[p] = dict(inner.state.get(p, {}))
         shadow.state = state
         accel = _accel.current()
-        bases = [local(p) for p in params]
-        marks = mark_step(bases, [state[p] for p in params], accel.on_device)
+        # The parameters themselves: a DTensor's local tensor bumps no version counter
+        # when the DTensor is written in place (its wrapper does, except for foreach).
+        marks = mark_step(params, [state[p] for p in params], accel.on_device)
         hooks = _faults.snapshot() if _faults.installed() else ()
         # The step hooks already ran around OffloadOptimizer.step: the body only.
         body = _compat.step_body(type(shadow))
@@ -187,7 +188,7 @@ class DevicePart:
                 # thread inside step(), where that thread cannot be compiling.
                 body(shadow)
         except BaseException:
-            self.written = wrote_before_failing(shadow, marks, bases,
+            self.written = wrote_before_failing(shadow, marks, params,
                                                 [state[p] for p in params])
             raise
         finally:
