@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn, optim
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
+from tests._modes import PassThrough
 from tests._stacks import (
     install,
     release_when_any_waiting,
@@ -180,15 +180,6 @@ def test_a_healing_load_before_the_decision_takes_the_step_again() -> None:
     _assert_same(_loop(False, between=_heal), _loop(True, between=_heal))
 
 
-class _PassThrough(TorchDispatchMode):
-    """A dispatch mode that changes nothing (as FlopCounterMode around a loop): torch's
-    in-place foreach ops under it bump no version counter."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
 def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any, *,
                  how: str = "in_place") -> None:
     """The loop edits the outer state before the decision (a momentum decay: in place,
@@ -201,7 +192,7 @@ def _decay_state(model: nn.Module, inner: optim.Optimizer, d: Any, manager: Any,
         bufs = [v for st in frag._outer_optimizer.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor) and v.dim()]
         if bufs:  # (none before the first outer step)
-            with _PassThrough():
+            with PassThrough():
                 torch._foreach_mul_(bufs, 0.5)
         return
     for st in frag._outer_optimizer.state.values():
@@ -267,7 +258,7 @@ def test_a_state_edit_before_the_decision_is_the_state_stepped(inner_of: str, ho
                         frag._ex.wait("stepped", timeout=60)  # (the spares: before the edit)
                     bufs = [v for st in outer.state.values() for v in st.values()
                             if isinstance(v, torch.Tensor) and v.dim()]
-                    with _PassThrough() if how != "in_place" else contextlib.nullcontext():
+                    with PassThrough() if how != "in_place" else contextlib.nullcontext():
                         torch._foreach_mul_(bufs, 0.5)
                 out.append([p.detach().clone() for p in model.parameters()])
             if not torchft:

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeoff.testing
 from pipeoff import ConfigError, StepFailedError
 from pipeoff.optim import FullOffloadOptimizer
 from pipeoff.optim._full_offload._device_part import full_weights
 from pipeoff.optim._offload._device_part import split_params
+from tests._modes import PassThrough
 from tests._stacks import release_when_waiting
 from tests.optim.full_reference import Reference
 from tests.optim.test_full_offload import (
@@ -519,15 +519,6 @@ class _FakeDTensor(torch.Tensor):
     _local_tensor: torch.Tensor
 
 
-class _PassThrough(TorchDispatchMode):
-    """A dispatch mode that changes nothing (as ``FlopCounterMode``): torch's in-place
-    foreach ops under it bump no version counter."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", [False, True], ids=["plain", "under_a_dispatch_mode"])
 def test_a_device_part_failure_after_it_wrote_is_torn(mode: bool) -> None:
     """torch's foreach Adam raises in group 1's setup (amsgrad turned on there only) after
@@ -544,7 +535,7 @@ def test_a_device_part_failure_after_it_wrote_is_torn(mode: bool) -> None:
 
     def step() -> None:
         model(x).float().pow(2).mean().backward()
-        with _PassThrough() if mode else contextlib.nullcontext():
+        with PassThrough() if mode else contextlib.nullcontext():
             opt.step()
 
     step()
@@ -646,7 +637,7 @@ def test_a_failed_step_is_told_written_by_its_state_and_under_a_mode_without_cou
         st: dict[str, Any] = {}
         marks = mark_step([p], [st], lambda t: False)
         assert not wrote_before_failing(opt, marks, [p], [st])
-        with _PassThrough():
+        with PassThrough():
             assert wrote_before_failing(opt, marks, [p], [st]) == (cls is torch.optim.SGD)
         st.update(step=torch.tensor(0.0), exp_avg=torch.zeros(3))  # a first step's
         assert not wrote_before_failing(opt, marks, [p], [st])

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import pipeoff.testing
 from pipeoff import ConfigError, GradientError, StepFailedError
 from pipeoff.optim import FullOffloadOptimizer, HostGrad
+from tests._modes import PassThrough
 from tests.optim.full_reference import Reference
 from tests.optim.test_full_offload import (
     assert_bitwise,
@@ -450,15 +450,6 @@ def test_a_whole_model_under_one_reentrant_checkpoint_steps(f: float) -> None:
         assert same_bits(p, q)
 
 
-class _PassThrough(TorchDispatchMode):
-    """A dispatch mode that changes nothing (as ``FlopCounterMode``): torch's in-place
-    foreach ops under it bump no version counter."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
 def read_every_gradient(model: torch.nn.Module, read: Any) -> None:
     """``read(param.grad)`` for every gradient there is: a value read, after which
     ``param.grad`` is the real gradient rather than the placeholder."""
@@ -480,7 +471,7 @@ def test_a_clip_under_a_dispatch_mode_after_a_read_is_taken(f: float) -> None:
         for step in batches(2, 1):
             backwards(opt, model, step)
             read_every_gradient(model, torch.sum)  # the real gradient from now on
-            with _PassThrough() if mode else contextlib.nullcontext():
+            with PassThrough() if mode else contextlib.nullcontext():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, foreach=True)
             opt.step()
             opt.zero_grad()
@@ -512,7 +503,7 @@ def test_a_clip_that_changes_no_bit_after_a_read_steps_the_sums(f: float) -> Non
                     model(x).float().pow(2).mean().backward()
             if clip:
                 read_every_gradient(model, lambda g: torch.isfinite(g).all())
-                with _PassThrough() if mode else contextlib.nullcontext():
+                with PassThrough() if mode else contextlib.nullcontext():
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             opt.step()
             opt.zero_grad()
