@@ -926,8 +926,8 @@ SPECULATIVE = (
                "from the torn state"),
     Mutant(
         name="r96:failed-step-under-a-mode-trusted", file="pipeoff/optim/_update.py",
-        old="    return _compat.dispatch_mode_active() and isinstance(opt, torch.optim.SGD)\n",
-        new="    return False\n",
+        old="    blind = _compat.dispatch_mode_active() or any(\n",
+        new="    blind = False or any(\n",
         tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_step_is_told_written_"
                "by_its_state_and_under_a_mode_without_counts",),
         hazard="an optimizer without step counts (SGD) that raised mid-step under a dispatch "
@@ -938,14 +938,14 @@ SPECULATIVE = (
             "self._fragments)\n",
         new="            False for f in self._fragments)\n",
         tests=("tests/ft/test_diloco_speculative.py::test_a_state_edit_before_the_decision_"
-               "is_stepped_over_full_offload[foreach_under_a_mode]",),
+               "is_the_state_stepped[full_offload-foreach_under_a_mode]",),
         hazard="over FullOffloadOptimizer (no sync tail) the outer state is a plain dict: "
                "the loop's access before the decision goes unseen and a foreach edit under "
                "a dispatch mode is lost"),
     Mutant(
         name="r98:failed-step-state-unread", file="pipeoff/optim/_update.py",
-        old="    if tuple(p._version for p in params) != marks.versions or tuple(\n",
-        new="    if tuple(p._version for p in params) != marks.versions or False and tuple(\n",
+        old="    if tuple(p._version for p in params) != marks.versions or any(\n",
+        new="    if tuple(p._version for p in params) != marks.versions or False and any(\n",
         tests=("tests/optim/test_full_offload_fraction.py::test_a_device_part_failure_after_"
                "it_wrote_state_only_is_torn[full_offload]",),
         hazard="torch's SGD writes its momentum, then raises before any parameter: the step "
