@@ -189,7 +189,6 @@ def step_chunk(shadow: torch.optim.Optimizer, groups: Sequence[ChunkGroup]) -> N
         shadow.param_groups = []
 
 
-
 def step_count(step: Any) -> float:
     """A ``step`` state entry's value (a tensor or a number); 0 when there is none."""
     if step is None:
@@ -215,8 +214,9 @@ class StepMarks:
 
 def mark_step(params: Sequence[torch.Tensor], states: Sequence[Mapping[str, Any]],
               on_device: Callable[[torch.Tensor], bool]) -> StepMarks:
-    """:class:`StepMarks` of a step of ``params`` (their local tensors) whose state dicts,
-    in the same order, are ``states`` (the ones the step writes into)."""
+    """:class:`StepMarks` of a step of ``params`` (the tensors it writes: a DTensor itself,
+    whose local tensor bumps no version counter) whose state dicts, in the same order,
+    are ``states`` (the ones the step writes into)."""
     return StepMarks(
         tuple(p._version for p in params),
         tuple((v, v._version) for st in states for v in st.values()
