@@ -332,13 +332,33 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         return opt.host_master
 
     def __enter__(self) -> DiLoCo:
+        try:
+            if self._tail is not None:
+                self._tail.install()
+            if self._watches_outer_state():
+                self._outer_hooks = [o.register_state_dict_pre_hook(self._before_outer_read)
+                                     for o in self._user_outers()]
+                self._wrap_outer_states()
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            # Hazard: a failed ``with`` leaving forward waits on the model, and the
+            # outer optimizers' state wrapped, for a DiLoCo that will never sync.
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        """Undo what ``__enter__`` installed (each part only if it was installed)."""
         if self._tail is not None:
-            self._tail.install()
-        if self._watches_outer_state():
-            self._outer_hooks = [o.register_state_dict_pre_hook(self._before_outer_read)
-                                 for o in self._user_outers()]
-            self._wrap_outer_states()
-        return super().__enter__()  # type: ignore[no-any-return]
+            self._tail.remove()
+        for h in self._outer_hooks:
+            h.remove()
+        self._outer_hooks = []
+        for o in self._user_outers():
+            if isinstance(o.state, WaitingState):
+                o.state = defaultdict(dict, dict.items(o.state))
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def _watches_outer_state(self) -> bool:
         """Whether the user's outer optimizers' ``state`` is shown as a
@@ -402,15 +422,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             # sync's outer step and writes still run.
             self.wait_for_sync()
         finally:
-            if self._tail is not None:
-                self._tail.remove()
-            if self._watches_outer_state():
-                for h in self._outer_hooks:
-                    h.remove()
-                self._outer_hooks = []
-                for o in self._user_outers():
-                    if isinstance(o.state, WaitingState):
-                        o.state = defaultdict(dict, dict.items(o.state))
+            self._uninstall()
             for f in self._fragments:
                 if isinstance(f, OffloadedFragment):
                     # Hazard: lanes left waiting forever for the decision of a sync

@@ -25,6 +25,7 @@ from torchft.manager import Manager
 import pipeoff
 import pipeoff.ft
 import pipeoff.testing
+from pipeoff.ft._outer import WaitingState
 from tests._stacks import install, release_when_waiting, stack_of, waiting_in
 from tests.ft._diloco_replicas import make_model, sgd_nesterov
 
@@ -347,3 +348,25 @@ def test_the_users_outer_optimizer_state_dict_waits_for_the_outer_step() -> None
     assert sorted(state) == sorted(want) == list(range(6))
     assert all(torch.equal(state[k]["momentum_buffer"], want[k]["momentum_buffer"])
                for k in want)
+
+
+def test_a_failed_enter_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``__enter__`` raising after the forward waits, the outer state's wrapping and the
+    inner optimizer's first step hook were installed takes every one of them off again:
+    the model and the optimizers are left as they were given."""
+    model = make_model(0)
+    inner = optim.SGD(model.parameters(), lr=0.1)
+    outer = sgd_nesterov(model.parameters())
+    d = pipeoff.ft.DiLoCo(_manager(), [model], inner, outer, SYNC_EVERY,
+                          fragment_update_alpha=0.5, **PIPELINED)
+
+    def refuse(*_: Any) -> Any:
+        raise RuntimeError("hook refused")
+
+    monkeypatch.setattr(inner, "register_step_post_hook", refuse)
+    with pytest.raises(RuntimeError, match="hook refused"):
+        d.__enter__()
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert type(outer.state) is not WaitingState
+    assert not outer._optimizer_state_dict_pre_hooks
+    assert not inner._optimizer_step_pre_hooks

@@ -976,6 +976,13 @@ SPECULATIVE = (
                "are_the_same_bits",),
         hazard="a read of a NaN gradient cast on the device (another NaN payload) counts as "
                "a write: the step takes the cast, or max_norm refuses it"),
+    Mutant(
+        name="r102:failed-enter-keeps-its-hooks", file="pipeoff/ft/_diloco.py",
+        old="            self._uninstall()\n            raise\n",
+        new="            raise\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_failed_enter_leaves_nothing_installed",),
+        hazard="a DiLoCo whose __enter__ raised leaves forward waits on the model and the "
+               "outer optimizers' state wrapped, for syncs that will never run"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
