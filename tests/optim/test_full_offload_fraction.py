@@ -543,7 +543,7 @@ def test_a_device_part_failure_after_it_wrote_is_torn(mode: bool) -> None:
     opt.param_groups[1]["amsgrad"] = True
     with pytest.raises(KeyError) as info:
         step()
-    assert "after the device part had written" in "\n".join(info.value.__notes__)
+    assert "after the device part had (or may have) written" in "\n".join(info.value.__notes__)
     opt.param_groups[1]["amsgrad"] = False
     opt.zero_grad()
     with pytest.raises(StepFailedError):

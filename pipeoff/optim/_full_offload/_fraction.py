@@ -324,7 +324,7 @@ class FractionLifecycle(Lifecycle):
             self.health.dirty = None
             self.health.torn_cause = err
             self.health.torn = (f"a step failed in {failed} after {' and '.join(parts)} "
-                                "had written their masters")
+                                "had (or may have) written their masters")
             err.add_note(f"pipeoff: {self.health.torn}; later steps are refused until a "
                          "checkpoint is loaded (model and optimizer load_state_dict)")
         else:

@@ -46,8 +46,8 @@ def report(health: Health, err: BaseException, st: Step, failed: str | None) -> 
         parts.append("the device part (stepped on the caller's stream)")
     if parts:
         health.torn_cause = err
-        health.torn = f"a step failed in {failed!r} after {' and '.join(parts)} had written " \
-                      "their parameters"
+        health.torn = f"a step failed in {failed!r} after {' and '.join(parts)} had (or may " \
+                      "have) written their parameters"
         err.add_note(f"pipeoff: {health.torn}; the parameters and optimizer state are partly "
                      "stepped. Load a checkpoint (model and optimizer load_state_dict) "
                      "before stepping again.")
