@@ -332,6 +332,22 @@ def test_a_race_nobody_waited_for_is_raised_when_the_device_exits() -> None:
     flagged(program)
 
 
+def test_an_execution_left_in_flight_when_the_device_exits_still_finishes() -> None:
+    """A block left with an execution in flight (a loop that raised before waiting):
+    its later tasks still run, and a task waiting for an earlier one's device work
+    does not hang on a stream the device stopped at its exit."""
+    with pipeoff.testing.hold_task("first") as release:
+        with device() as sim:
+            g = TaskGraph(device=sim.device)
+            g.add_task("first", TaskKind.HOST, lambda ctx: None)
+            g.add_task("second", TaskKind.HOST, lambda ctx: None, deps=["first"])
+            ex = pipeoff.execute(g)
+        release.set()  # "first" records its end on a stream of the closed device
+        # (a bound so that the old hang fails the test: done at once otherwise)
+        assert ex._run.all_done.wait(60), "a task of the execution hung after the exit"
+    ex.wait()
+
+
 # -- from a review that tried to break the enqueued (in-place) operations ------------------
 def test_an_enqueued_operation_runs_on_the_storage_it_was_issued_on() -> None:
     """A later `p.data = new` (or swap_tensors) must not redirect a pending kernel."""

@@ -112,6 +112,8 @@ class SimStream:
         self._cond = threading.Condition(threading.RLock())
         self._busy = False
         self._stop = False
+        self._exited = False
+        """The worker has stopped (the device closed): later items run at once."""
         self._thread = threading.Thread(target=self._loop, name=f"simcuda-{name}", daemon=True)
         self._thread.start()
 
@@ -170,8 +172,14 @@ class SimStream:
             self._execute((*item, enq))
             return
         with self._cond:
-            self._q.append((*item, enq))
-            self._cond.notify_all()
+            if not self._exited:
+                self._q.append((*item, enq))
+                self._cond.notify_all()
+                return
+        # Hazard: work enqueued after the device closed (an execution the block left
+        # in flight) never running, and whoever waits for it hanging. The stream is
+        # empty and stopped: the item runs now, in order (nothing is checked any more).
+        self._execute((*item, enq))
 
     def enqueue_freed(self, item: tuple[Any, ...], clock: dict[Any, int]) -> None:
         """:meth:`_enqueue` for a storage finalizer, which runs wherever a collection
@@ -179,6 +187,8 @@ class SimStream:
         stream's lock and its own finalizer waits for the device's (a deadlock, found
         under load). So it never waits here: a taken lock leaves the item to the
         worker, which looks for such items at least every 50 ms."""
+        if self._exited:
+            return  # (the device closed: nothing is checked any more)
         if not self._cond.acquire(blocking=False):
             self._orphans.append((*item, clock))
             return
@@ -191,7 +201,7 @@ class SimStream:
     def drain(self) -> None:
         """Block until every item enqueued so far has executed."""
         with self._cond:
-            while self._q or self._busy or self._orphans:
+            while (self._q or self._busy or self._orphans) and not self._exited:
                 self._cond.wait(0.05)
 
     def _loop(self) -> None:
@@ -203,6 +213,7 @@ class SimStream:
                 while self._orphans:
                     self._q.append(self._orphans.popleft())
                 if self._stop and not self._q:
+                    self._exited = True
                     return
                 item = self._q.popleft()
                 self._busy = True

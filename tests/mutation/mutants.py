@@ -983,6 +983,14 @@ SPECULATIVE = (
         tests=("tests/ft/test_diloco_tail.py::test_a_failed_enter_leaves_nothing_installed",),
         hazard="a DiLoCo whose __enter__ raised leaves forward waits on the model and the "
                "outer optimizers' state wrapped, for syncs that will never run"),
+    Mutant(
+        name="r103:closed-stream-drops-work", file="pipeoff/testing/_simstreams.py",
+        old="            if not self._exited:\n",
+        new="            if True:\n",
+        tests=("tests/test_simcuda.py::test_an_execution_left_in_flight_when_the_device_"
+               "exits_still_finishes",),
+        hazard="work enqueued after the simulated device closed never runs: a test that "
+               "leaves the block with an execution in flight hangs 40 s at exit"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
