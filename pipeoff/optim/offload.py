@@ -241,6 +241,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
+        self.wait_for_step()  # Hazard: the step in flight writing into the dicts given
         self.inner.state = value
 
     @property
@@ -361,6 +362,10 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             # Traced by Dynamo (a compiled training step): run it eagerly, or the
             # trace would bake in this call's waits and bookkeeping.
             return _compat.dynamo_disable(OffloadOptimizer.wait_for_step)(self)  # type: ignore[no-any-return]
+        self._wait_in_flight(starting=False)
+
+    def _wait_in_flight(self, starting: bool) -> None:
+        """:meth:`wait_for_step`; ``starting``: from a ``step()`` that has not begun."""
         st = self._inflight
         if st is None:
             self._device.wait()
@@ -369,11 +374,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             st.execution.wait()
         except BaseException as err:
             if not is_failure_of(err, st.execution):
-                # The wait was interrupted (Ctrl-C), not the step: it is still in
-                # flight, and nothing has failed.
-                err.add_note("pipeoff: interrupted while waiting for the optimizer step in "
-                             "flight, which goes on: it has not failed and must not be "
-                             "repeated. Call wait_for_step() to wait for it.")
+                _join.interrupted(err, starting)  # (Ctrl-C: the step goes on)
                 raise
             self._inflight = None
             _join.report(self._health, err, st, st.execution.failed_task)
@@ -501,7 +502,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def _counted_step(self, closure: Callable[[], float] | None) -> float | None:
         if self._stats_pending is not None and self._stats_hooks:
-            self.wait_for_step()  # (step() waits for it anyway, first thing)
+            self._wait_in_flight(starting=True)  # (step() waits for it anyway, first thing)
             self._emit_stats()  # the previous step's figures, now that it has finished
         step = self._steps_called
         start = time.perf_counter_ns()
@@ -530,11 +531,10 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 loss = closure()
             self._step(None)
             return loss
-        self.wait_for_step()
+        self._wait_in_flight(starting=True)
         self._health.check("step()")
         self._readers.wait()
-        # A profiler range only while profiling: record_function costs about 0.5 ms
-        # a step even when no profiler listens.
+        # A profiler range only while profiling (record_function: ~0.5 ms a step).
         with (torch.profiler.record_function("pipeoff::optim::step")
               if _compat.profiler_enabled() else contextlib.nullcontext()):
             layout = self._host.current(self._attached)

@@ -287,6 +287,37 @@ def test_a_forward_waiting_for_the_step_in_flight(attach: bool) -> None:
     assert_same(model, ref_model)  # stepped once
 
 
+def test_a_step_interrupted_waiting_for_the_step_before_it_can_be_taken_again() -> None:
+    """Ctrl-C while ``step()`` waits for the step before it (overlap): that step goes on,
+    and the interrupted one had not begun. The note says to call ``step()`` again (it
+    said "must not be repeated" alone, and a loop that followed it dropped the step: a
+    tester's find); doing so trains as torch does."""
+    model = make_model().float()
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+
+    def set_grads(m: torch.nn.Module, k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        for p in m.parameters():  # (no forward: it would wait for the held chunks)
+            p.grad = torch.randn(p.shape, generator=g)
+
+    with pt.hold_task("opt.*") as release:
+        set_grads(model, 0)
+        opt.step()  # returns at once; its chunks are held
+        set_grads(model, 1)
+        err = interrupted(opt.step, "_step", "_wait_in_flight")
+        release.set()
+    assert any("call step() again" in n for n in getattr(err, "__notes__", ())), err
+    opt.step()  # as the note says
+    opt.wait_for_step()
+    for k in range(2):
+        set_grads(ref_model, k)
+        ref.step()
+    assert_same(model, ref_model)  # both steps, once each
+
+
 # -- state transfers reading an optimizer's state --------------------------------------------
 
 @pytest.mark.parametrize("kind", ["full", "offload"])

@@ -112,3 +112,24 @@ def test_is_an_optimizer_for_schedulers_and_hooks() -> None:
     assert calls == [opt]
     assert opt.inner.param_groups[0]["lr"] == 0.5
     opt.wait_for_step()
+
+
+def test_assigning_full_offload_state_is_refused() -> None:
+    """``FullOffloadOptimizer.state`` is a view built at each read: an assignment (a
+    reset, a rollback) was kept aside and ignored, silently. It is refused, naming the
+    way that works; nothing changes."""
+    import collections
+
+    from pipeoff.optim import FullOffloadOptimizer
+
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    with pytest.raises(pipeoff.ConfigError, match="load_state_dict"):
+        opt.state = collections.defaultdict(dict)
+    after = opt.state[model.weight]
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -370,3 +370,45 @@ def test_a_compiled_llama_with_the_read_guard() -> None:
     # (Not bitwise: where the guard leaves the stack changes how Dynamo splits graphs.)
     for a, b in zip(guarded, unguarded):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("assigned", ["reset", "snapshot"])
+def test_assigning_state_waits_for_the_step_in_flight(assigned: str) -> None:
+    """``opt.state = ...`` right after ``step()`` (a reset, or a rollback to a deep copy
+    taken earlier) waits for the step in flight: otherwise that step's chunks wrote their
+    step counts into the dicts assigned (the bias correction then off, or a KeyError
+    later: a tester's find)."""
+    import collections
+    import copy
+
+    from tests._stacks import release_when_waiting
+
+    def run(opt: Any, net: torch.nn.Module, held: bool) -> list[torch.Tensor]:
+        saved = None
+        for k, x in enumerate(batches(4)):
+            net(x, 1).pow(2).mean().backward()
+            if k == 1:
+                saved = copy.deepcopy(opt.state)
+            if k == 2 and held:
+                with pipeoff.testing.hold_task("opt.*") as release:
+                    opt.step()  # returns at once; its chunks are held
+                    watcher = release_when_waiting(release, "state")
+                    opt.state = (collections.defaultdict(dict) if assigned == "reset"
+                                 else saved)
+                watcher.join()
+            else:
+                opt.step()
+                if k == 2:
+                    opt.state = collections.defaultdict(dict) if assigned == "reset" else saved
+            opt.zero_grad()
+        if held:
+            opt.wait_for_step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    ref_net = make_net()
+    want = run(torch.optim.AdamW(ref_net.parameters(), lr=1e-2), ref_net, False)
+    net = make_net()
+    opt = OffloadOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), mode="overlap",
+                           chunk_bytes=256)
+    got = run(opt, net, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -148,6 +148,12 @@ class MastersAndCheckpoints:
 
     @state.setter
     def state(self, value: Any) -> None:
+        if not getattr(self, "_building", True):
+            # (It was kept aside and ignored: a rollback or reset that silently did nothing.)
+            raise ConfigError(
+                "FullOffloadOptimizer.state cannot be assigned: it is a view of the host "
+                "state (masters, moments) built at each read. Replace the state with "
+                "load_state_dict()")
         self.__dict__["_base_state"] = value
 
     @fires_state_dict_hooks

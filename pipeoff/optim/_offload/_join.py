@@ -30,6 +30,17 @@ def finish(st: Step, waits: ForwardWaits) -> None:
     waits.end()
 
 
+def interrupted(err: BaseException, starting: bool) -> None:
+    """Note on ``err`` (a Ctrl-C) that it interrupted a wait for the step in flight,
+    not the step, which goes on; ``starting``: the wait of a ``step()`` that had not
+    begun its own step (nothing of it was launched: it can be called again)."""
+    err.add_note("pipeoff: interrupted while waiting for the optimizer step in flight, "
+                 "which goes on: it has not failed and must not be repeated. " + (
+                     "The step() interrupted had not begun its own step (nothing of it "
+                     "was launched or written): call step() again to take it."
+                     if starting else "Call wait_for_step() to wait for it."))
+
+
 def report(health: Health, err: BaseException, st: Step, failed: str | None) -> None:
     """After ``err`` failed the step in task ``failed``: give back the gradients of the
     parameters it did not update (call it before :func:`finish`), and note on ``err``
