@@ -312,13 +312,16 @@ def readiness_problem(ready: Any) -> str | None:
     return None
 
 
-def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(storage, first byte, end byte)`` of the memory view ``t`` spans, or ``None``."""
+def _span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """``(device, first address, end address)`` of the memory the view ``t`` spans, or
+    ``None``. Addresses, not offsets in a storage: two storages may share memory
+    (``torch.frombuffer`` or ``torch.from_numpy`` views of one buffer)."""
     if t.numel() == 0 or t.device.type == "meta":
         return None
     start = int(t.storage_offset())
     end = start + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1
-    return t.untyped_storage().data_ptr(), start * t.element_size(), end * t.element_size()
+    base, size = t.untyped_storage().data_ptr(), t.element_size()
+    return str(t.device), base + start * size, base + end * size
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -337,7 +340,7 @@ def alias_problems(sources: Mapping[str, LiveTensor],
     before or after the write; two keys' targets on the same memory (tied weights)
     keep the last key's values, whatever the other's source holds.
     """
-    pieces: list[tuple[int, int, int, bool, str, LiveTensor, torch.Tensor]] = []
+    pieces: list[tuple[str, int, int, bool, str, LiveTensor, torch.Tensor]] = []
     for is_target, group in ((False, sources), (True, targets)):
         for key, lt in group.items():
             if lt.tensor is None or lt.problem() is not None:
@@ -348,7 +351,7 @@ def alias_problems(sources: Mapping[str, LiveTensor],
                 pieces.append((*span, is_target, key, lt, view))
     pieces.sort(key=lambda p: (p[0], p[1]))
     problems: list[tuple[str, str]] = []
-    active: list[tuple[int, int, int, bool, str, LiveTensor, torch.Tensor]] = []
+    active: list[tuple[str, int, int, bool, str, LiveTensor, torch.Tensor]] = []
     for p in pieces:
         active = [a for a in active if a[0] == p[0] and a[2] > p[1]]
         for a in active:

@@ -217,6 +217,37 @@ def test_targets_that_alias_memory_are_refused(make: Any, words: str | None) -> 
     assert torch.equal(buf, before)
 
 
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda m: ({"k": LiveTensor(m(0, 8))}, {"k": LiveTensor(m(4, 8))}),
+     "overlaps the source of key 'k'"),
+    (lambda m: ({"a": LiveTensor(torch.ones(8)), "b": LiveTensor(torch.full((8,), 2.0))},
+                {"a": LiveTensor(m(0, 8)), "b": LiveTensor(m(4, 8))}),
+     "overlaps the target of key"),
+    (lambda m: ({"k": LiveTensor(m(0, 8))}, {"k": LiveTensor(m(8, 8))}), None),
+], ids=["source", "target", "apart"])
+def test_memory_shared_by_two_storages_is_compared_by_address(make: Any,
+                                                              words: str | None) -> None:
+    """Two storages over one buffer (``torch.frombuffer``, ``torch.from_numpy`` of
+    overlapping slices): the overlap check compared offsets within one storage only,
+    and such a transfer wrote wrong values silently (a tester's find)."""
+    buf = bytearray(64)
+
+    def mem(lo: int, n: int) -> torch.Tensor:
+        return torch.frombuffer(buf, dtype=torch.float32, offset=4 * lo, count=n)
+
+    mem(0, 16).copy_(torch.arange(16.0))
+    src, dst = make(mem)
+    t = StateTransfer(src, dst, host_budget_bytes=16)
+    if words is None:
+        t.run()
+        assert torch.equal(mem(8, 8), torch.arange(8.0))
+        return
+    before = bytes(buf)
+    with pytest.raises(TransferRefusedError, match=words):
+        t.run()
+    assert bytes(buf) == before
+
+
 def test_parameters_as_sources_and_targets_record_no_autograd_history() -> None:
     p = torch.nn.Parameter(torch.randn(4, 4))
     q = torch.nn.Parameter(torch.zeros(4, 4))
