@@ -389,8 +389,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         def allreduce_work(k: int, b: Bucket, dev: str) -> Any:
             def fill(flat: torch.Tensor) -> None:
                 for pc in b.pieces:
-                    src = local_tensor(params[pc.param], data=True)
-                    src = src.reshape(-1) if not src.is_contiguous() else src.view(-1)
+                    src = _memory_order(local_tensor(params[pc.param], data=True)).reshape(-1)
                     flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
 
             def allreduce(ctx: TaskContext) -> None:
@@ -438,10 +437,30 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
 
 
 # -- tensor helpers -------------------------------------------------------------------
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` whose elements, in order, are ``t``'s in memory (``t`` itself if
+    contiguous, or if not dense: then its logical order, as its ``clone()``'s).
+
+    torchft all-reduces ``clone()`` of each parameter, which keeps a transposed
+    weight's strides, and with three or more replicas the sum of an element depends
+    on its position in the buffer: a buffer in logical order is not bitwise torchft's.
+    """
+    if t.is_contiguous() or t.dim() < 2:
+        return t
+    sizes, strides = t.shape, t.stride()
+    perm = sorted(range(t.dim()), key=lambda d: -strides[d] if sizes[d] > 1 else 0)
+    view = t.permute(perm)
+    return view if view.is_contiguous() else t
+
+
 def _write_back_rfc(param: nn.Parameter, flat: torch.Tensor) -> None:
     """RFC 0003's synchronous write-back of one whole averaged parameter."""
     local = local_tensor(param, data=True)
-    avg = flat.view(local.shape).to(local.device)  # synchronous copy: RFC non_blocking=False
+    if _memory_order(local) is local:
+        avg = flat.view(local.shape).to(local.device)  # synchronous: RFC non_blocking=False
+    else:  # (the buffer was filled in memory order: local's strides)
+        avg = torch.empty_like(local)
+        _memory_order(avg).copy_(flat.view(_memory_order(local).shape))
     if isinstance(param, DTensor):
         param.data.copy_(DTensor.from_local(avg, param.device_mesh, param.placements,
                                             shape=param.shape, stride=param.stride()))
@@ -459,8 +478,8 @@ def _write_back_slice(
     """
     local = local_tensor(param, data=True)
     if whole:
-        dst = local
-        src = src.view(local.shape)
+        dst = _memory_order(local)  # (the order the buffer was filled in)
+        src = src.view(dst.shape)
     else:
         dst = local.view(-1)[start:start + src.numel()]
     # non_blocking: src is pinned host staging that stays allocated until this
