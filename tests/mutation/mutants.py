@@ -991,6 +991,30 @@ SPECULATIVE = (
                "exits_still_finishes",),
         hazard="work enqueued after the simulated device closed never runs: a test that "
                "leaves the block with an execution in flight hangs 40 s at exit"),
+    Mutant(
+        name="r104:state-assigned-under-a-step", file="pipeoff/optim/offload.py",
+        old="        self.wait_for_step()  # Hazard: the step in flight writing into the dicts given\n",
+        new="",
+        tests=("tests/optim/test_overlap.py::test_assigning_state_waits_for_the_step_in_"
+               "flight[snapshot]",),
+        hazard="opt.state = snapshot right after step(): the step in flight writes its step "
+               "counts into the snapshot's dicts, and the bias correction is off"),
+    Mutant(
+        name="r105:transfer-overlap-per-storage", file="pipeoff/transfer/_live.py",
+        old="    return str(t.device), base + start * size, base + end * size\n",
+        new="    return str(base), start * size, end * size\n",
+        tests=("tests/transfer/test_transfer.py::test_memory_shared_by_two_storages_is_"
+               "compared_by_address[source]",),
+        hazard="a target overlapping a source through another storage of one buffer is "
+               "transferred, reading bytes it already overwrote"),
+    Mutant(
+        name="r106:local-sgd-logical-order", file="pipeoff/ft/_local_sgd.py",
+        old="    if t.is_contiguous() or t.dim() < 2:\n",
+        new="    if True:\n",
+        tests=("tests/ft/test_local_sgd_three.py::test_three_groups_average_bitwise_as_"
+               "torchft[synchronous]",),
+        hazard="a transposed weight all-reduced in logical order: 1 ulp off torchft with "
+               "three replica groups"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
