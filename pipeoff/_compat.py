@@ -29,7 +29,7 @@ __all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_
            "installed_version", "is_compiling", "local_tensor", "make_wrapper_subclass",
            "outer_backward_frame", "outermost_backward_frame", "PRIVATE_APIS", "PrivateAPI",
            "profiler_enabled", "queue_backward_callback", "recompile_with_hooks", "restore_stance",
-           "runs_compiled", "set_torch_function_stack", "step_body", "TESTED",
+           "runs_compiled", "set_torch_function_stack", "skipped_by_torchft", "step_body", "TESTED",
            "torch_function_stack", "uncompiled_name"]
 
 TESTED: dict[str, tuple[str, str]] = {
@@ -133,6 +133,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "(param.grad stands for the host sum; the loop's clip calls see it)"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "allreduce_discarded: a failed replica still joins its peers' collectives"),
+    PrivateAPI("torchft", "torchft.manager:_DummyWork", "skipped_by_torchft"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
                "pipeoff.ft.LocalSGD overrides it (torchft's extension point)"),
     PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment",
@@ -342,14 +343,10 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
 
 
 def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
-    """Join an all-reduce of ``tensor`` (SUM, in place) on torchft ``manager``'s process
-    group, bypassing the manager (whose ``allreduce`` is a no-op once an error was
-    reported), and wait: for a replica that has failed a sync but must not leave its
-    peers waiting, and for the sync's vote (``pipeoff/ft/_collective.py``).
-    Uses ``Manager._pg`` (torchft 0.2). Returns whether the collective completed
-    (failures are swallowed: the caller's sync has failed), or ``None`` for a
-    manager without a torch process group (a test's mock: no peers).
-    """
+    """Join a SUM all-reduce of ``tensor`` (in place) on ``manager``'s process group
+    (``Manager._pg``), bypassing the manager (a no-op once an error was reported), and
+    wait (``pipeoff/ft/_collective.py``). Whether it completed (failures swallowed), or
+    ``None`` without a torch process group (a test's mock: no peers)."""
     from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp
 
     pg = getattr(manager, "_pg", None)
@@ -362,6 +359,11 @@ def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
     except Exception:  # noqa: BLE001 - this replica's sync has already failed
         return False
     return True
+
+
+def skipped_by_torchft(work: Any) -> bool:
+    """Whether torchft's ``Manager.allreduce`` returned without joining the collective."""
+    return isinstance(work, importlib.import_module("torchft.manager")._DummyWork)
 
 
 def cuda_sleep(cycles: int) -> None:

@@ -17,11 +17,30 @@ from pipeoff import _compat
 from pipeoff._errors import PeerSyncFailedError
 from pipeoff.graph import TaskContext
 
-__all__ = ["allreduce_bucket", "vote"]
+__all__ = ["Link", "allreduce_bucket", "vote"]
+
+
+class Link:
+    """This replica's collectives of one sync, matched one for one with its peers'.
+
+    Until one of them could not be issued (torchft's ``allreduce`` caught the
+    error, reported it and returned without joining): then ``broken``, and the
+    sync's later collectives, its vote included, are skipped, as torchft skips
+    every all-reduce after an error. Hazard: joining them one behind the peers',
+    a bucket's all-reduce meeting another bucket's (gloo aborts the process on
+    the size mismatch; with equal sizes the vote was summed into a parameter).
+    The replica has reported the error, so it rejects the sync; its peers time
+    out once and reject, as under torchft.
+    """
+
+    __slots__ = ("broken",)
+
+    def __init__(self) -> None:
+        self.broken = False
 
 
 def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
-                     fill: Callable[[torch.Tensor], None]) -> None:
+                     fill: Callable[[torch.Tensor], None], link: Link) -> None:
     """Fill ``flat`` (the staging buffer ``dev``) with ``fill`` and average it over
     the replica groups in place.
 
@@ -29,13 +48,18 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
     After any failure of this replica (``fill`` raising, an earlier task that
     failed, an error already reported to the manager) it still joins the
     collective with whatever ``flat`` holds and discards the result, then
-    re-raises ``fill``'s error if there was one.
+    re-raises ``fill``'s error if there was one. Once ``link`` is broken it joins
+    nothing (see :class:`Link`).
     """
     local_failure: BaseException | None = None
     try:
         fill(flat)
     except Exception as err:  # noqa: BLE001 - raised once the collective is joined
         local_failure = err
+    if link.broken:
+        if local_failure is not None:
+            raise local_failure
+        return
     if local_failure is not None or ctx.failed is not None or manager.errored() is not None:
         # This replica has failed this sync (it will not commit), and torchft's
         # allreduce is a no-op after an error. Hazard: peer replicas waiting out
@@ -56,14 +80,20 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
         return
     # AVG: torchft divides by the participant count inside wait(), so the bucket
     # holds the mean only once wait() has returned.
-    if not manager.allreduce(flat).wait():
+    work = manager.allreduce(flat)
+    if _compat.skipped_by_torchft(work):
+        # Not joined: torchft's allreduce caught an error issuing it, reported it and
+        # returned a dummy (it was not errored just before).
+        link.broken = True
+    elif not work.wait():
         # wait() reported the failure to the manager (so this replica will not
         # commit) and returned False. Hazard: the staging block going back to the
-        # pool while the failed collective may still write it.
+        # pool while the failed collective may still write it. (It was issued: the
+        # later ones are still joined, as torchft issues them all before waiting.)
         ctx.retire_buffer(dev)
 
 
-def vote(manager: Any, failed: bool, device: torch.device) -> None:
+def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
     """Before ``should_commit()``, once this sync's all-reduces are done on this
     replica: tell the peer replica groups whether this one ``failed`` (joined them
     with values that were not its to give), and learn whether any of them did; if
@@ -87,6 +117,8 @@ def vote(manager: Any, failed: bool, device: torch.device) -> None:
     is on the group then). A manager without a torch process group (a test's mock)
     has no peers to tell.
     """
+    if link.broken:
+        return  # (this replica reported an error: it rejects; the peers time out)
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
     joined = _compat.allreduce_discarded(manager, flag)
     if failed or joined is None:

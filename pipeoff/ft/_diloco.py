@@ -356,9 +356,7 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         for o in self._user_outers():
             if isinstance(o.state, WaitingState):
                 o.state = defaultdict(dict, dict.items(o.state))
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        super().__exit__(None, None, None)  # torchft's: its step hooks off
 
     def _watches_outer_state(self) -> bool:
         """Whether the user's outer optimizers' ``state`` is shown as a

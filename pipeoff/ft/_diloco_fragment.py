@@ -26,7 +26,7 @@ from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import is_failure_of
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
-from pipeoff.ft._collective import vote
+from pipeoff.ft._collective import Link, vote
 from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
 from pipeoff.ft._diloco_tail import SyncTail, late_note
 from pipeoff.ft._diloco_work import SyncWork
@@ -183,6 +183,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # torchft's would skip them all, so this replica's values are not its to give.
         self._errored_at_start = self._manager.errored() is not None
         self._voted = False
+        self._link = Link()  # (this sync's collectives, one for one with the peers')
         self._speculative = self._spec_stale = False
         if self._spec is not None:
             try:
@@ -419,7 +420,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         every path that ends the sync joins it, as the peers do."""
         if not self._voted:
             self._voted = True
-            vote(self._manager, self._errored_at_start, self._device)
+            vote(self._manager, self._errored_at_start, self._device, self._link)
 
     def _work(self) -> DiLoCoWork:
         """The lane work of one sync, over this fragment's tensors."""
@@ -429,7 +430,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             alpha=self._fragment_update_alpha,
             synchronous=self._options.schedule == "synchronous",
             form_first=self._form_first, masters=self._masters,
-            spec=self._spec if self._speculative else None).work()
+            spec=self._spec if self._speculative else None, link=self._link).work()
 
     @property
     def on_masters(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from pipeoff._compat import local_tensor
 from pipeoff.ft._buckets import Bucket, Piece
-from pipeoff.ft._collective import allreduce_bucket
+from pipeoff.ft._collective import Link, allreduce_bucket
 from pipeoff.ft._diloco_graph import DiLoCoWork
 from pipeoff.ft._outer import HostOuterOptimizer
 from pipeoff.ft._outer_spec import SpeculativeStep
@@ -72,6 +72,7 @@ class SyncWork:
             each formed bucket is staged to the host and uploaded again for its
             all-reduce.
         spec: the speculative outer step of this sync (``_outer_spec.py``), or ``None``.
+        link: this sync's collectives (``_collective.Link``; its vote reads it too).
         masters: under an inner optimizer whose FP32 host masters are the truth
             (``FullOffloadOptimizer``), each parameter's master: the pseudo-gradient
             is formed from it on the host (``backup - master``), the merge is
@@ -91,6 +92,7 @@ class SyncWork:
     form_first: bool
     masters: Sequence[torch.Tensor] | None = None
     spec: SpeculativeStep | None = None
+    link: Link = dataclasses.field(default_factory=Link)
     results: SyncResults = dataclasses.field(default_factory=SyncResults)
 
     def work(self) -> DiLoCoWork:
@@ -178,7 +180,7 @@ class SyncWork:
                     # this replica did not move in this bucket.
                     flat.zero_()
 
-            allreduce_bucket(self.manager, ctx, dev, flat, fill)
+            allreduce_bucket(self.manager, ctx, dev, flat, fill, self.link)
 
         return run
 

@@ -20,7 +20,7 @@ from pipeoff._lowlevel import SyncStats, is_failure_of, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._args import check_manager, check_module, check_optimizer
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
-from pipeoff.ft._collective import allreduce_bucket, vote
+from pipeoff.ft._collective import Link, allreduce_bucket, vote
 from pipeoff.ft._options import StagingOptions, check_sync_schedule, offload_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
@@ -324,9 +324,10 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         device = local_tensor(params[0], data=True).device if params else torch.device("cpu")
         # (An error reported before the first all-reduce: torchft's would skip them all.)
         commit: dict[str, bool] = {"errored_at_start": self._manager.errored() is not None}
+        link = Link()  # (this sync's collectives, one for one with the peers')
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
-        graph = self._build_graph(params, buckets, device, commit)
+        graph = self._build_graph(params, buckets, device, commit, link)
         schedule = sync_schedule(buckets, pipelined=pipelined,
                                  device_budget_bytes=self._device_budget_bytes)
         ex = None
@@ -342,7 +343,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 # Ctrl-C skips it. (Ctrl-C in this thread's own wait leaves the
                 # execution running: its decide task votes.)
                 with contextlib.suppress(BaseException):
-                    vote(self._manager, commit["errored_at_start"], device)
+                    vote(self._manager, commit["errored_at_start"], device, link)
             raise
         except Exception as err:
             if commit.get("decided"):
@@ -367,7 +368,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             if ex is not None and "voted" not in commit:  # (its all-reduces ran: ex.wait())
                 unfilled = any(c.status == "failed" for c in ex.events_for(
                     [f"allreduce:b{k}" for k in range(len(buckets))]))
-                vote(self._manager, commit["errored_at_start"] or unfilled, device)
+                vote(self._manager, commit["errored_at_start"] or unfilled, device, link)
             self._manager.should_commit()
         finally:
             if ex is not None:
@@ -380,6 +381,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         buckets: tuple[Bucket, ...],
         device: torch.device,
         commit: dict[str, bool],
+        link: Link,
     ) -> TaskGraph:
         manager = self._manager
         cuda = _accel.current().is_device(device)
@@ -393,7 +395,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
 
             def allreduce(ctx: TaskContext) -> None:
-                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), fill)
+                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), fill, link)
 
             return allreduce
 
@@ -412,7 +414,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # Runs once every bucket is in host staging, so the vote covers
             # every all-reduce's outcome (torchft reports failed waits itself).
             commit["voted"] = True
-            vote(manager, errored_at_start, device)
+            vote(manager, errored_at_start, device, link)
             commit["called"] = True
             decided = bool(manager.should_commit())
             commit["decided"] = decided

@@ -57,9 +57,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     Memory: device optimizer state at most ``(prefetch + 1) * chunk_bytes`` (or
     ``device_budget_bytes``) instead of all of it (AdamW: 8 bytes per fp32 parameter),
     plus, on a first step, one chunk the optimizer allocates initializing state.
-    Host: all state (pinned). Traffic: the state of every parameter with a grad
-    moves twice over the host link per step. Do not use it when the state fits on
-    the device with room to spare: a plain optimizer moves nothing.
+    Host: all state (pinned); each stepped parameter's state crosses the host link
+    twice a step. Where the state fits on the device, a plain optimizer moves nothing.
 
     Modes:
         ``"single_pass"``: the legacy path: all state moves to the device, the
@@ -78,11 +77,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     memory order. ``step(closure)`` works in every mode, as in torch. Results are
     bitwise equal to stepping the wrapped optimizer directly.
 
-    ``offload_fraction=f`` keeps about ``f`` of the state in host memory: the first
-    parameters in param-group order (at most ``1 - f`` of the state's bytes) keep
-    theirs on the device and step with torch's own kernel on the caller's stream,
-    while the chunks of the rest run (``docs/optimizer.md``, "Offloading a fraction");
-    ``"auto"`` picks ``f`` from a device memory budget (:attr:`offload_choice`).
+    ``offload_fraction=f``: the first parameters (at most ``1 - f`` of the state's
+    bytes) keep their state on the device, stepped by torch on the caller's stream as
+    the chunks of the rest run (docs/optimizer.md); ``"auto"``: :attr:`offload_choice`.
 
     Two forms: an optimizer to wrap, or torchao's (``CPUOffloadOptimizer``'s)::
 
@@ -97,14 +94,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         optimizer: the optimizer to wrap, by keyword.
         **optimizer_kwargs: with parameters, the optimizer's hyperparameters (``lr``...).
         mode: ``"single_pass"``, ``"chunked"`` (the default) or ``"overlap"``.
-        overlap: instead of ``mode``, FullOffloadOptimizer's name: ``"forward"``
-            (``mode="overlap"``) or ``"none"`` (``mode="chunked"``).
+        overlap: instead of ``mode`` (FullOffloadOptimizer's name): ``"forward"`` or ``"none"``.
         chunk_bytes: bound on each chunk's device state (an int, or a string such as
             ``"256MiB"``), or ``None`` for one chunk.
         pin_memory: page-lock the host state (ignored without an accelerator).
-        prefetch: chunks staged ahead of the one being updated (default 2): device
-            staging is at most ``(prefetch + 1)`` of the largest chunk. (Formerly
-            ``lookahead``, still accepted with a ``FutureWarning``.)
+        prefetch: chunks staged ahead of the one being updated (default 2; formerly
+            ``lookahead``): device staging is at most ``(prefetch + 1)`` largest chunks.
         device_budget_bytes: instead of ``prefetch``, a cap on live device staging
             in bytes, as ``LocalSGD`` takes one: chunks of a third of it unless
             ``chunk_bytes`` is given too (at most the budget). With ``"auto"``: the
@@ -362,10 +357,6 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             # Traced by Dynamo (a compiled training step): run it eagerly, or the
             # trace would bake in this call's waits and bookkeeping.
             return _compat.dynamo_disable(OffloadOptimizer.wait_for_step)(self)  # type: ignore[no-any-return]
-        self._wait_in_flight(starting=False)
-
-    def _wait_in_flight(self, starting: bool) -> None:
-        """:meth:`wait_for_step`; ``starting``: from a ``step()`` that has not begun."""
         st = self._inflight
         if st is None:
             self._device.wait()
@@ -374,7 +365,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             st.execution.wait()
         except BaseException as err:
             if not is_failure_of(err, st.execution):
-                _join.interrupted(err, starting)  # (Ctrl-C: the step goes on)
+                _join.interrupted(err)  # (Ctrl-C: the step goes on)
                 raise
             self._inflight = None
             _join.report(self._health, err, st, st.execution.failed_task)
@@ -502,7 +493,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def _counted_step(self, closure: Callable[[], float] | None) -> float | None:
         if self._stats_pending is not None and self._stats_hooks:
-            self._wait_in_flight(starting=True)  # (step() waits for it anyway, first thing)
+            _wait_before_step(self)  # (step() waits for it anyway, first thing)
             self._emit_stats()  # the previous step's figures, now that it has finished
         step = self._steps_called
         start = time.perf_counter_ns()
@@ -531,7 +522,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 loss = closure()
             self._step(None)
             return loss
-        self._wait_in_flight(starting=True)
+        _wait_before_step(self)
         self._health.check("step()")
         self._readers.wait()
         # A profiler range only while profiling (record_function: ~0.5 ms a step).
@@ -598,3 +589,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._host.reserve(self._host.current(self._attached), prefetch=self.prefetch,
                                   budget=self.device_budget_bytes)
 
+
+def _wait_before_step(self: OffloadOptimizer) -> None:
+    """``self.wait_for_step()`` in a ``step()`` that has not begun its own step."""
+    try:
+        self.wait_for_step()
+    except BaseException as err:
+        if self._inflight is not None:  # (interrupted: the step before goes on)
+            _join.not_begun(err)
+        raise

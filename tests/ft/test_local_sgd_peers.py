@@ -88,3 +88,44 @@ def test_a_local_failure_mid_sync_costs_only_that_replica(mode: str,
     for got, want in zip(runs, original):
         for sync_got, sync_want in zip(got.params_after_sync, want.params_after_sync):
             assert all(torch.equal(a, b) for a, b in zip(sync_got, sync_want))
+
+
+class FailingIssue(ProcessGroupWrapper):  # type: ignore[misc]
+    """The ``fail_at``-th all-reduce raises as it is issued: torchft's
+    ``Manager.allreduce`` reports it and returns without joining that collective."""
+
+    def __init__(self, fail_at: int, timeout_s: float) -> None:
+        super().__init__(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)))
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected: issuing the all-reduce failed")
+        return super().allreduce(tensors, opts)
+
+
+@pytest.mark.slow  # the peer waits out a 3 s process group timeout, per mode
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_all_reduce_that_could_not_be_issued_fails_the_sync_on_both(mode: str) -> None:
+    """A replica whose second all-reduce could not be issued skips the rest, as torchft's
+    does; its peer waits out the timeout and rejects too. pipeoff's replica joined the
+    later collectives, one behind its peer's: a bucket's all-reduce met another's, and
+    gloo aborted the process on the size mismatch (a tester's find)."""
+    def pg(replica_id: int) -> Any:
+        if replica_id == 0:
+            return FailingIssue(fail_at=2, timeout_s=3)
+        return ProcessGroupGloo(timeout=timedelta(seconds=3))
+
+    runs = run_replicas(MODES[mode], syncs=2, pg=pg)
+    for r in runs:
+        # Both rejected the first sync (local values kept), then averaged the second.
+        assert any("injected" in str(e) for e in runs[0].errors_reported)
+        assert all(torch.equal(a, b) for a, b in zip(r.params_before_sync[0],
+                                                     r.params_after_sync[0]))
+    second = [(a + b) / 2 for a, b in zip(runs[0].params_before_sync[1],
+                                          runs[1].params_before_sync[1])]
+    for r in runs:
+        assert all(torch.allclose(a, b) for a, b in zip(second, r.params_after_sync[1]))

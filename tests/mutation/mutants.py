@@ -993,7 +993,8 @@ SPECULATIVE = (
                "leaves the block with an execution in flight hangs 40 s at exit"),
     Mutant(
         name="r104:state-assigned-under-a-step", file="pipeoff/optim/offload.py",
-        old="        self.wait_for_step()  # Hazard: the step in flight writing into the dicts given\n",
+        old=("        self.wait_for_step()  # Hazard: the step in flight writing into the "
+             "dicts given\n"),
         new="",
         tests=("tests/optim/test_overlap.py::test_assigning_state_waits_for_the_step_in_"
                "flight[snapshot]",),
@@ -1015,6 +1016,14 @@ SPECULATIVE = (
                "torchft[synchronous]",),
         hazard="a transposed weight all-reduced in logical order: 1 ulp off torchft with "
                "three replica groups"),
+    Mutant(
+        name="r107:unissued-all-reduce-joins-on", file="pipeoff/ft/_collective.py",
+        old="        link.broken = True\n",
+        new="        pass\n",
+        tests=("tests/ft/test_local_sgd_peers.py::test_an_all_reduce_that_could_not_be_"
+               "issued_fails_the_sync_on_both[sync]",),
+        hazard="a replica whose all-reduce could not be issued joins the later ones one "
+               "behind its peers': gloo aborts the process on the size mismatch"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

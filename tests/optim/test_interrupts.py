@@ -307,7 +307,7 @@ def test_a_step_interrupted_waiting_for_the_step_before_it_can_be_taken_again() 
         set_grads(model, 0)
         opt.step()  # returns at once; its chunks are held
         set_grads(model, 1)
-        err = interrupted(opt.step, "_step", "_wait_in_flight")
+        err = interrupted(opt.step, "_step", "_wait_before_step")
         release.set()
     assert any("call step() again" in n for n in getattr(err, "__notes__", ())), err
     opt.step()  # as the note says

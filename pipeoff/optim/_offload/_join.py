@@ -30,15 +30,19 @@ def finish(st: Step, waits: ForwardWaits) -> None:
     waits.end()
 
 
-def interrupted(err: BaseException, starting: bool) -> None:
+def interrupted(err: BaseException) -> None:
     """Note on ``err`` (a Ctrl-C) that it interrupted a wait for the step in flight,
-    not the step, which goes on; ``starting``: the wait of a ``step()`` that had not
-    begun its own step (nothing of it was launched: it can be called again)."""
+    not the step, which goes on."""
     err.add_note("pipeoff: interrupted while waiting for the optimizer step in flight, "
-                 "which goes on: it has not failed and must not be repeated. " + (
-                     "The step() interrupted had not begun its own step (nothing of it "
-                     "was launched or written): call step() again to take it."
-                     if starting else "Call wait_for_step() to wait for it."))
+                 "which goes on: it has not failed and must not be repeated. Call "
+                 "wait_for_step() to wait for it.")
+
+
+def not_begun(err: BaseException) -> None:
+    """Note on ``err`` (a Ctrl-C in a ``step()``'s wait for the step before it) that this
+    ``step()`` had not begun its own step."""
+    err.add_note("pipeoff: the step() interrupted had not begun its own step (nothing of "
+                 "it was launched or written): call step() again to take it.")
 
 
 def report(health: Health, err: BaseException, st: Step, failed: str | None) -> None:
