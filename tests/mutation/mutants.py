@@ -376,11 +376,9 @@ REVIEW = (
                "stream and every rank agreed: they read sources still being written"),
     Mutant(
         name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_collective.py",
-        old="        # commit) and returned False. Hazard: the staging block going back to the\n"
-            "        # pool while the failed collective may still write it.\n"
+        old="        # later ones are still joined, as torchft issues them all before waiting.)\n"
             "        ctx.retire_buffer(dev)\n",
-        new="        # commit) and returned False. Hazard: the staging block going back to the\n"
-            "        # pool while the failed collective may still write it.\n"
+        new="        # later ones are still joined, as torchft issues them all before waiting.)\n"
             "        pass\n",
         tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
         hazard="after a failed all-reduce the staging block goes back to the pool while "

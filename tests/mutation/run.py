@@ -13,7 +13,8 @@ not ignore), with its one edit applied. Its tests run there with this Python
 ``pipeoff`` is imported, not the editable install of the repository (checked
 before the tests run). Results:
 
-* ``caught``: a test failed (``caught k/N``: caught in k of N runs, a flaky catch);
+* ``caught``: a test failed, or the test process died of a signal (gloo aborting it)
+  (``caught k/N``: caught in k of N runs, a flaky catch);
 * ``timeout``: the tests ran past ``--timeout`` (a hang; counts as caught);
 * ``missed``: the tests passed with the edit;
 * ``stale``: ``old`` is not in the file (or occurs more than once), or a test
@@ -208,6 +209,10 @@ def run_tests(copy: Path, tests: Sequence[str], timeout: float) -> tuple[str, fl
     failed = _FAILED_LINE.findall(text)
     if proc.returncode == 1:
         return CAUGHT, seconds, failed[0] if failed else "", tail
+    if proc.returncode < 0:  # the test process died of a signal (gloo's abort): caught
+        started = _NODE.findall(text)
+        return CAUGHT, seconds, f"(crashed, signal {-proc.returncode}) " + (
+            started[-1] if started else ""), tail
     last = text.strip().splitlines()[-1] if text.strip() else ""
     return ERROR, seconds, f"pytest exit {proc.returncode}: {last}"[:200], tail
 
