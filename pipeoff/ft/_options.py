@@ -152,7 +152,12 @@ class StagingOptions:
         elif bucket_bytes == PER_PARAMETER:
             bucket = None
         else:
-            bucket = parse_bytes(bucket_bytes, name="bucket_bytes")
+            try:
+                bucket = parse_bytes(bucket_bytes, name="bucket_bytes")
+            except ConfigError:
+                raise ConfigError(
+                    "bucket_bytes must be a positive int (bytes), a size string such as "
+                    f"'256MiB' or '1GB', or {PER_PARAMETER!r}, got {bucket_bytes!r}") from None
         bucket_name = "bucket_bytes" if bucket_bytes is not None or budget is None else (
             "bucket_bytes (device_budget_bytes // 2)")
         if budget is None and bucket is not None:

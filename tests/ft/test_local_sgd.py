@@ -300,6 +300,7 @@ def test_never_mixes_dtypes() -> None:
         ({**OFF, "bucket_bytes": 0}, "bucket_bytes must be a positive int"),
         ({**OFF, "bucket_bytes": -5}, "bucket_bytes must be a positive int"),
         ({**OFF, "bucket_bytes": 1.5}, "bucket_bytes must be a positive int"),
+        ({**OFF, "bucket_bytes": "per_param"}, "or 'per_parameter', got 'per_param'"),
         ({**OFF, "bucket_bytes": 2}, "bucket_bytes=2 is smaller than one element"),
         ({**OFF, "bucket_bytes": "per_parameter", "device_budget_bytes": 2},
          "device_budget_bytes=2 is smaller than one element"),
