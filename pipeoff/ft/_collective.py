@@ -81,9 +81,9 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
     # AVG: torchft divides by the participant count inside wait(), so the bucket
     # holds the mean only once wait() has returned.
     work = manager.allreduce(flat)
-    if _compat.skipped_by_torchft(work):
+    if _compat.skipped_by_torchft(work) and manager.errored() is not None:
         # Not joined: torchft's allreduce caught an error issuing it, reported it and
-        # returned a dummy (it was not errored just before).
+        # returned a dummy (it was not errored just before; a mock's dummy is no error).
         link.broken = True
     elif not work.wait():
         # wait() reported the failure to the manager (so this replica will not
