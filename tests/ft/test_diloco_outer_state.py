@@ -116,11 +116,13 @@ def test_a_reset_right_after_the_syncing_step_is_torchfts(reset: str, delay: int
     _assert_same(_held(reset, delay, at=at), _loop(True, reset, delay=delay, at=at))
 
 
-@pytest.mark.parametrize("reset", ["clear", "load_empty"])
+@pytest.mark.parametrize("reset", ["clear", "load_empty", "replace"])
 @pytest.mark.parametrize("outer", ["sgd", "adamw"])
 def test_a_reset_before_the_decision_is_not_stepped_over(reset: str, outer: str) -> None:
     """Between a delayed sync's preparation and its decision: the speculative step,
-    taken from the state before the reset, is dropped and the step taken afresh."""
+    taken from the state before the reset, is dropped and the step taken afresh.
+    (``replace``, ``outer.state = defaultdict(dict)``, accesses no watched state: only
+    the check for removed entries sees it.)"""
     at = 2 * SYNC_EVERY - 2  # (the preparing step, fragment_sync_delay=1)
     _assert_same(_loop(False, reset, delay=1, at=at, outer=outer),
                  _loop(True, reset, delay=1, at=at, outer=outer))
