@@ -8,6 +8,7 @@ whose :attr:`~Execution.trace` shows where the time went.
 
 from __future__ import annotations
 
+from pipeoff import _vml
 from pipeoff import sim as sim  # registers the "sim" backend
 from pipeoff._errors import (
     BudgetError,
@@ -32,6 +33,10 @@ from pipeoff.staging import StagingPool, pools_for
 from pipeoff.trace import Trace, TraceSummary
 
 __version__ = "0.1.0"
+
+# Hazard: the process's first MKL vector-math call (a first AdamW step's sqrt) taken
+# by several threads at once, one of them on a low-precision kernel (pipeoff/_vml.py).
+_vml.warm_vector_math()
 
 __all__ = [
     # graphs
