@@ -26,7 +26,8 @@ WARMED = False
 
 def warm_vector_math() -> None:
     """Make the process's first MKL vector-math call, on this thread only (one element:
-    no intra-op threads). Harmless where torch has no MKL."""
+    no intra-op threads). Harmless where torch has no MKL. On the CPU in float32 whatever
+    the defaults (a default CUDA device must not be initialised at import)."""
     global WARMED
-    torch.sqrt(torch.ones(1))
+    torch.sqrt(torch.ones(1, dtype=torch.float32, device="cpu"))
     WARMED = True
