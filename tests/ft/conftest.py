@@ -46,15 +46,14 @@ def _optimizer_steps_warmed_up() -> None:
     """One step of each optimizer the replica harnesses use, in this (main) thread,
     before any test starts replicas as threads of this process.
 
-    torch 2.13's first ``optimizer.step()`` in a process, taken by two threads at
-    once, sometimes computes the first parameter's update 7e-5 off (relative) in
-    one of them while its state (step, moments) is exact: 2 of 150 fresh processes
-    of a torch-only reproducer (two threads, one ``AdamW.step()`` each behind a
-    barrier), and 5 of 80 fresh runs of ``test_bitwise_torchft[1frag-original]``
-    (torchft's DiLoCo code, so not pipeoff's), always in the first run of the
-    process. The same operations written out by hand never differed (0 of 150),
-    so it is in what the first ``step()`` sets up. A user's replica is a process
-    of its own; the harness's replicas share one, and their first steps would race.
+    Found as torch 2.13's first ``optimizer.step()`` in a process going wrong: the
+    first parameter's update 7e-5 off (relative) in one thread's share, its state
+    exact (5 of 80 fresh runs of ``test_bitwise_torchft[1frag-original]``). Since
+    root-caused in MKL inside torch: the process's first MKL vector-math call
+    (``exp_avg_sq.sqrt()``) can run one intra-op thread's share on a low-precision
+    kernel (``pipeoff/_vml.py``), which ``import pipeoff`` now prevents. Kept: a
+    whole first step of each optimizer here costs nothing and covers whatever else a
+    first step sets up lazily.
     """
     import torch
     from torch import nn, optim
