@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -23,10 +24,12 @@ import torch
 from torch import nn, optim
 from torchft.coordination import LighthouseServer
 from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
 from pipeoff import PeerSyncFailedError
 from tests.ft._managers import replica_manager
+from tests.ft.test_local_sgd_peers import FailingIssue
 
 pytestmark = pytest.mark.slow  # two torchft managers and a Lighthouse per case (~3 s)
 
@@ -52,6 +55,8 @@ def _wrap(kind: str, manager: Manager, model: nn.Module, opt: optim.Optimizer) -
 
 
 def _replica(i: int, lighthouse: str, kind: str, how: str) -> dict[str, Any]:
+    if how == "issue":
+        return _issue_fails(i, lighthouse)
     model = _model(i)
     before = [p.detach().clone() for p in model.parameters()]
     opt = optim.SGD(model.parameters(), lr=0.1)
@@ -115,6 +120,49 @@ def test_a_peer_that_failed_the_sync_is_never_averaged_in(kind: str, how: str) -
     else:
         err = getattr(healthy["errored"], "original_exception", None)  # (torchft's wrapper)
         assert isinstance(err, PeerSyncFailedError), healthy["errored"]
+
+
+def _issue_fails(i: int, lighthouse: str) -> dict[str, Any]:
+    """DiLoCo, pipelined in buckets: replica 1's second all-reduce raises as it is
+    issued (torchft's ``Manager.allreduce`` reports it and returns its dummy work)."""
+    model = _model(i)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    pg = (FailingIssue(fail_at=2, timeout_s=3) if i == 1
+          else ProcessGroupGloo(timeout=timedelta(seconds=3)))
+    manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
+                                      load_state_dict=model.load_state_dict, pg=pg,
+                                      timeout_s=20)
+    try:
+        with _wrap("diloco", manager, model, opt) as w:
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
+            opt.step()  # sync_every=1: syncs
+            w.wait_for_sync()
+        return {"after": [p.detach().clone() for p in model.parameters()],
+                "before": before, "errored": manager.errored()}
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_diloco_all_reduce_that_could_not_be_issued_fails_the_sync_on_both() -> None:
+    """DiLoCo's sync skips its later all-reduces and the vote once torchft could not
+    issue one, as torchft's does: the healthy peer times out once and rejects, and both
+    restore their backups. Joining the later collectives one behind the peer's made
+    gloo abort the peer (LocalSGD's case: ``test_local_sgd_peers.py``)."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(_replica, range(2), [lighthouse.address()] * 2,
+                                 ["diloco"] * 2, ["issue"] * 2))
+    finally:
+        lighthouse.shutdown()
+    assert "injected" in str(runs[1]["errored"])
+    assert runs[0]["errored"] is not None  # the peer's all-reduce timed out
+    for run in runs:
+        for p, want in zip(run["after"], run["before"], strict=True):
+            assert torch.equal(p, want), (p - want).abs().max()
 
 
 def _leaving(i: int, lighthouse: str) -> dict[str, Any]:

@@ -1019,7 +1019,9 @@ SPECULATIVE = (
         old="        link.broken = True\n",
         new="        pass\n",
         tests=("tests/ft/test_local_sgd_peers.py::test_an_all_reduce_that_could_not_be_"
-               "issued_fails_the_sync_on_both[sync]",),
+               "issued_fails_the_sync_on_both[sync]",
+               "tests/ft/test_peer_failed.py::test_a_diloco_all_reduce_that_could_not_be_"
+               "issued_fails_the_sync_on_both"),
         hazard="a replica whose all-reduce could not be issued joins the later ones one "
                "behind its peers': gloo aborts the process on the size mismatch"),
 )
