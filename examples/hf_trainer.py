@@ -120,9 +120,11 @@ def main() -> None:
                                             overlap="forward", chunk_bytes=16384)
 
     model = copy.deepcopy(reference)
-    # overlap="forward" (the default): the host step runs under the next forward.
+    # overlap="forward" (the default): the host step runs under the next forward. The
+    # Trainer's gradient_accumulation_steps (4) tells it which backward is a step's last,
+    # as it begins (the Trainer marks none on one process).
     runs["FullOffloadOptimizer"] = model, train(model, args.steps, FullOffloadOptimizer,
-                                                chunk_numel=4096)
+                                                chunk_numel=4096, gradient_accumulation_steps=4)
 
     for name, (_, steps) in runs.items():
         print(name)

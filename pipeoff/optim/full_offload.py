@@ -64,7 +64,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
     pinned where an accelerator is present. Gradients accumulate until
     ``step()``, as with any optimizer; marking non-final micro-steps with
     :meth:`no_sync` (or FSDP2's ``set_requires_gradient_sync(False)``, DDP's
-    ``no_sync()``) lets the last backward also take the norm and, under
+    ``no_sync()``), or giving ``gradient_accumulation_steps``, lets the last backward
+    also take the norm (or hold its gradients for a one-pass step) and, under
     ``overlap="backward"``, step while it runs. The end of each backward is
     detected without a call. Under DDP (torch's or torchft's, around the model
     before or after this optimizer was built) the gradient stepped is the one
@@ -148,6 +149,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         offload_fraction: the share of masters, state and gradient sums in host memory, in
             [0, 1] (``0.0``: all on the device; the same on every rank), or ``"auto"``: the
             fastest that fits ``device_budget_bytes`` (default on CUDA: the free memory).
+        gradient_accumulation_steps: backwards per step, where every step has as many (1:
+            no accumulation): the last is then final as it begins, as if those before
+            were in :meth:`no_sync`, so its BF16 gradients step in one pass. A step with
+            fewer (``step()`` ends it) is exact too; one more raises ``GradientError``.
         **defaults: the optimizer's hyperparameters (``lr``, ``weight_decay``...).
 
     Raises:
@@ -179,6 +184,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         timeout: float = 600.0,
         offload_fraction: float | Literal["auto"] = 1.0,
         device_budget_bytes: int | str | None = None,
+        gradient_accumulation_steps: int | None = None,
         **defaults: Any,
     ) -> None:
         params, found = model_and_params(model, params)
@@ -190,7 +196,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             overlap=overlap, max_norm=max_norm, chunk_numel=chunk_numel, pin_memory=pin_memory,
             slot_bytes=parse_bytes(slot_bytes, name="slot_bytes"), slots=slots,
             num_threads=num_threads, process_group=process_group, timeout=timeout,
-            defaults=defaults, offload_fraction=numeric(offload_fraction))
+            defaults=defaults, offload_fraction=numeric(offload_fraction),
+            gradient_accumulation_steps=gradient_accumulation_steps)
         refuse_environment()
         # Hazard: a compile session that began before the first chunk's math (is_compiling()
         # is process-wide) steering torch.optim into its compiled-code branches on a lane.
@@ -294,16 +301,6 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                 self.param_groups[:] = before
                 self._reindex()
                 raise
-
-    @property
-    def host_budget_bytes(self) -> int:
-        """Most bytes of host staging live at once: the slot ring and two chunks' weights."""
-        return self._registry.plan.host_budget_bytes
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the parameters (their local shards)."""
-        return self._registry.device
 
     # -- the Optimizer surface -------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EDGES", "HYPER_CHANGED", "Accumulation", "MicroStep", "Phase", "Shipped",
            "after_final_message", "capture_hyper", "checked_gradient", "classify",
-           "root_cause", "same_hyper", "twice_message", "unfinished_before", "writes_to"]
+           "root_cause", "same_hyper", "twice_message", "unfinished_before",
+           "unmarked_is_final", "writes_to"]
 
 
 class Phase(enum.Enum):
@@ -304,8 +305,25 @@ def twice_message(name: str, began_in: tuple[int, Any] | None = None) -> str:
             "recommended setting)")
 
 
-def after_final_message(overlap: str) -> str:
+def unmarked_is_final(overlap: str, steps: int | None, acc: Accumulation | None) -> bool:
+    """Whether a backward not marked non-final that begins now is the step's final one:
+    the ``steps``-th of the step (``gradient_accumulation_steps``), or, without that
+    count, any under ``overlap="backward"``, and under ``"forward"`` or ``"none"`` one
+    after a marked micro-step of the step."""
+    if steps is not None:
+        return (0 if acc is None else len(acc.micro)) + 1 >= steps
+    return overlap == "backward" or (acc is not None and acc.marked)
+
+
+def after_final_message(overlap: str, steps: int | None = None) -> str:
     """Why a backward after the final micro-step of a step is refused."""
+    if steps is not None:
+        return (f"a backward after the final micro-step of this step, before step(): "
+                f"gradient_accumulation_steps={steps} made backward {steps} since the "
+                "last step() the final one; call opt.step() and opt.zero_grad() after "
+                f"{steps} backwards, or pass the count every step has "
+                "(gradient_accumulation_steps=None: the micro-steps are marked with "
+                "opt.no_sync())")
     if overlap == "backward":
         return ("a backward after the final micro-step of this step, before step(): under "
                 "overlap='backward' a backward outside opt.no_sync() steps the chunks "

@@ -72,6 +72,9 @@ class FullOffloadConfig:
     offload_fraction: float = 1.0
     """About this share of masters, optimizer state and gradient sums is in host memory
     (``_device_part.py``); the rest, the device part, steps on the device."""
+    gradient_accumulation_steps: int | None = None
+    """Backwards per step when every step has as many: the last one is then known to be
+    final as it begins (as if the others were in ``no_sync()``), or ``None``."""
 
     def __post_init__(self) -> None:
         cls = self.optimizer_class
@@ -97,6 +100,8 @@ class FullOffloadConfig:
         if not isinstance(self.pin_memory, bool):
             raise ConfigError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         check_int("num_threads", self.num_threads, optional=True, as_bound=True)
+        check_int("gradient_accumulation_steps", self.gradient_accumulation_steps,
+                  optional=True, as_bound=True)
         check_process_group(self.process_group)
         timeout = self.timeout
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))

@@ -48,6 +48,7 @@ from pipeoff.optim._full_offload._common import (
     capture_hyper,
     twice_message,
     unfinished_before,
+    unmarked_is_final,
 )
 from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
 from pipeoff.optim._full_offload._graph import step_task
@@ -127,12 +128,14 @@ class FractionLifecycle(Lifecycle):
         if self.health.dirty is not None or self.health.torn is not None:
             rec.param.grad = None  # dropped: step() refuses until zero_grad()
             return
+        steps = self.config.gradient_accumulation_steps
         if acc is not None and acc.final is not None and self.micro is not acc.final:
-            err = GradientError(after_final_message(self.config.overlap))
+            err = GradientError(after_final_message(self.config.overlap, steps))
             self.health.dirty = err
             raise err
         if (self.config.overlap == "backward" and marked is not None
-                and (self.micro is None or self.micro.ended) and not marked()):
+                and (self.micro is None or self.micro.ended) and not marked()
+                and unmarked_is_final("backward", steps, acc)):
             # A final backward whose first gradient is the device part's begins the
             # host part's final micro-step, as a host gradient would: the step's
             # hyperparameters, the refusal of a second backward, the sums' reads

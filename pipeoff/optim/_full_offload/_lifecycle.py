@@ -1,9 +1,8 @@
 """Full offload's lifecycle: one owner for an accumulation, from its first gradient
-through the step in flight to its end, one execution per backward.
-
-The phases, the transition table and the records are in ``_common.py``. The
-:class:`Lifecycle` holds the accumulation in progress (``IDLE`` without one) and the step
-in flight (``STEPPING`` until ``wait_for_step()``); every ``.phase`` change is made here
+through the step in flight to its end, one execution per backward. The phases, the
+transition table and the records are in ``_common.py``. The :class:`Lifecycle` holds
+the accumulation in progress (``IDLE`` without one) and the step in flight
+(``STEPPING`` until ``wait_for_step()``); every ``.phase`` change is made here
 (``Accumulation.move``). Its state is written on the thread running the backward's hooks
 (the caller's on CPU; autograd's device thread on CUDA) and on the caller's between
 backwards; lanes write only what ``[Note: lane writes]`` in ``_lanes.py`` lists.
@@ -35,6 +34,7 @@ from pipeoff.optim._full_offload._common import (
     root_cause,
     twice_message,
     unfinished_before,
+    unmarked_is_final,
     writes_to,
 )
 from pipeoff.optim._full_offload._config import FullOffloadConfig
@@ -168,9 +168,8 @@ class Lifecycle:
     def _before_final(self, acc: Accumulation) -> None:
         """What a final micro-step needs before its launch: the transfers reading the
         host state done, and under ``overlap="backward"`` the hyperparameters."""
-        # Hazard: the final micro-step's graph steps the masters and moments
-        # (under overlap="backward" during this backward) while a transfer
-        # launched after the previous step still reads them.
+        # Hazard: the final micro-step's graph steps the masters and moments (under
+        # overlap="backward" during this backward) while a transfer still reads them.
         self.readers.wait()
         if self.config.overlap == "backward":
             acc.hyper = capture_hyper(self.param_groups())
@@ -188,9 +187,10 @@ class Lifecycle:
         acc = self.acc
         if acc is None:
             acc = self.acc = Accumulation(results=LaneResults.for_params(len(self.registry)))
-        final = not marked and (self.config.overlap == "backward" or acc.marked)
+        steps = self.config.gradient_accumulation_steps
+        final = not marked and unmarked_is_final(self.config.overlap, steps, acc)
         if acc.final is not None:
-            err = GradientError(after_final_message(self.config.overlap))
+            err = GradientError(after_final_message(self.config.overlap, steps))
             self.health.dirty = err
             raise err
         ms = MicroStep(final=final, began_in=backward_mark())

@@ -73,7 +73,8 @@ class HostStepPath:
     """Host memory traffic of the final micro-step per parameter of the native step
     (``fused=True`` Adam/AdamW, BF16 weights and gradients; ``docs/host_step.md``,
     "Bytes per parameter"): 32 in one pass; 40 for the fold that takes torch's norm in
-    its pass, then the step; 44 with the norm apart. ``None`` without the native step."""
+    its pass, then the step; 44 with the norm apart; 28 in one pass for a step of one
+    backward (no sum to read). ``None`` without the native step."""
     why: str
 
     def __str__(self) -> str:
@@ -86,6 +87,11 @@ ONE_PASS_PATH = HostStepPath(
     one_pass=True, bytes_per_param=32,
     why="final backward marked, no clipping, nothing read the gradients before step()")
 """The one-pass step."""
+ONE_PASS_ALONE = HostStepPath(
+    one_pass=True, bytes_per_param=28,
+    why="the step's only backward, known final (no earlier sum to read), no clipping, "
+        "nothing read the gradients before step()")
+"""The one-pass step of a step of one backward (``gradient_accumulation_steps=1``)."""
 
 
 def _fallback(why: str, *, native: bool = True, norm_in_fold: bool = True) -> HostStepPath:
@@ -96,8 +102,9 @@ def _fallback(why: str, *, native: bool = True, norm_in_fold: bool = True) -> Ho
                         why=why)
 
 
-NOT_MARKED = ("final backward not marked (mark the micro-steps before it with no_sync(): "
-              "unmarked, only step() says a backward was the last)")
+NOT_MARKED = ("final backward not marked (mark the micro-steps before it with no_sync(), or "
+              "give gradient_accumulation_steps: unmarked, only step() says a backward was "
+              "the last)")
 CLIPPING = "clipping (max_norm): every chunk needs the norm of the finished sums"
 GPU_SUMS = "accumulate='gpu' folds the final gradient into the device sum"
 DURING_BACKWARD = "overlap='backward' steps during the final backward"
@@ -150,7 +157,7 @@ def fold(acc: Accumulation, why: str) -> None:
 
 def one_pass(acc: Accumulation) -> None:
     """``step()``: nothing read the sums, the step chunks fold the held gradients."""
-    _choose(acc, ONE_PASS, ONE_PASS_PATH)
+    _choose(acc, ONE_PASS, ONE_PASS_PATH if len(acc.micro) > 1 else ONE_PASS_ALONE)
 
 
 def _choose(acc: Accumulation, payload: str, path: HostStepPath) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeoff.optim._full_offload._fraction import FractionLifecycle
     from pipeoff.optim._full_offload._one_pass import HostStepPath
     from pipeoff.optim._full_offload._param import ParamRegistry
@@ -74,6 +76,16 @@ class HostReports:
         return ("" if f == 1.0 and not auto else
                 f"offload_fraction={f:.4g} (auto), " if auto else f"offload_fraction={f}, "
                 ) + f"params={n}"
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """Most bytes of host staging live at once: the slot ring and two chunks' weights."""
+        return self._registry.plan.host_budget_bytes
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (their local shards)."""
+        return self._registry.device
 
     @property
     def offload_fraction(self) -> float:
