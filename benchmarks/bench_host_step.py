@@ -14,6 +14,9 @@ tensors, in interleaved rounds (A B C ... A B C ...), at each thread count:
   default there, issue 35): the last BF16 gradient held until the step and folded
   inside the native AdamW + cast, which takes the logged norm in the same pass
   (``adam_step(last_grad=..., sumsq=True)``); 32 B;
+* ``one pass, one backward``: the same for a step of one backward
+  (``gradient_accumulation_steps=1``): no earlier FP32 sum to read (28 B, fused
+  AdamW's own bytes, and the cast);
 * ``pipeoff clip``: the same with clipping: the native fold of the last gradient
   taking torch's norm of the sum in its pass (``fold_norm``, 10 B), then the
   native step scaled by the clip coefficient + cast (30 B); 40 B;
@@ -53,7 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import competing_load, table  # noqa: E402
 
-BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff one pass": 32, "pipeoff clip": 40,
+BYTES = {"floor": 32, "fused AdamW": 28, "pipeoff one pass": 32,
+         "one pass, one backward": 28, "pipeoff clip": 40,
          "pipeoff": 44, "pipeoff kernels": 40,
          "pipeoff step+cast": 30, "one pass (kernel)": 32,
          "three passes": 48, "naive": 44,
@@ -120,6 +124,11 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
             kernel.adam_step(m, s, a, v, w, hyper, step=1.0, scale=None, threads=t,
                              last_grad=g, sumsq=True)
 
+    def one_backward(t: int) -> None:
+        for m, g, a, v, w in zip(masters, grads, exp_avg, exp_avg_sq, weights):
+            kernel.adam_step(m, None, a, v, w, hyper, step=1.0, scale=None, threads=t,
+                             last_grad=g, sumsq=True)
+
     def pipeoff_clip(t: int) -> None:
         norms = []
         for s, g in zip(sums, grads):
@@ -184,7 +193,8 @@ def build(total: int, params: int) -> dict[str, dict[str, Callable[[int], None]]
             s.add_(g)
 
     step_variants = {"floor": floor, "fused AdamW": fused_alone,
-                     "pipeoff one pass": pipeoff_one_pass, "pipeoff clip": pipeoff_clip,
+                     "pipeoff one pass": pipeoff_one_pass, "one pass, one backward":
+                     one_backward, "pipeoff clip": pipeoff_clip,
                      "pipeoff": pipeoff,
                      "pipeoff kernels": pipeoff_kernels, "pipeoff step+cast": step_cast,
                      "one pass (kernel)": one_pass,
