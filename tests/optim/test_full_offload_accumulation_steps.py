@@ -91,6 +91,22 @@ def test_a_step_with_fewer_backwards_is_exact(overlap: str) -> None:
     train_reference(ref, data)
     assert_bitwise(model, ref)
     assert paths[1] is not None and not paths[1].one_pass
+    if overlap == "forward" and _host_kernel.host_kernel() is not None:
+        assert "fewer backwards than gradient_accumulation_steps=3" in paths[1].why
+
+
+def test_reading_a_gradient_of_a_short_step_under_backward_overlap_says_why() -> None:
+    """Under ``overlap="backward"`` a sum is known once the final backward ran; in a step
+    shorter than the count that is never before ``step()``: the refusal says so."""
+    model = make_model()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap="backward",
+                               gradient_accumulation_steps=2, **KW)
+    loss_fn(model, batches(1, 1)[0][0]).backward()
+    with pytest.raises(GradientError, match="gradient_accumulation_steps=2: backward 2"):
+        model.l1.weight.grad.sum()  # type: ignore[union-attr]
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_step()
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward"])

@@ -26,6 +26,7 @@ from tests.optim.test_full_offload import (
     make_model,
     reference,
     same_bits,
+    train,
     train_reference,
 )
 
@@ -728,3 +729,31 @@ def test_param_groups_keep_keys_torch_keeps() -> None:
         assert same_bits(p, q)
     with pytest.raises(ConfigError, match="weight_decy"):  # the constructor's own: still checked
         FullOffloadOptimizer(make_model(), torch.optim.AdamW, weight_decy=0.1)
+
+
+@pytest.mark.parametrize(("overlap", "fraction"), [("none", 1.0), ("forward", 1.0),
+                                                   ("forward", 0.3), ("forward", 0.0),
+                                                   ("backward", 1.0), ("backward", 0.3)])
+def test_load_state_dict_between_micro_steps_is_refused_and_keeps_them(
+        overlap: str, fraction: float) -> None:
+    """torch's ``load_state_dict()`` keeps ``.grad``, and the next ``step()`` steps on the
+    micro-steps before the load too; full offload dropped them silently (the step then
+    took the later micro-steps alone: a tester's find). Refused now, nothing changed: the
+    step takes every micro-step, bitwise the reference."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap=overlap, offload_fraction=fraction)
+    data = batches(2, 2)
+    train(opt, model, data[:1])
+    saved = copy.deepcopy(opt.state_dict())
+    first, last = data[1]
+    with opt.no_sync():  # (marked: under overlap="backward" an unmarked one would step)
+        loss_fn(model, first).backward()
+    with pytest.raises(ConfigError, match="between a backward and step"):
+        opt.load_state_dict(saved)
+    loss_fn(model, last).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_step()
+    train_reference(ref, data)
+    assert_bitwise(model, ref)

@@ -372,9 +372,14 @@ class LoopGrads:
         # the accumulate lane is still folding gradients into.
         if micro.current_norm(f"{what} param.grad" if what != "reading" else
                               "param.grad was read") is None:
+            steps = micro.config.gradient_accumulation_steps
+            counted = "" if steps is None else (
+                f" (gradient_accumulation_steps={steps}: backward {steps} of the step; a "
+                "step of fewer backwards is ended by step(), and its gradients read after it "
+                "are the next step's)")
             raise GradientError(
                 f"{what} the gradient of {slot.rec.name!r} before the final backward under "
-                "overlap='backward': its sum is known once that backward has run")
+                f"overlap='backward': its sum is known once that backward has run{counted}")
         return slot.acc
 
     def _rec_now(self, slot: GradSlot) -> Any:

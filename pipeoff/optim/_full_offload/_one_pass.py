@@ -125,7 +125,10 @@ def plan(config: FullOffloadConfig, params: Sequence[OffloadedParam],
     native = _host_kernel.host_kernel(warn=False) is not None and any(
         _host_kernel.adam_hyper(cls, g) is not None for g in groups)
     why = None
-    if not known:
+    if not known and config.gradient_accumulation_steps is not None:
+        why = (f"fewer backwards than gradient_accumulation_steps="
+               f"{config.gradient_accumulation_steps}: step() ended the step")
+    elif not known:
         why = NOT_MARKED
     elif config.overlap == "backward":
         why = DURING_BACKWARD

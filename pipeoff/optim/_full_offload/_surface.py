@@ -194,11 +194,13 @@ class MastersAndCheckpoints:
 
         Raises:
             ConfigError: not an optimizer state dict, groups of other sizes, or a
-                state tensor of another size than its parameter.
+                state tensor of another size than its parameter; called between a
+                backward and ``step()`` (see :func:`_refuse_mid_accumulation`).
         """
         self._readers.wait()
         self._quiesce_keeping_failures()
         self._lifecycle.settle_deferred()
+        _refuse_mid_accumulation(self._lifecycle, self._health)
         if self._lifecycle.phase is Phase.IDLE:
             if self._model_sync.follow_param_groups():
                 self._intake.ensure_hooks()
@@ -217,3 +219,28 @@ class MastersAndCheckpoints:
         self._health.torn = None
         self._health.dirty = None
         self.refresh_device_weights()
+
+
+def _refuse_mid_accumulation(life: FractionLifecycle, health: Health) -> None:
+    """Refuse a load while gradients of this step are accumulated (and nothing failed):
+    torch's ``load_state_dict()`` keeps ``.grad`` and the next ``step()`` steps on it;
+    dropping the host sums instead gave a silently different step (a tester's find).
+
+    Raises:
+        ConfigError: saying to load after ``step()``, or after ``zero_grad()``.
+    """
+    acc = life.acc
+    if health.dirty is not None or health.torn is not None or (
+            acc is not None and acc.failed()):
+        return  # a failed accumulation: the load clears it
+    if life.phase is Phase.IDLE and not life.part.with_sums():
+        return
+    if life.config.overlap == "backward" and acc is not None and acc.final is not None:
+        return  # its final backward stepped: the load rolls that step back
+    raise ConfigError(
+        "load_state_dict() between a backward and step(): torch keeps the gradients "
+        "accumulated since the last step in .grad and steps on them after a load, but "
+        "FullOffloadOptimizer cannot carry its host gradient sums across one; call "
+        "load_state_dict() after step(), or drop those gradients first with "
+        "opt.zero_grad(). (torchft's Manager with use_async_quorum=True loads a healing "
+        "replica's state after its backward: use use_async_quorum=False.)")
