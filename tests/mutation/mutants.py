@@ -1024,6 +1024,15 @@ SPECULATIVE = (
                "issued_fails_the_sync_on_both"),
         hazard="a replica whose all-reduce could not be issued joins the later ones one "
                "behind its peers': gloo aborts the process on the size mismatch"),
+    Mutant(
+        name="r108:device-only-backward-hides-host-sums",
+        file="pipeoff/optim/_full_offload/_fraction.py",
+        old="                super()._show()\n",
+        new="                pass\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_the_loops_clip_sees_host_"
+               "sums_after_a_backward_with_device_gradients_only[0.5-none-cpu]",),
+        hazard="after a backward with device-part gradients only, the host part's sums are "
+               "not in .grad: the loop's clip leaves them out of the norm, silently"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

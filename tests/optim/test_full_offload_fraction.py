@@ -827,3 +827,41 @@ def test_the_state_dicts_keys_are_in_torchs_order_at_every_fraction() -> None:
 def test_minus_zero_is_zero() -> None:
     opt = build(make_model(), -0.0)
     assert math.copysign(1.0, opt.offload_fraction) == 1.0
+
+
+@pytest.mark.parametrize("accumulate", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("f", [0.3, 0.5])
+def test_the_loops_clip_sees_host_sums_after_a_backward_with_device_gradients_only(
+        f: float, overlap: str, accumulate: str) -> None:
+    """A final backward whose gradients are all the device part's (the first layer's):
+    the host part's sums of the earlier micro-step must still be in ``.grad`` for the
+    loop's ``clip_grad_norm_``. Its first gradient took their placeholders out and its
+    end showed the device part's alone: the clip left the host sums out of the norm
+    (7.56 where torch has 10.44) and stepped them unclipped, silently (a tester's
+    find)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    ref = Reference(model, torch.optim.SGD, lr=0.1)
+    opt = FullOffloadOptimizer(model, torch.optim.SGD, lr=0.1, overlap=overlap,
+                               offload_fraction=f, accumulate=accumulate)
+    assert opt.memory_stats()["params_device"] >= 2  # the first layer (and more at 0.3)
+    assert opt.memory_stats()["params_host"] >= 1
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+
+    def clip(params: Any) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, 0.01, foreach=False)
+
+    for _ in range(2):
+        with opt.no_sync():
+            model(x).float().sum().backward()  # every parameter
+        model[0](x).float().sum().backward()  # the device part's alone
+        norm = clip(model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref.micro_step(lambda m: m(x).float().sum())
+        ref.micro_step(lambda m: m[0](x).float().sum())
+        want = ref.step(clip)
+        assert torch.equal(norm, want), (norm, want)
+    opt.wait_for_step()
+    assert_bitwise(model, ref)
