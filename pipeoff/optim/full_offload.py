@@ -22,6 +22,7 @@ import torch
 from pipeoff import _compat
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
+from pipeoff._held_interrupt import step_note
 from pipeoff._lowlevel import settle, train_span
 from pipeoff._validate import parse_bytes
 from pipeoff.execution import Execution
@@ -378,7 +379,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         # The training thread's "step N" span while a region is recorded.
         with torch.no_grad(), train_span("step", step):
             try:
-                self._step()
+                # A Ctrl-C held back during the device part, passed on after _step().
+                with self._lifecycle.part.interrupt.passed_on(
+                        lambda: step_note(self._lifecycle.inflight is None)):
+                    self._step()
             finally:
                 self._steps_called += 1
                 if self._handed_over != handed:  # (a step without gradients steps nothing)

@@ -15,6 +15,7 @@ import torch
 from pipeoff import _accel, _compat, _validate
 from pipeoff._contract import Health, StepWrites
 from pipeoff._errors import ConfigError
+from pipeoff._held_interrupt import step_note
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _offloaded, _update
@@ -539,34 +540,31 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                                prefetch=self.prefetch, budget=self.device_budget_bytes,
                                reserved=lambda p, k: self._host.reserved.pop((id(p), k), None))
             self._inflight, self._last, self._last_waits = st, st.execution, []
+            held = self._device.interrupt  # (a Ctrl-C held back during the device part)
             try:  # launched first: the lanes do not wait for it (the two parts' Note)
                 st.device_params = self._device.step(layout, self.inner)
             except BaseException as err:
                 st.device_written = self._device.written
+                held.drop(err)
                 _join.device_failed(self._health, st, self._waits, err)
                 self._inflight = None
                 raise
             st.device_written = self._device.written
-            if self.mode == "chunked":
-                self._wait_synchronously()  # the one host wait of a chunked step
-            else:
-                refs = st.grad_refs  # (not restore: it shrinks as chunks are issued)
-
-                def grad_of(i: int) -> torch.Tensor | None:
-                    ref = refs.get(i)
-                    return None if ref is None else ref()
-
-                self._last_waits = self._waits.begin(StepWrites(
-                    execution=st.execution, write_tasks=st.opt_tasks, params=layout.params,
-                    chunks_of=layout.chunks_of, device=layout.device, written=st.updated,
-                    grad_of=grad_of))
-                if _accel.current().is_device(layout.device):
-                    root = (None if self._attached is None
-                            else _compat.compiled_original(self._attached))
-                    if hasattr(root, "set_post_optim_event"):
-                        # After the device part's kernels: FSDP2's all-gathers read
-                        # its shards too (see [Note: the two parts of a step]).
-                        set_post_optim_event(root, self.device)
+            with held.passed_on(lambda: step_note(self.mode == "chunked")):
+                if self.mode == "chunked":
+                    self._wait_synchronously()  # the one host wait of a chunked step
+                else:  # (grad_of: not restore, which shrinks as chunks are issued)
+                    self._last_waits = self._waits.begin(StepWrites(
+                        execution=st.execution, write_tasks=st.opt_tasks,
+                        params=layout.params, chunks_of=layout.chunks_of,
+                        device=layout.device, written=st.updated, grad_of=st.grad_of))
+                    if _accel.current().is_device(layout.device):
+                        root = (None if self._attached is None
+                                else _compat.compiled_original(self._attached))
+                        if hasattr(root, "set_post_optim_event"):
+                            # After the device part's kernels: FSDP2's all-gathers read
+                            # its shards too (see [Note: the two parts of a step]).
+                            set_post_optim_event(root, self.device)
         return None
 
     def reserve(self) -> int:

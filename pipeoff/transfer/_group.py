@@ -22,43 +22,32 @@ holds its group only until its last collective has run.
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeoff._errors import ConfigError
+from pipeoff._held_interrupt import HeldInterrupt
 
 __all__ = ["GroupRef", "deferred_interrupt", "resolve_wire"]
 
 
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[None]:
-    """Ctrl-C (SIGINT) held back for the block, then delivered: on the main thread (the
-    synchronous schedule runs a transfer's collectives there), with a Python handler
-    installed; elsewhere the block runs as it is (Python runs handlers on the main
-    thread only).
+    """Ctrl-C (SIGINT) held back for the block, then delivered (:class:`HeldInterrupt`:
+    on the main thread, with a Python handler installed).
 
     For a sequence of collectives that every rank must join once one of them has
     begun: a ``KeyboardInterrupt`` between them (CPython raises it at any bytecode)
     would leave the peers waiting in the next one until the group's timeout.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(signal.SIGINT)
-    if not callable(old):
-        yield
-        return
-    caught: list[tuple[int, Any]] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    held = HeldInterrupt()
     try:
-        yield
+        with held.hold():
+            yield
     finally:
-        signal.signal(signal.SIGINT, old)
-        if caught:
-            old(*caught[0])  # (the default handler raises KeyboardInterrupt here)
+        held.deliver("pipeoff: this Ctrl-C came while a transfer's collectives ran and was "
+                     "held back until this rank had joined them all")
 
 
 class GroupRef:

@@ -696,14 +696,16 @@ SPECULATIVE = (
         hazard="a failure starting a collective task (a Ctrl-C in an injected delay) skips "
                "its work: the peers wait in the collective until the timeout"),
     Mutant(
-        name="r69:ctrl-c-between-a-rounds-collectives", file="pipeoff/transfer/_group.py",
-        old="    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, "
-            "frame)))\n",
-        new="    pass\n",
+        name="r69:ctrl-c-between-a-rounds-collectives", file="pipeoff/_held_interrupt.py",
+        old="        signal.signal(signal.SIGINT, caught)\n",
+        new="        pass\n",
         tests=("tests/transfer/test_transfer.py::test_ctrl_c_between_a_rounds_collectives_"
-               "comes_after_them",),
+               "comes_after_them",
+               "tests/optim/test_interrupts.py::test_a_ctrl_c_inside_the_device_part_is_"
+               "passed_on_after_it[full-none]"),
         hazard="a Ctrl-C between a transfer round's fault flag and its all-to-all (the "
-               "synchronous schedule) leaves the peers waiting until the group's timeout"),
+               "synchronous schedule) leaves the peers waiting until the group's timeout; "
+               "one inside an optimizer's device part tears the step"),
     Mutant(
         name="r70:exchange-failing-before-its-flag", file="pipeoff/transfer/_transfer.py",
         old="                except BaseException as err:  # noqa: BLE001 - raised once the "
@@ -820,10 +822,9 @@ SPECULATIVE = (
                "a reentrant checkpoint's second gradient, or (a device part) its gradients "
                "added to the partial ones"),
     Mutant(
-        name="r84:guarded-grads-shrink", file="pipeoff/optim/offload.py",
-        old="                refs = st.grad_refs  # (not restore: it shrinks as chunks are "
-            "issued)\n",
-        new="                refs = {i: r for i, r in st.grad_refs.items() if i in st.restore}\n",
+        name="r84:guarded-grads-shrink", file="pipeoff/optim/_offload/_graph.py",
+        old="        ref = self.grad_refs.get(i)\n",
+        new="        ref = self.grad_refs.get(i) if i in self.restore else None\n",
         tests=("tests/optim/test_optim_cuda.py::test_grads_zeroed_in_place_wait_with_a_"
                "device_part",),
         hazard="the read guard knows only the gradients of chunks not yet issued when the "

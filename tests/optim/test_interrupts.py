@@ -454,3 +454,86 @@ def test_step_launching_the_final_micro_step_waiting_for_a_transfer(overlap: str
     with ref.no_sync():
         replay(ref, ref_model, final=True, step=True)
     goes_on_alike(opt, model, ref, ref_model)
+
+
+# -- Ctrl-C inside a device part (offload_fraction < 1) ------------------------------------
+
+class _SigintAt:
+    """A torch function mode that raises a real SIGINT at the ``n``-th torch call on the
+    main thread (the device part's step runs there; the host lanes do not)."""
+
+    def __init__(self, n: int) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                if threading.current_thread() is threading.main_thread():
+                    outer.calls += 1
+                    if outer.calls == outer.n:
+                        signal.raise_signal(signal.SIGINT)
+                return out
+
+        self.n, self.calls, self.mode = n, 0, Mode()
+
+
+@pytest.mark.parametrize("which", ["offload-chunked", "offload-overlap", "full-none",
+                                   "full-forward"])
+def test_a_ctrl_c_inside_the_device_part_is_passed_on_after_it(
+        which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT between two parameters' updates of the device part (torch's for-loop SGD
+    on the caller's thread) tore the step: some parameters stepped, the rest not, and
+    every later step refused until a checkpoint was loaded (a tester's find). It is
+    held back until the device part has stepped, then passed on with a note: the step
+    is whole, and training goes on bitwise torch's."""
+    from pipeoff import _compat
+
+    torch.manual_seed(0)
+    full = which.startswith("full")
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    if full:
+        model = model.to(torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    kw: dict[str, Any] = {"lr": 0.1, "momentum": 0.9, "foreach": False}
+    if full:
+        opt: Any = FullOffloadOptimizer(model, torch.optim.SGD, overlap=which[5:],
+                                        offload_fraction=0.5, **kw)
+        ref: Any = FullOffloadOptimizer(ref_model, torch.optim.SGD, overlap="none",
+                                        offload_fraction=0.5, **kw)
+    else:
+        opt = OffloadOptimizer(torch.optim.SGD(model.parameters(), **kw),
+                               mode=which[8:], offload_fraction=0.5, chunk_bytes=512)
+        ref = torch.optim.SGD(ref_model.parameters(), **kw)
+    x = torch.randn(4, 8).to(next(model.parameters()).dtype)
+    real = _compat.step_body
+    armed: list[_SigintAt] = []
+
+    def step_body(cls: type) -> Any:
+        body = real(cls)
+
+        def interrupted(shadow: Any) -> Any:
+            if not armed or threading.current_thread() is not threading.main_thread():
+                return body(shadow)
+            with armed.pop().mode:
+                return body(shadow)
+        return interrupted
+
+    monkeypatch.setattr(_compat, "step_body", step_body)
+    for k in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).float().pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed.append(_SigintAt(2))  # after the first parameter's update
+                with pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                assert any("held back" in n for n in getattr(info.value, "__notes__", []))
+            else:
+                o.step()
+            o.zero_grad()
+        getattr(opt, "wait_for_step", lambda: None)()
+        getattr(ref, "wait_for_step", lambda: None)()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)

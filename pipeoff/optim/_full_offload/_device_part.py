@@ -39,6 +39,7 @@ import torch
 from pipeoff import _accel, _compat, _faults
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
+from pipeoff._held_interrupt import HeldInterrupt
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
@@ -122,6 +123,8 @@ class FullDevicePart:
         self.written = False
         """Whether the last step may have written device-part masters or weights (also
         when it raised)."""
+        self.interrupt = HeldInterrupt()
+        """A Ctrl-C held back while the device part stepped, until the step passes it on."""
 
     # -- the split ---------------------------------------------------------------------------
     def split(self, param_groups: Sequence[Mapping[str, Any]], probe: torch.optim.Optimizer,
@@ -291,12 +294,20 @@ class FullDevicePart:
         """Step the device-part parameters that have a sum, with torch's own kernel for
         the wrapped optimizer on their FP32 masters (on the caller's stream), then write
         each weight as its master's cast. Returns how many were stepped; :attr:`written`
-        says whether any master may have been written (also when it raised).
+        says whether any master may have been written (also when it raised). Ctrl-C is
+        held back meanwhile (:attr:`interrupt`; the optimizer passes it on).
 
         Raises:
             BaseException: what the optimizer raised (state a first step made is then
                 not kept).
         """
+        # Hazard: a KeyboardInterrupt between two parameters' updates (or the sums'
+        # scaling) leaves the device part half-stepped: a torn step for one Ctrl-C.
+        with self.interrupt.hold():
+            return self._step(param_groups, hyper, probe, clip_coef)
+
+    def _step(self, param_groups: Sequence[Mapping[str, Any]], hyper: Sequence[Mapping[str, Any]],
+              probe: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> int:
         self.written = False
         by_group: dict[int, list[DeviceParam]] = collections.defaultdict(list)
         for gi, g in enumerate(param_groups):

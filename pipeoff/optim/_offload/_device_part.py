@@ -41,6 +41,7 @@ import torch
 
 from pipeoff import _accel, _compat, _faults
 from pipeoff._compat import local_tensor as local
+from pipeoff._held_interrupt import HeldInterrupt
 from pipeoff.optim import _update
 from pipeoff.optim._tensors import wrap_like
 from pipeoff.optim._update import mark_step, wrote_before_failing
@@ -133,7 +134,7 @@ class DevicePart:
     part and recorded again at every step. Written and read on the caller's thread.
     """
 
-    __slots__ = ("_event", "_pending", "written")
+    __slots__ = ("_event", "_pending", "interrupt", "written")
 
     def __init__(self) -> None:
         self._event: Any = None
@@ -143,6 +144,8 @@ class DevicePart:
         self.written = False
         """Whether the last device part may have written parameters (also when it raised:
         a version counter or a ``step`` count moved, or a fused kernel ran)."""
+        self.interrupt = HeldInterrupt()
+        """A Ctrl-C held back while the device part stepped, until the step passes it on."""
 
     def step(self, layout: Layout, inner: torch.optim.Optimizer) -> int:
         """Step the parameters of the device part that have a gradient, with torch's own
@@ -153,10 +156,18 @@ class DevicePart:
         committed once the kernels have run. Returns how many parameters were
         stepped; :attr:`written` says whether any was written.
 
+        Ctrl-C is held back meanwhile (:attr:`interrupt`; the optimizer passes it on).
+
         Raises:
             BaseException: what the wrapped optimizer raised; :attr:`written` then
                 says whether it may have written parameters before.
         """
+        # Hazard: a KeyboardInterrupt between two parameters' updates leaves the
+        # device part half-stepped: a torn step for one Ctrl-C.
+        with self.interrupt.hold():
+            return self._step(layout, inner)
+
+    def _step(self, layout: Layout, inner: torch.optim.Optimizer) -> int:
         params = [layout.params[i] for i in sorted(layout.split.on_device)
                   if layout.params[i].grad is not None]
         self.written = False

@@ -65,6 +65,11 @@ class Step:
     device_written: bool = False
     """Whether the device part wrote parameters (a failure after that is torn)."""
 
+    def grad_of(self, i: int) -> torch.Tensor | None:
+        """Parameter ``i``'s captured ``.grad``, while alive (:attr:`grad_refs`)."""
+        ref = self.grad_refs.get(i)
+        return None if ref is None else ref()
+
 
 def capture_grads(layout: Layout) -> tuple[dict[int, torch.Tensor],
                                            dict[int, tuple[torch.Tensor, torch.Tensor]]]:
