@@ -83,6 +83,25 @@ def test_a_budget_that_holds_all_the_state_keeps_it_all_on_the_device(rates: Rat
     assert opt._host.layout.split.on_device == frozenset(range(len(list(net.parameters()))))
 
 
+def test_a_budget_of_exactly_the_state_counts_the_step_scalars(rates: Rates) -> None:
+    """The device part's ``step`` tensors are device memory too (``memory_stats()`` counts
+    them): a budget of the moments' bytes alone does not hold the whole state, and the
+    device memory stays within the budget (it went 4 B per parameter over: a tester's
+    find)."""
+    net = make_big()
+    budget = _state_bytes(net)
+    opt = _auto_opt(net, budget)
+    assert opt.offload_fraction > 0.0
+    train(net, opt, _sched(opt), batches(2))
+    choice = opt.offload_choice
+    assert choice is not None
+    stats = opt.memory_stats()
+    assert stats["state_bytes_device"] + (choice.staging_bytes if choice.fraction else 0) \
+        <= budget
+    assert _auto.scalar_bytes(torch.optim.AdamW, {"lr": 1e-2}, torch.device("cpu")) == 4
+    assert _auto.scalar_bytes(torch.optim.SGD, {"lr": 1e-2}, torch.device("cpu")) == 0
+
+
 def test_where_the_device_part_buys_no_time_the_state_stays_on_the_host() -> None:
     """Ties go to the largest fraction: device memory is not spent for nothing (a CPU's
     kernels outlast the copies of 100 parameters of 1 MB of state, chunks of 1 MB)."""

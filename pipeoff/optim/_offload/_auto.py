@@ -183,11 +183,13 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
            seconds: Callable[[int], float] | None = None,
            staging_of: Callable[[int], int] | None = None,
            staging_is: str | None = None,
-           split_weights: Sequence[int] | None = None) -> FractionChoice:
+           split_weights: Sequence[int] | None = None,
+           scalars: Sequence[int] | None = None) -> FractionChoice:
     """The fastest fraction of parameters of state ``weights`` (bytes) whose device
     memory fits ``budget``; ``split_weights``: the weights the optimizer's split is made
     on, where they are not ``weights`` (FSDP2: the split over global shapes, the bytes
-    of each parameter's largest shard).
+    of each parameter's largest shard); ``scalars``: bytes of each parameter's scalar
+    state (``step``) that a device-part parameter keeps in device memory.
 
     ``seconds(host_bytes)`` is the model's step time with ``host_bytes`` of the weights in
     host memory, ``staging_of(host_bytes)`` the device staging it needs beside the device
@@ -218,7 +220,8 @@ def choose(weights: Sequence[int], elements: int, *, budget: int, budget_source:
         split = split_params(weights if split_weights is None else split_weights, f)
         on_device = sum(weights[i] for i in split.on_device)
         host_bytes = total - on_device
-        used = on_device + staging_of(host_bytes)
+        used = on_device + staging_of(host_bytes) + (
+            0 if scalars is None else sum(scalars[i] for i in split.on_device))
         cands.append(Candidate(fraction=f, device_bytes=used, fits=used <= budget,
                                step_ms=1e3 * seconds(host_bytes)))
     feasible = [c for c in cands if c.fits]
@@ -252,7 +255,8 @@ def _budget(device: torch.device, given: int | str | None) -> tuple[int, str]:
 def choose_fraction(optimizer: torch.optim.Optimizer, weights: Sequence[int], elements: int,
                     device: torch.device, *, chunk_bytes: Any, prefetch: int | None,
                     device_budget_bytes: int | str | None, pin: bool,
-                    measure: Callable[..., Rates] | None = None) -> FractionChoice:
+                    measure: Callable[..., Rates] | None = None,
+                    scalars: Sequence[int] | None = None) -> FractionChoice:
     """``offload_fraction="auto"``: the budget (``device_budget_bytes``, or the free
     device memory on CUDA), the staging (``prefetch`` chunks ahead, default 2, of
     ``chunk_bytes``, at most a quarter of the budget), the rates (measured), the
@@ -270,7 +274,29 @@ def choose_fraction(optimizer: torch.optim.Optimizer, weights: Sequence[int], el
     chunk = max(min(chunk, MIN_CHUNK_BYTES), min(chunk, budget // (STAGING_SHARE * (prefetch + 1))))
     rates = (measure or measure_rates)(optimizer, device, pin=pin)
     return choose(weights, elements, budget=budget, budget_source=source, chunk_bytes=chunk,
-                  prefetch=prefetch, rates=rates)
+                  prefetch=prefetch, rates=rates, scalars=scalars)
+
+
+def scalar_bytes(optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any],
+                 device: torch.device) -> int:
+    """Bytes of scalar state (``step``) that one parameter of ``group`` keeps where
+    ``memory_stats()`` counts it as device memory: on an accelerator, the tensors on it
+    (a fused or capturable optimizer's); elsewhere all of them. Found by stepping the
+    class once on a one-element parameter on ``device`` (0 if that fails)."""
+    taken = inspect.signature(optimizer_class).parameters
+    hyper = {k: v for k, v in group.items() if k != "params" and k in taken}
+    accel = _accel.current()
+    try:
+        probe = torch.zeros(1, device=device, requires_grad=True)
+        opt = optimizer_class([probe], **hyper)
+        probe.grad = torch.zeros_like(probe)
+        _compat.step_body(optimizer_class)(opt)  # (no step hooks: this is no step of theirs)
+        state = opt.state[probe]
+    except Exception:  # noqa: BLE001 - an estimate: none where the probe cannot run
+        return 0
+    return sum(v.numel() * v.element_size() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() == 0
+               and (accel.on_device(v) if accel.is_device(device) else True))
 
 
 def auto_fraction(optimizer: torch.optim.Optimizer, mode: str, fraction: Any,
@@ -297,7 +323,10 @@ def auto_fraction(optimizer: torch.optim.Optimizer, mode: str, fraction: Any,
         raise ConfigError("give prefetch (the new name of lookahead), not both")
     layout = build_layout(optimizer, chunked=True, chunk_bytes=None)
     pin = bool(pin_memory) and _accel.current().available()
+    per_group = [scalar_bytes(type(optimizer), g, layout.device)
+                 for g in optimizer.param_groups]
     return choose_fraction(optimizer, layout.split.weights,
                            sum(planned_numel(p) for p in layout.params), layout.device,
                            chunk_bytes=chunk_bytes, prefetch=prefetch if lookahead is None
-                           else lookahead, device_budget_bytes=device_budget_bytes, pin=pin)
+                           else lookahead, device_budget_bytes=device_budget_bytes, pin=pin,
+                           scalars=[per_group[g] for g in layout.group_of])
