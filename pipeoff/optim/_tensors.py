@@ -12,7 +12,16 @@ import torch
 from pipeoff import _compat
 
 __all__ = ["describe", "flat", "host_alloc", "memory_order", "relaid", "snapshot",
-           "wrap_like"]
+           "version_of", "wrap_like"]
+
+
+def version_of(param: torch.Tensor) -> tuple[int, int]:
+    """The version counters of a parameter and of its local shard (a plain tensor's
+    twice). Both: an in-place op on a DTensor (``copy_``, ``clamp_``, what
+    ``model.load_state_dict`` and ``set_model_state_dict`` run) bumps the DTensor's
+    alone (torch 2.13), a write to the local shard (the optimizer's own) the shard's
+    alone."""
+    return param._version, _compat.local_tensor(param)._version
 
 
 def wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

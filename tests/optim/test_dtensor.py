@@ -144,3 +144,51 @@ def test_plan_mismatch_raises_on_every_rank_before_any_write() -> None:
         msg, untouched = res[rank]
         assert "disagree" in msg
         assert untouched
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_full_offload_sees_weights_written_through_the_dtensor(overlap: str,
+                                                              fraction: float) -> None:
+    """An in-place op on a DTensor parameter (``copy_`` as ``model.load_state_dict`` and
+    ``set_model_state_dict`` run it, a ``clamp_``) bumps the DTensor's version counter,
+    not its local shard's: FullOffloadOptimizer looked at the shard's alone, missed the
+    write, and its next step wrote the old masters back over a loaded model (a fine-tune
+    trained from the random init, silently: a tester's find). Bitwise plain AdamW."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    def fn(rank: int) -> list[bool]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return distribute_module(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)), mesh)
+
+        mine, theirs = build(), build()
+        opt = FullOffloadOptimizer(mine, torch.optim.AdamW, lr=1e-2, overlap=overlap,
+                                   offload_fraction=fraction)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        pretrained = {k: torch.randn(v.shape, generator=g) for k, v in mine.state_dict().items()}
+        x = distribute_tensor(torch.randn(3, 8, generator=g), mesh, [Replicate()])
+        for model, o in ((mine, opt), (theirs, ref)):
+            with torch.no_grad():  # a load after the optimizer was built
+                for k, p in model.named_parameters():
+                    p.copy_(distribute_tensor(pretrained[k], mesh, [Replicate()]))
+            for step in range(3):
+                model(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+                if step == 0:
+                    getattr(o, "wait_for_step", lambda: None)()
+                    with torch.no_grad():  # a clamp between steps
+                        for p in model.parameters():
+                            p.clamp_(-0.05, 0.05)
+        opt.wait_for_step()
+        return [torch.equal(p.full_tensor(), q.full_tensor())
+                for p, q in zip(mine.parameters(), theirs.parameters(), strict=True)]
+
+    assert all(run_threads(fn, 1)[0])

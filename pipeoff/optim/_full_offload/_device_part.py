@@ -44,7 +44,7 @@ from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
-from pipeoff.optim._tensors import wrap_like
+from pipeoff.optim._tensors import version_of, wrap_like
 from pipeoff.optim._update import mark_step, wrote_before_failing
 
 __all__ = ["DeviceParam", "FullDevicePart", "HostNorm", "full_weights"]
@@ -88,9 +88,9 @@ class DeviceParam:
         self.stepped = False
         """Stepped at least once (or loaded with a master): its entry is saved, also
         without state (SGD without momentum), as the host part's."""
-        self.version = weight._version
-        """The weight's (local tensor's) version counter after this optimizer's last write
-        to it."""
+        self.version = version_of(param)
+        """The weight's version counters (``version_of``) after this optimizer's last
+        write to it."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -360,7 +360,7 @@ class FullDevicePart:
                 rec.stepped = True
                 rec.sum = None
                 rec.weight.copy_(rec.master)  # the weight: the master's cast
-                rec.version = rec.weight._version
+                rec.version = version_of(rec.param)
         self._record(recs[0].param.device)
         return len(recs)
 
@@ -399,19 +399,19 @@ class FullDevicePart:
         with torch.no_grad():
             for rec in recs:
                 w = rec.weight
-                if only_written and w._version == rec.version:
+                if only_written and version_of(rec.param) == rec.version:
                     continue
                 if not torch.equal(w.detach().view(torch.uint8),
                                    rec.master.to(w.dtype).view(torch.uint8)):
                     rec.master.copy_(w.detach())
-                rec.version = w._version
+                rec.version = version_of(rec.param)
 
     def weights_from_masters(self) -> None:
         """Write every device-part weight from its master."""
         with torch.no_grad():
             for rec in self.params.values():
                 rec.weight.copy_(rec.master)
-                rec.version = rec.weight._version
+                rec.version = version_of(rec.param)
         if self.params:  # (after a load too: the readers off the caller's stream wait)
             self._record(next(iter(self.params.values())).param.device)
 
@@ -463,7 +463,7 @@ class FullDevicePart:
                 if entry is not None and _checkpoint.foreign_master(entry):
                     rec.master.copy_(rec.weight)  # (another optimizer's: see _checkpoint)
                     foreign.append(rec.name)
-                rec.version = rec.weight._version
+                rec.version = version_of(rec.param)
         return foreign
 
     def memory(self) -> dict[str, int]:

@@ -64,7 +64,7 @@ from pipeoff.optim._full_offload._graph import (
 )
 from pipeoff.optim._full_offload._one_pass import ONE_PASS, HeldWork
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
-from pipeoff.optim._tensors import flat
+from pipeoff.optim._tensors import flat, version_of
 
 __all__ = ["LaneResults", "LaneWork", "gate_name", "reduce_norms"]
 
@@ -446,11 +446,11 @@ class LaneWork:
         for i, off, n, dtype in copies:
             rec = self.params[i]
             loc = rec.local
-            if loc._version != rec.version:
+            if version_of(rec.param) != rec.version:
                 res.overwritten.add(i)  # written from outside since our last write
             flat(loc, rec.order).copy_(w[off:off + n * dtype.itemsize].view(dtype),
                                        non_blocking=True)
-            rec.version = loc._version  # our own write, not an external one
+            rec.version = version_of(rec.param)  # our own write, not an external one
 
 
 def reduce_norms(partial: Mapping[tuple[Any, ...], torch.Tensor],

@@ -20,7 +20,7 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
-from pipeoff.optim._tensors import flat, host_alloc, index_of, memory_order
+from pipeoff.optim._tensors import flat, host_alloc, index_of, memory_order, version_of
 
 __all__ = ["OffloadedParam", "ParamRegistry", "norm_groups"]
 
@@ -66,8 +66,9 @@ class OffloadedParam:
         # Bookkeeping of the caller's thread.
         self.group = 0
         """Index of its param group."""
-        self.version = local(param)._version
-        """The local weight's version counter after this optimizer's last write to it."""
+        self.version = version_of(param)
+        """The weight's version counters (:func:`version_of`) after this optimizer's last
+        write to it."""
 
     @property
     def local(self) -> torch.Tensor:
@@ -103,14 +104,14 @@ class OffloadedParam:
         loc = self.local
         with torch.no_grad():
             flat(loc, self.order).copy_(self.flat_master)
-        self.version = loc._version
+        self.version = version_of(self.param)
 
     def master_from_weight(self) -> None:
         """Make the master the (widened) device weight."""
         loc = self.local
         with torch.no_grad():
             self.flat_master.copy_(flat(loc, self.order))
-        self.version = loc._version
+        self.version = version_of(self.param)
 
     def forget_state(self) -> None:
         """Drop the optimizer state's entries (its host tensors are kept for reuse)."""
@@ -385,7 +386,7 @@ class ParamRegistry:
     def written_from_outside(self) -> list[OffloadedParam]:
         """Parameters whose weight something else wrote since this optimizer last did
         (``model.load_state_dict``, an initializer: their version counters moved)."""
-        return [rec for rec in self.params if rec.local._version != rec.version]
+        return [rec for rec in self.params if version_of(rec.param) != rec.version]
 
     def adopt(self, changed: Sequence[OffloadedParam], *, outside: bool = True) -> int:
         """Make the weights written from outside the masters, unless a weight holds
@@ -405,7 +406,7 @@ class ParamRegistry:
                 if not torch.equal(w.view(torch.uint8), m.to(w.dtype).view(torch.uint8)):
                     m.copy_(w)
                     adopted += 1
-                rec.version = loc._version
+                rec.version = version_of(rec.param)
         return adopted
 
 
