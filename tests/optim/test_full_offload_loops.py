@@ -757,3 +757,45 @@ def test_load_state_dict_between_micro_steps_is_refused_and_keeps_them(
     opt.wait_for_step()
     train_reference(ref, data)
     assert_bitwise(model, ref)
+
+
+def test_a_plain_dcp_checkpoint_loaded_partially_keeps_the_loaded_weights(
+        tmp_path: Any) -> None:
+    """A plain AdamW checkpoint resumed into FullOffloadOptimizer through DCP with
+    ``allow_partial_load=True`` (the template's ``master`` entries are not in it): those
+    entries are this fresh optimizer's own masters, left as they were; the weights the
+    model's part of the load wrote are newer, and are taken. Before, the template's
+    masters were loaded and written over the weights: the resumed run began from the
+    random init, silently (a tester's find)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                   torch.nn.Linear(32, 4))
+
+    model = make(0)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 16)).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+    msd, osd = get_state_dict(model, plain)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    fresh = make(1)
+    opt = FullOffloadOptimizer(fresh, torch.optim.AdamW, lr=1e-2, overlap="none")
+    msd, osd = get_state_dict(fresh, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(tmp_path),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(fresh, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    x = torch.randn(4, 16)
+    for m, o in ((fresh, opt), (model, plain)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -15,7 +15,7 @@ import torch
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
-from pipeoff.optim._tensors import flat, flat_like, host_alloc, wrap_like
+from pipeoff.optim._tensors import flat, flat_like, host_alloc, version_of, wrap_like
 
 __all__ = ["elementwise", "entries", "foreign_masters_message", "foreign_master", "load", "pack",
            "plan_load", "step_entry"]
@@ -145,6 +145,11 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
         for k, v in s.items():
             if k != "params":
                 g[k] = v
+    # Weights written since this optimizer last wrote them (the model's checkpoint,
+    # loaded first): a saved master that is this optimizer's own master, unchanged, is
+    # a template's (a state dict of this fresh optimizer that a partial load left as
+    # it was), older than the weight: the weight is taken (as torch's load keeps it).
+    written = {i for i, rec in enumerate(registry) if version_of(rec.param) != rec.version}
     for rec in registry:
         rec.forget_state()
     foreign: list[str] = []
@@ -155,6 +160,9 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 rec.flat_master.copy_(flat(rec.local, rec.order))
         for i, entry in plan:
             rec = registry[i]
+            take_weight = "master" not in entry or foreign_master(entry) or (
+                i in written and same_bits(flat_like(local(entry["master"]), rec.order),
+                                           rec.flat_master))
             keys = []
             keys_of_group = registry.state_keys(param_groups[rec.group])
             st = rec.ensure_state(keys_of_group, registry.pin)
@@ -162,7 +170,7 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 if elementwise(key, val, keys_of_group):
                     src = flat_like(local(val), rec.order)
                     if key == "master":
-                        if not foreign_master(entry):
+                        if not take_weight:
                             rec.flat_master.copy_(src)
                         continue
                     if key not in st:
@@ -177,7 +185,7 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                                         if isinstance(val, torch.Tensor) else val)
             rec.present = tuple(keys)
             rec.stepped = True
-            if "master" not in entry or foreign_master(entry):
+            if take_weight:
                 rec.master.copy_(rec.local)
             if foreign_master(entry):
                 foreign.append(rec.name)
@@ -215,3 +223,10 @@ def step_entry(val: Any, group: Mapping[str, Any]) -> Any:
         return torch.tensor(float(val), dtype=dtype)
     t = val.detach().clone().cpu()
     return t.to(torch.float32) if fused else t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same elements, bit for bit (shape, dtype, values)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and bool(torch.equal(a.detach().cpu().view(torch.uint8),
+                                 b.detach().cpu().view(torch.uint8))))

@@ -442,9 +442,16 @@ class FullDevicePart:
         with torch.no_grad():
             for pid, rec in self.params.items():
                 entry = entries.get(pid)
+                rec.stepped = entry is not None and "master" in entry
+                if (rec.stepped and entry is not None
+                        and version_of(rec.param) != rec.version
+                        and _checkpoint.same_bits(local(entry["master"]).reshape(
+                            rec.master.shape), rec.master)):
+                    # (a template's master, older than the weight written since: see
+                    # _checkpoint.load)
+                    entry = {k: v for k, v in entry.items() if k != "master"}
                 rec.sum = None
                 rec.state = {}
-                rec.stepped = entry is not None and "master" in entry
                 if entry is None or "master" not in entry:
                     rec.master.copy_(rec.weight)
                 for key, val in (entry or {}).items():
