@@ -1034,6 +1034,14 @@ SPECULATIVE = (
                "sums_after_a_backward_with_device_gradients_only[0.5-none-cpu]",),
         hazard="after a backward with device-part gradients only, the host part's sums are "
                "not in .grad: the loop's clip leaves them out of the norm, silently"),
+    Mutant(
+        name="r109:dtensor-writes-unseen", file="pipeoff/optim/_tensors.py",
+        old="    return param._version, _compat.local_tensor(param)._version\n",
+        new="    return 0, _compat.local_tensor(param)._version\n",
+        tests=("tests/optim/test_dtensor.py::test_full_offload_sees_weights_written_through_"
+               "the_dtensor[none-1.0]",),
+        hazard="a weight written through its DTensor (a model loaded under FSDP2) is not "
+               "seen: the next step writes the old masters back over it"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
