@@ -440,7 +440,7 @@ REVIEW = (
                "training go on from half-stepped masters"),
     Mutant(
         name="r45:h2d-overwrite-unchecked", file="pipeoff/optim/_full_offload/_lanes.py",
-        old="            if loc._version != rec.version:\n",
+        old="            if version_of(rec.param) != rec.version:\n",
         new="            if False:\n",
         tests=("tests/optim/test_full_offload_loops.py::test_a_weight_written_after_a_final_"
                "backward_under_backward_overlap_is_refused",),
