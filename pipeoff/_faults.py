@@ -254,6 +254,7 @@ MUTATIONS = frozenset({
     "diloco_forward_wait", "diloco_tail_wait", "diloco_formation_guard",
     "device_part_wait", "host_part_join", "held_copy_dep", "held_release",
     "full_device_part_wait", "full_host_part_join", "outer_state_waits", "inner_post_hook_wait",
+    "diloco_abandon_forms",
 })
 """The safety mechanisms a test can switch off, to show that a test fails without them:
 
@@ -293,6 +294,9 @@ MUTATIONS = frozenset({
 * ``"diloco_formed_wait"``: DiLoCo's wait, before the inner step after a sync's
   preparation, for the sync to have formed its pseudo-gradients (they read the
   parameters that step writes; ``fragment_sync_delay`` > 0).
+* ``"diloco_abandon_forms"``: DiLoCo's wait, when its context exits with a sync in
+  flight, for the sync to form every pseudo-gradient before it is abandoned (the
+  peers average them, as torchft's formed at ``prepare_sync``).
 * ``"diloco_formation_guard"``: the write guard that makes an eager write of those
   parameters on the training thread (a clamp, ``load_state_dict``) wait for them.
 * ``"grad_read_wait"``: a full-offload gradient placeholder's wait, when the loop

@@ -27,6 +27,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
+import pipeoff.testing
 from pipeoff import PeerSyncFailedError
 from tests.ft._managers import replica_manager
 from tests.ft.test_local_sgd_peers import FailingIssue
@@ -165,7 +166,7 @@ def test_a_diloco_all_reduce_that_could_not_be_issued_fails_the_sync_on_both() -
             assert torch.equal(p, want), (p - want).abs().max()
 
 
-def _leaving(i: int, lighthouse: str) -> dict[str, Any]:
+def _leaving(i: int, lighthouse: str, cls: Any = pipeoff.ft.DiLoCo) -> dict[str, Any]:
     """DiLoCo, ``fragment_sync_delay=1``: replica 1's loop raises right after the
     preparing step (every all-reduce of the sync joined or under way) and leaves the
     DiLoCo context, never to perform the sync."""
@@ -177,9 +178,9 @@ def _leaving(i: int, lighthouse: str) -> dict[str, Any]:
     outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     raised = None
     try:
-        with pipeoff.ft.DiLoCo(manager, [model], opt, outer, 2, fragment_sync_delay=1,
-                               offload_to_cpu=True, bucket_bytes=100,
-                               device_budget_bytes=200) as d:
+        extra = ({"offload_to_cpu": True, "bucket_bytes": 100, "device_budget_bytes": 200}
+                 if cls is pipeoff.ft.DiLoCo else {})
+        with cls(manager, [model], opt, outer, 2, fragment_sync_delay=1, **extra) as d:
             for step in range(2):
                 opt.zero_grad()
                 model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum(
@@ -187,12 +188,12 @@ def _leaving(i: int, lighthouse: str) -> dict[str, Any]:
                 opt.step()  # step 0 prepares the sync (delay 1), step 1 performs it
                 if step == 0 and i == 1:
                     raise RuntimeError("injected: replica 1's data loader failed")
-            d.wait_for_sync()
+            getattr(d, "wait_for_sync", lambda: None)()
     except RuntimeError as err:
         raised = err
     try:
         return {"errored": manager.errored(), "step": manager.current_step(),
-                "raised": raised}
+                "raised": raised, "params": [p.detach().clone() for p in model.parameters()]}
     finally:
         manager.shutdown(wait=False)
 
@@ -211,6 +212,36 @@ def test_a_replica_that_leaves_after_its_all_reduces_lets_its_peer_commit() -> N
     assert left["raised"] is not None
     assert healthy["raised"] is None and healthy["errored"] is None, healthy
     assert healthy["step"] == 1  # committed
+
+
+def _leave(cls: Any) -> list[dict[str, Any]]:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(_leaving, range(2), [lighthouse.address()] * 2, [cls] * 2))
+    finally:
+        lighthouse.shutdown()
+
+
+def test_a_replica_that_leaves_before_its_pseudo_gradients_are_formed_gives_them_all() -> None:
+    """The leaving replica's formation had not run when its loop raised (it runs under the
+    next forward, which never came; here held until the replica waits in its abandon):
+    torchft's prepare_sync formed every pseudo-gradient and issued its all-reduce, so its
+    peer commits the full average. pipeoff's abandon failed the decision's gate first, the
+    formation never ran, and the all-reduces were joined with zeros: the peer committed
+    another average, silently (a tester's find). Bitwise torchft's peer."""
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    from tests._stacks import release_when_any_waiting
+
+    want = _leave(TorchftDiLoCo)
+    with pipeoff.testing.hold_task("pseudograd:.*") as release:
+        watcher = release_when_any_waiting(release, ("abandon",))
+        got = _leave(pipeoff.ft.DiLoCo)
+    watcher.join()
+    assert got[0]["step"] == want[0]["step"] == 1 and got[0]["errored"] is None
+    for a, b in zip(got[0]["params"], want[0]["params"], strict=True):
+        assert torch.equal(a, b)
 
 
 def _interrupted(i: int, lighthouse: str, kind: str) -> dict[str, Any]:

@@ -181,6 +181,11 @@ SWITCHES = (
         "test_without_the_formation_wait_a_weight_clip_corrupts_the_sync",
     ), "with fragment_sync_delay > 0 the next inner step writes parameters that the "
        "sync's pseudo-gradient tasks have not read yet: a wrong pseudo-gradient"),
+    _switch("diloco_abandon_forms", "pipeoff/ft/_diloco_fragment.py", (
+        "tests/ft/test_peer_failed.py::test_a_replica_that_leaves_before_its_pseudo_"
+        "gradients_are_formed_gives_them_all",
+    ), "a replica whose DiLoCo context exits before its sync formed the pseudo-gradients "
+       "joins the all-reduces with zeros: its peer commits another average than torchft's"),
     _switch("grad_read_wait", "pipeoff/optim/_full_offload/_grads.py", (
         "tests/optim/test_full_offload_clip.py::test_a_clip_call_waits_for_the_host_folds",
     ), "the loop's clip call reads a host gradient sum whose last fold has not "
