@@ -373,13 +373,15 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         except BaseException as err:
             if not opened and ex.gate("commit").state == "pending":
                 # Ctrl-C (or a failing should_commit) before the decision: stop the
-                # lanes that wait for it, so that nothing of this sync runs on.
-                ex.gate("commit").fail(err)
+                # lanes that wait for it, so that nothing of this sync runs on. (Not
+                # with err itself, which the caller gets: no note of pipeoff's on it.)
+                ex.gate("commit").fail(PipeoffError(
+                    f"the sync was stopped before its decision ({type(err).__name__})"))
             with contextlib.suppress(BaseException):  # (a second Ctrl-C skips it)
                 try:
                     ex.wait()  # (its all-reduces first: the vote follows them on the group)
                 except BaseException as failure:
-                    # Its own failure (the gate failed with `err` above fails the tasks
+                    # Its own failure (the gate failed above fails the tasks
                     # that waited for it): every task has ended, so vote. Anything else
                     # interrupted this wait: a second Ctrl-C, which skips the vote.
                     if not is_failure_of(failure, ex):
@@ -414,7 +416,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 for c in ex.events_for([f"allreduce:b{k}" for k in range(len(self._buckets))]):
                     c.wait()
         if ex.gate("commit").state == "pending":
-            ex.gate("commit").fail(why)
+            ex.gate("commit").fail(self._abandoned)  # (not why: the loop's own error)
         try:
             ex.wait()
         except BaseException:  # noqa: BLE001 - the failure given, or one before it

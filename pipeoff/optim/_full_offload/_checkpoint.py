@@ -146,9 +146,10 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
             if k != "params":
                 g[k] = v
     # Weights written since this optimizer last wrote them (the model's checkpoint,
-    # loaded first): a saved master that is this optimizer's own master, unchanged, is
-    # a template's (a state dict of this fresh optimizer that a partial load left as
-    # it was), older than the weight: the weight is taken (as torch's load keeps it).
+    # loaded first): a saved master whose cast is not that weight is not the weight's
+    # master (a fresh optimizer's own, in a template a partial load left as it was; a
+    # checkpoint of another run): the weight is taken, as torch's load leaves the
+    # weights as they are. A master that casts to it keeps its FP32 bits.
     written = {i for i, rec in enumerate(registry) if version_of(rec.param) != rec.version}
     for rec in registry:
         rec.forget_state()
@@ -161,8 +162,8 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
         for i, entry in plan:
             rec = registry[i]
             take_weight = "master" not in entry or foreign_master(entry) or (
-                i in written and same_bits(flat_like(local(entry["master"]), rec.order),
-                                           rec.flat_master))
+                i in written and not casts_to(flat_like(local(entry["master"]), rec.order),
+                                              flat(rec.local, rec.order)))
             keys = []
             keys_of_group = registry.state_keys(param_groups[rec.group])
             st = rec.ensure_state(keys_of_group, registry.pin)
@@ -223,6 +224,12 @@ def step_entry(val: Any, group: Mapping[str, Any]) -> Any:
         return torch.tensor(float(val), dtype=dtype)
     t = val.detach().clone().cpu()
     return t.to(torch.float32) if fused else t
+
+
+def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``master`` cast to ``weight``'s dtype is ``weight``, bit for bit (a
+    master and the weight this optimizer wrote from it)."""
+    return same_bits(master.to(weight.dtype), weight)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

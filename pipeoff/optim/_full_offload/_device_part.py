@@ -445,10 +445,9 @@ class FullDevicePart:
                 rec.stepped = entry is not None and "master" in entry
                 if (rec.stepped and entry is not None
                         and version_of(rec.param) != rec.version
-                        and _checkpoint.same_bits(local(entry["master"]).reshape(
-                            rec.master.shape), rec.master)):
-                    # (a template's master, older than the weight written since: see
-                    # _checkpoint.load)
+                        and not _checkpoint.casts_to(
+                            local(entry["master"]).reshape(rec.master.shape), rec.weight)):
+                    # (not the master of the weight written since: see _checkpoint.load)
                     entry = {k: v for k, v in entry.items() if k != "master"}
                 rec.sum = None
                 rec.state = {}
