@@ -759,8 +759,9 @@ def test_load_state_dict_between_micro_steps_is_refused_and_keeps_them(
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_a_plain_dcp_checkpoint_loaded_partially_keeps_the_loaded_weights(
-        tmp_path: Any) -> None:
+        tmp_path: Any, fraction: float) -> None:
     """A plain AdamW checkpoint resumed into FullOffloadOptimizer through DCP with
     ``allow_partial_load=True`` (the template's ``master`` entries are not in it): those
     entries are this fresh optimizer's own masters, left as they were; the weights the
@@ -784,7 +785,8 @@ def test_a_plain_dcp_checkpoint_loaded_partially_keeps_the_loaded_weights(
     msd, osd = get_state_dict(model, plain)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
     fresh = make(1)
-    opt = FullOffloadOptimizer(fresh, torch.optim.AdamW, lr=1e-2, overlap="none")
+    opt = FullOffloadOptimizer(fresh, torch.optim.AdamW, lr=1e-2, overlap="none",
+                               offload_fraction=fraction)
     msd, osd = get_state_dict(fresh, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=str(tmp_path),

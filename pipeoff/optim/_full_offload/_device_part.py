@@ -444,6 +444,7 @@ class FullDevicePart:
                 entry = entries.get(pid)
                 rec.stepped = entry is not None and "master" in entry
                 if (rec.stepped and entry is not None
+                        and not _checkpoint.foreign_master(entry)
                         and version_of(rec.param) != rec.version
                         and not _checkpoint.casts_to(
                             local(entry["master"]).reshape(rec.master.shape), rec.weight)):
