@@ -142,6 +142,8 @@ def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
     (lambda m: FullOffloadOptimizer(m, mode="overlap"), "takes overlap="),
     (lambda m: FullOffloadOptimizer(m, offload_optimizer={"device": "cpu"}), "pin_memory="),
     (lambda m: FullOffloadOptimizer(torch.optim.AdamW(m.parameters())), "not a AdamW instance"),
+    (lambda m: FullOffloadOptimizer(OffloadOptimizer(torch.optim.AdamW(m.parameters()))),
+     r"torch\.optim\.AdamW, lr=\.\.\.\), not a OffloadOptimizer instance"),
     (lambda m: FullOffloadOptimizer(m.parameters(), slot_bytes="big"),
      "slot_bytes must be a positive int"),
     (lambda m: FullOffloadOptimizer(m, params=m.parameters(), minimal_size=1), "minimal_size"),

@@ -267,10 +267,11 @@ def model_and_params(model: Any, params: Any) -> tuple[Any, torch.nn.Module | No
                 "params must be an iterable of parameters or of param group dicts, got "
                 f"a single tensor of shape {tuple(model.shape)}")
         if isinstance(model, torch.optim.Optimizer):
+            wrapped = type(getattr(model, "inner", model)).__name__  # (OffloadOptimizer's)
             raise ConfigError(
                 f"FullOffloadOptimizer builds its optimizer (it steps the FP32 masters on the "
                 f"host): pass the model (or parameters), the class and its hyperparameters, "
-                f"FullOffloadOptimizer(model, torch.optim.{type(model).__name__}, lr=...), "
+                f"FullOffloadOptimizer(model, torch.optim.{wrapped}, lr=...), "
                 f"not a {type(model).__name__} instance (OffloadOptimizer wraps one)")
         if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
             raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
