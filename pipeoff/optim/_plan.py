@@ -224,7 +224,7 @@ def verify_plan(plan: ChunkPlan, group: object = None) -> None:
         raise PlanMismatchError(
             "ranks disagree on the optimizer chunk plan (chunks per rank: "
             f"{counts}); every rank must wrap the same parameters with the same "
-            "optimizer, chunk_bytes and param groups"
+            "optimizer, chunk_bytes, offload_fraction and param groups"
         )
 
 
