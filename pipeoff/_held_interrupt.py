@@ -36,11 +36,12 @@ class HeldInterrupt:
     the main thread); elsewhere the blocks run as they are.
     """
 
-    __slots__ = ("_caught", "_handler")
+    __slots__ = ("_caught", "_depth", "_handler")
 
     def __init__(self) -> None:
         self._caught: tuple[int, Any] | None = None
         self._handler: Callable[[int, Any], Any] | None = None
+        self._depth = 0
 
     @property
     def pending(self) -> bool:
@@ -49,8 +50,9 @@ class HeldInterrupt:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Hold SIGINT back for the block (not passed on at its end: :meth:`deliver`)."""
-        if threading.current_thread() is not threading.main_thread():
+        """Hold SIGINT back for the block (not passed on at its end: :meth:`deliver`). A
+        block inside another's holds it with the outer one."""
+        if self._depth or threading.current_thread() is not threading.main_thread():
             yield
             return
         old = signal.getsignal(signal.SIGINT)
@@ -63,9 +65,11 @@ class HeldInterrupt:
                 self._caught, self._handler = (signum, frame), old
 
         signal.signal(signal.SIGINT, caught)
+        self._depth += 1
         try:
             yield
         finally:
+            self._depth -= 1
             signal.signal(signal.SIGINT, old)
 
     def deliver(self, note: str) -> None:

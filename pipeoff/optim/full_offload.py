@@ -379,7 +379,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         # The training thread's "step N" span while a region is recorded.
         with torch.no_grad(), train_span("step", step):
             try:
-                # A Ctrl-C held back during the device part, passed on after _step().
+                # A Ctrl-C held back (the device part, the withdraw), passed on after.
                 with self._lifecycle.part.interrupt.passed_on(
                         lambda: step_note(self._lifecycle.inflight is None)):
                     self._step()

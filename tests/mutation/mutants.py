@@ -1047,6 +1047,23 @@ SPECULATIVE = (
                "the_dtensor[none-1.0]",),
         hazard="a weight written through its DTensor (a model loaded under FSDP2) is not "
                "seen: the next step writes the old masters back over it"),
+    Mutant(
+        name="r110:ctrl-c-mid-withdraw", file="pipeoff/optim/_full_offload/_grads.py",
+        old="            with held.hold():\n",
+        new="            if True:\n",
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_while_step_takes_the_"
+               "placeholders_out_is_held_back[none]",),
+        hazard="a Ctrl-C between two placeholders taken out of .grad at step(): the retried "
+               "step() takes the ones gone as dropped, and steps without them"),
+    Mutant(
+        name="r111:ctrl-c-after-a-whole-step-tears-it",
+        file="pipeoff/optim/_full_offload/_fraction.py",
+        old="                    and acc.execution.exception is not None):\n",
+        new="                    and True):\n",
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_once_the_step_ended_whole_"
+               "does_not_tear_it[0.5]",),
+        hazard="a Ctrl-C after a step with a device part ended whole marks it torn: every "
+               "later step refused until a checkpoint is loaded"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -346,8 +346,11 @@ class FractionLifecycle(Lifecycle):
         try:
             return super().wait_step()
         except BaseException as err:
-            if acc is not None and self.inflight is None and self.part.written:
-                self._report(acc, err, "its host part")  # the device part stepped: torn
+            if (acc is not None and self.inflight is None and self.part.written
+                    and acc.execution.exception is not None):
+                # The host part failed after the device part stepped: torn. (Not a
+                # Ctrl-C that came once the step had ended whole.)
+                self._report(acc, err, "its host part")
             raise
         finally:
             if self.inflight is None:  # the step ended (a wait interrupted goes on)

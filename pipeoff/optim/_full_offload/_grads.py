@@ -190,6 +190,7 @@ class LoopGrads:
                 "clip_grad_norm_, clip_grad_value_, mul_) and the optimizer clips them too "
                 "(max_norm, or opt.clip_grad_norm_()): they would be clipped twice; keep "
                 "one (the loop's own call works under full offload)")
+        held = self.micro.part.interrupt
         if self.showing:
             dropped: list[tuple[bool, int]] = []
             replaced: dict[tuple[bool, int], torch.Tensor] = {}
@@ -219,23 +220,33 @@ class LoopGrads:
                         "the loop instead (torch.nn.utils.clip_grad_norm_), or leave .grad as "
                         "it is")
                 checked = {k: self._checked(slots[k], t) for k, t in replaced.items()}
-            # Checked: now change things.
-            for key, slot in out.items():
-                p = slot.rec.param
-                p.grad = wrap_like(p, arriving[key]) if key in arriving else None
-                slot.incoming = None
-                slot.out = False
-            self.showing = False
+            # Checked: now change things. Hazard: a Ctrl-C between two placeholders
+            # taken out, or before the sums are edited: a retried step() took the ones
+            # gone for dropped gradients (a tester's find). Held back: step() passes it
+            # on once the step is launched; elsewhere it is passed on below.
+            with held.hold():
+                for key, slot in out.items():
+                    p = slot.rec.param
+                    p.grad = wrap_like(p, arriving[key]) if key in arriving else None
+                    slot.incoming = None
+                    slot.out = False
+                self.showing = False
+                if dropped and everything:
+                    self.micro.discard("every param.grad was set to None after the "
+                                       "backward (model.zero_grad())", classify_final=True)
+                    edits: dict[int, tuple[Edit, ...]] = {}
+                elif dropped or replaced:
+                    self._edit_sums(slots, checked, dropped)
+            if not stepping:
+                held.deliver("pipeoff: this Ctrl-C was held back while the gradients' "
+                             "placeholders were taken out of .grad")
             if dropped and everything:
-                self.micro.discard("every param.grad was set to None after the backward "
-                                   "(model.zero_grad())", classify_final=True)
-                return {}
-            if dropped or replaced:
-                self._edit_sums(slots, checked, dropped)
+                return edits
         if not stepping:
             return {}
-        edits = {i: tuple(s.edits) for i, s in self.slots.items() if s.edits}
-        self.slots, self.device_slots, self.acc = {}, {}, None
+        with held.hold():  # (the edits returned with the slots forgotten, or neither)
+            edits = {i: tuple(s.edits) for i, s in self.slots.items() if s.edits}
+            self.slots, self.device_slots, self.acc = {}, {}, None
         return edits
 
     def _edit_sums(self, slots: dict[tuple[bool, int], GradSlot],
