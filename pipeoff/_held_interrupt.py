@@ -43,11 +43,6 @@ class HeldInterrupt:
         self._handler: Callable[[int, Any], Any] | None = None
         self._depth = 0
 
-    @property
-    def pending(self) -> bool:
-        """A SIGINT came during a block and has not been passed on."""
-        return self._caught is not None
-
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Hold SIGINT back for the block (not passed on at its end: :meth:`deliver`). A

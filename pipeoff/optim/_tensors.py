@@ -11,8 +11,16 @@ import torch
 
 from pipeoff import _compat
 
-__all__ = ["describe", "flat", "host_alloc", "memory_order", "relaid", "snapshot",
-           "version_of", "wrap_like"]
+__all__ = ["casts_to", "describe", "flat", "host_alloc", "memory_order", "relaid",
+           "snapshot", "version_of", "wrap_like"]
+
+
+def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``master`` cast to ``weight``'s dtype is ``weight``, bit for bit (a master
+    and the weight written from it; on either device, the same shape)."""
+    cast = master.detach().to(weight.dtype)
+    return cast.shape == weight.shape and bool(torch.equal(
+        cast.cpu().view(torch.uint8), weight.detach().cpu().view(torch.uint8)))
 
 
 def version_of(param: torch.Tensor) -> tuple[int, int]:

@@ -539,7 +539,12 @@ def test_a_ctrl_c_inside_the_device_part_is_passed_on_after_it(
         assert torch.equal(p, q)
 
 
-def _sgd_pair(fraction: float, overlap: str) -> tuple[Any, Any, Any, Any]:
+def _interrupted_at_the_second_step(fraction: float, overlap: str, armed: list[bool],
+                                    note: str, around: Callable[[], Any] = contextlib.nullcontext
+                                    ) -> None:
+    """Three steps of a full-offload SGD, the second ``step()`` with ``armed`` set (the
+    test's SIGINT raised inside it) and passed on with ``note``; the run ends bitwise
+    the same optimizer's uninterrupted run at fraction 1."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]).to(torch.bfloat16)
     ref_model = copy.deepcopy(model)
@@ -547,7 +552,22 @@ def _sgd_pair(fraction: float, overlap: str) -> tuple[Any, Any, Any, Any]:
     opt = FullOffloadOptimizer(model, torch.optim.SGD, overlap=overlap,
                                offload_fraction=fraction, **kw)
     ref = FullOffloadOptimizer(ref_model, torch.optim.SGD, overlap="none", **kw)
-    return model, opt, ref_model, ref
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    for k in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).float().pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed[:] = [True]
+                with around(), pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                assert not armed  # (it was raised)
+                assert any(note in n for n in info.value.__notes__)
+            else:
+                o.step()
+            o.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
@@ -565,22 +585,7 @@ def test_a_ctrl_c_once_the_step_ended_whole_does_not_tear_it(
             signal.raise_signal(signal.SIGINT)  # delivered at the next bytecode
 
     monkeypatch.setattr(Lifecycle, "_end_step", end_step)
-    model, opt, ref_model, ref = _sgd_pair(fraction, "none")
-    x = torch.randn(4, 8).to(torch.bfloat16)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).float().pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed[:] = [True]
-                with pytest.raises(KeyboardInterrupt) as info:
-                    o.step()
-                assert any("completed" in n for n in info.value.__notes__)
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    _interrupted_at_the_second_step(fraction, "none", armed, "completed")
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward"])
@@ -605,24 +610,13 @@ def test_a_ctrl_c_while_step_takes_the_placeholders_out_is_held_back(overlap: st
             return trace
         return None
 
-    model, opt, ref_model, ref = _sgd_pair(0.0 if overlap == "none" else 0.5, overlap)
-    x = torch.randn(4, 8).to(torch.bfloat16)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).float().pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed[:] = [True]
-                sys.settrace(trace)
-                try:
-                    with pytest.raises(KeyboardInterrupt) as info:
-                        o.step()
-                finally:
-                    sys.settrace(None)
-                assert not armed  # (it was raised)
-                assert any("held back" in n for n in info.value.__notes__)
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    @contextlib.contextmanager
+    def traced() -> Iterator[None]:
+        sys.settrace(trace)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
+
+    _interrupted_at_the_second_step(0.0 if overlap == "none" else 0.5, overlap, armed,
+                                    "held back", traced)

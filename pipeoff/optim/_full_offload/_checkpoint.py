@@ -15,7 +15,7 @@ import torch
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
-from pipeoff.optim._tensors import flat, flat_like, host_alloc, version_of, wrap_like
+from pipeoff.optim._tensors import casts_to, flat, flat_like, host_alloc, version_of, wrap_like
 
 __all__ = ["elementwise", "entries", "foreign_masters_message", "foreign_master", "load", "pack",
            "plan_load", "step_entry"]
@@ -225,15 +225,3 @@ def step_entry(val: Any, group: Mapping[str, Any]) -> Any:
     t = val.detach().clone().cpu()
     return t.to(torch.float32) if fused else t
 
-
-def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``master`` cast to ``weight``'s dtype is ``weight``, bit for bit (a
-    master and the weight this optimizer wrote from it)."""
-    return same_bits(master.to(weight.dtype), weight)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the same elements, bit for bit (shape, dtype, values)."""
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and bool(torch.equal(a.detach().cpu().view(torch.uint8),
-                                 b.detach().cpu().view(torch.uint8))))

@@ -44,7 +44,7 @@ from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._edits import Edit, apply_edits
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK, split_params
-from pipeoff.optim._tensors import version_of, wrap_like
+from pipeoff.optim._tensors import casts_to, version_of, wrap_like
 from pipeoff.optim._update import mark_step, wrote_before_failing
 
 __all__ = ["DeviceParam", "FullDevicePart", "HostNorm", "full_weights"]
@@ -401,8 +401,7 @@ class FullDevicePart:
                 w = rec.weight
                 if only_written and version_of(rec.param) == rec.version:
                     continue
-                if not torch.equal(w.detach().view(torch.uint8),
-                                   rec.master.to(w.dtype).view(torch.uint8)):
+                if not casts_to(rec.master, w):
                     rec.master.copy_(w.detach())
                 rec.version = version_of(rec.param)
 
@@ -446,7 +445,7 @@ class FullDevicePart:
                 if (rec.stepped and entry is not None
                         and not _checkpoint.foreign_master(entry)
                         and version_of(rec.param) != rec.version
-                        and not _checkpoint.casts_to(
+                        and not casts_to(
                             local(entry["master"]).reshape(rec.master.shape), rec.weight)):
                     # (not the master of the weight written since: see _checkpoint.load)
                     entry = {k: v for k, v in entry.items() if k != "master"}

@@ -234,14 +234,13 @@ class LoopGrads:
                 if dropped and everything:
                     self.micro.discard("every param.grad was set to None after the "
                                        "backward (model.zero_grad())", classify_final=True)
-                    edits: dict[int, tuple[Edit, ...]] = {}
                 elif dropped or replaced:
                     self._edit_sums(slots, checked, dropped)
             if not stepping:
                 held.deliver("pipeoff: this Ctrl-C was held back while the gradients' "
                              "placeholders were taken out of .grad")
             if dropped and everything:
-                return edits
+                return {}
         if not stepping:
             return {}
         with held.hold():  # (the edits returned with the slots forgotten, or neither)

@@ -20,7 +20,14 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
-from pipeoff.optim._tensors import flat, host_alloc, index_of, memory_order, version_of
+from pipeoff.optim._tensors import (
+    casts_to,
+    flat,
+    host_alloc,
+    index_of,
+    memory_order,
+    version_of,
+)
 
 __all__ = ["OffloadedParam", "ParamRegistry", "norm_groups"]
 
@@ -403,7 +410,7 @@ class ParamRegistry:
                 loc = rec.local
                 w = flat(loc, rec.order).to("cpu", copy=True)
                 m = rec.flat_master
-                if not torch.equal(w.view(torch.uint8), m.to(w.dtype).view(torch.uint8)):
+                if not casts_to(m, w):
                     m.copy_(w)
                     adopted += 1
                 rec.version = version_of(rec.param)
