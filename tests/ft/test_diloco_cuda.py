@@ -145,7 +145,7 @@ def _forward_after_a_held_sync(gpu: Gpu, mode: str) -> tuple[torch.Tensor, list[
     outer = optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     x = gpu.tensor(torch.randn(8, 64))
     with pipeoff.ft.DiLoCo(manager, [model], inner, outer, sync_every=2,
-                           fragment_update_alpha=0.5, **MODES[mode]):
+                           fragment_update_alpha=0.5, **MODES[mode]) as diloco:
         inner.zero_grad()
         model(x).pow(2).mean().backward()
         inner.step()
@@ -159,6 +159,10 @@ def _forward_after_a_held_sync(gpu: Gpu, mode: str) -> tuple[torch.Tensor, list[
             finally:
                 release.set()
                 watcher.join()
+        # The writes run before the device is synchronized (on a busy machine they could
+        # run after it, ordered after the forward by its host clock: the race a test
+        # expects without the forward's wait would not happen).
+        diloco.wait_for_sync()
         gpu.synchronize()
         return gpu.read(out.detach()), [gpu.read(p) for p in model.parameters()]
 
@@ -177,10 +181,13 @@ def test_the_next_forward_waits_for_the_held_writes_on_streams(gpu: Gpu) -> None
 
 def test_without_the_forward_waits_the_write_races_the_forward(gpu: Gpu) -> None:
     """Hazard: the next forward's kernels reading parameters that the merge's stream
-    writes after them with no event between: a race on the simulated device."""
+    writes after them with no event between: a race on the simulated device. The writes
+    are delayed, as a busy machine delays them (a CI run where they ran after the test's
+    device sync, ordered by it, and the race went unseen)."""
     if not gpu.simulated:
         pytest.skip("a real GPU shows a missing wait only by luck")
     with pipeoff.testing.disable("diloco_forward_wait"), \
+            pipeoff.testing.delay_task(r"write:b.*", 0.3), \
             pytest.raises(pipeoff.testing.DataRaceError):
         _forward_after_a_held_sync(gpu, "pipelined")
         gpu.synchronize()
