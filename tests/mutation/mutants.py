@@ -609,8 +609,8 @@ REVIEW = (
     Mutant(
         name="r60:device-only-final-backward-unseen",
         file="pipeoff/optim/_full_offload/_fraction.py",
-        old="            self._begin(False)\n",
-        new="            pass\n",
+        old="                    or self.config.overlap == \"backward\"):\n",
+        new="                    or False):\n",
         tests=("tests/optim/test_full_offload_fraction.py::test_overlap_backward_sums_are_"
                "read_and_edits_refused_after_a_device_only_backward",),
         hazard="a final backward whose gradients are all the device part's is not seen as "
@@ -1064,6 +1064,26 @@ SPECULATIVE = (
                "does_not_tear_it[0.5]",),
         hazard="a Ctrl-C after a step with a device part ended whole marks it torn: every "
                "later step refused until a checkpoint is loaded"),
+    Mutant(
+        name="r112:write-between-micro-steps-not-adopted-before-the-final-backward",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="            self.model_sync.adopt_outside_writes()\n",
+        new="            pass\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_a_weight_written_between_micro_"
+               "steps_under_backward_overlap_is_kept[count-1.0]",),
+        hazard="under overlap='backward' a weight written between micro-steps is not adopted "
+               "before the final backward's chunks step from the masters: step() refuses it "
+               "as written late, or the chunks write the old masters back over it"),
+    Mutant(
+        name="r113:device-first-backward-not-counted",
+        file="pipeoff/optim/_full_offload/_fraction.py",
+        old="                self._begin(non_final)\n",
+        new="                pass\n",
+        tests=("tests/optim/test_full_offload_accumulation_steps.py::test_one_backward_more_"
+               "than_the_count_is_refused[none-0.0]",),
+        hazard="at offload_fraction=0 no backward is counted: one more than "
+               "gradient_accumulation_steps (or past a no_sync()-marked final one) is summed "
+               "into the step without a word"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

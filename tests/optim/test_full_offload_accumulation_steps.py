@@ -109,23 +109,27 @@ def test_reading_a_gradient_of_a_short_step_under_backward_overlap_says_why() ->
     opt.wait_for_step()
 
 
-@pytest.mark.parametrize("overlap", ["forward", "backward"])
-def test_one_backward_more_than_the_count_is_refused(overlap: str) -> None:
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_one_backward_more_than_the_count_is_refused(overlap: str, fraction: float) -> None:
     """The count made the second backward final; a third before ``step()`` is refused,
-    naming the argument. Under ``overlap="forward"`` nothing stepped: ``zero_grad()``
-    drops that step, and the next is exact; under ``"backward"`` the chunks stepped
-    during the final backward, and the step is refused as torn (as after a backward
-    past a ``no_sync()``-marked final one)."""
+    naming the argument, also where the device part holds every parameter
+    (``offload_fraction=0``: no host gradient counted the backwards; a tester found
+    three taken without a word). Under ``overlap="forward"`` nothing stepped:
+    ``zero_grad()`` drops that step, and the next is exact; under ``"backward"`` the
+    chunks stepped during the final backward, and the step is refused as torn (as
+    after a backward past a ``no_sync()``-marked final one)."""
     model = make_model()
     ref = Reference(model, torch.optim.AdamW, **KW)
     opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap=overlap,
-                               gradient_accumulation_steps=2, **KW)
+                               offload_fraction=fraction, gradient_accumulation_steps=2,
+                               **KW)
     extra = batches(1, 3, seed=5)[0]
     for b in extra[:2]:
         loss_fn(model, b).backward()
     with pytest.raises(GradientError, match="gradient_accumulation_steps=2"):
         loss_fn(model, extra[2]).backward()
-    if overlap == "backward":
+    if overlap == "backward" and fraction > 0:
         with pytest.raises(StepFailedError, match="Load a checkpoint"):
             opt.step()
         return
@@ -171,3 +175,50 @@ def test_all_on_the_device(steps: int, overlap: str) -> None:
     unmarked(opt, model, data)
     train_reference(ref, data)
     assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_all_on_the_device_a_backward_past_the_marked_final_one_is_refused(
+        overlap: str) -> None:
+    """``offload_fraction=0`` with ``no_sync()``: the unmarked backward after a marked one
+    is the final one, and one more before ``step()`` is refused, as with a host part."""
+    model = make_model()
+    ref = Reference(model, torch.optim.AdamW, **KW)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, overlap=overlap,
+                               offload_fraction=0.0, **KW)
+    extra = batches(1, 3, seed=5)[0]
+    with opt.no_sync():
+        loss_fn(model, extra[0]).backward()
+    loss_fn(model, extra[1]).backward()
+    with pytest.raises(GradientError, match="final micro-step"):
+        loss_fn(model, extra[2]).backward()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    data = batches(2, 2, seed=6)
+    for step in data:
+        with opt.no_sync():
+            loss_fn(model, step[0]).backward()
+        loss_fn(model, step[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    train_reference(ref, data)
+    assert_bitwise(model, ref)
+
+
+@pytest.mark.parametrize("read", ["clip", "sum"])
+def test_a_read_that_ended_a_counted_step_early_is_named(read: str) -> None:
+    """A read of the gradients after backward 1 of 3 ends the accumulation; the refusal
+    of backward 2 names the read, not the count (which had not made it final)."""
+    model = make_model()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, gradient_accumulation_steps=3, **KW)
+    data = batches(1, 2, seed=5)[0]
+    loss_fn(model, data[0]).backward()
+    if read == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    else:
+        model.l1.weight.grad.sum()  # type: ignore[union-attr]
+    with pytest.raises(GradientError, match="after the loop read this step's gradients"):
+        loss_fn(model, data[1]).backward()
+    opt.zero_grad()

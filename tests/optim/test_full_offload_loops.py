@@ -511,6 +511,41 @@ def test_a_weight_written_inside_the_accumulation_is_kept(overlap: str, when: st
         assert same_bits(p, q)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("marking", ["no_sync", "count"])
+def test_a_weight_written_between_micro_steps_under_backward_overlap_is_kept(
+        marking: str, fraction: float) -> None:
+    """Under ``overlap="backward"`` the final backward's chunks step from the masters
+    during it: a write between micro-steps is adopted before it (at its first gradient),
+    not refused at ``step()`` as a write after it began (a tester's find)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref_model = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="backward",
+                               offload_fraction=fraction,
+                               gradient_accumulation_steps=3 if marking == "count" else None)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        xs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+        for k, x in enumerate(xs):
+            for m in (model, ref_model):
+                marked = m is model and marking == "no_sync" and k < len(xs) - 1
+                with opt.no_sync() if marked else contextlib.nullcontext():
+                    m(x).pow(2).mean().backward()
+                if k == 0:
+                    with torch.no_grad():
+                        m.bias.add_(1.0)
+                        m.weight.clamp_(-0.3, 0.3)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert same_bits(p, q)
+
+
 @pytest.mark.parametrize("when", ["before_its_copy", "after_its_copy"])
 def test_a_weight_written_after_a_final_backward_under_backward_overlap_is_refused(
         when: str) -> None:

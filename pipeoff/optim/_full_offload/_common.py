@@ -104,6 +104,9 @@ class MicroStep:
     deferred: Any = None
     """The frame of the outermost backward, while the end callback of a reentrant
     (inner) backward has fired but the outer one still runs."""
+    backward: bool = True
+    """Whether a backward is its own (not a final micro-step with no backward, launched
+    because the loop read the gradients or their norm before ``step()``)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -315,8 +318,15 @@ def unmarked_is_final(overlap: str, steps: int | None, acc: Accumulation | None)
     return overlap == "backward" or (acc is not None and acc.marked)
 
 
-def after_final_message(overlap: str, steps: int | None = None) -> str:
-    """Why a backward after the final micro-step of a step is refused."""
+def after_final_message(overlap: str, steps: int | None = None,
+                        final: MicroStep | None = None) -> str:
+    """Why a backward after the final micro-step ``final`` of a step is refused."""
+    if final is not None and not final.backward:  # (a read of the gradients launched it)
+        return ("a backward after the loop read this step's gradients, before step(): "
+                "grad_norm, clip_grad_norm_(), or a read or in-place edit of a param.grad "
+                "ended the accumulation (the sums it saw are the step's); read or edit "
+                "the gradients after the final backward, then call opt.step() and "
+                "opt.zero_grad()")
     if steps is not None:
         return (f"a backward after the final micro-step of this step, before step(): "
                 f"gradient_accumulation_steps={steps} made backward {steps} since the "

@@ -48,7 +48,6 @@ from pipeoff.optim._full_offload._common import (
     capture_hyper,
     twice_message,
     unfinished_before,
-    unmarked_is_final,
 )
 from pipeoff.optim._full_offload._device_part import DeviceParam, FullDevicePart
 from pipeoff.optim._full_offload._graph import step_task
@@ -130,17 +129,20 @@ class FractionLifecycle(Lifecycle):
             return
         steps = self.config.gradient_accumulation_steps
         if acc is not None and acc.final is not None and self.micro is not acc.final:
-            err = GradientError(after_final_message(self.config.overlap, steps))
+            err = GradientError(after_final_message(self.config.overlap, steps, acc.final))
             self.health.dirty = err
             raise err
-        if (self.config.overlap == "backward" and marked is not None
-                and (self.micro is None or self.micro.ended) and not marked()
-                and unmarked_is_final("backward", steps, acc)):
-            # A final backward whose first gradient is the device part's begins the
-            # host part's final micro-step, as a host gradient would: the step's
-            # hyperparameters, the refusal of a second backward, the sums' reads
-            # (at offload_fraction=0 too, where no host gradient ever comes).
-            self._begin(False)
+        if marked is not None and (self.micro is None or self.micro.ended):
+            non_final = marked()
+            if (steps is not None or non_final or (acc is not None and acc.marked)
+                    or self.config.overlap == "backward"):
+                # Where backwards are counted or marked (or each is final, under
+                # overlap="backward"), one whose first gradient is the device part's
+                # begins the host part's micro-step, as a host gradient would: the count,
+                # the final one's hyperparameters and the refusal of one more, the
+                # sums' reads (at offload_fraction=0 too, where no host gradient ever
+                # comes: a tester found the count unenforced there).
+                self._begin(non_final)
         began_in = self._received[0] if self._open else None
         mark = backward_mark()
         if self._received[0] != mark and not unfinished_before(began_in):

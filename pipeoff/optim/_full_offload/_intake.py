@@ -219,6 +219,13 @@ class GradientIntake:
         if lifecycle.acc is None and lifecycle.micro is None:
             if self.model_sync.sync():  # the first gradient of a step
                 self.ensure_hooks()  # parameters added to param_groups in place
+        elif (lifecycle.config.overlap == "backward" and lifecycle.acc is not None
+              and lifecycle.acc.final is None
+              and (lifecycle.micro is None or lifecycle.micro.ended)):
+            # A later backward of the step, which may be the final one, whose chunks
+            # step from the masters during it: weights written since the last backward
+            # are adopted first (a tester found them refused at step() as late).
+            self.model_sync.adopt_outside_writes()
         i = self.registry.position(p)
         dev = lifecycle.part.owns(p) if i is None else None
         if i is None and (dev is None or not lifecycle.part.listed(p)):

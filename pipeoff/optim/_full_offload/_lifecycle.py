@@ -190,7 +190,7 @@ class Lifecycle:
         steps = self.config.gradient_accumulation_steps
         final = not marked and unmarked_is_final(self.config.overlap, steps, acc)
         if acc.final is not None:
-            err = GradientError(after_final_message(self.config.overlap, steps))
+            err = GradientError(after_final_message(self.config.overlap, steps, acc.final))
             self.health.dirty = err
             raise err
         ms = MicroStep(final=final, began_in=backward_mark())
@@ -399,7 +399,7 @@ class Lifecycle:
     def _launch_final(self, acc: Accumulation) -> None:
         """A final micro-step with no backward: its gradients are the sums so far, and
         what ``param.grad`` holds."""
-        ms = MicroStep(final=True)
+        ms = MicroStep(final=True, backward=False)
         self._before_final(acc)
         ms.execution, ms.lanes = self.launcher.launch(acc, final=ms.final)
         acc.final = ms

@@ -76,10 +76,23 @@ class ModelSync:
                 ``param_groups`` edited mid-accumulation.
         """
         reindexed = self.follow_param_groups()
+        self.adopt_outside_writes()
+        return reindexed
+
+    def adopt_outside_writes(self) -> None:
+        """Adopt weights written from outside as masters (:meth:`sync`'s second half;
+        also, under ``overlap="backward"``, at the first gradient of each later backward
+        of a step: a write between micro-steps is then the master the final backward's
+        chunks step from, as under the other overlaps, where ``step()`` adopts it).
+
+        Raises:
+            ConfigError: a weight written after the final backward began under
+                ``overlap="backward"``.
+        """
         acc = self.lifecycle.acc
         late = self.config.overlap == "backward" and acc is not None and acc.final is not None
         if not self._written_from_outside(late):
-            return reindexed
+            return
         # Our own writes first: the step in flight, waited for through the lifecycle
         # (the optimizer takes the ended step's traces and figures from it later).
         names = self.lifecycle.wait_step()
@@ -96,7 +109,6 @@ class ModelSync:
         self.registry.adopt(changed)
         if late and changed:
             raise ConfigError(late_write_message([rec.name for rec in changed]))
-        return reindexed
 
     def _written_from_outside(self, late: bool) -> list[OffloadedParam]:
         changed = self.registry.written_from_outside()
