@@ -1084,6 +1084,26 @@ SPECULATIVE = (
         hazard="at offload_fraction=0 no backward is counted: one more than "
                "gradient_accumulation_steps (or past a no_sync()-marked final one) is summed "
                "into the step without a word"),
+    Mutant(
+        name="r114:state-dict-writes-unseen",
+        file="pipeoff/optim/_full_offload/_model_sync.py",
+        old="        by_content = self.state_dict_taken and not late\n",
+        new="        by_content = False\n",
+        tests=("tests/optim/test_full_offload_fsdp2.py::test_weights_written_through_the_"
+               "models_state_dict_are_kept[1.0-to_local]",),
+        hazard="under FSDP2 a weight written through the model's state_dict() (DCP loading "
+               "in place) bumps no version counter: the next step writes the old masters "
+               "back over it"),
+    Mutant(
+        name="r115:load-sees-written-weights-by-versions-only",
+        file="pipeoff/optim/_full_offload/_checkpoint.py",
+        old="    return version_of(rec.param) != rec.version or not casts_to(\n",
+        new="    return version_of(rec.param) != rec.version or False and casts_to(\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_a_load_takes_weights_written_"
+               "where_no_version_counter_moved[1.0]",),
+        hazard="a checkpoint's weights loaded in place (no version counter moved) lose to "
+               "a fresh optimizer's masters at load_state_dict(): training restarts from "
+               "the init"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -265,6 +265,88 @@ def foreach_weight_write(mesh: Any, refresh: bool) -> bool:
     return all(torch.equal(local(p), b * 0.5) for p, b in zip(m.parameters(), before))
 
 
+def _shared_dir() -> str:
+    import tempfile
+
+    d = [tempfile.mkdtemp(prefix="pipeoff_dcp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(d)
+    return str(d[0])
+
+
+def state_dict_write(mesh: Any, how: str, fraction: float) -> bool:
+    """Whether weights written through the tensors of ``model.state_dict()`` between
+    two steps (lr 0) stay written: under FSDP2 those share no version counter with the
+    parameters (a tester's find: DCP loading in place was undone by the next step)."""
+    import torch.distributed.checkpoint as dcp
+
+    from pipeoff.optim import FullOffloadOptimizer
+
+    source = shard(make_model(torch.bfloat16), mesh)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(-0.5)
+    path = _shared_dir()
+    dcp.save(source.state_dict(), checkpoint_id=path)
+    m = shard(make_model(torch.bfloat16), mesh)
+    opt = FullOffloadOptimizer(m, torch.optim.SGD, lr=0.0, offload_fraction=fraction)
+
+    def step() -> None:
+        m(torch.ones(2, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    if how == "dcp_in_place":
+        dcp.load(m.state_dict(), checkpoint_id=path)
+        want = [local(p).clone() for p in source.parameters()]
+    else:
+        for v in m.state_dict().values():
+            local(v).fill_(0.25)
+        want = [torch.full_like(local(p), 0.25) for p in m.parameters()]
+    step()
+    opt.wait_for_step()
+    return all(torch.equal(local(p), w) for p, w in zip(m.parameters(), want))
+
+
+def plain_checkpoint_resumed(mesh: Any, fraction: float) -> bool:
+    """Whether a plain AdamW run's DCP checkpoint, loaded partially (no masters in it)
+    into a fresh model and FullOffloadOptimizer, resumes it bitwise (FP32 weights):
+    the loaded weights, not the fresh optimizer's masters (a tester's find)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from pipeoff.optim import FullOffloadOptimizer
+
+    def loop(model: nn.Module, opt: Any, steps: range) -> None:
+        for s in steps:
+            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(s))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    src = shard(make_model(torch.float32), mesh)
+    src_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    loop(src, src_opt, range(2))
+    ms, osd = get_state_dict(src, src_opt)
+    path = _shared_dir()
+    dcp.save({"model": ms, "optim": osd}, checkpoint_id=path)
+    m = make_model(torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)  # another init
+    shard(m, mesh)
+    opt = FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, offload_fraction=fraction)
+    ms, osd = get_state_dict(m, opt)
+    sd = {"model": ms, "optim": osd}
+    dcp.load(sd, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    loop(m, opt, range(2, 4))
+    loop(src, src_opt, range(2, 4))
+    opt.wait_for_step()
+    return all(torch.equal(local(p), local(q)) for p, q in zip(m.parameters(), src.parameters()))
+
+
 def worker(rank: int, world: int, port: int, queue: Any) -> None:
     import faulthandler
     import os
@@ -296,6 +378,9 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["fraction_mismatch"] = refused_at_differing_fractions(rank, mesh)
         out["foreach_write"] = {refresh: foreach_weight_write(mesh, refresh)
                                 for refresh in (False, True)}
+        out["state_dict_write"] = {(how, f): state_dict_write(mesh, how, f)
+                                   for how in ("dcp_in_place", "to_local") for f in (1.0, 0.5)}
+        out["plain_checkpoint"] = {f: plain_checkpoint_resumed(mesh, f) for f in (1.0, 0.5)}
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()

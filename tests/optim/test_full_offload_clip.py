@@ -287,7 +287,7 @@ def test_a_backward_after_the_clip_call_is_refused() -> None:
     data = batches(1, 2)[0]
     loss_fn(model, data[0]).backward()
     clip_grad_norm_(model.parameters(), MAX_NORM)  # ends the accumulation
-    with pytest.raises(GradientError, match="after the final micro-step"):
+    with pytest.raises(GradientError, match="after the loop read this step.s gradients"):
         loss_fn(model, data[1]).backward()
     opt.zero_grad()
 

@@ -836,3 +836,29 @@ def test_a_plain_dcp_checkpoint_loaded_partially_keeps_the_loaded_weights(
         o.zero_grad()
     for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_load_takes_weights_written_where_no_version_counter_moved(fraction: float) -> None:
+    """``load_state_dict()`` of a template holding this fresh optimizer's own masters,
+    after the weights were written through ``.data`` (no version counter moves; as DCP
+    loading in place into FSDP2's DTensors): the weights, not their cast masters, are
+    what the load leaves to train from."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=0.0, overlap="none",
+                               offload_fraction=fraction)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()  # (the state, masters included, exists after a step)
+    opt.zero_grad()
+    opt.wait_for_step()
+    template = opt.state_dict()
+    written = [torch.full_like(p, 0.25) for p in model.parameters()]
+    for p, w in zip(model.parameters(), written):
+        p.data.copy_(w)
+    opt.load_state_dict(template)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    opt.wait_for_step()
+    for p, w in zip(model.parameters(), written, strict=True):
+        assert torch.equal(p, w)

@@ -149,8 +149,10 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
     # loaded first): a saved master whose cast is not that weight is not the weight's
     # master (a fresh optimizer's own, in a template a partial load left as it was; a
     # checkpoint of another run): the weight is taken, as torch's load leaves the
-    # weights as they are. A master that casts to it keeps its FP32 bits.
-    written = {i for i, rec in enumerate(registry) if version_of(rec.param) != rec.version}
+    # weights as they are. A master that casts to it keeps its FP32 bits. Written: the
+    # version counters moved, or the weight is not the current master's cast (a write
+    # that bumps none: DCP loading in place into an FSDP2 model's state dict).
+    written = {i for i, entry in plan if "master" in entry and written_since(registry[i])}
     for rec in registry:
         rec.forget_state()
     foreign: list[str] = []
@@ -191,6 +193,13 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
             if foreign_master(entry):
                 foreign.append(rec.name)
     return foreign
+
+
+def written_since(rec: Any) -> bool:
+    """Whether ``rec``'s weight was written since this optimizer last wrote it: its
+    version counters moved, or it is not its master's cast (a copy to the host)."""
+    return version_of(rec.param) != rec.version or not casts_to(
+        rec.flat_master, flat(rec.local, rec.order))
 
 
 def foreign_masters_message(names: Sequence[str]) -> str:

@@ -444,7 +444,8 @@ class FullDevicePart:
                 rec.stepped = entry is not None and "master" in entry
                 if (rec.stepped and entry is not None
                         and not _checkpoint.foreign_master(entry)
-                        and version_of(rec.param) != rec.version
+                        and (version_of(rec.param) != rec.version
+                             or not casts_to(rec.master, rec.weight))
                         and not casts_to(
                             local(entry["master"]).reshape(rec.master.shape), rec.weight)):
                     # (not the master of the weight written since: see _checkpoint.load)

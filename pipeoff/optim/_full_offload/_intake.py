@@ -76,6 +76,28 @@ class _WrapperProbe:
         return (inert, ())
 
 
+class _StateDictTaken:
+    """The model's state-dict post-hook: under FSDP2 the tensors ``state_dict()`` hands
+    out share no version counter with the parameters (DTensor's ``detach()``), so a
+    write through them (DCP loading in place, ``.to_local().copy_()``) is seen by
+    content instead, at the next step (:meth:`ModelSync.note_state_dict`). Shared by a
+    copy of the model, as :class:`_WrapperProbe` is, and checked to be the model's."""
+
+    def __init__(self, intake: GradientIntake) -> None:
+        self.ref = weakref.ref(intake)
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        intake = self.ref()
+        if intake is not None and intake.registry.model is module:
+            intake.model_sync.note_state_dict()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StateDictTaken:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (inert, ())
+
+
 def _probe(probe: _WrapperProbe, module: torch.nn.Module) -> None:
     intake = probe.ref()
     if intake is None or intake.registry.model is not module:
@@ -145,6 +167,8 @@ class GradientIntake:
         if self._wrapper_probe is None and model is not None:
             self._wrapper_probe = model.register_forward_pre_hook(_WrapperProbe(self))
             self._probe_handles.append(self._wrapper_probe)
+            self._probe_handles.append(
+                model.register_state_dict_post_hook(_StateDictTaken(self)))
             if self.lifecycle.ddp is None:
                 self.lifecycle.use_wrapper(_compat.data_parallel(model))
         taken = []

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pipeoff import _accel, _faults
 from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._config import FullOffloadConfig
-from pipeoff.optim._full_offload._lifecycle import Lifecycle
+from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
 from pipeoff.staging import reserve_for
 
@@ -49,13 +49,18 @@ class ModelSync:
         param_groups: the optimizer's live ``param_groups``.
     """
 
-    def __init__(self, registry: ParamRegistry, lifecycle: Lifecycle, config: FullOffloadConfig,
-                 readers: Readers, param_groups: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, registry: ParamRegistry, lifecycle: FractionLifecycle,
+                 config: FullOffloadConfig, readers: Readers,
+                 param_groups: Callable[[], list[dict[str, Any]]]) -> None:
         self.registry = registry
         self.lifecycle = lifecycle
         self.config = config
         self.readers = readers
         self.param_groups = param_groups
+        self.state_dict_taken = False
+        """The model's ``state_dict()`` handed out tensors of DTensor parameters since
+        the last step, through which a write bumps no version counter: the next step
+        finds written weights by content (:meth:`adopt_outside_writes`)."""
 
     def reindex(self) -> None:
         """Host state for the parameters of ``param_groups`` (new ones only), and the
@@ -91,7 +96,8 @@ class ModelSync:
         """
         acc = self.lifecycle.acc
         late = self.config.overlap == "backward" and acc is not None and acc.final is not None
-        if not self._written_from_outside(late):
+        by_content = self.state_dict_taken and not late
+        if not by_content and not self._written_from_outside(late):
             return
         # Our own writes first: the step in flight, waited for through the lifecycle
         # (the optimizer takes the ended step's traces and figures from it later).
@@ -103,12 +109,25 @@ class ModelSync:
         if not _faults.disabled("adopt_waits_readers"):
             self.readers.wait()
         self.accel_sync()
+        if by_content:  # every weight checked against its master's cast (a host copy)
+            self.state_dict_taken = False
+            self.registry.outside_writes += self.registry.adopt(self.registry.params,
+                                                                outside=False)
+            self.lifecycle.part.adopt(None, only_written=False)
+            return
         # Asked again now that the step's copies are done: one that wrote a weight
         # but had not yet noted its version was no outside write.
         changed = self._written_from_outside(late)
         self.registry.adopt(changed)
         if late and changed:
             raise ConfigError(late_write_message([rec.name for rec in changed]))
+
+    def note_state_dict(self) -> None:
+        """The model's ``state_dict()`` was called: if a parameter is a DTensor, the
+        next step looks for weights written through its tensors by content."""
+        if any(hasattr(p, "placements")
+               for p in [*self.registry.tensors(), *self.lifecycle.part.tensors()]):
+            self.state_dict_taken = True
 
     def _written_from_outside(self, late: bool) -> list[OffloadedParam]:
         changed = self.registry.written_from_outside()
