@@ -22,7 +22,7 @@ from pipeoff._errors import ConfigError, PipeoffError
 from pipeoff._lowlevel import SyncStats, train_span
 from pipeoff.ft._args import check_diloco_knobs, check_manager
 from pipeoff.ft._diloco_fragment import OffloadedFragment, master_backups
-from pipeoff.ft._diloco_tail import SyncTail
+from pipeoff.ft._diloco_tail import SyncTail, failed_after_decision
 from pipeoff.ft._options import StagingOptions, check_flag, check_sync_schedule
 from pipeoff.ft._outer import WaitingState, check_outer, host_outers, own_read
 from pipeoff.trace import StepStats
@@ -442,6 +442,15 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
                 f.wait_formed()  # (a sync in flight may still read the parameters)
         super()._step_pre_hook(_optim, _args, _kwargs)
 
+    def _refuse_after_a_late_failure(self) -> None:
+        """Raises ``StepFailedError`` before a sync (no quorum or collective begun) once
+        an earlier sync failed after its decision: the report of that failure is gone
+        at torchft's next quorum, which would commit a partly written model."""
+        failed = self._tail.failed if self._tail is not None else None
+        if failed is not None:  # (the synchronous schedule raises from perform_sync,
+            # after which torchft's own counter refuses every step)
+            raise failed_after_decision(failed) from failed
+
     def _wait_for_optimizer(self) -> None:
         opt = self._local_optimizer
         if isinstance(opt, AsyncStep):
@@ -478,6 +487,8 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
         syncing = nxt == self._sync_every
         preparing = nxt == self._sync_every - self._fragment_sync_delay
         step = _step_number(_optim, self._manager) if syncing or preparing else 0
+        if syncing or preparing:
+            self._refuse_after_a_late_failure()
         self._chosen = None
         start = time.perf_counter_ns()
         try:

@@ -38,6 +38,7 @@ import torch
 
 from pipeoff import _faults
 from pipeoff._contract import StepWrites
+from pipeoff._errors import StepFailedError
 from pipeoff._lowlevel import hook_wait_records
 from pipeoff.ft._buckets import Bucket
 from pipeoff.optim import _hooks
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from pipeoff.execution import Execution
     from pipeoff.trace import Trace
 
-__all__ = ["Settled", "SyncTail", "late_note", "write_task"]
+__all__ = ["Settled", "SyncTail", "failed_after_decision", "late_note", "write_task"]
 
 
 def write_task(k: int) -> str:
@@ -61,6 +62,17 @@ def late_note(committed: bool) -> str:
             + ("committed; the backup, the outer state and the parameters are partly "
                "updated." if committed else "rejected; the parameters are partly restored.")
             + " Restart this replica so that torchft heals it from a peer.")
+
+
+def failed_after_decision(err: BaseException) -> StepFailedError:
+    """The refusal of a sync after an earlier one failed after its decision (``err``):
+    torchft's next quorum forgets the error reported then, so the replica would
+    average and commit a partly written model, never healed."""
+    return StepFailedError(
+        f"an earlier DiLoCo sync of this replica failed after its decision ({err!r}) and "
+        "left its parameters (and, after a commit, the backup and outer state) partly "
+        "written; later syncs are refused: restart this replica so that torchft heals it "
+        "from a peer")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +115,9 @@ class SyncTail:
         self._on_end: Callable[[Execution], None] | None = None
         self._hook_waits: list[list[tuple[str, int, int]]] = []
         self.settled: Settled | None = None
+        self.failed: BaseException | None = None
+        """A tail's failure after its decision, once raised: the replica is partly
+        written, and DiLoCo refuses its later syncs (``failed_after_decision``)."""
         """The last tail that ended, until :meth:`take_settled`."""
 
     # -- the hooks ---------------------------------------------------------------------
@@ -193,6 +208,7 @@ class SyncTail:
                 # torchft heals it; raised once, here.
                 self.manager.report_error(err)
                 err.add_note(late_note(self._committed))
+                self.failed = err
             raise
         self._end(ex)
         return True

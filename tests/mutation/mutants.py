@@ -1104,6 +1104,16 @@ SPECULATIVE = (
         hazard="a checkpoint's weights loaded in place (no version counter moved) lose to "
                "a fresh optimizer's masters at load_state_dict(): training restarts from "
                "the init"),
+    Mutant(
+        name="r116:diloco-syncs-after-a-late-failure",
+        file="pipeoff/ft/_diloco.py",
+        old="            self._refuse_after_a_late_failure()\n",
+        new="            pass\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_failed_write_reaches_the_next_forward_"
+               "once_and_is_reported",),
+        hazard="after a DiLoCo sync failed after its decision, torchft's next quorum "
+               "forgets the error reported: the replica averages and commits its partly "
+               "written model, never healed"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
