@@ -307,7 +307,7 @@ class HostOuterOptimizer:
         removed from it."""
         for a, b in zip(self.user.param_groups, self.host.param_groups):
             for k, v in a.items():
-                if k != "params" and (k not in b or b[k] is not v and b[k] != v):
+                if k != "params" and (k not in b or b[k] is not v and not _same(b[k], v)):
                     return True
         user_state, host_state = self.user.state, self.host.state
         return any(user_state.get(p) and user_state.get(p) is not host_state.get(h)
@@ -330,6 +330,19 @@ class HostOuterOptimizer:
                 if k != "params":
                     a[k] = v
         self.alias(adopted=True)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two hyperparameter values are equal (tensors bit for bit; values that do
+    not compare, such as a tensor of several elements against a number, are not)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype
+                and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: not the same
+        return False
 
 
 class WaitingState(defaultdict):  # type: ignore[type-arg]
