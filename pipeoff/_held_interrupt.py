@@ -25,8 +25,8 @@ def step_note(completed: bool) -> str:
     how = ("until the step had completed, both parts: it was taken whole" if completed else
            "until the device part had stepped; the host part goes on (call wait_for_step() "
            "to wait for it): the step is taken whole, it has not failed")
-    return (f"pipeoff: this Ctrl-C came while the step's device part ran on this thread and "
-            f"was held back {how}, and must not be repeated")
+    return ("pipeoff: this Ctrl-C came while the step was launched or its device part ran "
+            f"on this thread, and was held back {how}, and must not be repeated")
 
 
 class HeldInterrupt:
@@ -85,19 +85,21 @@ class HeldInterrupt:
             raise
 
     @contextlib.contextmanager
-    def passed_on(self, note: Callable[[], str]) -> Iterator[None]:
+    def passed_on(self, note: Callable[[], str], *, drop_only: bool = False) -> Iterator[None]:
         """Run the block, then :meth:`deliver` a SIGINT held meanwhile with ``note()``; an
-        error from the block drops it instead (:meth:`drop`)."""
+        error from the block drops it instead (:meth:`drop`). ``drop_only``: not
+        delivered at the block's end (a later ``passed_on`` does)."""
         try:
             yield
         except BaseException as err:
             self.drop(err)
             raise
-        self.deliver(note())
+        if not drop_only:
+            self.deliver(note())
 
     def drop(self, err: BaseException) -> None:
         """A held SIGINT that ``err`` (raised in the meantime) supersedes: say so on it."""
         if self._caught is not None:
             self._caught = self._handler = None
-            err.add_note("pipeoff: a Ctrl-C came while the step's device part ran; it was "
-                         "held back, and this error came first")
+            err.add_note("pipeoff: a Ctrl-C came while the step was launched or its device "
+                         "part ran; it was held back, and this error came first")

@@ -536,11 +536,13 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             self._step_layout = layout
-            st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
-                               prefetch=self.prefetch, budget=self.device_budget_bytes,
-                               reserved=lambda p, k: self._host.reserved.pop((id(p), k), None))
-            self._inflight, self._last, self._last_waits = st, st.execution, []
-            held = self._device.interrupt  # (a Ctrl-C held back during the device part)
+            held = self._device.interrupt  # (a Ctrl-C held back: the launch, the device part)
+            # Hazard: a Ctrl-C mid-launch: a half-launched step a retried step() repeats.
+            with held.hold(), held.passed_on(lambda: "", drop_only=True):
+                st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
+                                   prefetch=self.prefetch, budget=self.device_budget_bytes,
+                                   reserved=self._host.pop_reserved)
+                self._inflight, self._last, self._last_waits = st, st.execution, []
             try:  # launched first: the lanes do not wait for it (the two parts' Note)
                 st.device_params = self._device.step(layout, self.inner)
             except BaseException as err:

@@ -1114,6 +1114,15 @@ SPECULATIVE = (
         hazard="after a DiLoCo sync failed after its decision, torchft's next quorum "
                "forgets the error reported: the replica averages and commits its partly "
                "written model, never healed"),
+    Mutant(
+        name="r117:ctrl-c-mid-launch",
+        file="pipeoff/optim/offload.py",
+        old="            with held.hold(), held.passed_on(lambda: \"\", drop_only=True):\n",
+        new="            with contextlib.nullcontext():\n",
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_between_two_lanes_submissions_"
+               "is_held_back[1.0-overlap]",),
+        hazard="a Ctrl-C between two lanes' submissions of OffloadOptimizer's step: a "
+               "half-launched step, which the retried step() launches again over"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -620,3 +620,51 @@ def test_a_ctrl_c_while_step_takes_the_placeholders_out_is_held_back(overlap: st
 
     _interrupted_at_the_second_step(0.0 if overlap == "none" else 0.5, overlap, armed,
                                     "held back", traced)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "overlap"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_ctrl_c_between_two_lanes_submissions_is_held_back(
+        mode: str, fraction: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT while ``OffloadOptimizer.step()`` launched its execution, between two
+    lanes' submissions, left it half-launched with no note: the retried ``step()``
+    launched another over it (a tester's sweep: a SIGINT at every line of ``step()``).
+    It is held back until the step is launched and in flight, then passed on with the
+    note not to repeat it: training goes on bitwise torch's."""
+    from pipeoff.executor import threads
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), mode=mode,
+                           offload_fraction=fraction, chunk_bytes=300)
+    if mode == "overlap":
+        opt.attach(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+    real = threads._LaneWorker.submit
+    armed: list[bool] = []
+
+    def submit(self: Any, items: list[Any]) -> None:
+        real(self, items)
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)  # after the first lane's submission
+
+    monkeypatch.setattr(threads._LaneWorker, "submit", submit)
+    x = torch.randn(4, 8)
+    for k in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed.append(True)
+                with pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                assert not armed  # it came inside the launch
+                assert any("must not be repeated" in n
+                           for n in getattr(info.value, "__notes__", []))
+            else:
+                o.step()
+            o.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -65,6 +65,11 @@ class HostLayout:
                                            offload_fraction=offload_fraction)
         self.adopt(self.layout)
 
+    def pop_reserved(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        """The host tensor reserved for ``param``'s state ``key`` (taken: the step
+        owns it from now), or ``None``."""
+        return self.reserved.pop((id(param), key), None)
+
     def current(self, attached: torch.nn.Module | None) -> Layout:
         """The layout of the live param groups, rebuilt (and checked against
         ``attached``) if they changed.
