@@ -13,13 +13,12 @@ from typing import Any, Literal
 import torch
 
 from pipeoff import _accel, _compat, _validate
-from pipeoff._contract import Health, StepWrites
+from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._held_interrupt import step_note
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _offloaded, _update
-from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._offload import _graph, _join
 from pipeoff.optim._offload._args import (
     _DEFAULT,
@@ -536,37 +535,29 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
                 self._last, self._last_waits = ex, []
                 return loss  # type: ignore[no-any-return]
             self._step_layout = layout
-            held = self._device.interrupt  # (a Ctrl-C held back: the launch, the device part)
-            # Hazard: a Ctrl-C mid-launch: a half-launched step a retried step() repeats.
+            held = self._device.interrupt  # (a Ctrl-C held back, passed on after)
+            # Hazard: a Ctrl-C from the launch until the step is in flight whole (both
+            # parts launched, its forward waits begun): a half-launched step, which a
+            # retried step() takes again. Nothing here waits but the device part.
             with held.hold(), held.passed_on(lambda: "", drop_only=True):
                 st = _graph.launch(layout, self.inner, pin_memory=self.pin_memory,
                                    prefetch=self.prefetch, budget=self.device_budget_bytes,
                                    reserved=self._host.pop_reserved)
                 self._inflight, self._last, self._last_waits = st, st.execution, []
-            try:  # launched first: the lanes do not wait for it (the two parts' Note)
-                st.device_params = self._device.step(layout, self.inner)
-            except BaseException as err:
+                try:  # launched first: the lanes do not wait for it (the two parts' Note)
+                    st.device_params = self._device.step(layout, self.inner)
+                except BaseException as err:
+                    st.device_written = self._device.written
+                    _join.device_failed(self._health, st, self._waits, err)
+                    self._inflight = None
+                    raise
                 st.device_written = self._device.written
-                held.drop(err)
-                _join.device_failed(self._health, st, self._waits, err)
-                self._inflight = None
-                raise
-            st.device_written = self._device.written
+                if self.mode != "chunked":
+                    self._last_waits = _join.begin_waits(self._waits, st, layout,
+                                                         self._attached, self.device)
             with held.passed_on(lambda: step_note(self.mode == "chunked")):
                 if self.mode == "chunked":
                     self._wait_synchronously()  # the one host wait of a chunked step
-                else:  # (grad_of: not restore, which shrinks as chunks are issued)
-                    self._last_waits = self._waits.begin(StepWrites(
-                        execution=st.execution, write_tasks=st.opt_tasks,
-                        params=layout.params, chunks_of=layout.chunks_of,
-                        device=layout.device, written=st.updated, grad_of=st.grad_of))
-                    if _accel.current().is_device(layout.device):
-                        root = (None if self._attached is None
-                                else _compat.compiled_original(self._attached))
-                        if hasattr(root, "set_post_optim_event"):
-                            # After the device part's kernels: FSDP2's all-gathers read
-                            # its shards too (see [Note: the two parts of a step]).
-                            set_post_optim_event(root, self.device)
         return None
 
     def reserve(self) -> int:

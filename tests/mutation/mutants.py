@@ -1120,7 +1120,7 @@ SPECULATIVE = (
         old="            with held.hold(), held.passed_on(lambda: \"\", drop_only=True):\n",
         new="            with contextlib.nullcontext():\n",
         tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_between_two_lanes_submissions_"
-               "is_held_back[1.0-overlap]",),
+               "is_held_back[forward_waits-1.0-overlap]",),
         hazard="a Ctrl-C between two lanes' submissions of OffloadOptimizer's step: a "
                "half-launched step, which the retried step() launches again over"),
 )

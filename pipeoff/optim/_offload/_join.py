@@ -9,10 +9,14 @@ thread once the host part has finished or failed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pipeoff import _faults
+import torch
+
+from pipeoff import _accel, _compat, _faults
+from pipeoff._contract import StepWrites
 from pipeoff._lowlevel import settle
+from pipeoff.optim._hooks import set_post_optim_event
 from pipeoff.optim._offload._device_part import DEVICE_PART_TASK
 
 if TYPE_CHECKING:
@@ -20,7 +24,24 @@ if TYPE_CHECKING:
     from pipeoff.optim._offload._graph import Step
     from pipeoff.optim._waits import ForwardWaits
 
-__all__ = ["device_failed", "finish", "ranges", "report"]
+__all__ = ["begin_waits", "device_failed", "finish", "ranges", "report"]
+
+
+def begin_waits(waits: ForwardWaits, st: Step, layout: Any, attached: torch.nn.Module | None,
+                device: torch.device) -> list[Any]:
+    """Begin the next forward's waits for an overlapped step ``st`` in flight (``grad_of``:
+    not ``restore``, which shrinks as chunks are issued); returns their records."""
+    records = waits.begin(StepWrites(
+        execution=st.execution, write_tasks=st.opt_tasks, params=layout.params,
+        chunks_of=layout.chunks_of, device=layout.device, written=st.updated,
+        grad_of=st.grad_of))
+    if _accel.current().is_device(layout.device):
+        root = None if attached is None else _compat.compiled_original(attached)
+        if hasattr(root, "set_post_optim_event"):
+            # After the device part's kernels: FSDP2's all-gathers read its shards too
+            # (see [Note: the two parts of a step]).
+            set_post_optim_event(root, device)
+    return records
 
 
 def finish(st: Step, waits: ForwardWaits) -> None:
