@@ -202,13 +202,17 @@ class SyncTail:
             # that the tail is still writing.
             ex.wait()
         except BaseException as err:
-            self._end(ex)
-            if isinstance(err, Exception):  # (Ctrl-C: nothing of the sync failed)
-                # So that this replica group's next should_commit() is False and
-                # torchft heals it; raised once, here.
-                self.manager.report_error(err)
-                err.add_note(late_note(self._committed))
-                self.failed = err
+            self._end(ex)  # (after a Ctrl-C too: it waits for the tail to end)
+            failure = err if isinstance(err, Exception) else ex.exception
+            if failure is not None:  # (Ctrl-C: the tail may have failed meanwhile)
+                # Reported (this replica group's next should_commit() is False), raised
+                # once, here, and every later sync refused (failed_after_decision).
+                self.manager.report_error(failure)
+                failure.add_note(late_note(self._committed))
+                self.failed = failure
+                if failure is not err:
+                    err.add_note(f"pipeoff: the sync's tail failed meanwhile ({failure!r}); "
+                                 "later syncs of this replica are refused")
             raise
         self._end(ex)
         return True

@@ -244,7 +244,8 @@ class Offloaded:
         except KeyboardInterrupt as err:
             self.wait_for_step()
             err.__notes__ = ["pipeoff: the step completed before the interrupt was passed "
-                             "on; do not step again for the same gradients."]
+                             "on: it must not be repeated (do not step again for the same "
+                             "gradients)."]
             raise
 
     # -- the contract --------------------------------------------------------------------

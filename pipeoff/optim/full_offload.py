@@ -256,7 +256,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         if found is not None:
             self._train_spans_on(found)  # forward and backward on a recorded trace's train row
         else:
-            self._finder = ModelFinder(self._registry.tensors, self._found_model)
+            self._finder = ModelFinder(self._lifecycle.all_tensors, self._found_model)
 
     def _reindex(self) -> None:
         """Index the parameters of ``param_groups`` anew, and hook the new ones."""
@@ -272,6 +272,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         self._registry.adopt_model(model)
         self.model = model
         self._reindex()
+        self._model_sync.note_state_dict()  # (its state_dict() may have been written through)
         self._train_spans_on(model)
         return True
 

@@ -503,6 +503,9 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             try:
                 return _offloaded.with_step_hooks(  # type: ignore[no-any-return]
                     self.inner, closure, self._step, self.wait_for_step)
+            except KeyboardInterrupt as err:
+                _join.note_interrupted_step(err, launched=self._last is not launched)
+                raise
             finally:
                 self._steps_called += 1
                 if self._last is not launched:  # (a step that raised before launching has none)

@@ -10,7 +10,9 @@ The reference is torchft's own DiLoCo on the same model and data.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -379,3 +381,38 @@ def test_a_failed_enter_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch
     assert not outer._optimizer_state_dict_pre_hooks
     assert not inner._optimizer_step_pre_hooks
 
+
+
+def test_a_ctrl_c_in_the_tail_wait_keeps_a_failure_that_comes_after_it() -> None:
+    """A Ctrl-C while the loop waits for the tail, whose write then fails: the wait let
+    the tail end and dropped its failure, unreported, and later syncs committed the
+    partly written model (a tester's find). The failure is reported, noted on the
+    interrupt, and later syncs are refused."""
+    main = threading.main_thread().ident
+    assert main is not None
+    with _diloco() as (model, inner, d, manager):
+        with pipeoff.testing.hold_task("write:b1") as release, \
+                pipeoff.testing.fail_work("write:b1", lambda: RuntimeError("write broke")):
+            _inner_step(model, inner)
+            _inner_step(model, inner)  # the sync: its tail in flight, write:b1 held
+            assert d._tail.in_flight
+
+            def interrupt_then_release() -> None:
+                # Ordered by events: the SIGINT once the loop waits for the tail, the
+                # held write (which fails) released after it.
+                install()
+                while waiting_in(stack_of(main), ("wait_for_sync",)) is None:
+                    time.sleep(0.001)
+                signal.pthread_kill(main, signal.SIGINT)
+                release.set()
+
+            t = threading.Thread(target=interrupt_then_release)
+            t.start()
+            with pytest.raises(KeyboardInterrupt) as info:
+                d.wait_for_sync()
+            t.join()
+        assert any("tail failed meanwhile" in n for n in getattr(info.value, "__notes__", []))
+        assert manager.report_error.call_count == 1
+        _inner_step(model, inner)
+        with pytest.raises(StepFailedError, match="failed after its decision"):
+            _inner_step(model, inner)

@@ -308,6 +308,42 @@ def state_dict_write(mesh: Any, how: str, fraction: float) -> bool:
     return all(torch.equal(local(p), w) for p, w in zip(m.parameters(), want))
 
 
+def state_dict_write_more(mesh: Any, case: str) -> bool:
+    """Writes through ``model.state_dict()`` a first fix missed (a tester's finds): an
+    optimizer built from parameters (at fraction 0 it never found its model; at 1,
+    a write before its first forward), and one after the final backward under
+    ``overlap="backward"`` at fraction 0 (the device part steps at ``step()``)."""
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = shard(make_model(torch.bfloat16), mesh)
+    fraction = 1.0 if case == "params_before_forward" else 0.0
+    overlap = "backward" if case == "late_device_part" else "none"
+    opt = FullOffloadOptimizer(m if case == "late_device_part" else list(m.parameters()),
+                               torch.optim.SGD, lr=0.0, offload_fraction=fraction,
+                               overlap=overlap)
+
+    def write() -> None:
+        for v in m.state_dict().values():
+            local(v).fill_(0.25)
+
+    def step(write_after_backward: bool = False) -> None:
+        m(torch.ones(2, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        if write_after_backward:
+            write()
+        opt.step()
+        opt.zero_grad()
+
+    if case == "params_before_forward":
+        write()
+    else:
+        step()
+        if case == "params_fraction_0":
+            write()
+    step(write_after_backward=case == "late_device_part")
+    opt.wait_for_step()
+    return all(torch.equal(local(p), torch.full_like(local(p), 0.25)) for p in m.parameters())
+
+
 def plain_checkpoint_resumed(mesh: Any, fraction: float) -> bool:
     """Whether a plain AdamW run's DCP checkpoint, loaded partially (no masters in it)
     into a fresh model and FullOffloadOptimizer, resumes it bitwise (FP32 weights):
@@ -381,6 +417,9 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
         out["state_dict_write"] = {(how, f): state_dict_write(mesh, how, f)
                                    for how in ("dcp_in_place", "to_local") for f in (1.0, 0.5)}
         out["plain_checkpoint"] = {f: plain_checkpoint_resumed(mesh, f) for f in (1.0, 0.5)}
+        out["state_dict_write_more"] = {
+            c: state_dict_write_more(mesh, c)
+            for c in ("params_fraction_0", "params_before_forward", "late_device_part")}
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()

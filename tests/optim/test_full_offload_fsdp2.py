@@ -72,6 +72,18 @@ def test_weights_written_through_the_models_state_dict_are_kept(
         assert results[rank]["state_dict_write"][(how, fraction)], rank
 
 
+@pytest.mark.parametrize("case", ["params_fraction_0", "params_before_forward",
+                                  "late_device_part"])
+def test_more_weights_written_through_the_models_state_dict_are_kept(
+        results: dict[int, dict[Any, Any]], case: str) -> None:
+    """An optimizer built from parameters finds its model at its first forward (at
+    ``offload_fraction=0`` too, where it never did), and then looks for writes made
+    before it by content; under ``overlap="backward"`` the device part adopts a write
+    after the final backward (it steps at ``step()``)."""
+    for rank in (0, 1):
+        assert results[rank]["state_dict_write_more"][case], rank
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_a_plain_adamw_dcp_checkpoint_loaded_partially_resumes_bitwise(
         results: dict[int, dict[Any, Any]], fraction: float) -> None:

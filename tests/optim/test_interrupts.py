@@ -677,3 +677,53 @@ def test_a_ctrl_c_between_two_lanes_submissions_is_held_back(
     opt.wait_for_step()
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("when", ["before_the_launch", "once_in_flight"])
+def test_a_ctrl_c_outside_the_holds_says_whether_the_step_was_launched(
+        when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT out of ``step()`` where no hold or wait notes it (before its launch, or
+    once it is in flight, on the way out) came with no note (a tester's sweep): it says
+    now whether to call ``step()`` again, and following it is bitwise torch's."""
+    from pipeoff.optim import _offloaded
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), mode="overlap",
+                           chunk_bytes=300)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+    real = _offloaded.with_step_hooks
+    armed: list[bool] = []
+
+    def with_step_hooks(inner: Any, closure: Any, step: Any, wait: Any) -> Any:
+        if armed and when == "before_the_launch":
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)
+        out = real(inner, closure, step, wait)
+        if armed:
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(_offloaded, "with_step_hooks", with_step_hooks)
+    x = torch.randn(4, 8)
+    for k in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed.append(True)
+                with pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                notes = " ".join(getattr(info.value, "__notes__", []))
+                if when == "before_the_launch":
+                    assert "call step() again" in notes
+                    o.step()
+                else:
+                    assert "must not be repeated" in notes
+            else:
+                o.step()
+            o.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -112,6 +112,10 @@ class FractionLifecycle(Lifecycle):
             raise ConfigError(NO_DDP)
         super().use_wrapper(ddp)
 
+    def all_tensors(self) -> list[torch.Tensor]:
+        """The parameters of both parts (the host part's first)."""
+        return [*self.registry.tensors(), *self.part.tensors()]
+
     # -- gradients in ------------------------------------------------------------------------
     def receive_device(self, rec: DeviceParam, *,
                        marked: Callable[[], bool] | None = None) -> None:

@@ -20,6 +20,7 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._fraction import FractionLifecycle
 from pipeoff.optim._full_offload._param import OffloadedParam, ParamRegistry
+from pipeoff.optim._tensors import casts_to, flat
 from pipeoff.staging import reserve_for
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class ModelSync:
         """
         acc = self.lifecycle.acc
         late = self.config.overlap == "backward" and acc is not None and acc.final is not None
-        by_content = self.state_dict_taken and not late
+        by_content = self.state_dict_taken
         if not by_content and not self._written_from_outside(late):
             return
         # Our own writes first: the step in flight, waited for through the lifecycle
@@ -111,9 +112,18 @@ class ModelSync:
         self.accel_sync()
         if by_content:  # every weight checked against its master's cast (a host copy)
             self.state_dict_taken = False
-            self.registry.outside_writes += self.registry.adopt(self.registry.params,
-                                                                outside=False)
-            self.lifecycle.part.adopt(None, only_written=False)
+            self.lifecycle.part.adopt(None, only_written=False)  # (it steps at step())
+            recs = self.registry.params
+            if late and acc is not None:
+                # The final backward's chunks write weights: only a weight whose copy
+                # has landed can tell an outside write (one before its copy is lost).
+                copied = acc.weights_copied()
+                recs = [rec for rec in recs if id(rec.param) in copied]
+            changed = [rec for rec in recs
+                       if not casts_to(rec.flat_master, flat(rec.local, rec.order))]
+            self.registry.adopt(changed)
+            if late and changed:
+                raise ConfigError(late_write_message([rec.name for rec in changed]))
             return
         # Asked again now that the step's copies are done: one that wrote a weight
         # but had not yet noted its version was no outside write.
@@ -125,9 +135,9 @@ class ModelSync:
     def note_state_dict(self) -> None:
         """The model's ``state_dict()`` was called: if a parameter is a DTensor, the
         next step looks for weights written through its tensors by content."""
-        if any(hasattr(p, "placements")
-               for p in [*self.registry.tensors(), *self.lifecycle.part.tensors()]):
-            self.state_dict_taken = True
+        if not any(hasattr(p, "placements") for p in self.lifecycle.all_tensors()):
+            return
+        self.state_dict_taken = True
 
     def _written_from_outside(self, late: bool) -> list[OffloadedParam]:
         changed = self.registry.written_from_outside()

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pipeoff.optim._offload._graph import Step
     from pipeoff.optim._waits import ForwardWaits
 
-__all__ = ["begin_waits", "device_failed", "finish", "ranges", "report"]
+__all__ = ["begin_waits", "device_failed", "finish", "note_interrupted_step", "ranges",
+           "report"]
 
 
 def begin_waits(waits: ForwardWaits, st: Step, layout: Any, attached: torch.nn.Module | None,
@@ -64,6 +65,19 @@ def not_begun(err: BaseException) -> None:
     ``step()`` had not begun its own step."""
     err.add_note("pipeoff: the step() interrupted had not begun its own step (nothing of "
                  "it was launched or written): call step() again to take it.")
+
+
+def note_interrupted_step(err: BaseException, launched: bool) -> None:
+    """A Ctrl-C out of ``step()`` that no pipeoff note explains yet (it came outside the
+    holds and waits that note it): say whether this ``step()`` had launched its step."""
+    if any(n.startswith("pipeoff:") for n in getattr(err, "__notes__", ())):
+        return
+    if launched:
+        err.add_note("pipeoff: this Ctrl-C came after this step() had launched its step, "
+                     "which goes on: it has not failed and must not be repeated. Call "
+                     "wait_for_step() to wait for it.")
+    else:
+        not_begun(err)
 
 
 def report(health: Health, err: BaseException, st: Step, failed: str | None) -> None:
