@@ -30,7 +30,8 @@ def step_note(completed: bool) -> str:
 
 
 class HeldInterrupt:
-    """A SIGINT held back during :meth:`hold` blocks, passed on by :meth:`deliver`.
+    """A SIGINT held back during :meth:`hold` blocks, passed on by :meth:`deliver`; a
+    second one during the block is passed on at once.
 
     On the main thread with a Python handler installed only (Python runs handlers on
     the main thread); elsewhere the blocks run as they are.
@@ -58,6 +59,11 @@ class HeldInterrupt:
         def caught(signum: int, frame: Any) -> None:
             if self._caught is None:
                 self._caught, self._handler = (signum, frame), old
+            else:
+                # A second Ctrl-C goes through at once: a block that never ends (a hang
+                # in it) must not trap the user; what it cut is theirs to judge.
+                self._caught = self._handler = None
+                old(signum, frame)
 
         signal.signal(signal.SIGINT, caught)
         self._depth += 1

@@ -562,7 +562,7 @@ REVIEW = (
                "thread) sends a backup the outer step is still writing: a torn model"),
     Mutant(
         name="r51:diloco-tail-failure-unreported", file="pipeoff/ft/_diloco_tail.py",
-        old="                self.manager.report_error(err)\n",
+        old="                self.manager.report_error(failure)\n",
         new="                pass\n",
         tests=("tests/ft/test_diloco_tail.py::test_a_failed_write_reaches_the_next_forward_"
                "once_and_is_reported",),
@@ -1087,7 +1087,7 @@ SPECULATIVE = (
     Mutant(
         name="r114:state-dict-writes-unseen",
         file="pipeoff/optim/_full_offload/_model_sync.py",
-        old="        by_content = self.state_dict_taken and not late\n",
+        old="        by_content = self.state_dict_taken\n",
         new="        by_content = False\n",
         tests=("tests/optim/test_full_offload_fsdp2.py::test_weights_written_through_the_"
                "models_state_dict_are_kept[1.0-to_local]",),
@@ -1123,6 +1123,36 @@ SPECULATIVE = (
                "is_held_back[forward_waits-1.0-overlap]",),
         hazard="a Ctrl-C between two lanes' submissions of OffloadOptimizer's step: a "
                "half-launched step, which the retried step() launches again over"),
+    Mutant(
+        name="r118:diloco-tail-failure-after-a-ctrl-c-dropped",
+        file="pipeoff/ft/_diloco_tail.py",
+        old="            failure = err if isinstance(err, Exception) else ex.exception\n",
+        new="            failure = err if isinstance(err, Exception) else None\n",
+        tests=("tests/ft/test_diloco_tail.py::test_a_ctrl_c_in_the_tail_wait_keeps_a_failure_"
+               "that_comes_after_it",),
+        hazard="a Ctrl-C while waiting for DiLoCo's tail, which then fails: the failure "
+               "is never reported and later syncs commit the partly written model"),
+    Mutant(
+        name="r119:ctrl-c-out-of-step-without-a-note",
+        file="pipeoff/optim/offload.py",
+        old=("                _join.note_interrupted_step(err, launched=self._last is not "
+             "launched)\n"),
+        new="                pass\n",
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_outside_the_holds_says_whether_"
+               "the_step_was_launched[once_in_flight]",),
+        hazard="a Ctrl-C out of step() once its step is in flight, with no note: a caller "
+               "who retries takes the step twice"),
+    Mutant(
+        name="r120:model-of-a-device-only-optimizer-never-found",
+        file="pipeoff/optim/full_offload.py",
+        old=("            self._finder = ModelFinder(self._lifecycle.all_tensors, "
+             "self._found_model)\n"),
+        new=("            self._finder = ModelFinder(self._registry.tensors, "
+             "self._found_model)\n"),
+        tests=("tests/optim/test_full_offload_fsdp2.py::test_more_weights_written_through_"
+               "the_models_state_dict_are_kept[params_fraction_0]",),
+        hazard="an optimizer built from parameters at offload_fraction=0 never finds its "
+               "model: a write through its FSDP2 state_dict() is undone by the next step"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
