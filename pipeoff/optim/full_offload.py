@@ -215,12 +215,12 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         """The model (``None`` until found, for an optimizer built from parameters)."""
         self._config = config
         self.optimizer_class = config.optimizer_class
-        self.accumulate: Accumulate = config.accumulate
-        self.overlap: Overlap = config.overlap
+        self.accumulate, self.overlap = config.accumulate, config.overlap
         self.max_norm, self.chunk_numel = config.max_norm, config.chunk_numel
-        self.slot_bytes = config.slot_bytes
-        self.slots, self.num_threads = config.slots, config.num_threads
+        self.slot_bytes, self.slots, self.num_threads = (config.slot_bytes, config.slots,
+                                                         config.num_threads)
         self.process_group, self.timeout = config.process_group, config.timeout
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
         # The parameters and their host state; the lifecycle (the accumulation and the
         # step in flight); the model sync; the hooks (the intake calls down to both).
         self._registry = ParamRegistry(found, config, probe)

@@ -222,3 +222,13 @@ def test_a_read_that_ended_a_counted_step_early_is_named(read: str) -> None:
     with pytest.raises(GradientError, match="after the loop read this step's gradients"):
         loss_fn(model, data[1]).backward()
     opt.zero_grad()
+
+
+def test_the_count_reads_back_and_shows_in_the_repr() -> None:
+    opt = FullOffloadOptimizer(make_model(), torch.optim.AdamW,
+                               gradient_accumulation_steps=4, **KW)
+    assert opt.gradient_accumulation_steps == 4
+    assert "gradient_accumulation_steps=4" in repr(opt)
+    plain = FullOffloadOptimizer(make_model(), torch.optim.AdamW, **KW)
+    assert plain.gradient_accumulation_steps is None
+    assert "gradient_accumulation_steps" not in repr(plain)

@@ -73,9 +73,11 @@ class HostReports:
         f = life.part.fraction
         n = len(life.registry) + len(life.part.params)
         auto = getattr(self, "offload_choice", None) is not None
+        steps = getattr(getattr(self, "_config", None), "gradient_accumulation_steps", None)
         return ("" if f == 1.0 and not auto else
                 f"offload_fraction={f:.4g} (auto), " if auto else f"offload_fraction={f}, "
-                ) + f"params={n}"
+                ) + ("" if steps is None else f"gradient_accumulation_steps={steps}, "
+                     ) + f"params={n}"
 
     @property
     def host_budget_bytes(self) -> int:
