@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -482,26 +483,29 @@ def test_chunk_bytes_is_accepted_as_on_offload_optimizer() -> None:
 
 # -- found by a review that tried to break it --------------------------------------------------
 
-@pytest.mark.parametrize("when", ["between_micro_steps", "before_step"])
-@pytest.mark.parametrize("overlap", ["forward", "none"])
-def test_a_weight_written_inside_the_accumulation_is_kept(overlap: str, when: str) -> None:
-    """Clamping or renormalizing a weight between micro-steps, or after the last
-    backward and before step(): the step starts from the written weight, as torch's."""
+def _written_inside_the_accumulation(write_at: Callable[[int, int], bool],
+                                     write: Callable[[torch.nn.Module], None],
+                                     marked: bool = False, **kw: Any) -> None:
+    """Two steps of three micro-steps of a ``FullOffloadOptimizer`` over AdamW (``kw`` its
+    arguments) and torch's AdamW, ``write`` applied to both models after micro-step k of
+    n where ``write_at(k, n)`` (the non-final ones under ``no_sync()`` where ``marked``):
+    bitwise torch's."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     ref_model = copy.deepcopy(model)
-    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, **kw)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         xs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
         for k, x in enumerate(xs):
             for m in (model, ref_model):
-                m(x).pow(2).mean().backward()
-                if (when == "between_micro_steps" and k == 0) or (
-                        when == "before_step" and k == len(xs) - 1):
+                no_sync = m is model and marked and k < len(xs) - 1
+                with opt.no_sync() if no_sync else contextlib.nullcontext():
+                    m(x).pow(2).mean().backward()
+                if write_at(k, len(xs)):
                     with torch.no_grad():
-                        m.bias.add_(1.0)
+                        write(m)
         opt.step()
         ref.step()
         opt.zero_grad()
@@ -509,6 +513,17 @@ def test_a_weight_written_inside_the_accumulation_is_kept(overlap: str, when: st
     opt.wait_for_step()
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert same_bits(p, q)
+
+
+@pytest.mark.parametrize("when", ["between_micro_steps", "before_step"])
+@pytest.mark.parametrize("overlap", ["forward", "none"])
+def test_a_weight_written_inside_the_accumulation_is_kept(overlap: str, when: str) -> None:
+    """Clamping or renormalizing a weight between micro-steps, or after the last
+    backward and before step(): the step starts from the written weight, as torch's."""
+    def write_at(k: int, n: int) -> bool:
+        return k == 0 if when == "between_micro_steps" else k == n - 1
+
+    _written_inside_the_accumulation(write_at, lambda m: m.bias.add_(1.0), overlap=overlap)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
@@ -518,32 +533,14 @@ def test_a_weight_written_between_micro_steps_under_backward_overlap_is_kept(
     """Under ``overlap="backward"`` the final backward's chunks step from the masters
     during it: a write between micro-steps is adopted before it (at its first gradient),
     not refused at ``step()`` as a write after it began (a tester's find)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    ref_model = copy.deepcopy(model)
-    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="backward",
-                               offload_fraction=fraction,
-                               gradient_accumulation_steps=3 if marking == "count" else None)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        xs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
-        for k, x in enumerate(xs):
-            for m in (model, ref_model):
-                marked = m is model and marking == "no_sync" and k < len(xs) - 1
-                with opt.no_sync() if marked else contextlib.nullcontext():
-                    m(x).pow(2).mean().backward()
-                if k == 0:
-                    with torch.no_grad():
-                        m.bias.add_(1.0)
-                        m.weight.clamp_(-0.3, 0.3)
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert same_bits(p, q)
+    def write(m: torch.nn.Module) -> None:
+        m.bias.add_(1.0)
+        m.weight.clamp_(-0.3, 0.3)
+
+    _written_inside_the_accumulation(
+        lambda k, n: k == 0, write, marked=marking == "no_sync", overlap="backward",
+        offload_fraction=fraction,
+        gradient_accumulation_steps=3 if marking == "count" else None)
 
 
 @pytest.mark.parametrize("when", ["before_its_copy", "after_its_copy"])

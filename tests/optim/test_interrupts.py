@@ -622,6 +622,38 @@ def test_a_ctrl_c_while_step_takes_the_placeholders_out_is_held_back(overlap: st
                                     "held back", traced)
 
 
+def _offload_adamw_interrupted_at_the_second_step(
+        armed: list[bool], check: Callable[[OffloadOptimizer, KeyboardInterrupt], None],
+        **kw: Any) -> None:
+    """Three steps of an ``OffloadOptimizer`` over AdamW (``kw`` its arguments), the
+    second ``step()`` with ``armed`` set (the test's SIGINT raised inside it) and the
+    interrupt handed to ``check``; the run ends bitwise torch's AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    ref_model = copy.deepcopy(model)
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), chunk_bytes=300,
+                           **kw)
+    if kw.get("mode") == "overlap":
+        opt.attach(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for k in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed.append(True)
+                with pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                assert not armed  # it came inside the step
+                check(opt, info.value)
+            else:
+                o.step()
+            o.zero_grad()
+    opt.wait_for_step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("where", ["submit", "forward_waits"])
@@ -639,14 +671,6 @@ def test_a_ctrl_c_between_two_lanes_submissions_is_held_back(
     if where == "forward_waits" and mode == "chunked":
         pytest.skip("a chunked step begins no forward waits")
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
-    ref_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), mode=mode,
-                           offload_fraction=fraction, chunk_bytes=300)
-    if mode == "overlap":
-        opt.attach(model)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
     cls, name = ((threads._LaneWorker, "submit") if where == "submit"
                  else (ForwardWaits, "begin"))
     real = getattr(cls, name)
@@ -659,24 +683,12 @@ def test_a_ctrl_c_between_two_lanes_submissions_is_held_back(
             signal.raise_signal(signal.SIGINT)  # after the first lane's submission
         return out
 
+    def check(opt: OffloadOptimizer, interrupt: KeyboardInterrupt) -> None:
+        assert any("must not be repeated" in n for n in getattr(interrupt, "__notes__", []))
+
     monkeypatch.setattr(cls, name, interrupted)
-    x = torch.randn(4, 8)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed.append(True)
-                with pytest.raises(KeyboardInterrupt) as info:
-                    o.step()
-                assert not armed  # it came inside the launch
-                assert any("must not be repeated" in n
-                           for n in getattr(info.value, "__notes__", []))
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    _offload_adamw_interrupted_at_the_second_step(armed, check, mode=mode,
+                                                  offload_fraction=fraction)
 
 
 @pytest.mark.parametrize("when", ["before_the_launch", "once_in_flight"])
@@ -687,12 +699,6 @@ def test_a_ctrl_c_outside_the_holds_says_whether_the_step_was_launched(
     now whether to call ``step()`` again, and following it is bitwise torch's."""
     from pipeoff.optim import _offloaded
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
-    ref_model = copy.deepcopy(model)
-    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), mode="overlap",
-                           chunk_bytes=300)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
     real = _offloaded.with_step_hooks
     armed: list[bool] = []
 
@@ -706,24 +712,13 @@ def test_a_ctrl_c_outside_the_holds_says_whether_the_step_was_launched(
             signal.raise_signal(signal.SIGINT)
         return out
 
+    def check(opt: OffloadOptimizer, interrupt: KeyboardInterrupt) -> None:
+        notes = " ".join(getattr(interrupt, "__notes__", []))
+        if when == "before_the_launch":
+            assert "call step() again" in notes
+            opt.step()
+        else:
+            assert "must not be repeated" in notes
+
     monkeypatch.setattr(_offloaded, "with_step_hooks", with_step_hooks)
-    x = torch.randn(4, 8)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed.append(True)
-                with pytest.raises(KeyboardInterrupt) as info:
-                    o.step()
-                notes = " ".join(getattr(info.value, "__notes__", []))
-                if when == "before_the_launch":
-                    assert "call step() again" in notes
-                    o.step()
-                else:
-                    assert "must not be repeated" in notes
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    _offload_adamw_interrupted_at_the_second_step(armed, check, mode="overlap")
