@@ -73,6 +73,10 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
     try:
         for m, hook, kw in plan:
             handles.append(m.register_forward_pre_hook(hook, prepend=True, with_kwargs=kw))
+        # Hazard: the backward after this forward writing gradients in a bucket
+        # (DDP's gradient_as_bucket_view) that the step in flight still reads; the
+        # read guard sees a backward call, but it may be off (read_guard=False).
+        handles.append(root.register_forward_hook(_BeforeBackward(waits)))
         # Hazard: code torch.compile traced before these hooks existed (a warm-up
         # forward) keeps running without them, reading parameters that a step is
         # still writing.
@@ -110,18 +114,44 @@ class _ForwardWait:
         return (inert, ())
 
 
+class _BeforeBackward:
+    """A forward hook on the root: a backward may follow a forward under grad mode
+    (:meth:`~pipeoff.optim._waits.ForwardWaits.before_backward`)."""
+
+    __slots__ = ("waits",)
+
+    def __init__(self, waits: ForwardWaits) -> None:
+        self.waits = waits
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        _opaque("before_backward", _before_backward)(self.waits)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (inert, ())
+
+
 # (The names models pickled by pipeoff before 2026-12-06 hold.)
 _inert_hook, _Inert = inert, InertHook
 
 
-_OPAQUE: Any = None
+_OPAQUE: dict[str, Any] = {}
+
+
+def _opaque(name: str, fn: Any) -> Any:
+    """``fn`` opaque to Dynamo (a graph break), wrapped once."""
+    out = _OPAQUE.get(name)
+    if out is None:
+        out = _OPAQUE[name] = _compat.dynamo_disable(fn)
+    return out
 
 
 def _opaque_wait() -> Any:
-    global _OPAQUE
-    if _OPAQUE is None:
-        _OPAQUE = _compat.dynamo_disable(_wait)
-    return _OPAQUE
+    return _opaque("wait", _wait)
+
+
+def _before_backward(waits: ForwardWaits) -> None:
+    if torch.is_grad_enabled():
+        waits.before_backward()
 
 
 def _wait(hook: _ForwardWait, module: torch.nn.Module) -> None:

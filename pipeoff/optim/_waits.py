@@ -30,6 +30,11 @@ mechanisms make every reader wait, each only for the chunks it reads:
   compiled code of an attached model relies on the hooks, and compiled code of
   an unattached model waits for the whole step, with a warning.
 
+Gradients that are views into a larger buffer (DDP's ``gradient_as_bucket_view``)
+are written in place by the next backward, for modules that ran or not: a
+backward waits first for the chunks reading them (the guard sees the
+``backward()`` call; an attached root's forward hook waits at a forward's end).
+
 What neither sees: a read on another thread, and in compiled code a functional
 read of a parameter whose own module runs later in the same forward.
 ``pipeoff.optim.check_overlap`` finds those.
@@ -150,6 +155,16 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
+def _in_a_bucket(g: torch.Tensor) -> bool:
+    """Whether gradient ``g`` is a view into a larger buffer that others write."""
+    if g._base is not None:
+        return True
+    try:
+        return bool(g.untyped_storage().nbytes() > g.numel() * g.element_size())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def _tensors_in(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterator[Any]:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -220,6 +235,9 @@ class ForwardWaits:
         """Storage address of each pending parameter, to its ``id()``: a read through
         an alias (a view cached before the step, ``.data`` kept aside) waits too."""
         self._chunk_params: list[list[int]] = []
+        self.bucket_grads: frozenset[int] = frozenset()
+        """``id()`` of the pending gradients that are views into a larger buffer (DDP's
+        ``gradient_as_bucket_view=True``): the next backward writes them in place."""
         self._guard = _ReadGuard(self)
         self._last_hook: weakref.ref[torch.nn.Module] | None = None
         self._learned: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = (
@@ -253,6 +271,7 @@ class ForwardWaits:
         pending: dict[int, tuple[int, ...]] = {}
         storages: dict[int, int] = {}
         refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        bucket_grads: set[int] = set()
         for i in writes.written:
             p = writes.params[i]
             chunks = writes.chunks_of[i]
@@ -264,6 +283,8 @@ class ForwardWaits:
             g = writes.grad_of(i)
             if g is not None:
                 tensors += [g, _compat.local_tensor(g)]
+                if _in_a_bucket(tensors[-1]):
+                    bucket_grads.update((id(g), id(tensors[-1])))
             for t in tensors:
                 pending[id(t)] = chunks
                 refs[id(t)] = weakref.ref(t)
@@ -284,6 +305,7 @@ class ForwardWaits:
             self.storages = storages
             self._refs = refs
             self._chunk_params = chunk_params
+            self.bucket_grads = frozenset(bucket_grads)
             self._last_hook = None
         if pending and self.guard_enabled and not _faults.disabled("read_guard"):
             self._push_guard()
@@ -297,6 +319,7 @@ class ForwardWaits:
             self.storages = {}
             self._refs = {}
             self._chunk_params = []
+            self.bucket_grads = frozenset()
         self._settle()
 
     def _settle(self) -> None:
@@ -390,6 +413,8 @@ class ForwardWaits:
     def on_read(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """The read guard saw ``func`` called eagerly: wait for the pending parameters it takes."""
         name = getattr(func, "__name__", "")
+        if name == "backward" and not self.writes_only:
+            self.before_backward()  # (Tensor.backward, torch.autograd.backward)
         if self.writes_only:
             tensors: Iterable[Any] = _written_by(func, name, args, kwargs)
         elif name in ("__get__", "__set__"):
@@ -429,6 +454,19 @@ class ForwardWaits:
             # before the forward reaches this read (it ran before it this time).
             self._learned.setdefault(hook, set()).update(hits)
         self.wait_for(hits, f"{'write' if self.writes_only else 'read'}:{name}")
+
+    def before_backward(self) -> None:
+        """A backward may begin: wait for the chunks reading gradients in a bucket.
+
+        Hazard: the next backward writing, in place, a gradient the step in flight
+        has not read yet. Autograd gives a gradient set to ``None`` a new tensor,
+        but DDP with ``gradient_as_bucket_view=True`` keeps each gradient as a view
+        of its bucket and writes the bucket: the new gradients of the parameters
+        that run, and zeros over those of the parameters that do not
+        (``find_unused_parameters``), whose modules' forward never waited.
+        """
+        if self.bucket_grads and self.pending:
+            self.wait_for(self.bucket_grads, "backward")
 
     def settle_if_done(self) -> None:
         """If the step in flight has finished, nothing is pending any more (for its guard).

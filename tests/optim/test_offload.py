@@ -252,7 +252,7 @@ def test_add_param_group_extends_plan_and_forward_waits() -> None:
             o.zero_grad()
     opt.wait_for_step()
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), net.parameters()))
-    assert len(opt._attach_handles) == 3  # a, b and side own parameters
+    assert len(opt._attach_handles) == 4  # a, b and side own parameters; the root's end
 
 
 def test_load_state_dict_never_moves_state_to_the_parameters_device(
