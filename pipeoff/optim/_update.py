@@ -54,12 +54,13 @@ ELEMENTWISE: Mapping[type[torch.optim.Optimizer], _Keys] = {
 gradient and state, by exact class, with the per-element state keys a param
 group gives them. Everything else in their state (``step``) is a scalar."""
 
-def check_elementwise(opt: torch.optim.Optimizer, mode: str) -> None:
-    """Raise :class:`UnsupportedOptimizerError` unless ``opt`` can be stepped in chunks."""
+def check_elementwise(opt: torch.optim.Optimizer, asked: str) -> None:
+    """Raise :class:`UnsupportedOptimizerError` unless ``opt`` can be stepped in chunks
+    (``asked``: the argument that asked for them, as the caller gave it)."""
     if type(opt) not in ELEMENTWISE:
         names = ", ".join(f"torch.optim.{t.__name__}" for t in ELEMENTWISE)
         raise UnsupportedOptimizerError(
-            f"mode={mode!r} steps the optimizer in chunks of flat parameter slices, which is "
+            f"{asked} steps the optimizer in chunks of flat parameter slices, which is "
             f"only exact for element-wise optimizers ({names}); {type(opt).__qualname__} is "
             "not one of them. Use mode='single_pass' for it."
         )

@@ -16,7 +16,7 @@ from pipeoff import _accel, _compat, _validate
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
 from pipeoff._held_interrupt import step_note
-from pipeoff._lowlevel import hook_wait_records, is_failure_of, train_span
+from pipeoff._lowlevel import hook_wait_records, is_failure_of, report_unraised_at_exit, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _offloaded, _update
 from pipeoff.optim._offload import _graph, _join
@@ -154,9 +154,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     ) -> None:
         optimizer = wrapped(params, optimizer_class, optimizer, optimizer_kwargs)
         mode = mode_of("chunked" if mode is None and overlap is None else mode, overlap)
+        process_group = _validate.check_process_group(process_group)
         self.offload_choice: FractionChoice | None = auto_fraction(
             optimizer, mode, offload_fraction, None if isinstance(chunk_bytes, _Default)
-            else chunk_bytes, prefetch, lookahead, device_budget_bytes, pin_memory)
+            else chunk_bytes, prefetch, lookahead, device_budget_bytes, pin_memory,
+            process_group)
         """What ``offload_fraction="auto"`` chose and why (else ``None``)."""
         if (c := self.offload_choice) is not None:  # (its budget made the staging)
             offload_fraction, chunk_bytes, prefetch, lookahead, device_budget_bytes = (
@@ -169,7 +171,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             raise ConfigError(f"reserve must be True or False, got {reserve!r}")
         offload_fraction = check_fraction(offload_fraction, "OffloadOptimizer")
         if mode != "single_pass":
-            _update.check_elementwise(optimizer, mode)
+            _update.check_elementwise(optimizer, f"mode={mode!r}" if overlap is None
+                                      else f"overlap={overlap!r}")
             # Hazard: a compile session that began before the first chunk's math
             # (is_compiling() is process-wide) steering torch.optim into its
             # compiled-code branches on a host lane: the session guard goes in now.
@@ -181,13 +184,14 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """Chunks staged ahead of the one being updated (``None`` with a device budget)."""
         self.device_budget_bytes = device_budget_bytes
         """The cap on live device staging, if given instead of ``prefetch`` (not auto's)."""
-        self.process_group = _validate.check_process_group(process_group)
+        self.process_group = process_group
         self.pin_memory = (_validate.check_bool("pin_memory", pin_memory)
                            and _accel.current().available())
         # Optimizer.__init__ is not called (it wants parameters): what hooks, repr need.
         self.defaults = optimizer.defaults
         _compat.init_optimizer_hooks(self)
         self._inflight: Step | None = None
+        report_unraised_at_exit(self, "_inflight", "OffloadOptimizer")
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
         self._health = Health()  # what a failed step left (torn: partly stepped)

@@ -48,7 +48,14 @@ from pipeoff._validate import check_bytes
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
 from pipeoff.optim._full_offload._config import accepted
-from pipeoff.optim._offload._auto import FractionChoice, Rates, _budget, _seconds, choose
+from pipeoff.optim._offload._auto import (
+    FractionChoice,
+    Rates,
+    _budget,
+    _seconds,
+    agree,
+    choose,
+)
 
 __all__ = ["full_auto", "full_seconds", "is_auto", "measure_full_rates", "numeric",
            "resolve"]
@@ -194,14 +201,11 @@ def full_auto(fraction: Any, params: Sequence[torch.Tensor], probe: torch.optim.
 
 def _agree(sizes: list[int], budget: int, rates: Rates, device: torch.device,
            mesh: Any) -> tuple[list[int], int, Rates]:
-    """Sharded parameters (FSDP2): what every rank of their mesh chooses from, so that
-    all choose the same fraction (the split, of global shapes, is the same on every
-    rank, and so are the norm's collectives): each parameter's largest shard, the
-    smallest budget and the slowest rates (the slowest rank sets a sharded step's
-    time). Over the mesh's groups, one dimension after another (a pipeline stage's
-    mesh holds only its ranks)."""
+    """Sharded parameters (FSDP2): what every rank of their mesh chooses from
+    (:func:`~pipeoff.optim._offload._auto.agree`: the split, of global shapes, is the
+    same on every rank, and so are the norm's collectives), over the mesh's groups, one
+    dimension after another (a pipeline stage's mesh holds only its ranks)."""
     import torch.distributed as dist
-
 
     if not dist.is_available() or not dist.is_initialized():
         return sizes, budget, rates
@@ -209,13 +213,7 @@ def _agree(sizes: list[int], budget: int, rates: Rates, device: torch.device,
     def over(values: list[float], op: Any) -> list[float]:
         return _over_mesh(values, op, device, mesh)
 
-    most = over([*sizes, -budget], dist.ReduceOp.MAX)
-    fields = [f.name for f in dataclasses.fields(rates)]
-    vals = [getattr(rates, f) for f in fields]
-    least = over([float("inf") if v is None else v for v in vals], dist.ReduceOp.MIN)
-    new: dict[str, Any] = {f: None if v is None else x for f, v, x in zip(fields, vals, least)}
-    agreed: Rates = dataclasses.replace(rates, **new)
-    return [int(n) for n in most[:-1]], int(-most[-1]), agreed
+    return agree(budget, rates, over, sizes)
 
 
 def _over_mesh(values: list[float], op: Any, device: torch.device, mesh: Any) -> list[float]:

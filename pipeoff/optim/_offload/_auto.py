@@ -30,6 +30,7 @@ chunks' own makespan, an upper bound on what the loop sees.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -44,8 +45,8 @@ from pipeoff._validate import check_int, parse_bytes
 from pipeoff.optim._offload._args import DEFAULT_CHUNK_BYTES
 from pipeoff.optim._offload._device_part import split_params
 
-__all__ = ["FractionChoice", "Rates", "auto_fraction", "choose", "choose_fraction", "measure_rates",
-           "step_seconds"]
+__all__ = ["FractionChoice", "Rates", "agree", "auto_fraction", "choose", "choose_fraction",
+           "measure_rates", "step_seconds"]
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 """Fractions always reported beside the chosen one."""
@@ -252,11 +253,79 @@ def _budget(device: torch.device, given: int | str | None) -> tuple[int, str]:
         "of device memory the optimizer may use (state and staging)")
 
 
+Reduce = Callable[[list[float], Any], list[float]]
+"""``values`` all-reduced (float64) by a ``dist.ReduceOp`` over the ranks that agree."""
+
+
+def agree(budget: int, rates: Rates, over: Reduce, sizes: Sequence[int] = ()
+          ) -> tuple[list[int], int, Rates]:
+    """What every rank chooses from, so that all choose the same fraction: the largest
+    of each of ``sizes``, the smallest budget and the slowest rates (the slowest rank
+    sets the step's time). Each rank measures its own, and they differ (a busy rank,
+    another GPU's free memory): ranks that chose apart would disagree on the chunk
+    plan, or step their parameters apart."""
+    import torch.distributed as dist
+
+    most = over([*sizes, -budget], dist.ReduceOp.MAX)
+    fields = [f.name for f in dataclasses.fields(rates)]
+    vals = [getattr(rates, f) for f in fields]
+    least = over([float("inf") if v is None else v for v in vals], dist.ReduceOp.MIN)
+    new: dict[str, Any] = {f: None if v is None else x for f, v, x in zip(fields, vals, least)}
+    agreed: Rates = dataclasses.replace(rates, **new)
+    return [int(n) for n in most[:-1]], int(-most[-1]), agreed
+
+
+def _over_group(group: Any, device: torch.device) -> Reduce | None:
+    """The reduction over ``group`` (default: the world), or ``None`` without
+    torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from pipeoff import _dist
+
+    def over(values: list[float], op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        out: list[float] = _dist.all_reduce_host(
+            t, dist.group.WORLD if group is None else group, device, op=op).tolist()
+        return out
+
+    return over
+
+
+def _auto_on_every_rank_or_none(auto: bool, optimizer: torch.optim.Optimizer,
+                                group: Any) -> None:
+    """With torch.distributed, check that every rank of ``group`` asks for ``"auto"``
+    or none does (every rank of a chunked mode calls this, a collective).
+
+    Hazard: ranks asking for ``"auto"`` agreeing (:func:`agree`) while the others are
+    already in the plan check: the two collectives meet each other, and both block
+    until the group's timeout.
+
+    Raises:
+        ConfigError: on every rank, when some ask for ``"auto"`` and others do not.
+    """
+    import torch.distributed as dist
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    over = _over_group(group, params[0].device if params else torch.device("cpu"))
+    if over is None:
+        return
+    flag = 1.0 if auto else 0.0
+    most, least = over([flag, -flag], dist.ReduceOp.MAX)
+    if most != -least:
+        raise ConfigError(
+            "offload_fraction='auto' was given on some ranks of process_group and a number "
+            "on others: give every rank the same offload_fraction (the ranks choose "
+            "'auto' together, from the smallest budget and the slowest rates)")
+
+
 def choose_fraction(optimizer: torch.optim.Optimizer, weights: Sequence[int], elements: int,
                     device: torch.device, *, chunk_bytes: Any, prefetch: int | None,
                     device_budget_bytes: int | str | None, pin: bool,
                     measure: Callable[..., Rates] | None = None,
-                    scalars: Sequence[int] | None = None) -> FractionChoice:
+                    scalars: Sequence[int] | None = None,
+                    process_group: Any = None) -> FractionChoice:
     """``offload_fraction="auto"``: the budget (``device_budget_bytes``, or the free
     device memory on CUDA), the staging (``prefetch`` chunks ahead, default 2, of
     ``chunk_bytes``, at most a quarter of the budget), the rates (measured), the
@@ -271,8 +340,11 @@ def choose_fraction(optimizer: torch.optim.Optimizer, weights: Sequence[int], el
     prefetch = 2 if prefetch is None else prefetch
     chunk = (DEFAULT_CHUNK_BYTES if chunk_bytes is None
              else parse_bytes(chunk_bytes, name="chunk_bytes"))
-    chunk = max(min(chunk, MIN_CHUNK_BYTES), min(chunk, budget // (STAGING_SHARE * (prefetch + 1))))
     rates = (measure or measure_rates)(optimizer, device, pin=pin)
+    over = _over_group(process_group, device)
+    if over is not None:  # (the ranks of process_group check the plan collectively)
+        _, budget, rates = agree(budget, rates, over)
+    chunk = max(min(chunk, MIN_CHUNK_BYTES), min(chunk, budget // (STAGING_SHARE * (prefetch + 1))))
     return choose(weights, elements, budget=budget, budget_source=source, chunk_bytes=chunk,
                   prefetch=prefetch, rates=rates, scalars=scalars)
 
@@ -302,16 +374,21 @@ def scalar_bytes(optimizer_class: type[torch.optim.Optimizer], group: dict[str, 
 def auto_fraction(optimizer: torch.optim.Optimizer, mode: str, fraction: Any,
                   chunk_bytes: Any, prefetch: int | None, lookahead: int | None,
                   device_budget_bytes: int | str | None, pin_memory: bool,
-                  ) -> FractionChoice | None:
+                  process_group: Any = None) -> FractionChoice | None:
     """``OffloadOptimizer``'s ``"auto"``: the :class:`FractionChoice` for its live param
     groups (``None`` for any other ``fraction``). ``chunk_bytes`` is ``None`` for the
-    default; ``lookahead`` is ``prefetch``'s old name.
+    default; ``lookahead`` is ``prefetch``'s old name. With torch.distributed the ranks
+    of ``process_group`` (default: the world) agree on what they choose from
+    (:func:`agree`): a collective, as the constructor's plan check is.
 
     Raises:
         ConfigError: as :func:`choose_fraction`; or in ``single_pass`` (its step holds
             all the state on the device), or both of ``prefetch`` and ``lookahead``.
     """
-    if not (isinstance(fraction, str) and fraction == "auto"):
+    auto = isinstance(fraction, str) and fraction == "auto"
+    if mode != "single_pass":
+        _auto_on_every_rank_or_none(auto, optimizer, process_group)
+    if not auto:
         return None
     from pipeoff.optim._offload._layout import build_layout
     from pipeoff.optim._plan import planned_numel
@@ -329,4 +406,5 @@ def auto_fraction(optimizer: torch.optim.Optimizer, mode: str, fraction: Any,
                            sum(planned_numel(p) for p in layout.params), layout.device,
                            chunk_bytes=chunk_bytes, prefetch=prefetch if lookahead is None
                            else lookahead, device_budget_bytes=device_budget_bytes, pin=pin,
-                           scalars=[per_group[g] for g in layout.group_of])
+                           scalars=[per_group[g] for g in layout.group_of],
+                           process_group=process_group)
