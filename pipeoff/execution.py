@@ -156,6 +156,9 @@ class Execution:
         self._backend = backend
         self._trace: Trace | None = None
         self._finalized = False
+        self.failure_raised = False
+        """Whether a wait has raised the first failure (to whoever waited): an exit that
+        finds a feature's failed step not raised says so (``executor/_exit.py``)."""
         self._translate: Callable[[BaseException], BaseException] | None = None
         """A feature's mapping of the first failure to what its callers see (a state
         transfer's own failure becomes the torn error every rank raises); set through
@@ -228,6 +231,7 @@ class Execution:
         if err is not None:
             _happens.report(err)  # the simulated device: this race reached its caller
             self._finalize()
+            self.failure_raised = True
             shown = err if self._translate is None else self._translate(err)
             if shown is not err:
                 raise shown from err

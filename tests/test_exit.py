@@ -81,3 +81,51 @@ def test_exit_warns_and_gives_up_on_a_lane_that_never_finishes() -> None:
                           capture_output=True, text=True, timeout=120)
     assert "still running after waiting" in proc.stderr, proc.stderr
     assert "pipeoff-host" in proc.stderr, proc.stderr
+
+
+UNRAISED = textwrap.dedent(
+    """
+    import contextlib, sys, torch
+    from pipeoff import testing
+    from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
+
+    kind, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    if kind == "full":
+        m = m.to(torch.bfloat16)
+        opt = FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, overlap="forward")
+    else:
+        opt = OffloadOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), overlap="forward")
+    with testing.fail_task("step:.*|opt.*", RuntimeError("the injected failure")):
+        m(torch.randn(2, 8).to(m.weight.dtype)).float().sum().backward()
+        opt.step()  # returns: the failure comes on a lane, after it
+        opt.zero_grad()
+    if how == "waited":
+        with contextlib.suppress(RuntimeError):
+            opt.wait_for_step()  # (raises it: the caller has it)
+    elif how == "raised_elsewhere":  # (a tester's finds: these raised it, and exit said not)
+        with contextlib.suppress(RuntimeError):
+            opt.grad_norm if kind == "full" else opt.last_execution.wait()
+    print("main done", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["offload", "full"])
+@pytest.mark.parametrize("how", ["never_waited", "waited", "raised_elsewhere"])
+def test_exit_says_what_a_failed_last_step_raised_nowhere(kind: str, how: str) -> None:
+    """The last step of a loop failed on a lane after ``step()`` returned, and nothing
+    came after it to raise the failure: the script ended with status 0 and no word
+    (a tester's find). Exit says so, as asyncio's "exception was never retrieved";
+    a failure raised to the caller is not repeated."""
+    proc = subprocess.run([sys.executable, "-c", UNRAISED, kind, how],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "main done" in proc.stdout
+    said = "nothing raised its failure" in proc.stderr
+    assert said == (how == "never_waited"), proc.stderr
+    if said:
+        name = "FullOffloadOptimizer" if kind == "full" else "OffloadOptimizer"
+        assert f"the last step of a {name} failed" in proc.stderr
+        assert "the injected failure" in proc.stderr

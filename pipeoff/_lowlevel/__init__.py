@@ -24,6 +24,7 @@ from pipeoff._lowlevel._execution import (
     shifted_trace,
     translate_failures,
 )
+from pipeoff.executor._exit import watch as report_unraised_at_exit
 from pipeoff.recording import (
     StatsHooks,
     SyncStats,
@@ -34,5 +35,6 @@ from pipeoff.recording import (
 )
 
 __all__ = ["StatsHooks", "SyncStats", "completions", "hook_wait_records", "install_train_hooks",
-           "is_failure_of", "on_complete", "pending", "record_hook_wait", "settle",
-           "shifted_trace", "step_stats", "train_span", "translate_failures"]
+           "is_failure_of", "on_complete", "pending", "record_hook_wait",
+           "report_unraised_at_exit", "settle", "shifted_trace", "step_stats", "train_span",
+           "translate_failures"]

@@ -14,6 +14,11 @@ So the first time pipeoff starts a thread it registers :func:`_shutdown` with
 :mod:`atexit`. It runs while the interpreter is still whole: it lets work
 already queued finish (a step launched just before exit still lands), stops
 each thread and joins it, in dependency order, under one deadline.
+
+Then it says what would otherwise be lost: a step whose failure nothing raised
+(an overlapped optimizer step that failed on a lane after ``step()`` returned,
+with no ``wait_for_step()``, read of a parameter or later ``step()`` after it),
+as asyncio says "Task exception was never retrieved".
 """
 
 from __future__ import annotations
@@ -22,15 +27,28 @@ import atexit
 import sys
 import threading
 import time
+import traceback
 import warnings
+import weakref
+from typing import Any
 
-__all__ = ["EXIT_TIMEOUT_S", "ensure_registered"]
+__all__ = ["EXIT_TIMEOUT_S", "ensure_registered", "watch"]
 
 #: How long, in all, exit waits for pipeoff's threads to drain and stop.
 EXIT_TIMEOUT_S = 30.0
 
 _lock = threading.Lock()
 _registered = False
+_watched: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+"""Owners of steps in flight: the attribute holding the step (its ``.execution``; set
+to ``None`` once its failure is raised to the caller), and what to call the owner."""
+
+
+def watch(owner: Any, attr: str, name: str) -> None:
+    """At exit, say if ``owner.<attr>`` holds a step whose execution failed and no wait
+    raised the failure (the owner clears the attribute when it reports it otherwise)."""
+    ensure_registered()
+    _watched[owner] = (attr, name)
 
 
 def ensure_registered() -> None:
@@ -54,6 +72,7 @@ def _shutdown() -> None:
     threads = sys.modules.get("pipeoff.executor.threads")
     if threads is not None:
         stuck += threads.stop_lanes(deadline)
+    _unraised()
     if stuck:
         warnings.warn(
             f"pipeoff: {len(stuck)} thread(s) still running after waiting "
@@ -69,3 +88,17 @@ def join_until(thread: threading.Thread, deadline: float) -> bool:
     """Join ``thread`` until ``deadline`` (monotonic); whether it has ended."""
     thread.join(max(0.0, deadline - time.monotonic()))
     return not thread.is_alive()
+
+
+def _unraised() -> None:
+    for owner, (attr, name) in list(_watched.items()):
+        ex = getattr(getattr(owner, attr, None), "execution", None)
+        err = (None if ex is None or not ex.done() or ex.failure_raised
+               else ex.exception)
+        if err is not None:
+            tb = "".join(traceback.format_exception(err)).rstrip()
+            warnings.warn(
+                f"pipeoff: the last step of a {name} failed, and nothing raised its "
+                "failure (no wait_for_step(), read of a parameter or step() came after "
+                f"it); the model holds what the step wrote before it failed:\n{tb}",
+                RuntimeWarning, stacklevel=1)

@@ -18,7 +18,7 @@ import torch
 from pipeoff import _compat, _faults
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError, GradientError
-from pipeoff._lowlevel import is_failure_of, settle
+from pipeoff._lowlevel import is_failure_of, report_unraised_at_exit, settle
 from pipeoff.execution import Execution
 from pipeoff.optim._full_offload import _one_pass
 from pipeoff.optim._full_offload._common import (
@@ -76,8 +76,8 @@ class Lifecycle:
         self.micro: MicroStep | None = None
         """The micro-step whose backward is running (or whose end is deferred)."""
         self.inflight: Accumulation | None = None
-        """The step in flight (``STEPPING``): handed over by ``step()``, until
-        :meth:`wait_step`."""
+        """The step in flight (``STEPPING``): from ``step()`` until :meth:`wait_step`."""
+        report_unraised_at_exit(self, "inflight", "FullOffloadOptimizer")
         self.ended: Accumulation | None = None
         """The step that ended, until the optimizer takes its traces (whoever waited)."""
         self.last_norm: torch.Tensor | None = None
