@@ -252,9 +252,18 @@ def test_a_gate_is_seen_open_only_with_its_event(gpu: Gpu, monkeypatch: Any) -> 
 
     opener = threading.current_thread()
 
-    class _HeldOnExit(threading.Condition):
+    class _HeldOnExit:
+        """The gates' lock, its opener's thread held right after it releases it."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self.acquire, self.release = self._lock.acquire, self._lock.release
+
+        def __enter__(self) -> bool:
+            return self._lock.__enter__()
+
         def __exit__(self, *exc: Any) -> None:
-            super().__exit__(*exc)
+            self._lock.__exit__(*exc)
             if threading.current_thread() is opener:
                 time.sleep(0.05)
 
@@ -262,7 +271,8 @@ def test_a_gate_is_seen_open_only_with_its_event(gpu: Gpu, monkeypatch: Any) -> 
 
     def held(self: GateStates, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self._cond = _HeldOnExit(threading.Lock())  # before any lane waits on it
+        self._lock = _HeldOnExit()  # type: ignore[assignment]  # before any lane waits on it
+        self._cond = threading.Condition(self._lock)  # type: ignore[arg-type]
 
     monkeypatch.setattr(GateStates, "__init__", held)
 

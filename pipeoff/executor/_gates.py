@@ -40,7 +40,13 @@ class GateStates:
         """When a lane first waited on the gate (ns from the run's origin)."""
         self._origin_ns = origin_ns
         self._on_fail = on_fail
-        self._cond = threading.Condition(threading.Lock())
+        # Hazard: a Ctrl-C in the main thread between a Condition's Python-level
+        # __enter__/__exit__ and its lock's acquire/release leaves the lock held
+        # (CPython runs handlers at those frames' eval-breaker checks), and every
+        # lane then blocks on it for good. ``with self._lock`` (the C lock) has no
+        # such window; the Condition is only waited on and notified under it.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._abandoned = False
         self.simulated = False
         """Opened by the simulator at launch: the producer's open/close/fail are no-ops."""
@@ -54,7 +60,7 @@ class GateStates:
         Raises:
             ConfigError: the gate was already opened, closed or failed.
         """
-        with self._cond:
+        with self._lock:
             if self.simulated:
                 return  # the simulator opened it at launch; the producer's call is moot
             if self.state[k] != PENDING:
@@ -85,7 +91,7 @@ class GateStates:
     def open_all(self, at_ns: int = 0) -> None:
         """Open every pending gate, without payload, at ``at_ns`` (the simulator:
         its inputs are there at launch)."""
-        with self._cond:
+        with self._lock:
             for k, st in enumerate(self.state):
                 if st == PENDING:
                     self.state[k] = OPEN
@@ -95,7 +101,7 @@ class GateStates:
 
     def abandon(self) -> None:
         """The execution failed: waiters stop waiting for gates that may never open."""
-        with self._cond:
+        with self._lock:
             if not self._abandoned:
                 self._abandoned = True
                 self.abandoned_ns = time.perf_counter_ns() - self._origin_ns
@@ -116,7 +122,7 @@ class GateStates:
     def _park(self, ks: Sequence[int], deadline: float | None) -> bool:
         state = self.state
         now = time.perf_counter_ns() - self._origin_ns
-        with self._cond:
+        with self._lock:
             for k in ks:
                 if self.first_wait_ns[k] is None:
                     self.first_wait_ns[k] = now

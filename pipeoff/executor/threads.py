@@ -59,7 +59,13 @@ class _LaneWorker:
         self.idle_since = time.monotonic()
         """When the last execution holding it released it."""
         self._q: deque[Any] = deque()
-        self._cond = threading.Condition(threading.Lock())
+        # Hazard: a Ctrl-C in the main thread between a Condition's Python-level
+        # __enter__/__exit__ and its lock's acquire/release leaves the lock held
+        # (CPython runs handlers at those frames' eval-breaker checks), and every
+        # lane then blocks on it for good. ``with self._lock`` (the C lock) has no
+        # such window; the Condition is only waited on and notified under it.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         name = f"pipeoff-{lane}" if instance == 0 else f"pipeoff-{lane}#{instance}"
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         _exit.ensure_registered()
@@ -67,7 +73,7 @@ class _LaneWorker:
 
     def submit(self, items: list[Any]) -> None:
         _happens.release(self)  # what the submitter did comes before the items run
-        with self._cond:
+        with self._lock:
             self._q.extend(items)
             self._cond.notify()
 
@@ -75,7 +81,7 @@ class _LaneWorker:
         _current.worker = self
         q = self._q
         while True:
-            with self._cond:
+            with self._lock:
                 while not q:
                     self._cond.wait()
                 batch = list(q)
