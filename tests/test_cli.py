@@ -155,6 +155,12 @@ def test_malformed_traces_exit_2_with_a_message(
         (["simulate", "--prefetch", "0"], "prefetch must be an int >= 1"),
         (["simulate", "--feature", "local-sgd", "--bucket-bytes", "1"],
          "--bucket-bytes=1 cuts 8b into"),
+        # (a transfer plans every rank's pieces of half its staging: it ran for minutes
+        # into gigabytes, a tester's find)
+        (["simulate", "--feature", "transfer", "--model", "0.6b", "--bucket-bytes", "32KiB"],
+         "--bucket-bytes=32768 cuts 0.6b into"),
+        (["simulate", "--feature", "transfer", "--model", "0.6b", "--device-budget", "32240"],
+         "--device-budget=32240 cuts 0.6b into"),
         (["simulate", "--preset", "cpu_here", "--replicas", "8"], "--replicas applies"),
         (["simulate", "--feature", "full-offload", "--device-budget", "1GiB"],
          "--device-budget does not apply to full-offload"),

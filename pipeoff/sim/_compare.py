@@ -87,11 +87,13 @@ MAX_SIM_TASKS = 200_000  # beyond this a graph takes minutes to build and simula
 
 
 def _check_pieces(name: str, size: int, shape: ModelShape,
-                  names: Mapping[str, str] = _NAMES) -> None:
-    """Refuse a chunk or bucket size that would cut the model into too many tasks."""
-    pieces = shape.params * 4 // size  # at least fp32 parameters' worth of bytes
+                  names: Mapping[str, str] = _NAMES, per: int = 1) -> None:
+    """Refuse a chunk or bucket size that would cut the model into too many tasks
+    (``per``: pieces planned per ``size`` of fp32 bytes, a transfer's for every rank
+    in pieces of half its budget)."""
+    pieces = shape.params * 4 * per // size  # at least fp32 parameters' worth of bytes
     if pieces * 3 > MAX_SIM_TASKS:
-        least = shape.params * 4 * 3 // MAX_SIM_TASKS + 1
+        least = shape.params * 4 * per * 3 // MAX_SIM_TASKS + 1
         raise ConfigError(
             f"{names.get(name, name)}={size} cuts {shape.name} into about {pieces} pieces, "
             f"more than the simulator takes; raise it to at least {least} bytes "
@@ -209,8 +211,9 @@ def compare(
         _check_pieces("chunk_bytes", chunk_bytes, shape, names)
     if feature in ("local-sgd", "diloco") and set(schedules) - {"original"}:
         _check_pieces("bucket_bytes", bucket_bytes, shape, names)
-    if feature == "transfer" and device_budget_bytes is not None:
-        _check_pieces("device_budget_bytes", device_budget_bytes, shape, names)
+    if feature == "transfer":  # (its staging: the budget, else a bucket's bytes)
+        _check_pieces("bucket_bytes" if device_budget_bytes is None else "device_budget_bytes",
+                      device_budget_bytes or bucket_bytes, shape, names, per=2 * shape.fsdp)
     if feature == "full-offload" and device_budget_bytes is not None:
         # a budget silently ignored would print figures for another configuration
         raise ConfigError(

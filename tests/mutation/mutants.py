@@ -1153,6 +1153,77 @@ SPECULATIVE = (
                "the_models_state_dict_are_kept[params_fraction_0]",),
         hazard="an optimizer built from parameters at offload_fraction=0 never finds its "
                "model: a write through its FSDP2 state_dict() is undone by the next step"),
+    Mutant(
+        name="r121:backward-starts-without-the-bucket-views-chunks",
+        file="pipeoff/optim/_waits.py",
+        old=("        if name == \"backward\" and not self.writes_only:\n"
+             "            self.before_backward()"),
+        new=("        if name == \"backward\" and not self.writes_only:\n"
+             "            pass"),
+        tests=("tests/optim/test_overlap_ddp.py::test_an_unused_modules_gradients_in_ddps_"
+               "buckets_are_read_before_the_next_backward[1.0-False-True]",
+               "tests/optim/test_overlap_ddp.py::test_gradients_in_a_bucket_on_a_cuda_device"
+               "[simulated-False-True]"),
+        hazard="the read guard lets a backward begin while the step in flight still reads "
+               "gradients in DDP's buckets: DDP zeroes an unused module's, whose step reads "
+               "zeros"),
+    Mutant(
+        name="r122:attached-forward-ends-without-the-bucket-views-chunks",
+        file="pipeoff/optim/_hooks.py",
+        old="    if torch.is_grad_enabled():\n        waits.before_backward()\n",
+        new="    if torch.is_grad_enabled():\n        pass\n",
+        tests=("tests/optim/test_overlap_ddp.py::test_an_unused_modules_gradients_in_ddps_"
+               "buckets_are_read_before_the_next_backward[1.0-True-False]",
+               "tests/optim/test_overlap_ddp.py::test_gradients_in_a_bucket_on_a_cuda_device"
+               "[simulated-True-False]"),
+        hazard="an attached model without the read guard begins its backward while the step "
+               "in flight still reads gradients in DDP's buckets"),
+    Mutant(
+        name="r123:gradient-views-not-seen-as-in-a-bucket",
+        file="pipeoff/optim/_waits.py",
+        old="                if _in_a_bucket(tensors[-1]):\n",
+        new="                if False:\n",
+        tests=("tests/optim/test_overlap_ddp.py::test_an_unused_modules_gradients_in_ddps_"
+               "buckets_are_read_before_the_next_backward[1.0-False-True]",),
+        hazard="DDP's bucket views are not recognized: no backward waits for their chunks"),
+    Mutant(
+        name="r124:ranks-choose-auto-apart",
+        file="pipeoff/optim/_offload/_auto.py",
+        old=("    if over is not None:  # (the ranks of process_group check the plan "
+             "collectively)\n"),
+        new="    if False:\n",
+        tests=("tests/optim/test_offload_auto.py::test_ranks_agree_on_what_auto_chooses_from",),
+        hazard="each rank chooses offload_fraction='auto' from its own budget and rates: "
+               "the plan check fails on every rank"),
+    Mutant(
+        name="r125:lane-submission-through-the-condition",
+        file="pipeoff/executor/threads.py",
+        old="        with self._lock:\n            self._q.extend(items)\n",
+        new="        with self._cond:\n            self._q.extend(items)\n",
+        tests=("tests/test_lane_locks.py::test_a_ctrl_c_inside_a_lane_submission_leaves_the_"
+               "lane_running",),
+        hazard="a Ctrl-C in Condition.__exit__ on the main thread leaves the lane's lock held: "
+               "the lane and every later submission block for good"),
+    Mutant(
+        name="r126:gate-opening-through-the-condition",
+        file="pipeoff/executor/_gates.py",
+        old=("        with self._lock:\n            if self.simulated:\n                return  # "
+             "the simulator opened it at launch"),
+        new=("        with self._cond:\n            if self.simulated:\n                return  # "
+             "the simulator opened it at launch"),
+        tests=("tests/test_lane_locks.py::test_a_ctrl_c_inside_a_gates_opening_leaves_the_"
+               "gates_working",),
+        hazard="a Ctrl-C in Condition.__exit__ while the main thread opens a gate leaves the "
+               "gates' lock held: every lane waiting on a gate blocks for good"),
+    Mutant(
+        name="r127:auto-on-one-rank-only-not-checked",
+        file="pipeoff/optim/_offload/_auto.py",
+        old="        _auto_on_every_rank_or_none(auto, optimizer, process_group)\n",
+        new="        pass\n",
+        tests=("tests/optim/test_offload_auto.py::test_auto_on_one_rank_only_is_refused_on_"
+               "every_rank",),
+        hazard="a rank asking for 'auto' agrees while another is in the plan check: the "
+               "collectives meet each other and both ranks block until the group's timeout"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
