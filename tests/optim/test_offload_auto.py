@@ -251,6 +251,7 @@ def _ranks_choosing_apart(rank: int, world: int, port: int, queue: Any) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes
 def test_ranks_agree_on_what_auto_chooses_from() -> None:
     from tests._two_ranks import run_two_ranks
 
@@ -287,6 +288,7 @@ def _one_rank_auto(rank: int, world: int, port: int, queue: Any) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes
 def test_auto_on_one_rank_only_is_refused_on_every_rank() -> None:
     """Only the rank asking for ``"auto"`` agreed, while the other was already in the plan
     check: the two collectives met and both ranks blocked until the group's timeout (a
