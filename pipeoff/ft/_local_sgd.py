@@ -16,7 +16,7 @@ from pipeoff import _accel
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
 from pipeoff._errors import ConfigError
-from pipeoff._lowlevel import SyncStats, is_failure_of, train_span
+from pipeoff._lowlevel import SyncStats, is_failure_of, settle, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._args import check_manager, check_module, check_optimizer
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
@@ -335,7 +335,9 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             ex = execute(graph, schedule)
             ex.wait()
         except KeyboardInterrupt as err:
-            if ex is not None and "voted" not in commit and is_failure_of(err, ex):
+            if ex is not None and not is_failure_of(err, ex):
+                _sync_ends_first(ex, err, commit)  # (Ctrl-C in this thread's own wait)
+            elif ex is not None and "voted" not in commit and is_failure_of(err, ex):
                 # Ctrl-C in a task (an all-reduce's wait; the synchronous schedule runs
                 # its tasks on this thread): every task has ended, the must_run
                 # all-reduces included, and no decision came. The peers still wait for
@@ -487,3 +489,27 @@ def _write_back_slice(
     # non_blocking: src is pinned host staging that stays allocated until this
     # task's end event has fired (the pool waits on it before reuse).
     dst.copy_(src, non_blocking=cuda)
+
+
+def _sync_ends_first(ex: Any, err: KeyboardInterrupt, commit: dict[str, bool]) -> None:
+    """A Ctrl-C in the caller's wait for a sync: the sync runs on (its decide task votes,
+    its write-back writes the parameters) to its end, then ``err`` is passed on, with a
+    note saying whether it committed.
+
+    Hazard: the caller handling the interrupt (saving a checkpoint) while the write-back
+    still writes the parameters: a partly averaged model.
+    """
+    try:
+        failure = settle(ex)
+    except KeyboardInterrupt as again:
+        again.add_note("pipeoff: interrupted again while the sync ran to its end: it goes "
+                       "on in the background, and may still be writing the parameters")
+        raise
+    if failure is not None:
+        what = f"failed ({type(failure).__name__}: {failure})"
+    elif commit.get("decided"):
+        what = "committed: the parameters hold the average"
+    else:
+        what = "did not commit: the parameters are this replica's own"
+    err.add_note(f"pipeoff: the sync in progress ran to its end before this interrupt was "
+                 f"passed on; it {what}")

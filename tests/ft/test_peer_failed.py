@@ -373,3 +373,80 @@ def test_ctrl_c_while_a_diloco_sync_waits_before_its_decision_lets_the_peer_comm
     assert isinstance(stopped["raised"], KeyboardInterrupt), stopped
     assert healthy["raised"] is None and healthy["errored"] is None, healthy
     assert healthy["step"] == 1  # committed
+
+
+def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_ended() -> None:
+    """A real SIGINT to replica 1 (on the main thread) while it waits for its pipelined
+    sync, the write-back held: the sync runs on to its end (the peer commits, and so does
+    this replica), then the interrupt is passed on, saying so. It came with no word,
+    from a wait that only happened to end with the sync (a tester's find)."""
+    import signal
+    import time
+
+    from tests._interrupts import no_collection
+    from tests._stacks import install, stack_of, waiting_in
+
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread() is threading.main_thread()
+    delivered = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        delivered.set()
+        raise KeyboardInterrupt
+
+    def replica(i: int, lighthouse: str) -> dict[str, Any]:
+        model = _model(i)
+        opt = optim.SGD(model.parameters(), lr=0.1)
+        stepped: dict[str, list[torch.Tensor]] = {}
+        opt.register_step_post_hook(lambda *_: stepped.__setitem__(
+            "own", [p.detach().clone() for p in model.parameters()]))
+        manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
+                                          load_state_dict=model.load_state_dict)
+        raised = None
+        try:
+            with _wrap("local_sgd_buckets", manager, model, opt):
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).sum(
+                    ).backward()
+                opt.step()  # sync_every=1: syncs
+        except KeyboardInterrupt as err:
+            raised = err
+        try:
+            return {"step": manager.current_step(), "raised": raised, "own": stepped["own"],
+                    "params": [p.detach().clone() for p in model.parameters()]}
+        finally:
+            manager.shutdown(wait=False)
+
+    def watch(release: threading.Event) -> None:
+        deadline = time.monotonic() + 120
+        while waiting_in(stack_of(main), ("_offloaded_sync",)) is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        signal.pthread_kill(main, signal.SIGINT)
+        delivered.wait(120)  # raised in the main thread's wait: the write-back still held
+        release.set()
+
+    install()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pipeoff.testing.hold_task("h2d:b.*") as release, no_collection(), \
+                ThreadPoolExecutor(1) as pool:
+            watcher = threading.Thread(target=watch, args=(release,), daemon=True)
+            peer = pool.submit(replica, 0, lighthouse.address())
+            watcher.start()
+            stopped = replica(1, lighthouse.address())
+            healthy = peer.result()
+        watcher.join()
+    finally:
+        signal.signal(signal.SIGINT, old)
+        lighthouse.shutdown()
+    assert isinstance(stopped["raised"], KeyboardInterrupt), stopped
+    assert any("ran to its end" in n and "committed: the parameters hold the average" in n
+               for n in stopped["raised"].__notes__)
+    assert healthy["raised"] is None and healthy["step"] == stopped["step"] == 1
+    for a, b, x, y in zip(stopped["params"], healthy["params"], stopped["own"],
+                          healthy["own"], strict=True):
+        assert torch.equal(a, b)  # both hold the average, whole
+        assert torch.equal(a, (x + y) / 2)
