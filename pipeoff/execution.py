@@ -156,9 +156,9 @@ class Execution:
         self._backend = backend
         self._trace: Trace | None = None
         self._finalized = False
-        self.failure_raised = False
-        """Whether a wait has raised the first failure (to whoever waited): an exit that
-        finds a feature's failed step not raised says so (``executor/_exit.py``)."""
+        self._failure_raised = False
+        # Whether a wait has seen the first failure (raised it, or handed it to a
+        # feature's settle()): an exit that finds a failed step unseen says so (_exit.py).
         self._translate: Callable[[BaseException], BaseException] | None = None
         """A feature's mapping of the first failure to what its callers see (a state
         transfer's own failure becomes the torn error every rank raises); set through
@@ -231,7 +231,7 @@ class Execution:
         if err is not None:
             _happens.report(err)  # the simulated device: this race reached its caller
             self._finalize()
-            self.failure_raised = True
+            self._failure_raised = True
             shown = err if self._translate is None else self._translate(err)
             if shown is not err:
                 raise shown from err

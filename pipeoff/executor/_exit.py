@@ -30,6 +30,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["EXIT_TIMEOUT_S", "ensure_registered", "watch"]
@@ -39,16 +40,17 @@ EXIT_TIMEOUT_S = 30.0
 
 _lock = threading.Lock()
 _registered = False
-_watched: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
-"""Owners of steps in flight: the attribute holding the step (its ``.execution``; set
-to ``None`` once its failure is raised to the caller), and what to call the owner."""
+_watched: weakref.WeakKeyDictionary[Any, tuple[Callable[[Any], Any], str]] = (
+    weakref.WeakKeyDictionary())
+"""Owners of steps in flight: how to find the execution of the step in flight (``None``
+once its failure was reported otherwise), and what to call the owner."""
 
 
-def watch(owner: Any, attr: str, name: str) -> None:
-    """At exit, say if ``owner.<attr>`` holds a step whose execution failed and no wait
-    raised the failure (the owner clears the attribute when it reports it otherwise)."""
+def watch(owner: Any, step_in_flight: Callable[[Any], Any], name: str) -> None:
+    """At exit, say if ``step_in_flight(owner)`` is an execution that failed and that no
+    wait raised (the owner returns ``None`` once it reports the failure otherwise)."""
     ensure_registered()
-    _watched[owner] = (attr, name)
+    _watched[owner] = (step_in_flight, name)
 
 
 def ensure_registered() -> None:
@@ -91,10 +93,14 @@ def join_until(thread: threading.Thread, deadline: float) -> bool:
 
 
 def _unraised() -> None:
-    for owner, (attr, name) in list(_watched.items()):
-        ex = getattr(getattr(owner, attr, None), "execution", None)
-        err = (None if ex is None or not ex.done() or ex.failure_raised
-               else ex.exception)
+    for owner, (step_in_flight, name) in list(_watched.items()):
+        try:  # (at exit: a device gone bad must not hide the other warnings)
+            ex = step_in_flight(owner)
+            run = None if ex is None else ex._run
+            err = (None if run is None or not run.complete or ex._failure_raised
+                   else run.error)
+        except Exception:  # noqa: BLE001 - nothing to say about this one
+            continue
         if err is not None:
             tb = "".join(traceback.format_exception(err)).rstrip()
             warnings.warn(

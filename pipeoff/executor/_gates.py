@@ -40,11 +40,8 @@ class GateStates:
         """When a lane first waited on the gate (ns from the run's origin)."""
         self._origin_ns = origin_ns
         self._on_fail = on_fail
-        # Hazard: a Ctrl-C in the main thread between a Condition's Python-level
-        # __enter__/__exit__ and its lock's acquire/release leaves the lock held
-        # (CPython runs handlers at those frames' eval-breaker checks), and every
-        # lane then blocks on it for good. ``with self._lock`` (the C lock) has no
-        # such window; the Condition is only waited on and notified under it.
+        # Hazard: a Ctrl-C leaving the lock held (see _LaneWorker.__init__ in threads.py):
+        # ``with self._lock``, the C lock; the Condition waited on and notified under it.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._abandoned = False

@@ -336,46 +336,56 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             ex.wait()
         except KeyboardInterrupt as err:
             if ex is not None and not is_failure_of(err, ex):
-                _sync_ends_first(ex, err, commit)  # (Ctrl-C in this thread's own wait)
+                # (Ctrl-C in this thread's own wait: the execution runs on, and votes.)
+                failure = _sync_ends_first(ex)
+                if failure is not None:  # (what a failed sync owes torchft, then the Ctrl-C)
+                    with contextlib.suppress(Exception):
+                        self._after_failure(failure, ex, buckets, device, link, commit)
+                err.add_note(_ended_note(failure, commit))
             elif ex is not None and "voted" not in commit and is_failure_of(err, ex):
                 # Ctrl-C in a task (an all-reduce's wait; the synchronous schedule runs
                 # its tasks on this thread): every task has ended, the must_run
                 # all-reduces included, and no decision came. The peers still wait for
                 # this replica's vote, which the decide task would have given; a second
-                # Ctrl-C skips it. (Ctrl-C in this thread's own wait leaves the
-                # execution running: its decide task votes.)
+                # Ctrl-C skips it.
                 with contextlib.suppress(BaseException):
                     vote(self._manager, commit["errored_at_start"], device, link)
             raise
         except Exception as err:
-            if commit.get("decided"):
-                # A write-back failed after the commit (in practice a device
-                # that has gone bad): buckets written so far hold the
-                # average, the rest the local values. Nothing can undo
-                # that; tell torchft, so that this replica group's next
-                # should_commit() is False, and raise.
-                self._manager.report_error(err)
-                err.add_note(
-                    "pipeoff: a write-back failed after the quorum committed; this "
-                    "replica's parameters are partly averaged. Restart it so that "
-                    "torchft heals it from a peer."
-                )
-                raise
-            if "called" in commit:
-                raise  # should_commit itself failed
-            # torchft's error path: after report_error this replica group's
-            # should_commit() is False, so nothing is written back. It is
-            # still called once, as in every sync: the replica group's other ranks wait on it.
-            self._manager.report_error(err)
-            if ex is not None and "voted" not in commit:  # (its all-reduces ran: ex.wait())
-                unfilled = any(c.status == "failed" for c in ex.events_for(
-                    [f"allreduce:b{k}" for k in range(len(buckets))]))
-                vote(self._manager, commit["errored_at_start"] or unfilled, device, link)
-            self._manager.should_commit()
+            self._after_failure(err, ex, buckets, device, link, commit)
         finally:
-            if ex is not None:
+            if ex is not None and ex.done():  # (not after a second Ctrl-C: it goes on)
                 self.last_trace = ex.trace
         return bool(commit.get("decided"))
+
+    def _after_failure(self, err: BaseException, ex: Any, buckets: tuple[Bucket, ...],
+                       device: torch.device, link: Link, commit: dict[str, bool]) -> None:
+        """What a failed sync owes torchft and its peers; raises ``err`` unless torchft's
+        error path took it (reported: this replica group rejects the sync)."""
+        if commit.get("decided"):
+            # A write-back failed after the commit (in practice a device
+            # that has gone bad): buckets written so far hold the
+            # average, the rest the local values. Nothing can undo
+            # that; tell torchft, so that this replica group's next
+            # should_commit() is False, and raise.
+            self._manager.report_error(err)
+            err.add_note(
+                "pipeoff: a write-back failed after the quorum committed; this "
+                "replica's parameters are partly averaged. Restart it so that "
+                "torchft heals it from a peer."
+            )
+            raise err
+        if "called" in commit:
+            raise err  # should_commit itself failed
+        # torchft's error path: after report_error this replica group's
+        # should_commit() is False, so nothing is written back. It is
+        # still called once, as in every sync: the replica group's other ranks wait on it.
+        self._manager.report_error(err)
+        if ex is not None and "voted" not in commit:  # (its all-reduces ran: ex.wait())
+            unfilled = any(c.status == "failed" for c in ex.events_for(
+                [f"allreduce:b{k}" for k in range(len(buckets))]))
+            vote(self._manager, commit["errored_at_start"] or unfilled, device, link)
+        self._manager.should_commit()
 
     def _build_graph(
         self,
@@ -491,25 +501,36 @@ def _write_back_slice(
     dst.copy_(src, non_blocking=cuda)
 
 
-def _sync_ends_first(ex: Any, err: KeyboardInterrupt, commit: dict[str, bool]) -> None:
+def _sync_ends_first(ex: Any) -> BaseException | None:
     """A Ctrl-C in the caller's wait for a sync: the sync runs on (its decide task votes,
-    its write-back writes the parameters) to its end, then ``err`` is passed on, with a
-    note saying whether it committed.
+    its write-back writes the parameters) to its end before the interrupt is passed on;
+    returns its failure, if any.
 
     Hazard: the caller handling the interrupt (saving a checkpoint) while the write-back
     still writes the parameters: a partly averaged model.
+
+    Raises:
+        KeyboardInterrupt: a second Ctrl-C while waiting (noted: the sync goes on).
     """
     try:
-        failure = settle(ex)
+        return settle(ex)
     except KeyboardInterrupt as again:
         again.add_note("pipeoff: interrupted again while the sync ran to its end: it goes "
                        "on in the background, and may still be writing the parameters")
         raise
-    if failure is not None:
-        what = f"failed ({type(failure).__name__}: {failure})"
+
+
+def _ended_note(failure: BaseException | None, commit: dict[str, bool]) -> str:
+    """The note on a Ctrl-C passed on once its sync ended: how it ended."""
+    if failure is None:
+        what = ("committed: the parameters hold the average" if commit.get("decided") else
+                "did not commit: the parameters are this replica's own")
     elif commit.get("decided"):
-        what = "committed: the parameters hold the average"
+        what = (f"committed, then a write-back failed ({type(failure).__name__}: {failure}): "
+                "the parameters are partly averaged; restart this replica so that torchft "
+                "heals it from a peer")
     else:
-        what = "did not commit: the parameters are this replica's own"
-    err.add_note(f"pipeoff: the sync in progress ran to its end before this interrupt was "
-                 f"passed on; it {what}")
+        what = (f"failed ({type(failure).__name__}: {failure}) and did not commit: the "
+                "parameters are this replica's own")
+    return ("pipeoff: the sync in progress ran to its end before this interrupt was passed "
+            f"on; it {what}")

@@ -414,7 +414,9 @@ class ForwardWaits:
         """The read guard saw ``func`` called eagerly: wait for the pending parameters it takes."""
         name = getattr(func, "__name__", "")
         if name == "backward" and not self.writes_only:
-            self.before_backward()  # (Tensor.backward, torch.autograd.backward)
+            # (Tensor.backward; torch.autograd.backward where torch hands it to modes,
+            # as 2.13 does: an older torch's does not come here, attach() does)
+            self.before_backward()
         if self.writes_only:
             tensors: Iterable[Any] = _written_by(func, name, args, kwargs)
         elif name in ("__get__", "__set__"):

@@ -191,7 +191,8 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         _compat.init_optimizer_hooks(self)
         self._inflight: Step | None = None
-        report_unraised_at_exit(self, "_inflight", "OffloadOptimizer")
+        report_unraised_at_exit(self, lambda o: o._inflight and o._inflight.execution,
+                                "OffloadOptimizer")
         self._last: Execution | None = None
         self._last_waits: list[tuple[str, int, int]] = []
         self._health = Health()  # what a failed step left (torn: partly stepped)

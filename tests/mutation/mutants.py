@@ -856,9 +856,9 @@ SPECULATIVE = (
                "the graph and its saved activations stay alive through the retry"),
     Mutant(
         name="r88:local-sgd-ctrl-c-skips-the-vote", file="pipeoff/ft/_local_sgd.py",
-        old="            if ex is not None and \"voted\" not in commit and "
+        old="            elif ex is not None and \"voted\" not in commit and "
             "is_failure_of(err, ex):\n",
-        new="            if False:\n",
+        new="            elif False:\n",
         tests=("tests/ft/test_peer_failed.py::test_ctrl_c_in_a_sync_still_lets_the_peer_"
                "commit",),
         hazard="Ctrl-C in a LocalSGD sync's task (the synchronous schedule's all-reduce "
@@ -1156,10 +1156,8 @@ SPECULATIVE = (
     Mutant(
         name="r121:backward-starts-without-the-bucket-views-chunks",
         file="pipeoff/optim/_waits.py",
-        old=("        if name == \"backward\" and not self.writes_only:\n"
-             "            self.before_backward()"),
-        new=("        if name == \"backward\" and not self.writes_only:\n"
-             "            pass"),
+        old="            self.before_backward()\n        if self.writes_only:",
+        new="            pass\n        if self.writes_only:",
         tests=("tests/optim/test_overlap_ddp.py::test_an_unused_modules_gradients_in_ddps_"
                "buckets_are_read_before_the_next_backward[1.0-False-True]",
                "tests/optim/test_overlap_ddp.py::test_gradients_in_a_bucket_on_a_cuda_device"
@@ -1224,6 +1222,16 @@ SPECULATIVE = (
                "every_rank",),
         hazard="a rank asking for 'auto' agrees while another is in the plan check: the "
                "collectives meet each other and both ranks block until the group's timeout"),
+    Mutant(
+        name="r128:local-sgd-ctrl-c-drops-a-failed-syncs-recovery",
+        file="pipeoff/ft/_local_sgd.py",
+        old="                        self._after_failure(failure, ex, buckets, device, link, "
+            "commit)\n",
+        new="                        pass\n",
+        tests=("tests/ft/test_peer_failed.py::test_ctrl_c_in_a_pipelined_local_sgd_sync_is_"
+               "passed_on_once_the_sync_has_ended[fails]",),
+        hazard="a sync that failed after a Ctrl-C in the caller's wait is not reported to "
+               "torchft: a partly averaged replica commits at its next sync"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -77,7 +77,8 @@ class Lifecycle:
         """The micro-step whose backward is running (or whose end is deferred)."""
         self.inflight: Accumulation | None = None
         """The step in flight (``STEPPING``): from ``step()`` until :meth:`wait_step`."""
-        report_unraised_at_exit(self, "inflight", "FullOffloadOptimizer")
+        report_unraised_at_exit(self, lambda lc: lc.inflight and lc.inflight.execution,
+                                "FullOffloadOptimizer")
         self.ended: Accumulation | None = None
         """The step that ended, until the optimizer takes its traces (whoever waited)."""
         self.last_norm: torch.Tensor | None = None
@@ -85,8 +86,7 @@ class Lifecycle:
         self.grads = LoopGrads(self, config.overlap)
         """The placeholders the loop sees in ``param.grad`` (the host sums, see
         ``_grads.py``): in from the end of each backward, out at the next forward."""
-        self.ddp: Any = (None if registry.model is None else
-                         _compat.data_parallel(registry.model))
+        self.ddp: Any = None if registry.model is None else _compat.data_parallel(registry.model)
         """The ``DistributedDataParallel`` around the model, or ``None``. Under one, the
         gradients stay in ``param.grad`` (the wrapper reduces and accumulates them
         there) and a final micro-step takes them at the end of its backward."""
