@@ -539,12 +539,37 @@ def test_a_ctrl_c_inside_the_device_part_is_passed_on_after_it(
         assert torch.equal(p, q)
 
 
+def _second_step_interrupted(models: tuple[torch.nn.Module, torch.nn.Module],
+                             opts: tuple[Any, Any], x: torch.Tensor, armed: list[bool],
+                             check: Callable[[Any, KeyboardInterrupt], None],
+                             around: Callable[[], Any] = contextlib.nullcontext) -> None:
+    """Three steps of ``opts[0]`` on ``models[0]`` beside ``opts[1]`` on ``models[1]`` (a
+    copy), the second ``step()`` of the first with ``armed`` set (the test's SIGINT raised
+    inside it) and the interrupt handed to ``check``; the run ends bitwise the second's."""
+    opt = opts[0]
+    for k in range(3):
+        for m, o in zip(models, opts, strict=True):
+            m(x).float().pow(2).mean().backward()
+            if o is opt and k == 1:
+                armed[:] = [True]
+                with around(), pytest.raises(KeyboardInterrupt) as info:
+                    o.step()
+                assert not armed  # (it came inside the step)
+                check(o, info.value)
+            else:
+                o.step()
+            o.zero_grad()
+    for o in opts:
+        getattr(o, "wait_for_step", lambda: None)()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def _interrupted_at_the_second_step(fraction: float, overlap: str, armed: list[bool],
                                     note: str, around: Callable[[], Any] = contextlib.nullcontext
                                     ) -> None:
-    """Three steps of a full-offload SGD, the second ``step()`` with ``armed`` set (the
-    test's SIGINT raised inside it) and passed on with ``note``; the run ends bitwise
-    the same optimizer's uninterrupted run at fraction 1."""
+    """A full-offload SGD interrupted at its second step (:func:`_second_step_interrupted`),
+    passed on with ``note``; bitwise the same optimizer's uninterrupted run at fraction 1."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]).to(torch.bfloat16)
     ref_model = copy.deepcopy(model)
@@ -552,22 +577,12 @@ def _interrupted_at_the_second_step(fraction: float, overlap: str, armed: list[b
     opt = FullOffloadOptimizer(model, torch.optim.SGD, overlap=overlap,
                                offload_fraction=fraction, **kw)
     ref = FullOffloadOptimizer(ref_model, torch.optim.SGD, overlap="none", **kw)
-    x = torch.randn(4, 8).to(torch.bfloat16)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).float().pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed[:] = [True]
-                with around(), pytest.raises(KeyboardInterrupt) as info:
-                    o.step()
-                assert not armed  # (it was raised)
-                assert any(note in n for n in info.value.__notes__)
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+
+    def check(o: Any, interrupt: KeyboardInterrupt) -> None:
+        assert any(note in n for n in interrupt.__notes__)
+
+    _second_step_interrupted((model, ref_model), (opt, ref),
+                             torch.randn(4, 8).to(torch.bfloat16), armed, check, around)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
@@ -625,9 +640,8 @@ def test_a_ctrl_c_while_step_takes_the_placeholders_out_is_held_back(overlap: st
 def _offload_adamw_interrupted_at_the_second_step(
         armed: list[bool], check: Callable[[OffloadOptimizer, KeyboardInterrupt], None],
         **kw: Any) -> None:
-    """Three steps of an ``OffloadOptimizer`` over AdamW (``kw`` its arguments), the
-    second ``step()`` with ``armed`` set (the test's SIGINT raised inside it) and the
-    interrupt handed to ``check``; the run ends bitwise torch's AdamW."""
+    """An ``OffloadOptimizer`` over AdamW (``kw`` its arguments) interrupted at its second
+    step (:func:`_second_step_interrupted`); bitwise torch's AdamW."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
     ref_model = copy.deepcopy(model)
@@ -636,22 +650,7 @@ def _offload_adamw_interrupted_at_the_second_step(
     if kw.get("mode") == "overlap":
         opt.attach(model)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=0.1)
-    x = torch.randn(4, 8)
-    for k in range(3):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).pow(2).mean().backward()
-            if o is opt and k == 1:
-                armed.append(True)
-                with pytest.raises(KeyboardInterrupt) as info:
-                    o.step()
-                assert not armed  # it came inside the step
-                check(opt, info.value)
-            else:
-                o.step()
-            o.zero_grad()
-    opt.wait_for_step()
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    _second_step_interrupted((model, ref_model), (opt, ref), torch.randn(4, 8), armed, check)
 
 
 @pytest.mark.parametrize("mode", ["chunked", "overlap"])
