@@ -4,6 +4,7 @@ import threading
 import time
 import traceback
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -430,16 +431,36 @@ def test_an_idle_lane_keeps_nothing_of_its_last_execution() -> None:
 
     held = Held()
     ref = weakref.ref(held)
+    ran = threading.Event()
+    parked = threading.Event()
+
+    class Watched:
+        """The lane's queue, telling when the lane asks it for the batch after ours."""
+
+        def __init__(self, q: Any) -> None:
+            self._q = q
+
+        def put(self, items: Any) -> None:
+            self._q.put(items)
+
+        def get(self) -> Any:
+            if ran.is_set():
+                parked.set()
+            return self._q.get()
+
+    first = TaskGraph()
+    first.add_task("t", TaskKind.HOST, lambda ctx: None, lane="issue37-idle")
+    pipeoff.execute(first, backend="threads").wait(timeout=30)
+    (worker,) = threads._lanes["issue37-idle"]
+    worker._q = Watched(worker._q)  # type: ignore[assignment]
     g = TaskGraph()
-    g.add_task("t", TaskKind.HOST, lambda ctx, h=held: None, lane="issue37-idle")
+    g.add_task("t", TaskKind.HOST, lambda ctx, h=held: ran.set(), lane="issue37-idle")
     ex = pipeoff.execute(g, backend="threads")
     ex.wait(timeout=30)
     del ex, g, held
-    (worker,) = threads._lanes["issue37-idle"]
-    # Parked again (waiting for items): what it keeps while idle, it keeps for good.
-    deadline = time.monotonic() + 30
-    while not worker._cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        time.sleep(0.001)
+    # Parked again (waiting for the next batch): what it keeps while idle, it keeps
+    # for good.
+    assert parked.wait(30)
     gc.collect()
     assert ref() is None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,6 +82,49 @@ def test_a_ctrl_c_inside_a_gates_opening_leaves_the_gates_working() -> None:
             break
         assert _completes(lambda: gates.open(1, None, None)), f"gates blocked (event {k})"
         assert _completes(lambda: gates.wait([1])), f"a lane's wait blocked (event {k})"
+    assert k > 1
+
+
+def _queued(worker: threads._LaneWorker) -> int:
+    """How many batches (or items) wait in the lane's queue."""
+    q: Any = worker._q
+    return q.qsize() if hasattr(q, "qsize") else len(q)
+
+
+def test_a_ctrl_c_inside_a_lane_submission_never_strands_what_it_queued() -> None:
+    """A submission cut by Ctrl-C queued its items and woke the lane, or queued
+    nothing: never the items queued with the lane asleep (they would wait for the
+    next submission, which may never come). The old notify() woke a waiter from
+    Python frames; a lane that was not parked yet masked it, so each event is cut
+    with the lane parked from the last round in all but a rare run."""
+    worker = threads._LaneWorker("test-interrupted-wakeup", 0)
+    try:
+        for k in _sweep():
+            ran = threading.Event()
+            if not _interrupted_at(k, lambda: worker.submit([ran.set])):
+                break
+            if ran.is_set() or _queued(worker):
+                assert ran.wait(_GENEROUS_S), f"queued, lane asleep (event {k})"
+        assert k > 1
+    finally:
+        _completes(lambda: worker.submit([threads._STOP]))
+
+
+def test_a_ctrl_c_inside_a_gates_opening_never_strands_a_parked_lane() -> None:
+    """A gate opened by a call that Ctrl-C cut inside its wake-up (notify_all runs
+    Python frames) still releases the lane parked on it."""
+    for k in _sweep():
+        gates = GateStates(["a"], 0, on_fail=lambda name, err: None)
+        waiter = threading.Thread(target=lambda: gates.wait([0]), daemon=True)
+        waiter.start()
+        while not gates._cond._waiters:  # type: ignore[attr-defined]  # parked on the gate
+            time.sleep(0.001)
+        if not _interrupted_at(k, lambda: gates.open(0, None, None)):
+            break
+        if gates.state_name(0) == "pending":
+            gates.open(0, None, None)  # cut before it settled: the caller opens it again
+        waiter.join(_GENEROUS_S)
+        assert not waiter.is_alive(), f"the gate is open, the lane sleeps (event {k})"
     assert k > 1
 
 

@@ -18,6 +18,8 @@ from pipeoff import _happens
 from pipeoff._errors import ConfigError
 
 PENDING, OPEN, CLOSED, FAILED = 0, 1, 2, 3
+_RECHECK_S = 0.1
+"""How often (seconds) a parked waiter looks at its gates again without a wake-up."""
 STATE_NAMES = {PENDING: "pending", OPEN: "open", CLOSED: "closed", FAILED: "failed"}
 
 
@@ -124,9 +126,15 @@ class GateStates:
                 if self.first_wait_ns[k] is None:
                     self.first_wait_ns[k] = now
             while not self._abandoned and any(state[k] == PENDING for k in ks):
-                timeout = None if deadline is None else deadline - time.monotonic()
-                if timeout is not None and timeout <= 0:
-                    return False
+                timeout = _RECHECK_S
+                if deadline is not None:
+                    timeout = min(timeout, deadline - time.monotonic())
+                    if timeout <= 0:
+                        return False
+                # Hazard: a Ctrl-C in the main thread inside notify_all() (Python
+                # frames, where CPython runs the handler) settles the gate without
+                # waking this waiter, which would sleep for good: it looks again
+                # every _RECHECK_S.
                 self._cond.wait(timeout)
         return True
 

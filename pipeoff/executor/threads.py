@@ -18,10 +18,10 @@ the first instance of each lane.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import warnings
-from collections import deque
 from typing import Any
 
 from pipeoff import _accel, _happens
@@ -58,38 +58,33 @@ class _LaneWorker:
         """The execution whose tasks this instance runs, until its last one has finished."""
         self.idle_since = time.monotonic()
         """When the last execution holding it released it."""
-        self._q: deque[Any] = deque()
-        # Hazard: a Ctrl-C in the main thread between a Condition's Python-level
-        # __enter__/__exit__ and its lock's acquire/release leaves the lock held
-        # (CPython runs handlers at those frames' eval-breaker checks), and every
-        # lane then blocks on it for good. ``with self._lock`` (the C lock) has no
-        # such window; the Condition is only waited on and notified under it.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # Hazard: a Ctrl-C in the main thread inside a submission. A Condition's
+        # enter/exit and notify() are Python frames, where CPython runs the handler:
+        # one landing there left the lock held (every lane blocked on it) or the
+        # items queued with the lane asleep (they ran only at the next submission,
+        # or never). SimpleQueue.put is one C call: the batch is queued and the
+        # lane woken, or neither.
+        self._q: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
         name = f"pipeoff-{lane}" if instance == 0 else f"pipeoff-{lane}#{instance}"
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         _exit.ensure_registered()
         self._thread.start()
 
     def submit(self, items: list[Any]) -> None:
+        """Queue ``items`` behind what is queued, as one batch (see the hazard above)."""
         _happens.release(self)  # what the submitter did comes before the items run
-        with self._lock:
-            self._q.extend(items)
-            self._cond.notify()
+        self._q.put(list(items))
 
     def _loop(self) -> None:
         _current.worker = self
-        q = self._q
         while True:
-            with self._lock:
-                while not q:
-                    self._cond.wait()
-                batch = list(q)
-                q.clear()
+            batch = self._q.get()
             _happens.acquire(self)
-            stop = any(item is _STOP for item in batch)
+            item: Any = None
+            stop = False
             for item in batch:
                 if item is _STOP:
+                    stop = True
                     break
                 self._run_item(item)
             # Hazard: an idle lane must not hold its last items. Through them it kept

@@ -1194,15 +1194,6 @@ SPECULATIVE = (
         hazard="each rank chooses offload_fraction='auto' from its own budget and rates: "
                "the plan check fails on every rank"),
     Mutant(
-        name="r125:lane-submission-through-the-condition",
-        file="pipeoff/executor/threads.py",
-        old="        with self._lock:\n            self._q.extend(items)\n",
-        new="        with self._cond:\n            self._q.extend(items)\n",
-        tests=("tests/test_lane_locks.py::test_a_ctrl_c_inside_a_lane_submission_leaves_the_"
-               "lane_running",),
-        hazard="a Ctrl-C in Condition.__exit__ on the main thread leaves the lane's lock held: "
-               "the lane and every later submission block for good"),
-    Mutant(
         name="r126:gate-opening-through-the-condition",
         file="pipeoff/executor/_gates.py",
         old=("        with self._lock:\n            if self.simulated:\n                return  # "
@@ -1232,6 +1223,24 @@ SPECULATIVE = (
                "passed_on_once_the_sync_has_ended[fails]",),
         hazard="a sync that failed after a Ctrl-C in the caller's wait is not reported to "
                "torchft: a partly averaged replica commits at its next sync"),
+    Mutant(
+        name="r129:idle-lane-keeps-its-last-batch",
+        file="pipeoff/executor/threads.py",
+        old="            del batch, item\n",
+        new="            pass\n",
+        tests=("tests/test_executor.py::test_an_idle_lane_keeps_nothing_of_its_last_execution",),
+        hazard="an idle lane keeps its last execution alive through its last batch, a process "
+               "group among what it closes over: gloo's threads outlive destroy_process_group "
+               "into interpreter finalization (issue 37)"),
+    Mutant(
+        name="r130:gate-wait-without-a-recheck",
+        file="pipeoff/executor/_gates.py",
+        old="_RECHECK_S = 0.1\n",
+        new="_RECHECK_S = 3600.0\n",
+        tests=("tests/test_lane_locks.py::test_a_ctrl_c_inside_a_gates_opening_never_strands_a_"
+               "parked_lane",),
+        hazard="a Ctrl-C inside a gate's notify_all() on the main thread settles the gate "
+               "without waking the lane parked on it: the lane sleeps for good"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
