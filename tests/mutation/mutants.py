@@ -738,8 +738,8 @@ SPECULATIVE = (
                "the state that step created under the next forward"),
     Mutant(
         name="r73:ranks-fractions-not-compared", file="pipeoff/optim/_full_offload/_auto.py",
-        old="    if most[0] != -most[1]:\n",
-        new="    if False:\n",
+        old="    if high == low:\n        return\n",
+        new="    if True:\n        return\n",
         tests=("tests/optim/test_full_offload_fsdp2.py::test_fractions_that_differ_between_"
                "ranks_are_refused_on_every_rank",),
         hazard="FSDP2 ranks given different offload fractions split differently and hang in "
@@ -1241,6 +1241,15 @@ SPECULATIVE = (
                "parked_lane",),
         hazard="a Ctrl-C inside a gate's notify_all() on the main thread settles the gate "
                "without waking the lane parked on it: the lane sleeps for good"),
+    Mutant(
+        name="r131:full-offload-auto-on-one-rank-not-checked",
+        file="pipeoff/optim/_full_offload/_auto.py",
+        old="    check_same_fraction(fraction, flat)\n    choice = full_auto(",
+        new="    choice = full_auto(",
+        tests=("tests/optim/test_full_offload_fsdp2.py::test_auto_on_one_rank_only_is_refused_"
+               "on_every_rank",),
+        hazard="FSDP2 ranks asking for 'auto' agree while the others check their fraction: "
+               "the two collectives meet, and gloo aborts the process (or the ranks hang)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

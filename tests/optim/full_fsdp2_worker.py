@@ -240,6 +240,27 @@ def refused_at_differing_fractions(rank: int, mesh: Any) -> str:
     return said
 
 
+def refused_at_auto_on_one_rank(rank: int, mesh: Any) -> str:
+    """"auto" on rank 0 and a number on rank 1: rank 0 agreed on what "auto" chooses
+    from while rank 1 checked its fraction, two collectives that met and hung. Refused
+    at construction, on both ranks; the group still works."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeoff import ConfigError
+    from pipeoff.optim import FullOffloadOptimizer
+
+    m = make_model(torch.float32)
+    fully_shard(m, mesh=mesh)
+    try:
+        FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, offload_fraction=("auto", 0.5)[rank],
+                             device_budget_bytes=(1 << 30, None)[rank])
+        said = "not refused"
+    except ConfigError as err:
+        said = str(err)
+    FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-2, offload_fraction=0.3)  # agrees
+    return said
+
+
 def foreach_weight_write(mesh: Any, refresh: bool) -> bool:
     """Whether weights halved by ``torch._foreach_mul_`` between two steps (lr 0) stay
     halved. torch 2.13's in-place foreach ops on DTensors bump no version counter,
@@ -412,6 +433,7 @@ def worker(rank: int, world: int, port: int, queue: Any) -> None:
                 out[case] = {"error": f"{type(err).__name__}: {err}"}
         out["cpu_offload_policy"] = refused_under_cpu_offload_policy(mesh)
         out["fraction_mismatch"] = refused_at_differing_fractions(rank, mesh)
+        out["auto_mismatch"] = refused_at_auto_on_one_rank(rank, mesh)
         out["foreach_write"] = {refresh: foreach_weight_write(mesh, refresh)
                                 for refresh in (False, True)}
         out["state_dict_write"] = {(how, f): state_dict_write(mesh, how, f)

@@ -154,6 +154,13 @@ def test_a_device_part_under_fsdp2_is_bitwise_the_reference(results: dict[int, d
             == [n[0] for n in results[1][case]["norms"]])
 
 
+def test_auto_on_one_rank_only_is_refused_on_every_rank(
+        results: dict[int, dict[Any, Any]]) -> None:
+    for rank in (0, 1):
+        said = results[rank]["auto_mismatch"]
+        assert "offload_fraction='auto' was given on some ranks" in said, said
+
+
 def test_auto_under_fsdp2_chooses_one_fraction_on_every_rank(
         results: dict[int, dict[Any, Any]]) -> None:
     """"auto" on sharded parameters: the ranks choose from the smallest budget (rank 1's,

@@ -232,13 +232,15 @@ def _over_mesh(values: list[float], op: Any, device: torch.device, mesh: Any) ->
     return out
 
 
-def check_same_fraction(fraction: float, params: Sequence[torch.Tensor]) -> None:
+def check_same_fraction(fraction: float | str, params: Sequence[torch.Tensor]) -> None:
     """Sharded parameters (FSDP2): every rank of their mesh must split at the same
-    numeric ``fraction``: ranks that split differently issue different norm
-    collectives, and hang. One all-reduce at construction (none without sharded
-    parameters or torch.distributed).
+    numeric ``fraction``, or every one ask for ``"auto"``: ranks that split differently
+    issue different norm collectives, and hang; ranks asking for ``"auto"`` agree on
+    what they choose from (another collective) while the others would be here. One
+    all-reduce at construction (none without sharded parameters or torch.distributed).
 
     Raises:
+        ConfigError: some ranks ask for ``"auto"``, others give a number (on every rank).
         PlanMismatchError: the ranks' fractions differ (on every rank alike).
     """
     import torch.distributed as dist
@@ -246,13 +248,25 @@ def check_same_fraction(fraction: float, params: Sequence[torch.Tensor]) -> None
     sharded = [p for p in params if _is_dtensor(p)]
     if not sharded or not dist.is_available() or not dist.is_initialized():
         return
-    most = _over_mesh([fraction, -fraction], dist.ReduceOp.MAX, local(sharded[0]).device,
+    value = _AUTO if is_auto(fraction) else float(fraction)
+    most = _over_mesh([value, -value], dist.ReduceOp.MAX, local(sharded[0]).device,
                       getattr(sharded[0], "device_mesh", None))
-    if most[0] != -most[1]:
-        raise PlanMismatchError(
-            f"offload_fraction differs between the ranks of the parameters' mesh (from "
-            f"{-most[1]:g} to {most[0]:g}); every rank must pass the same value (ranks "
-            "that split differently issue different collectives and hang)")
+    high, low = most[0], -most[1]
+    if high == low:
+        return
+    if low == _AUTO:
+        raise ConfigError(
+            "offload_fraction='auto' was given on some ranks of the parameters' mesh and a "
+            "number on others: give every rank the same offload_fraction (the ranks choose "
+            "'auto' together, from the smallest budget and the slowest rates)")
+    raise PlanMismatchError(
+        f"offload_fraction differs between the ranks of the parameters' mesh (from "
+        f"{low:g} to {high:g}); every rank must pass the same value (ranks "
+        "that split differently issue different collectives and hang)")
+
+
+_AUTO = -1.0
+"""``"auto"`` in :func:`check_same_fraction`'s all-reduce (a fraction is in [0, 1])."""
 
 
 def is_auto(fraction: Any) -> bool:
@@ -294,6 +308,9 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
                   device_budget_bytes=device_budget_bytes)  # (refuses a lone budget)
         check_same_fraction(config.offload_fraction, flat)
         return config, None, params
+    # Hazard: "auto" on some ranks only. Those would agree (a collective) while the
+    # others checked their fraction (another): the two meet, and both hang.
+    check_same_fraction(fraction, flat)
     choice = full_auto(fraction, flat, probe, config.optimizer_class, overlap=config.overlap,
                        process_group=config.process_group, chunk_numel=config.chunk_numel,
                        pin_memory=config.pin_memory, threads=config.num_threads,
