@@ -130,7 +130,8 @@ class SyncTail:
         handles: list[Any] = []
         try:
             for waits, (module, params) in zip(self.waits, self.fragments, strict=True):
-                handles += _hooks.install(waits, module, params)
+                # (The tail writes weights, never reads gradients: no wait before backward.)
+                handles += _hooks.install(waits, module, params, reads_grads=False)
         except BaseException:
             for h in handles:
                 h.remove()

@@ -45,8 +45,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def install(waits: ForwardWaits, model: torch.nn.Module,
-            params: Sequence[torch.Tensor]) -> list[Any]:
+            params: Sequence[torch.Tensor], *, reads_grads: bool = True) -> list[Any]:
     """Install the forward waits of ``params`` on ``model``; returns the hook handles.
+    ``reads_grads=False``: the steps waited for never read the parameters' gradients
+    (DiLoCo's write-back), so no backward waits for them (no hook at the forward's
+    end: under ``torch.compile``, no graph break there).
 
     Every handle is registered or none is (a failure removes those already in).
     """
@@ -76,7 +79,8 @@ def install(waits: ForwardWaits, model: torch.nn.Module,
         # Hazard: the backward after this forward writing gradients in a bucket
         # (DDP's gradient_as_bucket_view) that the step in flight still reads; the
         # read guard sees a backward call, but it may be off (read_guard=False).
-        handles.append(root.register_forward_hook(_BeforeBackward(waits)))
+        if reads_grads:
+            handles.append(root.register_forward_hook(_BeforeBackward(waits)))
         # Hazard: code torch.compile traced before these hooks existed (a warm-up
         # forward) keeps running without them, reading parameters that a step is
         # still writing.

@@ -360,6 +360,14 @@ def test_the_users_outer_optimizer_state_dict_waits_for_the_outer_step() -> None
                for k in want)
 
 
+def test_the_tails_waits_add_no_hook_at_the_forwards_end() -> None:
+    """The tail writes weights and never reads gradients: its forward waits are pre-hooks
+    only (a hook at the root forward's end is a graph break under torch.compile)."""
+    with _diloco() as (model, inner, d, _):
+        assert model[0][0]._forward_pre_hooks
+        assert not any(m._forward_hooks for m in model.modules())
+
+
 def test_a_failed_enter_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """``__enter__`` raising after the forward waits, the outer state's wrapping and the
     inner optimizer's first step hook were installed takes every one of them off again:
