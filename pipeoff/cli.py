@@ -24,6 +24,32 @@ _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 _SIZE_OPTIONS = {"chunk_bytes": "--chunk-bytes", "bucket_bytes": "--bucket-bytes",
                  "device_budget_bytes": "--device-budget"}
 """How errors about sizes name them: by the option a user typed."""
+_FEATURE_DEFAULTS = {"chunk_bytes": "1GiB", "prefetch": 2, "bucket_bytes": "256MiB",
+                     "fragment_sync_delay": 0, "seq_len": 8192, "micro_batch": 1}
+"""The defaults of ``simulate``'s options that only some features read."""
+_FEATURE_READS = {
+    "optimizer": {"chunk_bytes", "prefetch"},
+    "local-sgd": {"bucket_bytes"},
+    "diloco": {"bucket_bytes", "fragment_sync_delay", "seq_len", "micro_batch"},
+    "transfer": {"bucket_bytes"},
+    "full-offload": set(),
+    "train-step": {"seq_len", "micro_batch", "fragment_sync_delay"},
+}
+"""Which of them each feature reads (``train-step`` refuses ``--fragment-sync-delay``
+itself, with its own message)."""
+
+
+def _check_feature_options(args: argparse.Namespace) -> None:
+    """Refuse an option given a value the feature never reads: silently ignored, it
+    would print figures for another configuration than the one asked for."""
+    reads = _FEATURE_READS[args.feature]
+    for dest, default in _FEATURE_DEFAULTS.items():
+        if dest not in reads and getattr(args, dest) != default:
+            option = "--" + dest.replace("_", "-")
+            users = sorted(f for f, r in _FEATURE_READS.items() if dest in r
+                           and not (f == "train-step" and dest == "fragment_sync_delay"))
+            raise _UsageError(f"{option} does not apply to --feature {args.feature} (it is "
+                              f"read by: {', '.join(users)}); leave it out")
 
 
 def _version() -> str:
@@ -146,6 +172,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from pipeoff.sim._compare import FEATURE_SCHEDULES, SCHEDULE_NOTES, compare
     from pipeoff.trace._format import fmt_bytes
 
+    _check_feature_options(args)
     if args.feature == "train-step":
         return _cmd_train_step(args)
     if args.offload_fraction is not None or args.mfu is not None:
@@ -412,10 +439,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--preset", default="h200_pcie5", help="h200_pcie5 or cpu_here")
     sim.add_argument("--replicas", type=int,
                      help="all-reduce participants (default: 2; not with cpu_here)")
-    sim.add_argument("--chunk-bytes", default="1GiB", help="optimizer chunk (%(default)s)")
-    sim.add_argument("--prefetch", "--lookahead", dest="prefetch", type=int, default=2,
+    sim.add_argument("--chunk-bytes", default=_FEATURE_DEFAULTS["chunk_bytes"],
+                     help="optimizer chunk (%(default)s)")
+    sim.add_argument("--prefetch", "--lookahead", dest="prefetch", type=int,
+                     default=_FEATURE_DEFAULTS["prefetch"],
                      help="optimizer chunks staged ahead (--lookahead: its old name)")
-    sim.add_argument("--bucket-bytes", default="256MiB",
+    sim.add_argument("--bucket-bytes", default=_FEATURE_DEFAULTS["bucket_bytes"],
                      help="LocalSGD/DiLoCo bucket (%(default)s)")
     sim.add_argument("--device-budget", help="device staging budget (default: from the above; "
                      "for transfer, the bucket size)")
@@ -429,12 +458,15 @@ def _parser() -> argparse.ArgumentParser:
                           "default with cpu_here)")
     sim.add_argument("--no-numa-binding", action="store_true",
                      help="with the host-node model: ranks not bound to a socket")
-    sim.add_argument("--seq-len", type=_int_at_least(1), default=8192,
+    sim.add_argument("--seq-len", type=_int_at_least(1),
+                     default=_FEATURE_DEFAULTS["seq_len"],
                      help="tokens per sequence: the training compute of train-step and around "
                           "a DiLoCo sync (default: %(default)s)")
-    sim.add_argument("--micro-batch", type=_int_at_least(1), default=1,
+    sim.add_argument("--micro-batch", type=_int_at_least(1),
+                     default=_FEATURE_DEFAULTS["micro_batch"],
                      help="sequences per rank per step (default: %(default)s)")
-    sim.add_argument("--fragment-sync-delay", type=_int_at_least(0), default=0,
+    sim.add_argument("--fragment-sync-delay", type=_int_at_least(0),
+                     default=_FEATURE_DEFAULTS["fragment_sync_delay"],
                      help="DiLoCo: inner steps between a sync's preparation and its "
                           "decision (default: %(default)s)")
     sim.add_argument("--offload-fraction",

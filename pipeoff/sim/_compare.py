@@ -205,6 +205,10 @@ def compare(
     known = FEATURE_SCHEDULES[feature]
     if not schedules:
         raise ConfigError(f"no schedule given; known for {feature}: {', '.join(known)}")
+    twice = sorted({s for s in schedules if list(schedules).count(s) > 1})
+    if twice:
+        raise ConfigError(f"schedules names {', '.join(twice)} more than once (one row each); "
+                          "give each schedule once")
     check_int("prefetch", prefetch, as_bound=True)
     names = {**_NAMES, **(names or {})}
     if feature == "optimizer" and set(schedules) - {"single_pass"}:
