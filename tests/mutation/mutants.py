@@ -1250,6 +1250,25 @@ SPECULATIVE = (
                "on_every_rank",),
         hazard="FSDP2 ranks asking for 'auto' agree while the others check their fraction: "
                "the two collectives meet, and gloo aborts the process (or the ranks hang)"),
+    Mutant(
+        name="r132:loop-read-ends-the-accumulation-before-its-edits",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="            self.grads.withdraw(stepping=False)\n            acc = self.acc\n",
+        new="            acc = self.acc\n",
+        tests=("tests/optim/test_full_offload_clip.py::test_a_gradient_dropped_or_replaced_"
+               "before_the_loops_read_stays_so",),
+        hazard="a gradient dropped or replaced before the loop's clip call: the final "
+               "micro-step adds the replacement to the sum, and shows the dropped sum again, "
+               "which steps"),
+    Mutant(
+        name="r133:another-optimizers-groups-loaded",
+        file="pipeoff/optim/_full_offload/_checkpoint.py",
+        old="        if missing:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload.py::test_a_state_dict_of_another_optimizer_"
+               "class_is_refused",),
+        hazard="an SGD checkpoint loaded into AdamW steps on with its own betas and the "
+               "checkpoint's lr, where torch's fails at the step"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

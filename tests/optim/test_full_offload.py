@@ -487,6 +487,27 @@ def test_loading_state_from_a_plain_optimizer_takes_masters_from_the_weights() -
     assert opt.state_dict()["state"] == {}
 
 
+
+def test_a_state_dict_of_another_optimizer_class_is_refused() -> None:
+    """An SGD checkpoint loaded into FullOffloadOptimizer(AdamW): torch's AdamW loads it
+    and fails at the next step (KeyError 'betas'); this one stepped on with its own
+    betas and the checkpoint's lr (a tester's find). Refused, naming what is missing;
+    an older checkpoint without a flag torch fills in (foreach, fused...) still loads."""
+    model = make_model()
+    opt = build(model)
+    before = copy.deepcopy(opt.state_dict())
+    sgd = torch.optim.SGD(list(model.parameters()), lr=0.1, momentum=0.9)
+    with pytest.raises(ConfigError, match="param group 0 of the state dict has no 'betas', "
+                                          "'eps'.*nothing was loaded"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["lr"] == before["param_groups"][0]["lr"]
+    assert "momentum" not in opt.param_groups[0]
+    old = torch.optim.AdamW(list(model.parameters()), lr=1e-2).state_dict()
+    for group in old["param_groups"]:
+        del group["foreach"], group["fused"], group["decoupled_weight_decay"]
+    opt.load_state_dict(old)
+
+
 # -- failures ----------------------------------------------------------------------------
 
 def _micro_steps(opt: FullOffloadOptimizer, model: torch.nn.Module, step: Sequence[Any]) -> None:

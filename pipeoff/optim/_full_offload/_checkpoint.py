@@ -66,15 +66,17 @@ def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
 
 
 def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
-              state_dict: Any, others: dict[int, Mapping[str, Any]] | None = None) -> Plan:
+              state_dict: Any, others: dict[int, Mapping[str, Any]] | None = None,
+              defaults: Mapping[str, Any] | None = None) -> Plan:
     """Check ``state_dict`` against the live groups; what to load, by position. The
     entries of parameters the groups list but the registry does not hold (a device
     part) go into ``others``, by the parameter's ``id()``, checked alike.
 
     Raises:
-        ConfigError: not an optimizer state dict, groups of other sizes, state for a
-            parameter no group lists, or a state tensor of another size than its
-            parameter.
+        ConfigError: not an optimizer state dict, groups of other sizes, a group
+            without a numeric hyperparameter of ``defaults`` (another optimizer
+            class's), state for a parameter no group lists, or a state tensor of
+            another size than its parameter.
     """
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
         raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
@@ -86,6 +88,15 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
             "the state dict's param groups do not match this optimizer's: "
             f"{[len(s['params']) for s in saved_groups]} parameters per group saved, "
             f"{[len(g['params']) for g in param_groups]} here")
+    for gi, saved in enumerate(saved_groups):
+        # (Flags torch's __setstate__ fills in for older checkpoints are not asked for.)
+        missing = [k for k, v in (defaults or {}).items() if k not in saved
+                   and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)]
+        if missing:
+            raise ConfigError(
+                f"param group {gi} of the state dict has no {', '.join(map(repr, missing))}, "
+                "which this optimizer steps with (saved by another optimizer class? torch's "
+                "own would fail at its next step); nothing was loaded")
     by_id = {}
     tensor_of: dict[Any, torch.Tensor] = {}
     keys_of: dict[Any, tuple[str, ...]] = {}

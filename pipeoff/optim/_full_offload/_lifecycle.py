@@ -382,10 +382,9 @@ class Lifecycle:
         return True
 
     def finalize(self) -> Accumulation | None:
-        """End the accumulation (no backward may follow before ``step()``): launch a final
-        micro-step with no gradient of its own if no backward was the final one. Returns
-        it, or ``None`` if there is none (or, under ``overlap="backward"``, no final
-        backward: launching one would step)."""
+        """End the accumulation (no backward may follow before ``step()``), launching a final
+        micro-step of no gradient of its own if no backward was the final one; ``None``
+        without one (or, under ``overlap="backward"``, no final backward: it would step)."""
         acc = self.acc
         if acc is None:
             return None
@@ -393,6 +392,13 @@ class Lifecycle:
         if acc.final is None:
             if self.micro is not None or self.config.overlap == "backward":
                 return None
+            # Hazard: a gradient dropped or replaced (p.grad = None, = t) before this
+            # read (the loop's clip): the final micro-step took the replacement as one
+            # more gradient, and showed the dropped sum again. Edits reach the sums first.
+            self.grads.withdraw(stepping=False)
+            acc = self.acc
+            if acc is None:
+                return None  # every gradient was dropped: nothing is left to end
             self._launch_final(acc)
         return acc
 
@@ -476,10 +482,9 @@ class Lifecycle:
         self.health.dirty = None
 
     def edit_sums(self, replaced: Mapping[int, torch.Tensor], dropped: Sequence[int]) -> None:
-        """The loop put a gradient in ``param.grad`` by hand (``replaced``: flat, in the
-        parameter's memory order) or set it to ``None`` (``dropped``) after a backward:
-        the host sums (or, under ``accumulate="gpu"`` before the final micro-step, the
-        device sums) say so from now on. Runs on the caller's thread between backwards."""
+        """The loop put a gradient in ``param.grad`` by hand (``replaced``: flat, in memory
+        order) or set it to ``None`` (``dropped``) after a backward: the host sums (under
+        ``accumulate="gpu"`` before the final micro-step, the device sums) say so now."""
         acc = self.acc
         assert acc is not None
         if self.config.accumulate == "gpu" and acc.final is None:
@@ -517,8 +522,7 @@ class Lifecycle:
     # -- the step in flight --------------------------------------------------------------------
     def set_clip(self, max_norm: float, *, unbounded: bool) -> torch.Tensor | None:
         """``clip_grad_norm_()``: end the accumulation and clip its step to ``max_norm``
-        (``unbounded``: only the norm). Returns the norm, or ``None`` without one.
-        Raises ConfigError on a second call in one step."""
+        (``unbounded``: only the norm). The norm, or ``None``; ConfigError if called twice."""
         if self.acc is None:
             return None
         norm = self.current_norm("clip_grad_norm_() was called")
@@ -549,9 +553,8 @@ class Lifecycle:
         them during the final backward (``overlap="backward"``).
 
         Raises:
-            BaseException: the step's failure (its earliest micro-step's), classified
-                on :attr:`health`.
-            KeyboardInterrupt: while waiting: the step is still in flight.
+            BaseException: the step's failure (its earliest micro-step's), classified on
+                :attr:`health`; KeyboardInterrupt while waiting: the step is in flight.
         """
         acc = self.inflight
         if acc is None:
@@ -589,11 +592,8 @@ class Lifecycle:
     def writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         """The execution that writes ``param``'s master, moments and weight, and its
         tasks that do: the step in flight's, or under ``overlap="backward"`` the final
-        backward's (its chunks step before ``step()``).
-
-        Raises:
-            ConfigError: ``param`` is not one of the optimizer's parameters.
-        """
+        backward's (its chunks step before ``step()``). Raises ConfigError: ``param`` is
+        not one of the optimizer's parameters."""
         acc = self.inflight
         if acc is None and self.config.overlap == "backward" and self.phase is Phase.FINAL:
             acc = self.acc

@@ -43,6 +43,7 @@ class MastersAndCheckpoints:
     _health: Health
     last_trace: Any
     param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
 
     def wait_for_step(self) -> None:
         raise NotImplementedError
@@ -205,7 +206,8 @@ class MastersAndCheckpoints:
             if self._model_sync.follow_param_groups():
                 self._intake.ensure_hooks()
         others: dict[int, Any] = {}  # the device part's entries
-        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict, others)
+        plan = _checkpoint.plan_load(self._registry, self.param_groups, state_dict, others,
+                                     self.defaults)
         # Checked: now write. Gradients accumulated so far belong to the state
         # being replaced.
         self._lifecycle.discard("discarded", classify_final=False)
