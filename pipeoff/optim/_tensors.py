@@ -4,6 +4,7 @@ shard of a DTensor is :func:`pipeoff._compat.local_tensor`, the one helper)."""
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,13 +24,23 @@ def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
         cast.cpu().view(torch.uint8), weight.detach().cpu().view(torch.uint8)))
 
 
-def version_of(param: torch.Tensor) -> tuple[int, int]:
+def version_of(param: torch.Tensor) -> tuple[int, int, Any]:
     """The version counters of a parameter and of its local shard (a plain tensor's
-    twice). Both: an in-place op on a DTensor (``copy_``, ``clamp_``, what
-    ``model.load_state_dict`` and ``set_model_state_dict`` run) bumps the DTensor's
-    alone (torch 2.13), a write to the local shard (the optimizer's own) the shard's
-    alone."""
-    return param._version, _compat.local_tensor(param)._version
+    twice), and where that shard's data is. Both counters: an in-place op on a DTensor
+    (``copy_``, ``clamp_``, what ``model.load_state_dict`` and ``set_model_state_dict``
+    run) bumps the DTensor's alone (torch 2.13), a write to the local shard (the
+    optimizer's own) the shard's alone. The data: ``param.data = t`` (``model.to(dtype)``,
+    ``.half()``) swaps it and bumps neither (a tester's round trip through BF16 for an
+    evaluation was not seen). It is told by a weak reference to the shard's storage
+    (torch keeps one Python object per live storage): a data pointer may come back
+    after such a round trip (the allocator reuses the freed block); a dead reference
+    compares equal only to itself."""
+    local = _compat.local_tensor(param)
+    try:
+        data: Any = weakref.ref(local.untyped_storage())
+    except (RuntimeError, TypeError, NotImplementedError):  # (a subclass without storage)
+        data = None
+    return param._version, local._version, data
 
 
 def wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

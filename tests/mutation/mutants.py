@@ -1041,8 +1041,8 @@ SPECULATIVE = (
                "not in .grad: the loop's clip leaves them out of the norm, silently"),
     Mutant(
         name="r109:dtensor-writes-unseen", file="pipeoff/optim/_tensors.py",
-        old="    return param._version, _compat.local_tensor(param)._version\n",
-        new="    return 0, _compat.local_tensor(param)._version\n",
+        old="    return param._version, local._version, data\n",
+        new="    return 0, local._version, data\n",
         tests=("tests/optim/test_dtensor.py::test_full_offload_sees_weights_written_through_"
                "the_dtensor[none-1.0]",),
         hazard="a weight written through its DTensor (a model loaded under FSDP2) is not "
@@ -1269,6 +1269,16 @@ SPECULATIVE = (
                "class_is_refused",),
         hazard="an SGD checkpoint loaded into AdamW steps on with its own betas and the "
                "checkpoint's lr, where torch's fails at the step"),
+    Mutant(
+        name="r134:weight-storage-swap-unseen",
+        file="pipeoff/optim/_tensors.py",
+        old="        data: Any = weakref.ref(local.untyped_storage())\n",
+        new="        data: Any = None\n",
+        tests=("tests/optim/test_full_offload.py::test_a_round_trip_through_bf16_between_"
+               "steps_is_a_write_to_the_weights",),
+        hazard="model.to(bfloat16) and back between steps swaps the weights' data and bumps "
+               "no version counter: the next step steps the unrounded masters, not the "
+               "weights torch steps"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -508,6 +508,38 @@ def test_a_state_dict_of_another_optimizer_class_is_refused() -> None:
     opt.load_state_dict(old)
 
 
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_a_round_trip_through_bf16_between_steps_is_a_write_to_the_weights(
+        overlap: str) -> None:
+    """``model.to(bfloat16)`` for an evaluation, then back to FP32: the weights are the
+    rounded values now, as under torch (whose AdamW steps them). ``param.data = t``
+    bumps no version counter, and the allocator may hand the first cast's freed block
+    back to the second: the optimizer stepped its unrounded masters, 1e-3 off torch
+    (a tester's find). The round trip is now a write, adopted at the next step."""
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 8))
+
+    model, ref = make(), make()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(16, 64, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            m.to(torch.bfloat16)
+            with torch.no_grad():
+                m(x.bfloat16())
+            m.to(torch.float32)
+    opt.wait_for_step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 # -- failures ----------------------------------------------------------------------------
 
 def _micro_steps(opt: FullOffloadOptimizer, model: torch.nn.Module, step: Sequence[Any]) -> None:

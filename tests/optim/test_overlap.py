@@ -412,3 +412,42 @@ def test_assigning_state_waits_for_the_step_in_flight(assigned: str) -> None:
                            chunk_bytes=256)
     got = run(opt, net, True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_dtype_cast_while_a_step_is_in_flight_leaves_its_state_whole() -> None:
+    """``step()``, then ``model.to(bfloat16)`` for an evaluation and back: the cast
+    waits for the chunks writing the weights, not for their state's copies to the
+    host, which read the staging in the parameter's dtype *then* (BF16): the state
+    took garbage (exp_avg_sq negative, 2.5e38), silently (a tester's find). The copies
+    are held until the first cast has run."""
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 8))
+
+    model, ref = make(), make()
+    # (One chunk: with more, a later chunk's staging waits for an earlier held copy.)
+    opt = OffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), overlap="forward",
+                           chunk_bytes=1 << 20)
+    opt.attach(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 64, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            with pipeoff.testing.hold_task(r"d2h\d+") as release:
+                o.step()
+                o.zero_grad()
+                m.to(torch.bfloat16)  # a low-precision evaluation...
+                release.set()
+                if o is opt:
+                    opt.wait_for_step()  # (the copies run while the weights are BF16)
+                with torch.no_grad():
+                    m(x.bfloat16())
+                m.to(torch.float32)  # ...and back to training
+    opt.wait_for_step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    mine, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert all(torch.equal(mine[k][key], want[k][key])
+               for k in want for key in ("exp_avg", "exp_avg_sq"))

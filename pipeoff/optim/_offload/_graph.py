@@ -183,10 +183,10 @@ def launch(layout: Layout, inner: torch.optim.Optimizer, *, pin_memory: bool,
         if buf is None:  # nothing to copy out: the update commits
             return None, _opt_work(layout, inner, k, None, segs, present, scalars, hyper,
                                    step, cuda, done), None
-        return (_h2d_work(buf, segs, keys, present, hosts, params),
+        return (_h2d_work(buf, segs, keys, present, hosts),
                 _opt_work(layout, inner, k, buf, segs, present, scalars, hyper, step, cuda,
                           None),
-                _d2h_work(buf, segs, keys, hosts, params, done))
+                _d2h_work(buf, segs, keys, hosts, done))
 
     local = [_local(p) for p in params]
     graph, schedule = offload_step(
@@ -278,16 +278,16 @@ def _slot(ctx: TaskContext, buf: str, s: Any, j: int, n: int, dtype: torch.dtype
 
 def _h2d_work(buf: str, segs: Sequence[Any], keys: Sequence[tuple[str, ...]],
               present: dict[int, tuple[str, ...]], hosts: dict[int, dict[str, torch.Tensor]],
-              params: Sequence[torch.Tensor]) -> Callable[[TaskContext], None]:
+              ) -> Callable[[TaskContext], None]:
     def work(ctx: TaskContext) -> None:
         for s, lo, hi in segs:
-            dtype = _local(params[s.param]).dtype
             for j, k in enumerate(keys[s.param]):
                 if k in present[s.param]:
                     # Hazard: none; the source is pinned host state that only this
                     # step's own D2H (ordered after it) writes.
-                    _slot(ctx, buf, s, j, hi - lo, dtype).copy_(hosts[s.param][k][lo:hi],
-                                                                non_blocking=True)
+                    host = hosts[s.param][k]
+                    _slot(ctx, buf, s, j, hi - lo, host.dtype).copy_(host[lo:hi],
+                                                                     non_blocking=True)
     return work
 
 
@@ -340,15 +340,18 @@ def _opt_work(layout: Layout, inner: torch.optim.Optimizer, k: int, buf: str | N
 
 
 def _d2h_work(buf: str, segs: Sequence[Any], keys: Sequence[tuple[str, ...]],
-              hosts: dict[int, dict[str, torch.Tensor]], params: Sequence[torch.Tensor],
+              hosts: dict[int, dict[str, torch.Tensor]],
               commit: Callable[[], Any]) -> Callable[[TaskContext], None]:
     def work(ctx: TaskContext) -> None:
         for s, lo, hi in segs:
-            dtype = _local(params[s.param]).dtype
             for j, key in enumerate(keys[s.param]):
                 # Hazard: host readers (state_dict, the next step) see this copy
-                # only after waiting for the execution.
-                hosts[s.param][key][lo:hi].copy_(_slot(ctx, buf, s, j, hi - lo, dtype),
-                                                 non_blocking=True)
+                # only after waiting for the execution. The slot is read in the host
+                # state's dtype, the parameter's at step() (checked then): not the
+                # parameter's now, which model.to(dtype) may have changed since (its
+                # read waited for the chunk, not for this copy).
+                host = hosts[s.param][key]
+                host[lo:hi].copy_(_slot(ctx, buf, s, j, hi - lo, host.dtype),
+                                  non_blocking=True)
         commit()
     return work
