@@ -108,6 +108,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             the world, when torch.distributed is initialized), checked collectively
             here and by :meth:`verify_plan`; never inside ``step()``,
             ``load_state_dict()`` or ``add_param_group()``, which a rank may call alone.
+            An optimizer built on some ranks only needs a group of just those.
         reserve: allocate the host state of every parameter now (see
             :meth:`reserve`), rather than at the first step.
         read_guard: in ``overlap`` mode, make every eager read of a parameter
