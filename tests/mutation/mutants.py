@@ -1279,6 +1279,16 @@ SPECULATIVE = (
         hazard="model.to(bfloat16) and back between steps swaps the weights' data and bumps "
                "no version counter: the next step steps the unrounded masters, not the "
                "weights torch steps"),
+    Mutant(
+        name="r135:adamw-loads-an-adam-checkpoints-flags",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old=("        _checkpoint.as_torch_loads(self._config.optimizer_class, self.defaults,\n"
+             "                                   self.param_groups)\n"),
+        new="",
+        tests=("tests/optim/test_full_offload.py::test_an_adam_checkpoint_loads_into_adamw_as_"
+               "torchs_does",),
+        hazard="an Adam checkpoint loaded into AdamW keeps decoupled_weight_decay=False: the "
+               "step decays as Adam's L2 term where torch's AdamW decouples it"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

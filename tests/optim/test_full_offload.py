@@ -509,6 +509,37 @@ def test_a_state_dict_of_another_optimizer_class_is_refused() -> None:
 
 
 
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_an_adam_checkpoint_loads_into_adamw_as_torchs_does(fraction: float) -> None:
+    """torch's AdamW forces decoupled_weight_decay=True over an Adam checkpoint's False
+    when it loads it (its __setstate__); kept, the step decayed as Adam's L2 term, 2.5e-2
+    off torch (a tester's find). The loaded groups are torch's, and so are the steps."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    adam = torch.optim.Adam(src.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        src(x).pow(2).mean().backward()
+        adam.step()
+        adam.zero_grad()
+    runs = []
+    for ours in (False, True):
+        m = copy.deepcopy(src)
+        opt: Any = (FullOffloadOptimizer(m, torch.optim.AdamW, lr=1e-3, offload_fraction=fraction)
+                    if ours else torch.optim.AdamW(m.parameters(), lr=1e-3))
+        opt.load_state_dict(copy.deepcopy(adam.state_dict()))
+        assert opt.param_groups[0]["decoupled_weight_decay"] is True
+        for _ in range(2):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if ours:
+            opt.wait_for_step()
+        runs.append(list(m.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("overlap", ["none", "forward"])
 def test_a_round_trip_through_bf16_between_steps_is_a_write_to_the_weights(
         overlap: str) -> None:

@@ -206,6 +206,21 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
     return foreign
 
 
+def as_torch_loads(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any],
+                   param_groups: Sequence[dict[str, Any]]) -> None:
+    """Fill in and force the loaded groups' flags as the class's own ``load_state_dict``
+    does (its ``__setstate__``): AdamW sets ``decoupled_weight_decay=True`` over an Adam
+    checkpoint's ``False`` (kept, it stepped Adam's L2 decay: 2.5e-2 off torch, a
+    tester's find), Adam fills in the flags an older checkpoint lacks. Run on a bare
+    instance holding copies of the groups (no parameters, no state)."""
+    bare = optimizer_class.__new__(optimizer_class)
+    bare.__dict__["defaults"] = dict(defaults)
+    groups = [{**g, "params": []} for g in param_groups]
+    bare.__setstate__({"state": {}, "param_groups": groups})
+    for g, done in zip(param_groups, bare.param_groups):
+        g.update({k: v for k, v in done.items() if k != "params"})
+
+
 def written_since(rec: Any) -> bool:
     """Whether ``rec``'s weight was written since this optimizer last wrote it: its
     version counters moved, or it is not its master's cast (a copy to the host)."""

@@ -211,7 +211,8 @@ class LoopGrads:
             everything = len(dropped) == len(out) and not (replaced or arriving)
             checked: dict[tuple[bool, int], torch.Tensor] = {}
             if dropped or replaced:
-                self._refuse_late("set to None" if everything else "replaced")
+                self._refuse_late("set to None" if not replaced else
+                                  "replaced" if not dropped else "replaced or set to None")
                 if clips and not everything:
                     raise ConfigError(
                         f"param.grad of {[slots[k].rec.name for k in [*dropped, *replaced]][:4]} "

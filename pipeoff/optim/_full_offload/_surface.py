@@ -23,6 +23,7 @@ from pipeoff.optim._offloaded import fires_load_state_dict_hooks, fires_state_di
 
 if TYPE_CHECKING:
     from pipeoff._contract import Health
+    from pipeoff.optim._full_offload._config import FullOffloadConfig
     from pipeoff.optim._full_offload._fraction import FractionLifecycle
     from pipeoff.optim._full_offload._intake import GradientIntake
     from pipeoff.optim._full_offload._model_sync import ModelSync
@@ -44,6 +45,7 @@ class MastersAndCheckpoints:
     last_trace: Any
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
+    _config: FullOffloadConfig
 
     def wait_for_step(self) -> None:
         raise NotImplementedError
@@ -214,6 +216,8 @@ class MastersAndCheckpoints:
         self._model_sync.accel_sync()
         foreign = _checkpoint.load(self._registry, self.param_groups,
                                    state_dict["param_groups"], plan)
+        _checkpoint.as_torch_loads(self._config.optimizer_class, self.defaults,
+                                   self.param_groups)
         foreign += self._lifecycle.part.load(others, self.param_groups)
         if foreign:
             warnings.warn(_checkpoint.foreign_masters_message(foreign), RuntimeWarning,
