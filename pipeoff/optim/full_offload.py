@@ -1,12 +1,10 @@
 """FullOffloadOptimizer: gradients, FP32 masters and optimizer state in host memory.
 
-The full-offload half of prime-rl #4221 (``../shared/REFERENCE.md`` §3, §5).
-Only the compute weights (BF16, say) stay on the device. Each gradient goes to
-the host as autograd finalizes it, is folded into an FP32 accumulator there,
-and the wrapped optimizer's own CPU kernels step FP32 masters in chunks; the
-masters, cast to the compute dtype, go back to the device.
-
-This class is the thin orchestrator; its parts are in ``pipeoff/optim/_full_offload/``.
+The full-offload half of prime-rl #4221 (``../shared/REFERENCE.md`` §3, §5). Only the
+compute weights stay on the device. Each gradient goes to the host as autograd finalizes
+it and is folded into an FP32 accumulator; the optimizer's CPU kernels step FP32 masters
+in chunks, whose casts go back to the device. This class is the thin orchestrator; its
+parts are in ``pipeoff/optim/_full_offload/``.
 """
 
 from __future__ import annotations
@@ -377,8 +375,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         step = self._steps_called
         start = time.perf_counter_ns()
         handed = self._handed_over
-        # The training thread's "step N" span while a region is recorded.
-        with torch.no_grad(), train_span("step", step):
+        with torch.no_grad(), train_span("step", step):  # (while a region is recorded)
             try:
                 # A Ctrl-C held back (the device part, the withdraw), passed on after.
                 with self._lifecycle.part.interrupt.passed_on(
@@ -401,8 +398,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         _intake.at_step(self._intake)
         micro = self._lifecycle
         if micro.phase is Phase.IDLE:
-            # A failure that stepped nothing and surfaced after step() returned:
-            # refused until zero_grad(), also without new gradients.
+            # A failure that stepped nothing, surfaced after step(): refused until zero_grad().
             self._health.check_dirty("step()")
             if not micro.begin_from_params():
                 return None  # no gradient at all: nothing steps, as in torch
@@ -419,15 +415,21 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         if micro.acc is None:
             return None  # every gradient was dropped (model.zero_grad()): nothing steps
         hyper = capture_hyper(self.param_groups)
-        acc = micro.hand_over(hyper, edits)
-        self._handed_over += 1
-        if self.overlap == "backward" and not same_hyper(hyper, acc.hyper):
+        # Hazard: a Ctrl-C between the hand-over (chunks launched) and the forward waits'
+        # start: the next forward read stale weights (a tester's find). Held; passed on.
+        with micro.part.interrupt.hold():
+            acc = micro.hand_over(hyper, edits)
+            self._handed_over += 1
+            changed = self.overlap == "backward" and not same_hyper(hyper, acc.hyper)
+            asynchronous = not changed and self._asynchronous()
+            if asynchronous:
+                self._traces.begin(acc, self._registry.device)
+        if changed:
             self.wait_for_step()
             raise ConfigError(_common.HYPER_CHANGED)
-        if not self._asynchronous():
+        if not asynchronous:
             self._wait_synchronously()
             return None
-        self._traces.begin(acc, self._registry.device)
         if NORM_ALLREDUCE in acc.execution.plan.order:
             # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
             # the caller's next collectives (FSDP2's all-gathers in the next
@@ -436,16 +438,14 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                 settle(acc.execution, NORM_ALLREDUCE, timeout=self.timeout)
             except BaseException as err:
                 err.add_note("pipeoff: interrupted while waiting for the clipping norm's "
-                             "all-reduce; the step goes on (the forward waits for its "
-                             "weights) and must not be repeated. Call wait_for_step() to "
-                             "wait for it.")
+                             "all-reduce; the step goes on (the forward waits for its weights) "
+                             "and must not be repeated. Call wait_for_step() to wait for it.")
                 raise
         return None
 
     def _asynchronous(self) -> bool:
         """Whether ``step()`` returns with the step in flight (forward hooks wait)."""
-        if not (self.overlap == "forward" or (
-                self.overlap == "backward" and self._attached is not None)):
+        if self.overlap == "none" or self.overlap == "backward" and self._attached is None:
             return False
         if self._attached is None and self.model is not None and _compat.runs_compiled(
                 self.model):

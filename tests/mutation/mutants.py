@@ -1289,6 +1289,15 @@ SPECULATIVE = (
                "torchs_does",),
         hazard="an Adam checkpoint loaded into AdamW keeps decoupled_weight_decay=False: the "
                "step decays as Adam's L2 term where torch's AdamW decouples it"),
+    Mutant(
+        name="r136:ctrl-c-before-the-forward-waits-begin",
+        file="pipeoff/optim/full_offload.py",
+        old="        with micro.part.interrupt.hold():\n",
+        new="        if True:\n",
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_as_step_begins_the_forward_"
+               "waits_is_held_until_they_have",),
+        hazard="a Ctrl-C in step() after the chunks launched and before the forward waits "
+               "began: no note, and the next forward reads weights the step still writes"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -22,7 +23,7 @@ from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from pipeoff.optim._full_offload._lifecycle import Lifecycle
 from pipeoff.transfer import LiveTensor, StateTransfer
 from tests._interrupts import no_collection
-from tests._stacks import install, stack_of, waiting_in
+from tests._stacks import install, release_when_waiting, stack_of, waiting_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:pipeoff. pinned host memory")
 
@@ -721,3 +722,47 @@ def test_a_ctrl_c_outside_the_holds_says_whether_the_step_was_launched(
 
     monkeypatch.setattr(_offloaded, "with_step_hooks", with_step_hooks)
     _offload_adamw_interrupted_at_the_second_step(armed, check, mode="overlap")
+
+
+def test_a_ctrl_c_as_step_begins_the_forward_waits_is_held_until_they_have() -> None:
+    """A SIGINT landing in step() after the hand-over (the chunks launched) and before
+    the next forward's waits began: it came out of step() with no note, and the next
+    forward read the weights the step was still writing (a tester's find). It is held
+    and passed on after, with the note; the forward waits. A real signal, raised at the
+    first line of ForwardWaits.begin (its handler runs at the next bytecode)."""
+    from pipeoff.optim import _waits
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="forward")
+    x = torch.randn(8, 64)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_step()
+    fired: list[int] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is _waits.ForwardWaits.begin.__code__ and not fired:
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)
+        return None
+
+    model(x).pow(2).mean().backward()
+    with pt.hold_task(r"h2d.*") as release:  # the weights' copies wait for the forward
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                opt.step()
+        finally:
+            sys.settrace(None)
+        assert fired
+        assert "must not be repeated" in "".join(getattr(info.value, "__notes__", []))
+        opt.zero_grad()
+        watcher = release_when_waiting(release, "wait_for")
+        with torch.no_grad():
+            during = model(x)  # waits for the step's weights
+        watcher.join()
+    opt.wait_for_step()
+    with torch.no_grad():
+        assert torch.equal(during, model(x))
