@@ -415,10 +415,10 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         if micro.acc is None:
             return None  # every gradient was dropped (model.zero_grad()): nothing steps
         hyper = capture_hyper(self.param_groups)
+        acc = micro.hand_over(hyper, edits)  # (its waits stay interruptible)
         # Hazard: a Ctrl-C between the hand-over (chunks launched) and the forward waits'
         # start: the next forward read stale weights (a tester's find). Held; passed on.
         with micro.part.interrupt.hold():
-            acc = micro.hand_over(hyper, edits)
             self._handed_over += 1
             changed = self.overlap == "backward" and not same_hyper(hyper, acc.hyper)
             asynchronous = not changed and self._asynchronous()
