@@ -1298,6 +1298,24 @@ SPECULATIVE = (
                "waits_is_held_until_they_have",),
         hazard="a Ctrl-C in step() after the chunks launched and before the forward waits "
                "began: no note, and the next forward reads weights the step still writes"),
+    Mutant(
+        name="r137:known-final-norm-misses-the-loops-edits",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="        if acc.final is None or self.grads.edited():\n",
+        new="        if acc.final is None:\n",
+        tests=("tests/optim/test_full_offload_clip.py::test_grad_norm_after_a_known_final_"
+               "backward_counts_the_loops_edits",),
+        hazard="opt.grad_norm after a known-final backward and a gradient dropped or "
+               "replaced: the norm from before the edit (a dropped NaN skips the step)"),
+    Mutant(
+        name="r138:edited-gradients-not-normed-again",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="            acc.final.lanes.renorm(acc.results, [*replaced, *dropped])\n",
+        new="            pass\n",
+        tests=("tests/optim/test_full_offload_clip.py::test_grad_norm_after_a_known_final_"
+               "backward_counts_the_loops_edits",),
+        hazard="the final fold's norms kept for gradients the loop replaced or dropped "
+               "after it: grad_norm from before the edit"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

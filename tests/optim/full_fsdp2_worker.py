@@ -33,6 +33,16 @@ def local(t: Any) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def global_norm(masters: list[torch.Tensor]) -> torch.Tensor:
+    """The global norm over the ranks' shards: the norm of each local sum, the local
+    total, then one all-reduced square."""
+    local_total = torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(m.grad, 2.0) for m in masters if m.grad is not None]), 2.0)
+    sq = local_total.double() ** 2
+    dist.all_reduce(sq)
+    return sq.sqrt().float()
+
+
 def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap: str,
              fsdp_flag: bool, max_norm: float | None = None,
              loop_clip: bool = False, fraction: float | str = 1.0,
@@ -140,15 +150,14 @@ def run_case(rank: int, mesh: Any, dtype: torch.dtype, accumulate: str, overlap:
                 m.grad = local(d.grad)
             got = torch.nn.utils.clip_grad_norm_(mine.parameters(), max_norm)
             norms.append((float(local(got.full_tensor())), float(local(want.full_tensor()))))
+        elif drop_first and max_norm is None:
+            # The loop reads opt.grad_norm after the drop (the skip-on-non-finite
+            # pattern): the norm of what steps. It was the final backward's, before it.
+            got = opt.grad_norm
+            assert got is not None
+            norms.append((float(global_norm(masters)), float(got)))
         elif max_norm is not None:
-            # The global norm over the ranks' shards: the norm of each local sum,
-            # the local total, then one all-reduced square.
-            local_total = torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(m.grad, 2.0) for m in masters if m.grad is not None]),
-                2.0)
-            sq = local_total.double() ** 2
-            dist.all_reduce(sq)
-            total = sq.sqrt().float()
+            total = global_norm(masters)
             # The same norm in float64 from the elements, for scale. (torch's DTensor
             # get_total_norm, a functional collective, hung now and then on gloo
             # under load after a collective issued from another thread.)

@@ -715,3 +715,48 @@ def test_a_gradient_dropped_or_replaced_before_the_loops_read_stays_so(
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
     assert sorted(opt.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["", "read-first"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("marked", ["gradient_accumulation_steps", "no_sync"])
+@pytest.mark.parametrize("edit", ["dropped", "replaced"])
+def test_grad_norm_after_a_known_final_backward_counts_the_loops_edits(
+        edit: str, marked: str, fraction: float, read_first: bool) -> None:
+    """The final backward is known (``gradient_accumulation_steps``, or ``no_sync()`` on
+    the micro-steps before it), so its norm is taken as it ends; the loop then drops or
+    replaces one gradient and reads ``opt.grad_norm``, the skip-on-non-finite pattern's
+    read. It reported the norm from before the edit (1.09 where torch's is 0.75, in a
+    tester's repro): a dropped NaN still skipped the step. (``read_first``: the norm
+    was read before the edit too; on one process a second read takes the edit.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    steps = 2 if marked == "gradient_accumulation_steps" else None
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, offload_fraction=fraction,
+                               gradient_accumulation_steps=steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        xs = [torch.randn(8, 4, generator=g) for _ in range(2)]
+        with opt.no_sync() if marked == "no_sync" else contextlib.nullcontext():
+            model(xs[0]).pow(2).mean().backward()
+        model(xs[1]).pow(2).mean().backward()
+        for x in xs:
+            ref(x).pow(2).mean().backward()
+        if read_first:
+            before = clip_grad_norm_(ref.parameters(), float("inf"), foreach=False)
+            assert torch.equal(opt.grad_norm, before)
+        for m in (model, ref):
+            ps = list(m.parameters())
+            ps[0].grad = None if edit == "dropped" else torch.full_like(ps[0], 0.25)
+        want = clip_grad_norm_(ref.parameters(), float("inf"), foreach=False)
+        got = opt.grad_norm
+        assert got is not None and torch.equal(got, want), (float(got), float(want))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    opt.wait_for_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -185,6 +186,17 @@ class Accumulation:
             if ex.events_for(h2d_task(k))[0].status == "ok":
                 out.update(id(fin.lanes.params[i].param) for i in chunk)
         return out
+
+    def edit_device_sums(self, replaced: Mapping[int, torch.Tensor],
+                         dropped: Sequence[int]) -> None:
+        """Under ``accumulate="gpu"``, before the final micro-step: gradients the loop put
+        in ``param.grad`` by hand (``replaced``) or set to ``None`` (``dropped``)."""
+        for i, t in replaced.items():
+            self.device_sums[i] = t.to(torch.float32, copy=True)
+            self.touched.add(i)
+        for i in dropped:
+            self.device_sums.pop(i, None)
+            self.touched.discard(i)
 
     def wait_norm(self, timeout: float) -> torch.Tensor | None:
         """The total gradient norm, once the final execution has computed it."""

@@ -32,7 +32,7 @@ ordering is the norm they share, and their readers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -250,7 +250,9 @@ class FractionLifecycle(Lifecycle):
             return norm
         res = acc.results
         took = self.part.take_hand_set(self.grads.device_shown())  # (this step's)
-        if self._both[0] is acc and not took:
+        # Sharded, the total is reduced over the ranks once per step. Hazard: a rank that
+        # edited a gradient joining the norm's collectives again where the others do not.
+        if self._both[0] is acc and (not took or self._sharded()):
             res.total_norm = self._both[1]
             return res.total_norm
         fin = acc.final
@@ -370,6 +372,15 @@ class FractionLifecycle(Lifecycle):
             self._open = False
             self._received = (None, set())
 
+    def edit_sums(self, replaced: Mapping[int, torch.Tensor], dropped: Sequence[int]) -> None:
+        super().edit_sums(replaced, dropped)
+        if not self._sharded():  # (the host part's norms changed: the total is taken again)
+            self._both = (None, None)
+
+    def _sharded(self) -> bool:
+        return (any(self.registry.norm_groups)
+                or any(rec.norm_key for rec in self.part.params.values()))
+
     def edit_device_sums(self, replaced: Mapping[DeviceParam, torch.Tensor],
                          dropped: list[DeviceParam]) -> None:
         """The loop put a gradient in a device-part ``param.grad`` by hand (or wrote
@@ -379,7 +390,8 @@ class FractionLifecycle(Lifecycle):
             self.part.replace(rec, t)
         for rec in dropped:
             self.part.drop(rec)
-        self._both = (None, None)  # (the total over both parts is taken again)
+        if not self._sharded():  # (the total over both parts is taken again)
+            self._both = (None, None)
 
     def writes_to(self, param: torch.Tensor) -> tuple[Execution | None, list[str]]:
         """As :class:`Lifecycle`'s; a device-part parameter is written on the caller's

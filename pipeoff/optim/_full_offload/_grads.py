@@ -158,6 +158,14 @@ class LoopGrads:
         self.acc = None
         self.showing = False
 
+    def edited(self) -> bool:
+        """Whether the loop dropped or replaced a gradient a placeholder shows (or wrote
+        through one): what :meth:`withdraw` would make the sums'."""
+        return self.showing and any(
+            s.out and (s.incoming is not None or s.rec.param.grad is not s.shown
+                       or (s.real is not None and _written(s)))
+            for s in [*self.slots.values(), *self.device_slots.values()])
+
     def withdraw(self, *, stepping: bool) -> dict[int, tuple[Edit, ...]]:
         """Take the placeholders out of ``.grad``, before a forward or at ``step()``
         (``stepping``), and make what the loop did to ``.grad`` the sums': a tensor

@@ -262,6 +262,22 @@ class LaneWork:
             if ctx.gate(PATH) == ONE_PASS:
                 return
             self.held.fold_all(res)
+        self._local_norms(res)
+
+    def renorm(self, res: LaneResults, edited: Sequence[int]) -> bool:
+        """On the caller's thread, after the ``norm`` task and before the all-reduce's
+        gate: the norms again for the gradients the loop replaced or dropped since
+        (``edited``; their sums and counts say so already). Whether the total is known
+        (``False``: the all-reduce will take it)."""
+        for i in edited:
+            if res.counts[i] > 0:
+                res.norms[i] = _accumulate.norm(self.params[i].flat_acc)
+            else:
+                res.norms.pop(i, None)
+        self._local_norms(res)
+        return not any(res.partial_norms)
+
+    def _local_norms(self, res: LaneResults) -> None:
         keys: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         for i in range(len(self.params)):
             if res.counts[i] > 0:

@@ -39,7 +39,7 @@ from pipeoff.optim._full_offload._common import (
 )
 from pipeoff.optim._full_offload._config import FullOffloadConfig
 from pipeoff.optim._full_offload._grads import LoopGrads, is_placeholder
-from pipeoff.optim._full_offload._graph import STEP
+from pipeoff.optim._full_offload._graph import NORM, STEP
 from pipeoff.optim._full_offload._lanes import LaneResults, gate_name
 from pipeoff.optim._full_offload._launcher import Launcher
 from pipeoff.optim._full_offload._param import ParamRegistry
@@ -96,8 +96,7 @@ class Lifecycle:
 
     @property
     def phase(self) -> Phase:
-        """The accumulation's phase (``IDLE`` without one; the step in flight is
-        :attr:`inflight`'s)."""
+        """The accumulation's phase (``IDLE`` without one; the step's: :attr:`inflight`)."""
         return Phase.IDLE if self.acc is None else self.acc.phase
 
     def idle(self) -> bool:
@@ -389,16 +388,20 @@ class Lifecycle:
         if acc is None:
             return None
         self.settle_deferred()
-        if acc.final is None:
-            if self.micro is not None or self.config.overlap == "backward":
-                return None
+        if acc.final is None and (self.micro is not None or self.config.overlap == "backward"):
+            return None
+        if acc.final is None or self.grads.edited():
             # Hazard: a gradient dropped or replaced (p.grad = None, = t) before this
-            # read (the loop's clip): the final micro-step took the replacement as one
-            # more gradient, and showed the dropped sum again. Edits reach the sums first.
+            # read (the loop's clip, grad_norm): the final micro-step took the replacement
+            # as one more gradient and showed the dropped sum again, or (a known-final
+            # backward's) the norm missed the edit. Edits reach the sums first.
             self.grads.withdraw(stepping=False)
             acc = self.acc
             if acc is None:
                 return None  # every gradient was dropped: nothing is left to end
+            if acc.final is not None:
+                self._show()  # (withdrawn: the loop sees the sums again)
+        if acc.final is None:
             self._launch_final(acc)
         return acc
 
@@ -488,12 +491,7 @@ class Lifecycle:
         acc = self.acc
         assert acc is not None
         if self.config.accumulate == "gpu" and acc.final is None:
-            for i, t in replaced.items():
-                acc.device_sums[i] = t.to(torch.float32, copy=True)
-                acc.touched.add(i)
-            for i in dropped:
-                acc.device_sums.pop(i, None)
-                acc.touched.discard(i)
+            acc.edit_device_sums(replaced, dropped)
             return
         # Hazard: writing a host sum (and its count) that a fold of this
         # accumulation's executions is still writing on the accumulate lane.
@@ -502,10 +500,9 @@ class Lifecycle:
                 continue
             if ms.final:
                 _one_pass.fold(acc, "a gradient was set by hand or dropped")
-                # (Sharded: the norm task ends in the all-reduce, whose gate only this
-                # thread opens; waited for without it, each rank waited for itself.)
-                self.launcher.reduce_norm(acc)
-                acc.wait_norm(self.config.timeout)  # its folds (its chunks wait for step())
+                # Its folds and each gradient's norm (its chunks wait for step()); not the
+                # all-reduce of the norms, which is to take the edits (renorm, below).
+                ms.execution.wait(NORM, timeout=self.config.timeout)
             else:
                 settle(ms.execution, timeout=self.config.timeout)
         for i, t in replaced.items():
@@ -517,7 +514,9 @@ class Lifecycle:
         for i in dropped:
             acc.results.counts[i] = 0  # (a later micro-step's gradient starts the sum again)
             acc.touched.discard(i)
-            acc.results.norms.pop(i, None)
+        if acc.final is not None and acc.final.lanes is not None:
+            # (Else grad_norm was the known-final backward's, before the edits.)
+            acc.final.lanes.renorm(acc.results, [*replaced, *dropped])
 
     # -- the step in flight --------------------------------------------------------------------
     def set_clip(self, max_norm: float, *, unbounded: bool) -> torch.Tensor | None:
