@@ -42,9 +42,20 @@ itself, with its own message)."""
 def _check_feature_options(args: argparse.Namespace) -> None:
     """Refuse an option given a value the feature never reads: silently ignored, it
     would print figures for another configuration than the one asked for."""
+    from pipeoff._errors import ConfigError
+    from pipeoff._validate import parse_bytes
+
+    def same(dest: str, value: Any, default: Any) -> bool:
+        if dest not in _SIZE_OPTIONS:
+            return bool(value == default)
+        try:  # (a size by its bytes: 1024MiB is 1GiB)
+            return parse_bytes(value) == parse_bytes(default)
+        except ConfigError:
+            return False
+
     reads = _FEATURE_READS[args.feature]
     for dest, default in _FEATURE_DEFAULTS.items():
-        if dest not in reads and getattr(args, dest) != default:
+        if dest not in reads and not same(dest, getattr(args, dest), default):
             option = "--" + dest.replace("_", "-")
             users = sorted(f for f, r in _FEATURE_READS.items() if dest in r
                            and not (f == "train-step" and dest == "fragment_sync_delay"))

@@ -330,3 +330,14 @@ def test_python_dash_m_pipeoff_is_the_command() -> None:
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "usage: pipeoff" in res.stdout and "simulate" in res.stdout
+
+
+@pytest.mark.parametrize("option", [["--chunk-bytes", "1024MiB"], ["--bucket-bytes", "268435456"]])
+def test_an_unread_size_option_at_its_default_in_other_units_is_accepted(
+        option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # The check of options a feature never reads compared their strings: the default
+    # spelled otherwise (1024MiB for 1GiB) was refused as a change.
+    from pipeoff.cli import main
+
+    assert main(["simulate", "--model", "0.6b", "--feature", "full-offload", *option]) == 0
+    capsys.readouterr()
