@@ -600,8 +600,8 @@ REVIEW = (
     Mutant(
         name="r61:grad-edit-waits-for-an-unopened-norm-all-reduce",
         file="pipeoff/optim/_full_offload/_lifecycle.py",
-        old="                self.launcher.reduce_norm(acc)\n                acc.wait_norm(",
-        new="                acc.wait_norm(",
+        old="                ms.execution.wait(NORM, timeout=self.config.timeout)\n",
+        new="                acc.wait_norm(self.config.timeout)\n",
         tests=("tests/optim/test_full_offload_fsdp2.py::test_a_device_part_under_fsdp2_is_"
                "bitwise_the_reference",),
         hazard="under FSDP2 a gradient set or dropped by the loop after the micro-steps "
