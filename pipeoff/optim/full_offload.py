@@ -409,16 +409,16 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                 self.last_trace = settled.trace
             self._health.check("step()")
         self._health.check_dirty("step()")
-        # What the loop did to param.grad (its clip call's coefficient, a gradient
-        # set by hand or dropped) becomes the host sums' before the step.
+        # The loop's edits of param.grad (its clip, a gradient set or dropped) become the sums'.
         edits = micro.grads.withdraw(stepping=True)
         if micro.acc is None:
             return None  # every gradient was dropped (model.zero_grad()): nothing steps
         hyper = capture_hyper(self.param_groups)
-        acc = micro.hand_over(hyper, edits)  # (its waits stay interruptible)
-        # Hazard: a Ctrl-C between the hand-over (chunks launched) and the forward waits'
-        # start: the next forward read stale weights (a tester's find). Held; passed on.
+        micro.prepare_hand_over()  # (its waits stay interruptible)
+        # Hazard: a Ctrl-C from the hand-over (chunks may go) to the forward waits: the step not
+        # in flight, the device part unstepped, the next forward on stale weights. Held.
         with micro.part.interrupt.hold():
+            acc = micro.hand_over(hyper, edits)
             self._handed_over += 1
             changed = self.overlap == "backward" and not same_hyper(hyper, acc.hyper)
             asynchronous = not changed and self._asynchronous()
@@ -431,9 +431,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             self._wait_synchronously()
             return None
         if NORM_ALLREDUCE in acc.execution.plan.order:
-            # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and
-            # the caller's next collectives (FSDP2's all-gathers in the next
-            # forward) issued on one process group from two threads.
+            # Hazard: the lane's all-reduce of the norm (hand_over() let it go) and the caller's
+            # next collectives (the next forward's all-gathers) on one group from two threads.
             try:
                 settle(acc.execution, NORM_ALLREDUCE, timeout=self.timeout)
             except BaseException as err:
@@ -590,6 +589,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
                                   "call step() to wait for it, or use overlap='forward' to be "
                                   "able to skip a step", RuntimeWarning, stacklevel=3)
                     self.wait_for_step()  # the step before it (one step in flight at a time)
+                    micro.prepare_hand_over()
                     micro.hand_over(None)
                     self.wait_for_step()
             micro.discard("zero_grad() discarded the micro-step", classify_final=True)

@@ -493,8 +493,8 @@ REVIEW = (
     Mutant(
         name="r24:hand-over-without-readers-wait",
         file="pipeoff/optim/_full_offload/_lifecycle.py",
-        old="            # still reads them.\n            self.readers.wait()\n",
-        new="            # still reads them.\n            pass\n",
+        old="this gate) still reads them.\n            self.readers.wait()\n",
+        new="this gate) still reads them.\n            pass\n",
         tests=("tests/optim/test_full_offload.py::test_a_transfer_between_the_final_backward_"
                "and_step_reads_the_masters_before_it",),
         hazard="step() opens the chunks' gate while a transfer launched after the marked final "
@@ -1316,6 +1316,17 @@ SPECULATIVE = (
                "backward_counts_the_loops_edits",),
         hazard="the final fold's norms kept for gradients the loop replaced or dropped "
                "after it: grad_norm from before the edit"),
+    Mutant(
+        name="r139:ctrl-c-inside-the-hand-over",
+        file="pipeoff/optim/full_offload.py",
+        old=("        with micro.part.interrupt.hold():\n"
+             "            acc = micro.hand_over(hyper, edits)\n"),
+        new=("        acc = micro.hand_over(hyper, edits)\n"
+             "        with micro.part.interrupt.hold():\n"),
+        tests=("tests/optim/test_interrupts.py::test_a_ctrl_c_inside_the_hand_over_once_the_"
+               "chunks_may_go_is_held",),
+        hazard="a Ctrl-C in the hand-over once the chunks may go: with a device part, its "
+               "step skipped (weights off torch, no error) or the step reported torn"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -364,6 +364,12 @@ HYPER_CHANGED = (
     "used those); change hyperparameters (an LR scheduler's step()) after opt.step()")
 """Why a step under ``overlap="backward"`` refuses hyperparameters edited late."""
 
+CLIPPED_TWICE = (
+    "clip_grad_norm_() was called twice in one step: the clipping happens in the step, once "
+    "(torch would clip the clipped gradients again); call it once between the last backward "
+    "and step()")
+"""Why a second ``clip_grad_norm_()`` in one step is refused."""
+
 
 def checked_gradient(rec: OffloadedParam, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` flat in ``rec``'s memory order.

@@ -271,6 +271,19 @@ class FractionLifecycle(Lifecycle):
         self._both = (acc, res.total_norm)
         return res.total_norm
 
+    def prepare_hand_over(self) -> None:
+        """As :class:`Lifecycle`'s, after the norm over both parts (its waits)."""
+        acc = self.acc
+        if self.part.params and acc is not None:
+            self.part.adopt()  # weights written from outside become masters, as the host's
+            if self.config.overlap == "backward" and acc.final is None and self.micro is None:
+                # No final backward stepped the host part (its gradients, if any, came
+                # under no_sync()): the final micro-step the host part's hand_over would
+                # launch, launched first so that its norm joins the device part's.
+                self._launch_final(acc)
+            self.current_norm("a device part steps")  # (grad_norm: both parts')
+        super().prepare_hand_over()
+
     def hand_over(self, hyper: list[dict[str, Any]] | None,
                   edits: Mapping[int, tuple[Any, ...]] | None = None) -> Accumulation:
         """As :class:`Lifecycle`'s, then the device part steps (see the Note)."""
@@ -278,13 +291,7 @@ class FractionLifecycle(Lifecycle):
             return super().hand_over(hyper, edits)
         acc = self.acc
         assert acc is not None
-        self.part.adopt()  # weights written from outside become masters, as the host's
-        if self.config.overlap == "backward" and acc.final is None and self.micro is None:
-            # No final backward stepped the host part (its gradients, if any, came
-            # under no_sync()): the final micro-step the host part's hand_over would
-            # launch, launched first so that its norm joins the device part's.
-            self._launch_final(acc)
-        total = self.current_norm("a device part steps")  # (grad_norm: both parts')
+        total = self.current_norm("a device part steps")  # (prepare_hand_over's: no wait)
         assert total is not None
         # (None under overlap="backward", which refuses clipping.)
         max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm

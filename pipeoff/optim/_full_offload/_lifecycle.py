@@ -22,6 +22,7 @@ from pipeoff._lowlevel import is_failure_of, report_unraised_at_exit, settle
 from pipeoff.execution import Execution
 from pipeoff.optim._full_offload import _one_pass
 from pipeoff.optim._full_offload._common import (
+    CLIPPED_TWICE,
     Accumulation,
     MicroStep,
     Phase,
@@ -426,24 +427,27 @@ class Lifecycle:
         self.launcher.reduce_norm(acc)
         return acc.wait_norm(self.config.timeout)
 
-    def hand_over(self, hyper: list[dict[str, Any]] | None,
-                  edits: Mapping[int, tuple[Any, ...]] | None = None) -> Accumulation:
-        """``step()``: the accumulation becomes the step in flight (:attr:`inflight`).
-        Without a final backward, a final micro-step with no gradient of its own is
-        launched now; under ``overlap="forward"`` or ``"none"`` its chunks may start
-        (``hyper``, the clipping norm, the loop's ``edits`` of each
-        gradient first)."""
+    def prepare_hand_over(self) -> None:
+        """``step()``'s waits before :meth:`hand_over` (a Ctrl-C may cut them): a final
+        micro-step of no gradient of its own launched if none was; the masters' readers."""
         acc = self.acc
         assert acc is not None and self.inflight is None
-        # The clipping norm: clip_grad_norm_()'s, else the optimizer's max_norm.
-        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
         if acc.final is None:
             self._launch_final(acc)
         elif self.config.overlap != "backward":
-            # Hazard: the chunks stepping the masters while a transfer launched
-            # after the final backward began (its execution waits for this gate)
-            # still reads them.
+            # Hazard: the chunks stepping the masters while a transfer launched after the
+            # final backward began (its execution waits for this gate) still reads them.
             self.readers.wait()
+
+    def hand_over(self, hyper: list[dict[str, Any]] | None,
+                  edits: Mapping[int, tuple[Any, ...]] | None = None) -> Accumulation:
+        """``step()``, after :meth:`prepare_hand_over`, waiting for nothing: the step in
+        flight (:attr:`inflight`); under ``overlap="forward"`` or ``"none"`` its chunks may
+        start (``hyper``, the clipping norm, the loop's ``edits`` of each gradient first)."""
+        acc = self.acc
+        assert acc is not None and acc.final is not None and self.inflight is None
+        # The clipping norm: clip_grad_norm_()'s, else the optimizer's max_norm.
+        max_norm = self.config.max_norm if acc.max_norm is None else acc.max_norm
         self.launcher.reduce_norm(acc)
         if self.config.overlap != "backward":
             _one_pass.one_pass(acc)  # (unless a read of the sums chose the fold)
@@ -529,10 +533,7 @@ class Lifecycle:
         if norm is None or acc is None:
             return None
         if acc.max_norm is not None:
-            raise ConfigError(
-                "clip_grad_norm_() was called twice in one step: the clipping happens in the "
-                "step, once (torch would clip the clipped gradients again); call it once "
-                "between the last backward and step()")
+            raise ConfigError(CLIPPED_TWICE)
         if not (unbounded and self.config.overlap == "backward"):
             acc.max_norm = float(max_norm)  # (inf: scaled by 1.0, as torch does)
         return norm
