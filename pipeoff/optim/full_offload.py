@@ -264,7 +264,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
     def _found_model(self, model: torch.nn.Module) -> bool:
         """The model of an optimizer built from parameters, seen in a forward: take it
         (between steps; mid-step it is taken at a later forward)."""
-        if not self._lifecycle.idle():
+        if self._lifecycle.acc is not None or self._lifecycle.inflight is not None:
             return False
         check_model(model)
         self._registry.adopt_model(model)

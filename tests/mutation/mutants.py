@@ -1327,6 +1327,38 @@ SPECULATIVE = (
                "chunks_may_go_is_held",),
         hazard="a Ctrl-C in the hand-over once the chunks may go: with a device part, its "
                "step skipped (weights off torch, no error) or the step reported torn"),
+    Mutant(
+        name="r140:state-key-dropped-when-unused",
+        file="pipeoff/optim/_full_offload/_lanes.py",
+        old="                (*rec.present, *_update.state_keys(",
+        new="                (*(), *_update.state_keys(",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_state_key_a_hyperparameter_stops_using_is_kept",),
+        hazard="momentum 0 (amsgrad off) for a step drops the buffer: a fresh one after, "
+               "or a KeyError, where torch goes on from it"),
+    Mutant(
+        name="r141:state-entry-write-dropped",
+        file="pipeoff/optim/_full_offload/_state_view.py",
+        old="        self._write(self._param, new)\n",
+        new="        pass\n",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_write_into_opt_state_is_what_the_next_step_steps_from",),
+        hazard="opt.state[p]['step'] = t (or a value, or clear()) accepted and dropped: the "
+               "next step steps from the old state"),
+    Mutant(
+        name="r142:state-write-without-the-step-wait",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old="        # still reads and writes.\n        self._quiesce()\n",
+        new="        # still reads and writes.\n        pass\n",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_write_through_a_view_kept_across_a_step_waits_for_that_step",),
+        hazard="a write into opt.state while the step in flight writes the state: the "
+               "step's chunks overwrite it"),
+    Mutant(
+        name="r143:new-module-not-named",
+        file="pipeoff/optim/_full_offload/_param.py",
+        old="        if name is None and self.model is not None:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_module_added_to_the_model_after_construction_is_stepped",),
+        hazard="a module added to the model after construction refused by add_param_group "
+               "as not in the model"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -18,7 +18,7 @@ from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import casts_to, flat, flat_like, host_alloc, version_of, wrap_like
 
 __all__ = ["elementwise", "entries", "foreign_masters_message", "foreign_master", "load", "pack",
-           "plan_load", "step_entry"]
+           "plan_load", "step_entry", "write_entry"]
 
 Plan = list[tuple[int, Mapping[str, Any]]]
 """Per parameter with a saved entry, its position and the entry."""
@@ -204,6 +204,51 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
             if foreign_master(entry):
                 foreign.append(rec.name)
     return foreign
+
+
+def write_entry(registry: ParamRegistry, i: int, entry: Mapping[str, Any],
+                group: Mapping[str, Any]) -> None:
+    """Make parameter ``i``'s state ``entry`` (``opt.state[p] = entry``; ``{}``: none, as
+    if never stepped), as torch's optimizer keeps what is written there: each
+    per-element value copied into the host state, ``step`` and the other scalars kept
+    as given. Its master stays (``"master"``, if given, must be it).
+
+    Raises:
+        ConfigError: a per-element value not of the parameter's size, or a ``"master"``
+            that is not the parameter's master.
+    """
+    rec = registry[i]
+    keys_of_group = registry.state_keys(group)
+    for key, val in entry.items():
+        if key == "master":
+            if not torch.equal(flat_like(local(val).detach().cpu(), rec.order),
+                               rec.flat_master):
+                raise ConfigError(
+                    f"opt.state[p]['master'] of {rec.name!r} was written: the FP32 master "
+                    "follows the weight (write the parameter) or load_state_dict()")
+        elif elementwise(key, val, keys_of_group) and local(val).numel() != rec.numel:
+            raise ConfigError(
+                f"opt.state[p][{key!r}] of {rec.name!r} was set to a tensor of "
+                f"{local(val).numel()} elements; the parameter has {rec.numel}")
+    scalars: dict[str, Any] = {}
+    keys: list[str] = []
+    with torch.no_grad():
+        st = rec.ensure_state(keys_of_group, registry.pin)
+        for key, val in entry.items():
+            if key == "master":
+                continue
+            if elementwise(key, val, keys_of_group):
+                if key not in st:
+                    st[key] = host_alloc([(rec.local.shape, torch.float32, rec.order)],
+                                         False)[0]
+                src = flat_like(local(val).detach(), rec.order)
+                dst = flat(st[key], rec.order)
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+                keys.append(key)
+            else:
+                scalars[key] = val  # (torch keeps the object written, a step included)
+    rec.scalars, rec.present, rec.stepped = scalars, tuple(keys), bool(entry)
 
 
 def as_torch_loads(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any],

@@ -429,6 +429,29 @@ class FullDevicePart:
             out[rec.param] = entry
         return out
 
+    def write_entry(self, rec: DeviceParam, entry: Mapping[str, Any]) -> None:
+        """``opt.state[p] = entry`` for a device-part parameter (``{}``: no state): torch's
+        own state for its kernel, the values written moved to the master's device. Its
+        master stays (``"master"``, if given, must be it).
+
+        Raises:
+            ConfigError: a ``"master"`` that is not the parameter's master.
+        """
+        master = entry.get("master")
+        if master is not None and not torch.equal(
+                local(master).to(rec.master.device).reshape(rec.master.shape), rec.master):
+            raise ConfigError(
+                f"opt.state[p]['master'] of {rec.name!r} was written: the FP32 master "
+                "follows the weight (write the parameter) or load_state_dict()")
+        state = {}
+        for key, val in entry.items():
+            if key == "master":
+                continue
+            if isinstance(val, torch.Tensor) and _per_element(key, val, rec.master):
+                val = local(val).to(rec.master.device).reshape(rec.master.shape)
+            state[key] = val
+        rec.state, rec.stepped = state, bool(entry)
+
     def load(self, entries: Mapping[int, Mapping[str, Any]],
              param_groups: Sequence[Mapping[str, Any]]) -> list[str]:
         """Load checked entries (by ``id()`` of the parameter); a parameter without one

@@ -377,7 +377,10 @@ class LaneWork:
         for i in idx:
             rec = self.params[i]
             rec.scalars = scalars[i]
-            rec.present = _update.state_keys(self.probe, hyper[self.groups[i]])
+            # (A key this step's hyperparameters do not use stays, as in torch's state:
+            # momentum set to 0 for a while, then back, goes on from its buffer.)
+            rec.present = tuple(dict.fromkeys(
+                (*rec.present, *_update.state_keys(self.probe, hyper[self.groups[i]]))))
             rec.stepped = True
         cast = [(i, off, n, dtype) for i, off, n, dtype in self.weight_slices(k)
                 if res.has_grad(i) and n and i not in cast_done]

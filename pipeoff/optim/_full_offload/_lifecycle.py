@@ -100,10 +100,6 @@ class Lifecycle:
         """The accumulation's phase (``IDLE`` without one; the step's: :attr:`inflight`)."""
         return Phase.IDLE if self.acc is None else self.acc.phase
 
-    def idle(self) -> bool:
-        """No accumulation and no step in flight."""
-        return self.acc is None and self.inflight is None
-
     def use_wrapper(self, ddp: Any) -> None:
         """A ``DistributedDataParallel`` around the model (``None``: none found).
 

@@ -265,7 +265,7 @@ class ParamRegistry:
         for k, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise ConfigError(f"param groups hold tensors, got {p!r}")
-            name = self.names.get(id(p))
+            name = self.name_of(p)
             if name is None and self.model is None and id(p) not in seen:
                 # Built from parameters only: named by torch's param_names, else by
                 # their place (renamed once the model is seen).
@@ -283,6 +283,17 @@ class ParamRegistry:
                 raise ConfigError(f"parameter {name!r} must be a dense floating-point tensor, "
                                   f"got {p.dtype} with strides {local(p).stride()}")
         return group
+
+    def name_of(self, p: torch.Tensor) -> str | None:
+        """``p``'s name in the model (``None``: not in it), looked up again in the model
+        when not known: a module added to it since (a new head, then
+        ``add_param_group``)."""
+        name = self.names.get(id(p))
+        if name is None and self.model is not None:
+            self.names.update({id(q): n for n, q in
+                               self.model.named_parameters(remove_duplicate=True)})
+            name = self.names.get(id(p))
+        return name
 
     @staticmethod
     def fingerprint(param_groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
@@ -303,7 +314,7 @@ class ParamRegistry:
         seen: set[int] = set()
         for gi, g in enumerate(param_groups):
             for k, q in enumerate(g["params"]):
-                name = self.names.get(id(q))
+                name = self.name_of(q)
                 if name is None and self.model is None and isinstance(q, torch.Tensor):
                     name = self.names[id(q)] = f"param_groups[{gi}][{k}]"
                 if name is None:

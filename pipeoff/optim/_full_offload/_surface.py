@@ -9,7 +9,6 @@ parts it names below.
 
 from __future__ import annotations
 
-import collections
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ import torch
 from pipeoff._errors import ConfigError, GradientError
 from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._common import Phase
+from pipeoff.optim._full_offload._state_view import StateView
 from pipeoff.optim._offloaded import fires_load_state_dict_hooks, fires_state_dict_hooks
 
 if TYPE_CHECKING:
@@ -146,8 +146,8 @@ class MastersAndCheckpoints:
         if getattr(self, "_building", True):
             return self.__dict__.setdefault("_base_state", {})
         self._quiesce()
-        return collections.defaultdict(dict, {**_checkpoint.entries(self._registry),
-                                              **self._lifecycle.part.entries()})
+        return StateView({**_checkpoint.entries(self._registry),
+                          **self._lifecycle.part.entries()}, self._write_state)
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -158,6 +158,35 @@ class MastersAndCheckpoints:
                 "state (masters, moments) built at each read. Replace the state with "
                 "load_state_dict()")
         self.__dict__["_base_state"] = value
+
+    def _write_state(self, param: torch.Tensor, entry: dict[str, Any]) -> None:
+        """``opt.state[param] = entry`` (``{}``: reset), from the view (``_state_view.py``).
+
+        Raises:
+            ConfigError: ``param`` is not one of this optimizer's parameters; under
+                ``overlap="backward"`` after the final backward (its chunks stepped from
+                the state already); a value the state cannot hold (see ``write_entry``).
+        """
+        # Hazard: writing state that the step in flight (or the final backward's chunks)
+        # still reads and writes.
+        self._quiesce()
+        life = self._lifecycle
+        if (life.config.overlap == "backward" and life.acc is not None
+                and life.acc.final is not None):
+            raise ConfigError(
+                "opt.state was written after the final backward under overlap='backward', "
+                "whose chunks stepped from the state during that backward: write it before "
+                "the backward, or use overlap='forward'")
+        dev = life.part.owns(param)
+        if dev is not None:
+            life.part.write_entry(dev, entry)
+            return
+        i = self._registry.position(param)
+        if i is None:
+            raise ConfigError("opt.state was written for a tensor that is not one of this "
+                              "FullOffloadOptimizer's parameters")
+        _checkpoint.write_entry(self._registry, i, entry,
+                                self.param_groups[self._registry[i].group])
 
     @fires_state_dict_hooks
     def state_dict(self) -> dict[str, Any]:
