@@ -37,6 +37,8 @@ _FEATURE_READS = {
 }
 """Which of them each feature reads (``train-step`` refuses ``--fragment-sync-delay``
 itself, with its own message)."""
+_COMPUTE = ("seq_len", "micro_batch")
+"""The options of the training compute around a DiLoCo sync (modelled presets only)."""
 
 
 def _check_feature_options(args: argparse.Namespace) -> None:
@@ -61,6 +63,11 @@ def _check_feature_options(args: argparse.Namespace) -> None:
                            and not (f == "train-step" and dest == "fragment_sync_delay"))
             raise _UsageError(f"{option} does not apply to --feature {args.feature} (it is "
                               f"read by: {', '.join(users)}); leave it out")
+        if (args.preset == "cpu_here" and args.feature == "diloco" and dest in _COMPUTE
+                and not same(dest, getattr(args, dest), default)):
+            # (cpu_here models no training compute: the tokens around a sync go unread)
+            raise _UsageError(f"--{dest.replace('_', '-')} does not apply to --preset "
+                              "cpu_here, which models no training compute; leave it out")
 
 
 def _version() -> str:

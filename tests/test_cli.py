@@ -178,6 +178,11 @@ def test_malformed_traces_exit_2_with_a_message(
          "--seq-len does not apply to --feature transfer"),
         (["simulate", "--feature", "train-step", "--prefetch", "3"],
          "--prefetch does not apply to --feature train-step"),
+        # (cpu_here models no training compute: the tokens around a DiLoCo sync unread)
+        (["simulate", "--preset", "cpu_here", "--feature", "diloco", "--seq-len", "1024"],
+         "--seq-len does not apply to --preset cpu_here"),
+        (["simulate", "--preset", "cpu_here", "--feature", "diloco", "--micro-batch", "2"],
+         "--micro-batch does not apply to --preset cpu_here"),
         (["simulate", "--schedules", "pipelined,pipelined"],
          "schedules names pipelined more than once"),
     ],
