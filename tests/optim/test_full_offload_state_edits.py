@@ -34,6 +34,15 @@ def _same(model: torch.nn.Module, ref: torch.nn.Module, opt: Any, ref_opt: Any) 
             assert torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])), (name, k)
 
 
+def _step_both(model: torch.nn.Module, ref: torch.nn.Module, opt: Any, ref_opt: Any,
+               x: torch.Tensor) -> None:
+    """One training step of each, on the same batch."""
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.3])
 @pytest.mark.parametrize("overlap", ["none", "forward"])
 @pytest.mark.parametrize("toggle", sorted(TOGGLES))
@@ -54,10 +63,7 @@ def test_a_state_key_a_hyperparameter_stops_using_is_kept(
     for i in range(4):
         for o in (opt, ref_opt):
             o.param_groups[0][key] = off if i == 1 else kwargs[key]
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).pow(2).mean().backward()
-            o.step()
-            o.zero_grad()
+        _step_both(model, ref, opt, ref_opt, x)
         _same(model, ref, opt, ref_opt)
         assert sorted(opt.state_dict()["state"][0]) == sorted([*ref_opt.state_dict()["state"][0],
                                                                "master"])
@@ -122,10 +128,7 @@ def test_a_write_into_opt_state_is_what_the_next_step_steps_from(
             for m, o in ((model, opt), (ref, ref_opt)):
                 for p in (m[0].weight, m[1].bias):  # (a device-part one, at 0.3, and a host one)
                     WRITES[write](o.state, p)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).pow(2).mean().backward()
-            o.step()
-            o.zero_grad()
+        _step_both(model, ref, opt, ref_opt, x)
         _same(model, ref, opt, ref_opt)
 
 
@@ -141,10 +144,7 @@ def test_writing_what_is_there_changes_nothing_and_the_master_is_not_written() -
     opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x = torch.randn(4, 8)
-    for m, o in ((model, opt), (ref, ref_opt)):
-        m(x).pow(2).mean().backward()
-        o.step()
-        o.zero_grad()
+    _step_both(model, ref, opt, ref_opt, x)
     state = opt.state
     for entry in state.values():
         for key, val in list(entry.items()):
@@ -154,10 +154,7 @@ def test_writing_what_is_there_changes_nothing_and_the_master_is_not_written() -
         entry["master"] = torch.zeros_like(model.weight)
     again = pickle.loads(pickle.dumps(state))  # (a plain defaultdict of plain dicts)
     assert type(again) is collections.defaultdict and len(again) == len(state) == 2
-    for m, o in ((model, opt), (ref, ref_opt)):
-        m(x).pow(2).mean().backward()
-        o.step()
-        o.zero_grad()
+    _step_both(model, ref, opt, ref_opt, x)
     _same(model, ref, opt, ref_opt)
 
 
@@ -198,10 +195,7 @@ def test_a_module_added_to_the_model_after_construction_is_stepped(
                     o.add_param_group({"params": list(m[3].parameters())})
                 else:
                     o.param_groups[0]["params"].extend(m[3].parameters())
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).pow(2).mean().backward()
-            o.step()
-            o.zero_grad()
+        _step_both(model, ref, opt, ref_opt, x)
         _same(model, ref, opt, ref_opt)
 
 
