@@ -465,12 +465,12 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         """The total 2-norm of the gradients (before clipping), as
         ``torch.nn.utils.clip_grad_norm_`` returns it: a 0-dim FP32 CPU tensor.
 
-        Between the last backward of a step and ``step()`` it is that step's norm:
-        reading it ends the accumulation (waiting for the norm, not for the step), so
-        a step can be skipped on a non-finite norm with ``zero_grad()`` instead of
-        ``step()``. Otherwise it is the last ``step()``'s. ``None`` before any step,
-        or under ``overlap="backward"`` before the final backward. Sharded parameters
-        (FSDP2, HSDP) sum their squares over the mesh dimensions they are sharded on.
+        Between the last backward of a step and ``step()`` it is that step's norm (0
+        with every gradient dropped): reading it ends the accumulation (waiting for the
+        norm, not the step), so a step can be skipped on a non-finite norm with
+        ``zero_grad()`` instead of ``step()``. Otherwise the last ``step()``'s. ``None``
+        before any step, or under ``overlap="backward"`` before the final backward.
+        Sharded parameters (FSDP2, HSDP): squares summed over their shard dimensions.
         """
         return self._lifecycle.norm()
 

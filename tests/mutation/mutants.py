@@ -1359,6 +1359,40 @@ SPECULATIVE = (
         tests=("tests/optim/test_full_offload_state_edits.py::test_a_module_added_to_the_model_after_construction_is_stepped",),
         hazard="a module added to the model after construction refused by add_param_group "
                "as not in the model"),
+    Mutant(
+        name="r144:forward-before-step-reads-chunk-writes",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="        life.settle_final_backward()\n",
+        new="        pass\n",
+        tests=("tests/optim/test_full_offload_loops.py::test_a_forward_after_the_final_"
+               "backward_under_overlap_backward_waits_for_its_chunks",),
+        hazard="under overlap='backward' a forward before step() reads the weights the "
+               "final backward's chunks still write"),
+    Mutant(
+        name="r145:kept-view-writes-its-old-entry",
+        file="pipeoff/optim/_full_offload/_state_view.py",
+        old="        return self._read(self._param)\n",
+        new="        return dict(self)\n",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_kept_view_and_a_popped_entry_behave_as_torchs",),
+        hazard="one key written through a view kept across steps puts back the step count "
+               "of when it was read"),
+    Mutant(
+        name="r146:popped-state-stepped-into",
+        file="pipeoff/optim/_full_offload/_checkpoint.py",
+        old="    rec.state.clear()\n    rec.state.update(state)\n",
+        new="    rec.state.update(state)\n",
+        tests=("tests/optim/test_full_offload_state_edits.py::test_a_kept_view_and_a_popped_entry_behave_as_torchs",),
+        hazard="an entry popped (or replaced) keeps the host tensors the next step starts "
+               "the new state in: the caller's copy changes"),
+    Mutant(
+        name="r147:every-gradient-dropped-norm-none",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="            return torch.zeros(()) if had and self.acc is None else None\n",
+        new="            return None\n",
+        tests=("tests/optim/test_full_offload_clip.py::test_grad_norm_with_every_gradient_"
+               "dropped_is_zero_as_torchs",),
+        hazard="every gradient dropped: grad_norm None (torch's clip gives 0), and the "
+               "skip-on-non-finite pattern raises TypeError"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -760,3 +760,26 @@ def test_grad_norm_after_a_known_final_backward_counts_the_loops_edits(
     opt.wait_for_step()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+@pytest.mark.parametrize("marked", [False, True])
+def test_grad_norm_with_every_gradient_dropped_is_zero_as_torchs(marked: bool,
+                                                                  fraction: float) -> None:
+    """Every gradient dropped after the backward: torch's clip_grad_norm_ gives 0, so the
+    skip-on-non-finite pattern steps (nothing). opt.grad_norm was None, and
+    ``torch.isfinite(opt.grad_norm)`` raised TypeError (a tester's find)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, offload_fraction=fraction,
+                               gradient_accumulation_steps=1 if marked else None)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    for p in model.parameters():
+        p.grad = None
+    norm = opt.grad_norm
+    assert norm is not None and torch.equal(norm, clip_grad_norm_([], 1.0))
+    assert torch.isfinite(norm)
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

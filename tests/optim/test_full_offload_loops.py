@@ -859,3 +859,36 @@ def test_a_load_takes_weights_written_where_no_version_counter_moved(fraction: f
     opt.wait_for_step()
     for p, w in zip(model.parameters(), written, strict=True):
         assert torch.equal(p, w)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["next-micro-step", "no-grad-eval"])
+def test_a_forward_after_the_final_backward_under_overlap_backward_waits_for_its_chunks(
+        grad: bool) -> None:
+    """Under overlap="backward" the final backward's chunks write the weights while the
+    loop goes on. A forward before step() (the next micro-step of a loop that did not
+    mark it with no_sync(), or an evaluation) read them as they were being written: the
+    next backward hit autograd's version error instead of the documented GradientError
+    (the HF Trainer test, flaky under load), or the evaluation saw stale weights. The
+    forward waits for the chunks (held here until it does)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap="backward")
+    x = torch.randn(4, 8)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with testing.hold_task(r"h2d.*") as release:
+        model(x).pow(2).mean().backward()  # final: its chunks step, their copies held
+        watcher = release_when_waiting(release, "_probe")
+        with torch.set_grad_enabled(grad):
+            during = model(x)
+        release.set()  # (without the wait: the copies land after this forward)
+        watcher.join()
+    if grad:  # (refused: the step is torn, as documented; the weights are its chunks')
+        with pytest.raises(GradientError, match="no_sync"):
+            during.pow(2).mean().backward()
+    else:
+        opt.step()
+        opt.wait_for_step()
+    with torch.no_grad():
+        assert torch.equal(during.detach(), model(x))

@@ -231,3 +231,39 @@ def test_a_write_through_a_view_kept_across_a_step_waits_for_that_step() -> None
         opt.zero_grad()
         ref_opt.zero_grad()
         _same(model, ref, opt, ref_opt)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("how", ["kept-view", "pop-restore"])
+def test_a_kept_view_and_a_popped_entry_behave_as_torchs(
+        how: str, overlap: str, fraction: float) -> None:
+    """A tester's finds. ``kept-view``: a view read after the first step, one key written
+    through it two steps later, sent back the whole entry as read, its step count 1
+    (torch's 3). ``pop-restore``: an entry popped, a step, then written back: the
+    popped tensors were the host state's, and the step in between started the new
+    state in them (torch's popped buffers stay as they were)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap,
+                               offload_fraction=fraction)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    views: list[Any] = []
+    saved: list[dict[str, Any]] = []
+    for i in range(5):
+        _step_both(model, ref, opt, ref_opt, x)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            p = m[1].weight  # (in the host part at both fractions)
+            if how == "kept-view":
+                if i == 0:
+                    views.append(o.state)
+                elif i == 2:
+                    views.pop(0)[p]["exp_avg"] = torch.full_like(p, 0.5)
+            elif i == 1:
+                saved.append({k: v for k, v in o.state.pop(p).items() if k != "master"})
+            elif i == 3:
+                want = saved.pop(0)
+                o.state[p] = want
+        _same(model, ref, opt, ref_opt)

@@ -17,8 +17,8 @@ from pipeoff._errors import ConfigError
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import casts_to, flat, flat_like, host_alloc, version_of, wrap_like
 
-__all__ = ["elementwise", "entries", "foreign_masters_message", "foreign_master", "load", "pack",
-           "plan_load", "step_entry", "write_entry"]
+__all__ = ["elementwise", "entries", "entry_of", "foreign_masters_message", "foreign_master",
+           "load", "pack", "plan_load", "step_entry", "write_entry"]
 
 Plan = list[tuple[int, Mapping[str, Any]]]
 """Per parameter with a saved entry, its position and the entry."""
@@ -36,17 +36,19 @@ def elementwise(key: str, val: Any, keys: Sequence[str]) -> bool:
 def entries(registry: ParamRegistry) -> dict[torch.Tensor, dict[str, Any]]:
     """Per parameter stepped at least once (or loaded with state), torch's state entry
     plus ``"master"``."""
-    out: dict[torch.Tensor, dict[str, Any]] = {}
-    for rec in registry:
-        if not rec.stepped and not rec.scalars and not rec.present:
-            continue
-        p = rec.param
-        entry: dict[str, Any] = dict(rec.scalars)
-        for key in rec.present:
-            entry[key] = wrap_like(p, rec.state[key])
-        entry["master"] = wrap_like(p, rec.master)
-        out[p] = entry
-    return out
+    return {rec.param: entry for rec in registry if (entry := entry_of(rec))}
+
+
+def entry_of(rec: Any) -> dict[str, Any]:
+    """One parameter's entry (``{}``: never stepped nor loaded)."""
+    if not rec.stepped and not rec.scalars and not rec.present:
+        return {}
+    p = rec.param
+    entry: dict[str, Any] = dict(rec.scalars)
+    for key in rec.present:
+        entry[key] = wrap_like(p, rec.state[key])
+    entry["master"] = wrap_like(p, rec.master)
+    return entry
 
 
 def pack(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]],
@@ -214,7 +216,7 @@ def write_entry(registry: ParamRegistry, i: int, entry: Mapping[str, Any],
     as given. Its master stays (``"master"``, if given, must be it).
 
     Raises:
-        ConfigError: a per-element value not of the parameter's size, or a ``"master"``
+        ConfigError: a per-element value not of the parameter's shape, or a ``"master"``
             that is not the parameter's master.
     """
     rec = registry[i]
@@ -226,29 +228,33 @@ def write_entry(registry: ParamRegistry, i: int, entry: Mapping[str, Any],
                 raise ConfigError(
                     f"opt.state[p]['master'] of {rec.name!r} was written: the FP32 master "
                     "follows the weight (write the parameter) or load_state_dict()")
-        elif elementwise(key, val, keys_of_group) and local(val).numel() != rec.numel:
+        elif elementwise(key, val, keys_of_group) and (
+                tuple(local(val).shape) != tuple(rec.local.shape)):
             raise ConfigError(
-                f"opt.state[p][{key!r}] of {rec.name!r} was set to a tensor of "
-                f"{local(val).numel()} elements; the parameter has {rec.numel}")
+                f"opt.state[p][{key!r}] of {rec.name!r} was set to a tensor of shape "
+                f"{tuple(local(val).shape)}; the parameter's is {tuple(rec.local.shape)}")
     scalars: dict[str, Any] = {}
-    keys: list[str] = []
+    state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        st = rec.ensure_state(keys_of_group, registry.pin)
         for key, val in entry.items():
             if key == "master":
                 continue
-            if elementwise(key, val, keys_of_group):
-                if key not in st:
-                    st[key] = host_alloc([(rec.local.shape, torch.float32, rec.order)],
-                                         False)[0]
-                src = flat_like(local(val).detach(), rec.order)
-                dst = flat(st[key], rec.order)
-                if src.data_ptr() != dst.data_ptr():
-                    dst.copy_(src)
-                keys.append(key)
-            else:
+            if not elementwise(key, val, keys_of_group):
                 scalars[key] = val  # (torch keeps the object written, a step included)
-    rec.scalars, rec.present, rec.stepped = scalars, tuple(keys), bool(entry)
+                continue
+            src = flat_like(local(val).detach(), rec.order)
+            cur = rec.state.get(key)
+            if cur is not None and flat(cur, rec.order).data_ptr() == src.data_ptr():
+                state[key] = cur  # (written back as it is)
+                continue
+            # A tensor of its own: one handed out before (an entry popped, kept, then
+            # written back) stays the caller's, as torch's does; the step never writes it.
+            state[key] = host_alloc([(rec.local.shape, torch.float32, rec.order)],
+                                    registry.pin)[0]
+            flat(state[key], rec.order).copy_(src)
+    rec.state.clear()
+    rec.state.update(state)
+    rec.scalars, rec.present, rec.stepped = scalars, tuple(state), bool(entry)
 
 
 def as_torch_loads(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any],

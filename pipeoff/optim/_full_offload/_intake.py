@@ -103,7 +103,13 @@ def _probe(probe: _WrapperProbe, module: torch.nn.Module) -> None:
     if intake is None or intake.registry.model is not module:
         return
     intake.see_wrapper(module)
-    grads = intake.lifecycle.grads
+    life = intake.lifecycle
+    if life.config.overlap == "backward" and life.acc is not None and (
+            life.acc.final is not None):
+        # Hazard: a forward before step() reading (autograd saving) the weights the final
+        # backward's chunks still write: stale bits, or autograd's version error later.
+        life.settle_final_backward()
+    grads = life.grads
     if torch.is_grad_enabled() and grads.showing:
         # The next micro-step's forward: the placeholders leave .grad before autograd
         # (or a DDP reducer) would accumulate into them.

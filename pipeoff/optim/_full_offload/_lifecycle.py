@@ -416,9 +416,9 @@ class Lifecycle:
     def current_norm(self, why: str = "grad_norm was read") -> torch.Tensor | None:
         """The norm of the accumulation in progress, which it ends (:meth:`finalize`), or
         ``None``. Waits for the norm, not for the step (``why``: see ``_one_pass.fold``)."""
-        acc = self.finalize()
-        if acc is None:
-            return None
+        had, acc = self.acc is not None, self.finalize()
+        if acc is None:  # (every gradient dropped: 0, as torch's clip_grad_norm_ says)
+            return torch.zeros(()) if had and self.acc is None else None
         _one_pass.fold(acc, why)
         self.launcher.reduce_norm(acc)
         return acc.wait_norm(self.config.timeout)
@@ -527,7 +527,7 @@ class Lifecycle:
         norm = self.current_norm("clip_grad_norm_() was called")
         acc = self.acc
         if norm is None or acc is None:
-            return None
+            return norm
         if acc.max_norm is not None:
             raise ConfigError(CLIPPED_TWICE)
         if not (unbounded and self.config.overlap == "backward"):

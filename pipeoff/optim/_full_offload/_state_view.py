@@ -25,6 +25,8 @@ __all__ = ["StateView"]
 
 Write = Callable[[torch.Tensor, dict[str, Any]], None]
 """Make a parameter's state the entry given (``{}``: none, as if never stepped)."""
+Read = Callable[[torch.Tensor], dict[str, Any]]
+"""A parameter's entry as it is now (``{}``: none)."""
 
 _MISSING = object()
 
@@ -46,25 +48,31 @@ def same_value(a: Any, b: Any) -> bool:
 class Entry(dict):  # type: ignore[type-arg]
     """One parameter's state: a dict whose replacing writes go to the optimizer."""
 
-    def __init__(self, param: torch.Tensor, values: Mapping[str, Any], write: Write) -> None:
+    def __init__(self, param: torch.Tensor, values: Mapping[str, Any], write: Write,
+                 read: Read) -> None:
         super().__init__(values)
-        self._param, self._write = param, write
+        self._param, self._write, self._read = param, write, read
 
     def _set(self, new: dict[str, Any]) -> None:
         self._write(self._param, new)
         super().clear()
         super().update(new)
 
+    def _now(self) -> dict[str, Any]:
+        # (the state as it is now: a view kept across steps holds an older step count,
+        # which a write of another key must not put back)
+        return self._read(self._param)
+
     def __setitem__(self, key: str, value: Any) -> None:
         if key in self and same_value(dict.__getitem__(self, key), value):
             super().__setitem__(key, value)
             return
-        self._set({**self, key: value})
+        self._set({**self._now(), key: value})
 
     def __delitem__(self, key: str) -> None:
         if key not in self:
             raise KeyError(key)
-        self._set({k: v for k, v in self.items() if k != key})
+        self._set({k: v for k, v in self._now().items() if k != key})
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:
         if key not in self:
@@ -89,7 +97,7 @@ class Entry(dict):  # type: ignore[type-arg]
         new = dict(*args, **kwargs)
         if any(k not in self or not same_value(dict.__getitem__(self, k), v)
                for k, v in new.items()):
-            self._set({**self, **new})
+            self._set({**self._now(), **new})
         else:
             super().update(new)
 
@@ -107,14 +115,15 @@ class StateView(collections.defaultdict):  # type: ignore[type-arg]
     """``opt.state``: per parameter, its :class:`Entry` (an empty one for a parameter
     without state, made on first access as torch's ``defaultdict`` does)."""
 
-    def __init__(self, entries: Mapping[torch.Tensor, Mapping[str, Any]], write: Write) -> None:
+    def __init__(self, entries: Mapping[torch.Tensor, Mapping[str, Any]], write: Write,
+                 read: Read) -> None:
         super().__init__(None)
-        self._write = write
+        self._write, self._read = write, read
         for p, values in entries.items():
-            dict.__setitem__(self, p, Entry(p, values, write))
+            dict.__setitem__(self, p, Entry(p, values, write, read))
 
     def __missing__(self, param: torch.Tensor) -> Entry:
-        entry = Entry(param, {}, self._write)
+        entry = Entry(param, {}, self._write, self._read)
         dict.__setitem__(self, param, entry)
         return entry
 
@@ -127,7 +136,7 @@ class StateView(collections.defaultdict):  # type: ignore[type-arg]
                 same_value(dict.__getitem__(old, k), v) for k, v in values.items()):
             return
         self._write(param, dict(values))
-        dict.__setitem__(self, param, Entry(param, values, self._write))
+        dict.__setitem__(self, param, Entry(param, values, self._write, self._read))
 
     def __delitem__(self, param: torch.Tensor) -> None:
         if param not in self:

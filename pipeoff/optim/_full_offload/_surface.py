@@ -147,7 +147,8 @@ class MastersAndCheckpoints:
             return self.__dict__.setdefault("_base_state", {})
         self._quiesce()
         return StateView({**_checkpoint.entries(self._registry),
-                          **self._lifecycle.part.entries()}, self._write_state)
+                          **self._lifecycle.part.entries()}, self._write_state,
+                         self._read_state)
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -158,6 +159,15 @@ class MastersAndCheckpoints:
                 "state (masters, moments) built at each read. Replace the state with "
                 "load_state_dict()")
         self.__dict__["_base_state"] = value
+
+    def _read_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """``param``'s entry now (``{}``: none), for a write through a kept view."""
+        self._quiesce()
+        dev = self._lifecycle.part.owns(param)
+        if dev is not None:
+            return self._lifecycle.part.entries().get(param, {})
+        i = self._registry.position(param)
+        return {} if i is None else _checkpoint.entry_of(self._registry[i])
 
     def _write_state(self, param: torch.Tensor, entry: dict[str, Any]) -> None:
         """``opt.state[param] = entry`` (``{}``: reset), from the view (``_state_view.py``).
