@@ -54,6 +54,12 @@ class Completion:
             return "pending"
         return run.status_names()[self._index]
 
+    def settled_status(self) -> str:
+        """:attr:`status` once the task is terminal on the host (blocks until then; a
+        device task's kernels may still run): ``"ok"``, ``"failed"`` or ``"cancelled"``."""
+        self._run.wait_terminal(self._index)
+        return self.status
+
     def synchronize(self) -> None:
         """Block the host until the task has finished."""
         self._backend.synchronize(self._run, self._index, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -336,6 +337,49 @@ def test_a_payload_ready_after_a_task_that_never_ran_is_refused() -> None:
     with pytest.raises(RuntimeError, match="gate 'grad'.*'produce'.*cancelled"):
         ex.wait(timeout=30)
     assert torch.equal(out, torch.zeros(4))
+
+
+def late_producer_failure(device: torch.device | None, wait: str) -> None:
+    """The reader's gate opens while the producer's task is still pending; the
+    producer fails after. The failure reaches the reader as its gate's refusal
+    (full offload's next micro-step must not fold on after the previous one's fold
+    failed). The refusal is not the wait: with the wait switched off (the mutation
+    tests' runs) the failure still arrives, or the race such a run reports is lost."""
+    producer = TaskGraph(device=device)
+    producer.add_gate("go")
+    producer.add_task("boom", TaskKind.H2D, lambda ctx: 1 / 0, gates=["go"])
+    producer.add_task("produce", TaskKind.OPTIMIZER_CHUNK, lambda ctx: None, deps=["boom"])
+    first = pipeoff.execute(producer)
+    (done,) = first.events_for("produce")
+    assert done.status == "pending"
+    out = torch.zeros(4, device=device)
+    g = TaskGraph(device=device)
+    g.add_gate("grad")
+    g.add_task("copy", TaskKind.D2H, lambda ctx: out.copy_(ctx.gate("grad")), gates=["grad"])
+    with (pipeoff.testing.disable("gate_wait") if wait == "switched_off"
+          else contextlib.nullcontext()):
+        ex = pipeoff.execute(g)
+        ex.gate("grad").open(torch.ones(4, device=device), event=done)
+        first.gate("go").open(None)  # the producer fails now, after the reader's gate opened
+        with pytest.raises(ZeroDivisionError):
+            first.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="gate 'grad'.*'produce'.*cancelled"):
+            ex.wait(timeout=30)
+    assert torch.equal(out.cpu(), torch.zeros(4))
+
+
+@pytest.mark.parametrize("wait", ["on", "switched_off"])
+def test_a_later_failure_of_the_task_a_payload_is_ready_after_reaches_the_reader(
+        wait: str) -> None:
+    late_producer_failure(None, wait)
+
+
+@pytest.mark.parametrize("wait", ["on", "switched_off"])
+def test_a_later_failure_of_the_task_a_payload_is_ready_after_reaches_a_cuda_reader(
+        gpu: Gpu, wait: str) -> None:
+    if wait == "switched_off" and not gpu.simulated:
+        pytest.skip("the switch is the simulated device's")
+    late_producer_failure(gpu.device, wait)
 
 
 def test_a_gate_opened_after_a_failure_does_not_distort_the_trace() -> None:

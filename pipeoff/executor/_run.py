@@ -249,18 +249,22 @@ class Run:
         if host:
             for k in ks:
                 ev = self.gates.event[k]
-                if (ev is not None and self.gates.state[k] == GATE_OPEN
-                        and not _faults.disabled("gate_wait")):
+                if ev is None or self.gates.state[k] != GATE_OPEN:
+                    continue
+                if not _faults.disabled("gate_wait"):
                     # Hazard: the host reading a payload that device work (the
                     # producer's stream, another execution) is still writing.
                     ev.synchronize()
-                    self.check_gate_event(k)
+                self.check_gate_event(k)
 
     def check_gate_event(self, k: int) -> None:
         """Raise if gate ``k``'s event is another execution's task that did not run: its
-        payload was never written."""
+        payload was never written. Waits (on the host) until that task is terminal: a
+        failure of it must reach this execution whether or not its device work was
+        waited for (the check is not the wait; a test switching the wait off keeps it)."""
         ev = self.gates.event[k]
-        status = getattr(ev, "status", None)
+        settled_status = getattr(ev, "settled_status", None)  # (a Completion's, not an event's)
+        status = settled_status() if settled_status is not None else None
         if status in ("failed", "cancelled"):
             # The other execution's first failure, as the cause: what went wrong first.
             cause = getattr(getattr(ev, "_run", None), "error", None)

@@ -304,11 +304,15 @@ class CudaBackend:
             return
         for k in gates:
             ev = run.gates.event[k]
-            if ev is not None and not _faults.disabled("gate_wait"):
+            if ev is None:
+                continue
+            if not _faults.disabled("gate_wait"):
                 # Hazard: reading a gate's payload that the producer's stream (or
                 # another execution) is still writing.
                 ev.wait(stream)
-                run.check_gate_event(k)
+            # Hazard: going on from another execution's task that failed or was
+            # cancelled (its payload never written, its failure lost with it).
+            run.check_gate_event(k)
         try:
             # Allocate on the lane's stream: a fresh block then cannot be memory
             # that another stream freed with its kernels still pending.

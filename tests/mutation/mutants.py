@@ -103,11 +103,10 @@ SWITCHES = (
     _switch("gate_wait", _RUN, (
         "tests/test_gates.py::test_an_event_that_fails_to_synchronize_fails_the_"
         "execution_not_the_lane",
-        "tests/test_gates.py::test_a_payload_ready_after_a_task_that_never_ran_is_refused",
         f"{_WAITS}::test_a_host_task_blocks_on_its_gates_event",
         f"{_FULL_CUDA}::test_bitwise_equal_on_streams_with_slow_lanes",
     ), "a host lane reads a gate's payload before the device work writing it has "
-       "finished, or after a producer task that never ran", site=True),
+       "finished", site=True),
     _switch("block_fence", _RUN, (
         f"{_TEST_CUDA}::test_an_inline_execution_waits_for_a_block_a_cuda_one_released",
     ), "a host-run task writes a pooled block that a CUDA execution released with its "
@@ -1393,6 +1392,24 @@ SPECULATIVE = (
                "dropped_is_zero_as_torchs",),
         hazard="every gradient dropped: grad_norm None (torch's clip gives 0), and the "
                "skip-on-non-finite pattern raises TypeError"),
+    Mutant(
+        name="r148:cuda-gate-check-dropped",
+        file="pipeoff/executor/cuda.py",
+        old="            run.check_gate_event(k)\n",
+        new="            pass\n",
+        tests=("tests/test_gates.py::test_a_later_failure_of_the_task_a_payload_is_ready_"
+               "after_reaches_a_cuda_reader",),
+        hazard="a CUDA lane goes on from another execution's task that failed after the "
+               "gate opened: the next micro-step folds on without the failed one's sum"),
+    Mutant(
+        name="r149:host-gate-check-dropped",
+        file="pipeoff/executor/_run.py",
+        old="                self.check_gate_event(k)\n",
+        new="                pass\n",
+        tests=("tests/test_gates.py::test_a_later_failure_of_the_task_a_payload_is_ready_"
+               "after_reaches_the_reader",),
+        hazard="a host lane goes on from another execution's task that failed after the "
+               "gate opened: its payload never written, its failure lost"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
