@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from pipeoff import _compat
-from pipeoff._errors import UnsupportedOptimizerError
+from pipeoff._errors import ConfigError, UnsupportedOptimizerError
 
-__all__ = ["ELEMENTWISE", "ChunkGroup", "group_of", "make_shadow", "state_keys", "step_chunk",
+__all__ = ["ELEMENTWISE", "ChunkGroup", "check_loaded_entry", "group_of", "make_shadow",
+           "required_keys", "state_keys", "step_chunk",
            "StepMarks", "mark_step", "step_count", "wrote_before_failing"]
 
 
@@ -69,6 +70,49 @@ def check_elementwise(opt: torch.optim.Optimizer, asked: str) -> None:
 def state_keys(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> tuple[str, ...]:
     """The per-element state keys ``opt`` keeps for parameters of ``group``."""
     return ELEMENTWISE[type(opt)](group)
+
+
+def required_keys(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys a parameter's non-empty state must hold for ``opt``'s step in ``group``
+    (torch's load or step raises ``KeyError`` without one); ``()`` for an optimizer not
+    in :data:`ELEMENTWISE`, and for SGD (a missing momentum buffer starts afresh)."""
+    keys = ELEMENTWISE.get(type(opt))
+    if keys is None or type(opt) is torch.optim.SGD:
+        return ()
+    return ("step", *keys(group))
+
+
+def check_loaded_entry(where: str, entry: Mapping[str, Any], required: Sequence[str]) -> None:
+    """Refuse a loaded state entry that torch's step could not take, before anything of
+    the load is written: a tensor without values (meta) or not dense, a ``step`` that is
+    not a number, or (in a non-empty entry) a key of ``required`` missing.
+
+    Args:
+        where: the parameter, as the error names it.
+        entry: its state, as the checkpoint has it.
+        required: :func:`required_keys` of its group.
+
+    Raises:
+        ConfigError: naming the parameter and the key.
+    """
+    for key, val in entry.items():
+        if isinstance(val, torch.Tensor):
+            t = _compat.local_tensor(val)
+            if t.is_meta or t.layout is not torch.strided:
+                kind = "a meta tensor (no values)" if t.is_meta else f"a {t.layout} tensor"
+                raise ConfigError(
+                    f"state {key!r} of {where} is {kind}; loaded state must be dense tensors "
+                    "with values (a checkpoint loaded with map_location='meta'?); nothing "
+                    "was loaded")
+        elif key == "step" and not isinstance(val, (int, float)):
+            raise ConfigError(f"state 'step' of {where} is {val!r}, not a number or a tensor; "
+                              "nothing was loaded")
+    missing = [k for k in required if k not in entry] if entry else []
+    if missing:
+        raise ConfigError(
+            f"the state of {where} has no {', '.join(map(repr, missing))}, which its "
+            "optimizer steps with (torch's load or step would raise KeyError); nothing "
+            "was loaded")
 
 
 def make_shadow(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

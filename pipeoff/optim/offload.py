@@ -328,13 +328,13 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, then move the state to host memory.
 
-        This is also how to go on after a step that failed partway (load the
-        model's state too). It is rank-local: no collective runs. Either all of
-        ``state_dict`` is loaded or (on any error) nothing is. Its load hooks run.
+        This is also how to go on after a step that failed partway (load the model's state
+        too). Rank-local: no collective runs. All is loaded or nothing. Its load hooks run.
 
         Raises:
-            ConfigError: ``state_dict`` is not an optimizer state dict, or a
-                per-element state tensor does not have its parameter's shape.
+            ConfigError: not an optimizer state dict, a per-element state tensor not of its
+                parameter's shape, or state torch's step could not take (meta, sparse, a
+                ``step`` not a number, a key missing).
             ValueError: torch's own checks (a group of another size).
         """
         self.wait_for_step()

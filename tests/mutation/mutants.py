@@ -1410,6 +1410,43 @@ SPECULATIVE = (
                "after_reaches_the_reader",),
         hazard="a host lane goes on from another execution's task that failed after the "
                "gate opened: its payload never written, its failure lost"),
+    Mutant(
+        name="r150:full-load-entry-unchecked",
+        file="pipeoff/optim/_full_offload/_checkpoint.py",
+        old="        _update.check_loaded_entry(f\"parameter {pid} ({name!r})\", entry, "
+            "required_of[pid])\n",
+        new="        pass\n",
+        tests=("tests/optim/test_load_refusals.py",),
+        hazard="a checkpoint with a meta tensor, step=None or a missing moment is half "
+               "loaded into FullOffloadOptimizer: later steps fail, or start state afresh"),
+    Mutant(
+        name="r151:offload-load-entry-unchecked",
+        file="pipeoff/optim/_offload/_host_layout.py",
+        old="                _update.check_loaded_entry(f\"parameter {pid}\", entry,\n",
+        new="                (lambda *a: None)(f\"parameter {pid}\", entry,\n",
+        tests=("tests/optim/test_load_refusals.py",),
+        hazard="OffloadOptimizer half-loads a bad checkpoint and steps on a mix of two"),
+    Mutant(
+        name="r152:backward-load-after-final-allowed",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old="        raise ConfigError(\n            \"load_state_dict() between the final "
+            "backward and step() under \"\n",
+        new="        return\n        raise ConfigError(\n            \"load_state_dict() between "
+            "the final backward and step() under \"\n",
+        tests=("tests/optim/test_full_offload.py::test_checkpoints_between_the_final_"
+               "backward_and_step_are_refused",),
+        hazard="a load after the final backward under overlap='backward' drops that "
+               "backward's gradients: step() steps nothing, torch steps on them"),
+    Mutant(
+        name="r153:backward-state-dict-a-step-ahead",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old="        if (acc is not None and acc.final is not None\n",
+        new="        if (acc is not None and acc.final is not None "
+            "and self._lifecycle.part.params\n",
+        tests=("tests/optim/test_full_offload.py::test_checkpoints_between_the_final_"
+               "backward_and_step_are_refused",),
+        hazard="a checkpoint between the final backward and step() holds that step: a "
+               "resume applies the batch twice"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -211,7 +211,7 @@ def test_overlap_backward_state_dict_before_step_with_a_device_part_is_refused()
     opt = build(model, 0.3, overlap="backward")
     data = batches(1, 1)
     loss_fn(model, data[0][0]).backward()
-    with pytest.raises(pipeoff.GradientError, match="half a step now; call step.. first"):
+    with pytest.raises(pipeoff.GradientError, match="half a step; call step.. first"):
         opt.state_dict()
     opt.step()
     steps = {int(e["step"]) for e in opt.state_dict()["state"].values()}

@@ -14,6 +14,7 @@ import torch
 
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
+from pipeoff.optim import _update
 from pipeoff.optim._full_offload._param import ParamRegistry
 from pipeoff.optim._tensors import casts_to, flat, flat_like, host_alloc, version_of, wrap_like
 
@@ -102,6 +103,7 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
     by_id = {}
     tensor_of: dict[Any, torch.Tensor] = {}
     keys_of: dict[Any, tuple[str, ...]] = {}
+    required_of: dict[Any, tuple[str, ...]] = {}
     for gi, (s, g) in enumerate(zip(saved_groups, param_groups)):
         saved_names, names = s.get("param_names"), g.get("param_names")
         if saved_names is not None and names is not None and list(saved_names) != list(names):
@@ -114,6 +116,7 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
             by_id[pid] = registry.position(p)
             tensor_of[pid] = p
             keys_of[pid] = registry.state_keys(g)
+            required_of[pid] = _update.required_keys(registry.probe, s)
     plan: Plan = []
     for pid, entry in state_dict["state"].items():
         if pid not in tensor_of:
@@ -122,6 +125,7 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
         p = tensor_of[pid]
         i = by_id[pid]
         name = registry.names.get(id(p), str(pid))
+        _update.check_loaded_entry(f"parameter {pid} ({name!r})", entry, required_of[pid])
         for key, val in entry.items():
             if not elementwise(key, val, keys_of[pid]):
                 continue

@@ -204,20 +204,23 @@ class MastersAndCheckpoints:
 
         Raises:
             StepFailedError: the last step failed after stepping some masters.
-            GradientError: under ``overlap="backward"`` with a device part, between the
-                final backward (which stepped the host part) and ``step()`` (which
-                steps the device part): the state is half a step.
+            GradientError: under ``overlap="backward"``, between the final backward
+                (which stepped the host part) and ``step()``: the state is a step ahead
+                of the loop's (a resume would apply that batch twice), or, with a device
+                part, half a step.
         """
         self._quiesce()
         self._health.check("state_dict()", stale=False)
         acc = self._lifecycle.acc
-        if (acc is not None and acc.final is not None and self._lifecycle.part.params
+        if (acc is not None and acc.final is not None
                 and self._lifecycle.config.overlap == "backward"):
+            half = ("; with a device part (offload_fraction < 1) step() steps that part, so "
+                    "the state is half a step" if self._lifecycle.part.params else "")
             raise GradientError(
                 "state_dict() between the final backward and step() under "
-                "overlap='backward' with a device part (offload_fraction < 1): the final "
-                "backward stepped the host part, step() steps the device part, so the state "
-                "is half a step now; call step() first")
+                "overlap='backward': that backward stepped the optimizer, so a checkpoint "
+                "taken now is a step ahead of the loop's (a resume would apply this batch "
+                f"twice){half}; call step() first")
         # Hazard: saving masters older than the weights the loop wrote since the last
         # step (a clamp, a load): a resume writes every weight from its master, and
         # would silently drop the write.
@@ -235,8 +238,10 @@ class MastersAndCheckpoints:
         Clears a failed or torn step. Creating state never steps the optimizer.
 
         Raises:
-            ConfigError: not an optimizer state dict, groups of other sizes, or a
-                state tensor of another size than its parameter; called between a
+            ConfigError: not an optimizer state dict, groups of other sizes, a
+                state tensor of another size than its parameter, or state torch's step
+                could not take (a meta or sparse tensor, a ``step`` that is not a
+                number, a key its optimizer steps with missing); called between a
                 backward and ``step()`` (see :func:`_refuse_mid_accumulation`).
         """
         self._readers.wait()
@@ -281,7 +286,14 @@ def _refuse_mid_accumulation(life: FractionLifecycle, health: Health) -> None:
     if life.phase is Phase.IDLE and not life.part.with_sums():
         return
     if life.config.overlap == "backward" and acc is not None and acc.final is not None:
-        return  # its final backward stepped: the load rolls that step back
+        # (A rollback of the step that backward took dropped its gradients: step() then
+        # stepped nothing, where torch steps on them after the load; a tester's find.)
+        raise ConfigError(
+            "load_state_dict() between the final backward and step() under "
+            "overlap='backward': that backward stepped the optimizer already, and torch "
+            "steps on the gradients it keeps after a load, which this optimizer cannot "
+            "do; call load_state_dict() after step(), or drop that step first with "
+            "opt.zero_grad() (which keeps it, with a warning: the load then replaces it)")
     raise ConfigError(
         "load_state_dict() between a backward and step(): torch keeps the gradients "
         "accumulated since the last step in .grad and steps on them after a load, but "

@@ -182,6 +182,8 @@ class HostLayout:
                 group = group_of[id(p)]
                 on_device = bool(group.get("fused") or group.get("capturable"))
                 keys = _update.state_keys(self.inner, group) if self.chunked else ()
+                _update.check_loaded_entry(f"parameter {pid}", entry,
+                                           _update.required_keys(self.inner, group))
                 for k, v in entry.items():
                     check_loaded(p, k, v, k in keys)
                 entries.append((pid, p, entry, on_device, keys))
