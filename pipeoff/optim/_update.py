@@ -12,6 +12,7 @@ scheduler, ``zero_grad``) can use them while chunks run.
 from __future__ import annotations
 
 import collections
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +105,7 @@ def check_loaded_entry(where: str, entry: Mapping[str, Any], required: Sequence[
                     f"state {key!r} of {where} is {kind}; loaded state must be dense tensors "
                     "with values (a checkpoint loaded with map_location='meta'?); nothing "
                     "was loaded")
-        elif key == "step" and not isinstance(val, (int, float)):
+        elif key == "step" and not isinstance(val, numbers.Real):  # (NumPy's too, as torch)
             raise ConfigError(f"state 'step' of {where} is {val!r}, not a number or a tensor; "
                               "nothing was loaded")
     missing = [k for k in required if k not in entry] if entry else []

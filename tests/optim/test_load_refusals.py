@@ -98,3 +98,25 @@ def test_a_checkpoint_torch_could_not_step_on_is_refused_whole(kind: str, bad: s
         train(m, o, range(2, 4))
     for p, q in zip(*(m.parameters() for m in models)):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", ["full", "offload"])
+def test_a_numpy_step_loads_as_torchs(kind: str) -> None:
+    """A ``step`` a converter left as a NumPy scalar: torch's ``float(step)`` takes it, so
+    does the check (it refused ``np.int64`` at first: a tester's find)."""
+    np = pytest.importorskip("numpy")
+    dtype = torch.float32 if kind == "offload" else torch.bfloat16
+    models = [make_model(dtype) for _ in range(2)]
+    opts = [build(kind, m) for m in models]
+    for m, o in zip(models, opts):
+        train(m, o, range(2))
+    saved = copy.deepcopy(opts[0].state_dict())
+    as_numpy = copy.deepcopy(saved)
+    for entry in as_numpy["state"].values():
+        entry["step"] = np.int64(int(entry["step"]))
+    opts[0].load_state_dict(saved)
+    opts[1].load_state_dict(as_numpy)
+    for m, o in zip(models, opts):
+        train(m, o, range(2, 4))
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)

@@ -220,7 +220,8 @@ class MastersAndCheckpoints:
                 "state_dict() between the final backward and step() under "
                 "overlap='backward': that backward stepped the optimizer, so a checkpoint "
                 "taken now is a step ahead of the loop's (a resume would apply this batch "
-                f"twice){half}; call step() first")
+                f"twice){half}; call step() first (from a hook: a step post-hook, not a "
+                "pre-hook)")
         # Hazard: saving masters older than the weights the loop wrote since the last
         # step (a clamp, a load): a resume writes every weight from its master, and
         # would silently drop the write.
