@@ -43,6 +43,16 @@ def _step_both(model: torch.nn.Module, ref: torch.nn.Module, opt: Any, ref_opt: 
         o.zero_grad()
 
 
+
+def twins(overlap: str, fraction: float) -> tuple[Any, Any, FullOffloadOptimizer, Any, Any]:
+    """A model under FullOffloadOptimizer, its copy under torch's AdamW, and an input."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap,
+                               offload_fraction=fraction)
+    return model, ref, opt, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.randn(4, 8)
+
 @pytest.mark.parametrize("fraction", [1.0, 0.3])
 @pytest.mark.parametrize("overlap", ["none", "forward"])
 @pytest.mark.parametrize("toggle", sorted(TOGGLES))
@@ -116,13 +126,7 @@ def test_a_write_into_opt_state_is_what_the_next_step_steps_from(
     The writes were dropped silently (the view is built at each read): 1.5e-2 off torch
     after the next step, the step count 3 where torch's is 1 (a tester's find). Written
     between steps (under ``overlap="backward"``, before the backward)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    ref = copy.deepcopy(model)
-    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap,
-                               offload_fraction=fraction)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x = torch.randn(4, 8)
+    model, ref, opt, ref_opt, x = twins(overlap, fraction)
     for i in range(4):
         if i == 2:
             for m, o in ((model, opt), (ref, ref_opt)):
@@ -243,13 +247,7 @@ def test_a_kept_view_and_a_popped_entry_behave_as_torchs(
     (torch's 3). ``pop-restore``: an entry popped, a step, then written back: the
     popped tensors were the host state's, and the step in between started the new
     state in them (torch's popped buffers stay as they were)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    ref = copy.deepcopy(model)
-    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap=overlap,
-                               offload_fraction=fraction)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x = torch.randn(4, 8)
+    model, ref, opt, ref_opt, x = twins(overlap, fraction)
     views: list[Any] = []
     saved: list[dict[str, Any]] = []
     for i in range(5):

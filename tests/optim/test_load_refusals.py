@@ -44,6 +44,24 @@ def train(model: nn.Module, opt: Any, seeds: range) -> None:
     opt.wait_for_step()
 
 
+def twins(kind: str) -> tuple[list[nn.Module], list[Any]]:
+    """Two models and optimizers of ``kind``, trained alike for two steps."""
+    dtype = torch.float32 if kind == "offload" else torch.bfloat16
+    models = [make_model(dtype) for _ in range(2)]
+    opts = [build(kind, m) for m in models]
+    for m, o in zip(models, opts):
+        train(m, o, range(2))
+    return models, opts
+
+
+def go_on_alike(models: list[nn.Module], opts: list[Any]) -> None:
+    """Two more steps of each; their weights are bitwise equal."""
+    for m, o in zip(models, opts):
+        train(m, o, range(2, 4))
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+
+
 def _meta(e: dict[str, Any]) -> None:
     e["exp_avg"] = torch.empty_like(e["exp_avg"], device="meta")
 
@@ -76,11 +94,7 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 @pytest.mark.parametrize("bad", sorted(BAD))
 @pytest.mark.parametrize("kind", ["full", "full-0.5", "offload"])
 def test_a_checkpoint_torch_could_not_step_on_is_refused_whole(kind: str, bad: str) -> None:
-    dtype = torch.float32 if kind == "offload" else torch.bfloat16
-    models = [make_model(dtype) for _ in range(2)]
-    opts = [build(kind, m) for m in models]
-    for m, o in zip(models, opts):
-        train(m, o, range(2))
+    models, opts = twins(kind)
     before = copy.deepcopy(opts[1].state_dict())
     other = copy.deepcopy(before)  # another checkpoint (every moment moved), one entry bad
     for entry in other["state"].values():
@@ -94,10 +108,7 @@ def test_a_checkpoint_torch_could_not_step_on_is_refused_whole(kind: str, bad: s
         assert sorted(after["state"][i]) == sorted(entry), i
         for k, v in entry.items():
             assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)
-    for m, o in zip(models, opts):  # the refused load changed nothing: bitwise the twin
-        train(m, o, range(2, 4))
-    for p, q in zip(*(m.parameters() for m in models)):
-        assert torch.equal(p, q)
+    go_on_alike(models, opts)  # the refused load changed nothing: bitwise the twin
 
 
 @pytest.mark.parametrize("kind", ["full", "offload"])
@@ -105,18 +116,11 @@ def test_a_numpy_step_loads_as_torchs(kind: str) -> None:
     """A ``step`` a converter left as a NumPy scalar: torch's ``float(step)`` takes it, so
     does the check (it refused ``np.int64`` at first: a tester's find)."""
     np = pytest.importorskip("numpy")
-    dtype = torch.float32 if kind == "offload" else torch.bfloat16
-    models = [make_model(dtype) for _ in range(2)]
-    opts = [build(kind, m) for m in models]
-    for m, o in zip(models, opts):
-        train(m, o, range(2))
+    models, opts = twins(kind)
     saved = copy.deepcopy(opts[0].state_dict())
     as_numpy = copy.deepcopy(saved)
     for entry in as_numpy["state"].values():
         entry["step"] = np.int64(int(entry["step"]))
     opts[0].load_state_dict(saved)
     opts[1].load_state_dict(as_numpy)
-    for m, o in zip(models, opts):
-        train(m, o, range(2, 4))
-    for p, q in zip(*(m.parameters() for m in models)):
-        assert torch.equal(p, q)
+    go_on_alike(models, opts)
