@@ -42,7 +42,7 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
              pg: Callable[[int], Any] | None = None,
              optimizer: Callable[[nn.Module], optim.Optimizer] | None = None,
              use_async_quorum: bool = False, step_delay: Callable[[int], float] | None = None,
-             ) -> ReplicaRun:
+             on_report: Callable[[int, Exception], None] | None = None) -> ReplicaRun:
     model = make(replica_id)  # distinct starting points: the average differs from both
     opt = (optim.SGD(model.parameters(), lr=0.1) if optimizer is None
            else optimizer(model))
@@ -58,6 +58,8 @@ def _replica(replica_id: int, lighthouse: str, kwargs: dict[str, Any], syncs: in
     def spy(e: Exception) -> None:
         out.errors_reported.append(e)
         report(e)
+        if on_report is not None:
+            on_report(replica_id, e)
 
     manager.report_error = spy  # type: ignore[method-assign]
     # Registered before LocalSGD's hook, so it runs first: the local values a sync starts from.
@@ -90,19 +92,23 @@ def run_replicas(kwargs: dict[str, Any], *, syncs: int = 2,
                  pg: Callable[[int], Any] | None = None,
                  optimizer: Callable[[nn.Module], optim.Optimizer] | None = None,
                  use_async_quorum: bool = False,
-                 step_delay: Callable[[int], float] | None = None) -> list[ReplicaRun]:
+                 step_delay: Callable[[int], float] | None = None,
+                 on_report: Callable[[int, Exception], None] | None = None,
+                 ) -> list[ReplicaRun]:
     """Two replicas (threads), each with its own Manager and ProcessGroupGloo.
 
     ``barrier``, if given, is waited on by both replicas after every sync.
     ``pg(replica_id)``, if given, makes each replica's process group;
     ``optimizer(model)`` the optimizer (default SGD, lr 0.1);
-    ``step_delay(replica_id)`` seconds to sleep before each step.
+    ``step_delay(replica_id)`` seconds to sleep before each step;
+    ``on_report(replica_id, error)`` is called after each error a replica reports.
     """
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         with ThreadPoolExecutor(2) as ex:
             futs = [ex.submit(_replica, i, lighthouse.address(), kwargs, syncs, make, barrier,
-                              pg, optimizer, use_async_quorum, step_delay) for i in range(2)]
+                              pg, optimizer, use_async_quorum, step_delay, on_report)
+                    for i in range(2)]
             return [f.result(timeout=120) for f in futs]
     finally:
         lighthouse.shutdown()

@@ -9,6 +9,7 @@ sequential and pipelined syncs must give the same outcome, bit for bit.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -92,17 +93,42 @@ def test_a_local_failure_mid_sync_costs_only_that_replica(mode: str,
 
 class FailingIssue(ProcessGroupWrapper):  # type: ignore[misc]
     """The ``fail_at``-th all-reduce raises as it is issued: torchft's
-    ``Manager.allreduce`` reports it and returns without joining that collective."""
+    ``Manager.allreduce`` reports it and returns without joining that collective.
+    ``issued``, if given, is set once an all-reduce has been issued (see ``IssuedAfter``)."""
 
-    def __init__(self, fail_at: int, timeout_s: float) -> None:
+    def __init__(self, fail_at: int, timeout_s: float,
+                 issued: threading.Event | None = None) -> None:
         super().__init__(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)))
         self.calls = 0
         self.fail_at = fail_at
+        self.issued = issued
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected: issuing the all-reduce failed")
+        work = super().allreduce(tensors, opts)
+        if self.issued is not None:
+            self.issued.set()
+        return work
+
+
+class IssuedAfter(ProcessGroupWrapper):  # type: ignore[misc]
+    """The healthy peer of a ``FailingIssue`` replica: its k-th all-reduce is issued only
+    once ``after[k]`` is set (the failing replica issued its first; it reported the
+    failure of its second). The peer's timeout then starts after the failing replica's
+    matching step, not at a time a busy host can outrun: it did, the peer timed out
+    first, and its abort, not the injected failure, became the failing replica's error."""
+
+    def __init__(self, after: list[threading.Event], timeout_s: float) -> None:
+        super().__init__(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)))
+        self.calls = 0
+        self.after = after
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
+        self.calls += 1
+        if self.calls <= len(self.after) and not self.after[self.calls - 1].wait(60):
+            raise AssertionError(f"the failing replica never reached all-reduce {self.calls}")
         return super().allreduce(tensors, opts)
 
 
@@ -114,12 +140,18 @@ def test_an_all_reduce_that_could_not_be_issued_fails_the_sync_on_both(mode: str
     does; its peer waits out the timeout and rejects too. pipeoff's replica joined the
     later collectives, one behind its peer's: a bucket's all-reduce met another's, and
     gloo aborted the process on the size mismatch (a tester's find)."""
+    order = [threading.Event(), threading.Event()]
+
     def pg(replica_id: int) -> Any:
         if replica_id == 0:
-            return FailingIssue(fail_at=2, timeout_s=3)
-        return ProcessGroupGloo(timeout=timedelta(seconds=3))
+            return FailingIssue(fail_at=2, timeout_s=3, issued=order[0])
+        return IssuedAfter(order, timeout_s=3)
 
-    runs = run_replicas(MODES[mode], syncs=2, pg=pg)
+    def reported(replica_id: int, e: Exception) -> None:
+        if "injected" in str(e):
+            order[1].set()
+
+    runs = run_replicas(MODES[mode], syncs=2, pg=pg, on_report=reported)
     for r in runs:
         # Both rejected the first sync (local values kept), then averaged the second.
         assert any("injected" in str(e) for e in runs[0].errors_reported)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -25,13 +24,12 @@ import torch
 from torch import nn, optim
 from torchft.coordination import LighthouseServer
 from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
 
 import pipeoff.ft
 import pipeoff.testing
 from pipeoff import PeerSyncFailedError
 from tests.ft._managers import replica_manager
-from tests.ft.test_local_sgd_peers import FailingIssue
+from tests.ft.test_local_sgd_peers import FailingIssue, IssuedAfter
 
 pytestmark = pytest.mark.slow  # two torchft managers and a Lighthouse per case (~3 s)
 
@@ -56,9 +54,11 @@ def _wrap(kind: str, manager: Manager, model: nn.Module, opt: optim.Optimizer) -
                              bucket_bytes=100, device_budget_bytes=200)
 
 
-def _replica(i: int, lighthouse: str, kind: str, how: str) -> dict[str, Any]:
+def _replica(i: int, lighthouse: str, kind: str, how: str,
+             order: list[threading.Event] | None = None) -> dict[str, Any]:
     if how == "issue":
-        return _issue_fails(i, lighthouse)
+        assert order is not None
+        return _issue_fails(i, lighthouse, order)
     model = _model(i)
     before = [p.detach().clone() for p in model.parameters()]
     opt = optim.SGD(model.parameters(), lr=0.1)
@@ -124,17 +124,28 @@ def test_a_peer_that_failed_the_sync_is_never_averaged_in(kind: str, how: str) -
         assert isinstance(err, PeerSyncFailedError), healthy["errored"]
 
 
-def _issue_fails(i: int, lighthouse: str) -> dict[str, Any]:
+def _issue_fails(i: int, lighthouse: str, order: list[threading.Event]) -> dict[str, Any]:
     """DiLoCo, pipelined in buckets: replica 1's second all-reduce raises as it is
-    issued (torchft's ``Manager.allreduce`` reports it and returns its dummy work)."""
+    issued (torchft's ``Manager.allreduce`` reports it and returns its dummy work).
+    ``order``: replica 1 has issued its first all-reduce; it has reported the failure
+    of its second. The peer issues each of its first two only after the matching one."""
     model = _model(i)
     before = [p.detach().clone() for p in model.parameters()]
     opt = optim.SGD(model.parameters(), lr=0.1)
-    pg = (FailingIssue(fail_at=2, timeout_s=3) if i == 1
-          else ProcessGroupGloo(timeout=timedelta(seconds=3)))
+    pg = (FailingIssue(fail_at=2, timeout_s=3, issued=order[0]) if i == 1
+          else IssuedAfter(order, timeout_s=3))
     manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
                                       load_state_dict=model.load_state_dict, pg=pg,
                                       timeout_s=20)
+    if i == 1:
+        report = manager.report_error
+
+        def report_error(e: Exception) -> None:
+            report(e)
+            if "injected" in str(e):
+                order[1].set()
+
+        manager.report_error = report_error  # type: ignore[method-assign]
     try:
         with _wrap("diloco", manager, model, opt) as w:
             opt.zero_grad()
@@ -156,8 +167,9 @@ def test_a_diloco_all_reduce_that_could_not_be_issued_fails_the_sync_on_both() -
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         with ThreadPoolExecutor(2) as pool:
+            order = [threading.Event(), threading.Event()]
             runs = list(pool.map(_replica, range(2), [lighthouse.address()] * 2,
-                                 ["diloco"] * 2, ["issue"] * 2))
+                                 ["diloco"] * 2, ["issue"] * 2, [order] * 2))
     finally:
         lighthouse.shutdown()
     assert "injected" in str(runs[1]["errored"])
