@@ -23,19 +23,16 @@ import torch
 __all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_private_apis",
            "compiled_autograd_active", "compiled_original", "cuda_sleep", "data_parallel",
            "ddp_gradient_sync", "dispatch_mode_active", "dtensor_box", "dynamo_disable",
-           "eager_math", "force_eager", "fsdp_all_gather_streams",
-           "fsdp_cpu_offload", "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params",
-           "fsdp_state", "fused_adam_kernel", "hookless", "init_optimizer_hooks",
-           "installed_version", "is_compiling", "local_tensor", "make_wrapper_subclass",
-           "outer_backward_frame", "outermost_backward_frame", "PRIVATE_APIS", "PrivateAPI",
+           "eager_math", "force_eager", "fsdp_all_gather_streams", "fsdp_cpu_offload",
+           "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state",
+           "fused_adam_kernel", "hookless", "init_optimizer_hooks", "installed_version",
+           "is_compiling", "local_tensor", "make_wrapper_subclass", "outer_backward_frame",
+           "outermost_backward_frame", "post_accumulate_grad_hooks", "PRIVATE_APIS", "PrivateAPI",
            "profiler_enabled", "queue_backward_callback", "recompile_with_hooks", "restore_stance",
-           "runs_compiled", "set_torch_function_stack", "skipped_by_torchft", "step_body", "TESTED",
-           "torch_function_stack", "uncompiled_name"]
+           "runs_compiled", "set_torch_function_stack", "skipped_by_torchft", "step_body",
+           "TESTED", "torch_function_stack", "uncompiled_name"]
 
-TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.9", "2.13"),
-    "torchft": ("0.2", "0.2"),
-}
+TESTED: dict[str, tuple[str, str]] = {"torch": ("2.9", "2.13"), "torchft": ("0.2", "0.2")}
 """Per package, the oldest and newest minor versions pipeoff was tested on; the
 upper bounds of ``pyproject.toml`` admit these and nothing newer."""
 
@@ -128,6 +125,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch.nn.parallel.distributed:DistributedDataParallel._active_ddp_module",
                "active_data_parallel: a DDP wrapper put around a model after its "
                "FullOffloadOptimizer was built (seen in the model's forward)"),
+    PrivateAPI("torch", "torch:Tensor._post_accumulate_grad_hooks", "post_accumulate_grad_hooks"),
     PrivateAPI("torch", "torch:Tensor._make_wrapper_subclass",
                "make_wrapper_subclass: FullOffloadOptimizer's gradient placeholders "
                "(param.grad stands for the host sum; the loop's clip calls see it)"),
@@ -138,20 +136,15 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "pipeoff.ft.LocalSGD overrides it (torchft's extension point)"),
     PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment",
                "DiLoCo's offloaded fragment subclasses it (backups, hooks, settings)"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._fragment_id",
-               "DiLoCo: which fragment a sync is (spans, stats)"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._fragment_sync_delay",
-               "DiLoCo: the formation goes first when > 0"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._fragment_update_alpha",
-               "DiLoCo: the merge's lerp weight"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._model_fragment",
-               "DiLoCo: the fragment's parameters"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._outer_optimizer",
-               "DiLoCo: the host mirror of the outer optimizer"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._local_optimizer",
-               "DiLoCo: the inner optimizer waited for before a sync"),
-    PrivateAPI("torchft", "torchft.local_sgd:_StreamingDiLoCoFragment._manager",
-               "DiLoCo: the all-reduces and the commit"),
+    *(PrivateAPI("torchft", f"torchft.local_sgd:_StreamingDiLoCoFragment.{name}",
+                 f"DiLoCo: {used}") for name, used in (
+        ("_fragment_id", "which fragment a sync is (spans, stats)"),
+        ("_fragment_sync_delay", "the formation goes first when > 0"),
+        ("_fragment_update_alpha", "the merge's lerp weight"),
+        ("_model_fragment", "the fragment's parameters"),
+        ("_outer_optimizer", "the host mirror of the outer optimizer"),
+        ("_local_optimizer", "the inner optimizer waited for before a sync"),
+        ("_manager", "the all-reduces and the commit"))),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._fragments",
                "DiLoCo: its fragments, replaced by offloaded ones"),
     PrivateAPI("torchft", "torchft.local_sgd:DiLoCo._current_fragment",
@@ -484,6 +477,11 @@ def backward_id() -> int:
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward running on this thread ends (as FSDP2 does)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def post_accumulate_grad_hooks(p: torch.Tensor) -> list[Callable[..., Any]]:
+    """The post-accumulate-grad hooks registered on ``p``, in order."""
+    return list((p._post_accumulate_grad_hooks or {}).values())
 
 
 def compiled_autograd_active() -> bool:

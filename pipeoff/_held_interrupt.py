@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["HeldInterrupt", "step_note"]
+__all__ = ["HeldInterrupt", "held_through", "step_note"]
 
 
 def step_note(completed: bool) -> str:
@@ -29,6 +29,17 @@ def step_note(completed: bool) -> str:
             f"on this thread, and was held back {how}, and must not be repeated")
 
 
+@contextlib.contextmanager
+def held_through(what: str) -> Iterator[None]:
+    """Hold Ctrl-C back for the block (``what`` it does, for the notes): passed on once
+    the block has ended whole, or, if it raised, dropped with a note on its error."""
+    held = HeldInterrupt(what)
+    with held.passed_on(lambda: f"pipeoff: this Ctrl-C came while {what}, and was held "
+                        "back until that had completed whole: it need not be repeated"):
+        with held.hold():
+            yield
+
+
 class HeldInterrupt:
     """A SIGINT held back during :meth:`hold` blocks, passed on by :meth:`deliver`; a
     second one during the block is passed on at once.
@@ -37,9 +48,11 @@ class HeldInterrupt:
     the main thread); elsewhere the blocks run as they are.
     """
 
-    __slots__ = ("_caught", "_depth", "_handler")
+    __slots__ = ("_caught", "_depth", "_handler", "_what")
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "the step was launched or its device part ran") -> None:
+        self._what = what
+        """What the blocks do, for the note on an error that came first."""
         self._caught: tuple[int, Any] | None = None
         self._handler: Callable[[int, Any], Any] | None = None
         self._depth = 0
@@ -107,5 +120,5 @@ class HeldInterrupt:
         """A held SIGINT that ``err`` (raised in the meantime) supersedes: say so on it."""
         if self._caught is not None:
             self._caught = self._handler = None
-            err.add_note("pipeoff: a Ctrl-C came while the step was launched or its device "
-                         "part ran; it was held back, and this error came first")
+            err.add_note(f"pipeoff: a Ctrl-C came while {self._what}; it was held back, "
+                         "and this error came first")

@@ -120,7 +120,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             AdamW but for the sign and payload of NaNs (checked at first use;
             :func:`pipeoff.optim.host_step_status` says which runs), else in torch's.
         params: with a model: parameters, named parameters or param groups (dicts),
-            all of ``model``'s; default: every parameter of ``model`` that requires grad.
+            all of ``model``'s; default: every parameter of ``model`` that requires grad
+            (one unfrozen later warns at its first gradient; ``add_param_group`` it).
         accumulate: ``"cpu"`` or ``"gpu"``.
         overlap: ``"forward"``, ``"backward"`` or ``"none"``.
         max_norm: clip gradients to this global 2-norm (a positive float), or ``None``.
@@ -238,9 +239,8 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         self._handed_over = 0  # steps launched (step() without gradients launches none)
         self._warned_compiled = False
         self._finder: ModelFinder | None = None
-        if params is None:
-            assert found is not None
-            params = [p for p in found.parameters() if p.requires_grad]
+        if params is None:  # (the model form's default)
+            params = self._intake.trainable_of(found)
         self._building = True
         try:
             super().__init__(list(params), probe.defaults)

@@ -15,7 +15,7 @@ import torch
 from pipeoff import _accel, _compat, _validate
 from pipeoff._contract import Health
 from pipeoff._errors import ConfigError
-from pipeoff._held_interrupt import step_note
+from pipeoff._held_interrupt import held_through, step_note
 from pipeoff._lowlevel import hook_wait_records, is_failure_of, report_unraised_at_exit, train_span
 from pipeoff.execution import Execution
 from pipeoff.optim import _offloaded, _update
@@ -339,12 +339,12 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         """
         self.wait_for_step()
         self._readers.wait()
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
-                              f"'state' and 'param_groups'), got {type(state_dict).__name__}")
-        self._host.load(state_dict, self._attached)
-        self._device.mark(self.inner)  # (the device part's loaded state: for the readers)
-        self._health.torn = None
+        # Hazard: a Ctrl-C between two parameters' entries (the old state's host tensors
+        # are reused): old state and new, mixed (a tester's find). Held until whole.
+        with held_through("load_state_dict() wrote the optimizer's state"):
+            self._host.load(state_dict, self._attached)
+            self._device.mark(self.inner)  # (the device part's loaded state: for the readers)
+            self._health.torn = None
 
     def wait_for_step(self) -> None:
         """Block until the step in flight (if any) has finished, device part included.

@@ -61,6 +61,7 @@ _OPTIM_CUDA = "tests/optim/test_optim_cuda.py"
 _FULL_CUDA = "tests/optim/test_full_offload_cuda.py"
 _LOCAL_SGD_CUDA = "tests/ft/test_local_sgd_cuda.py"
 _FRACTION = "tests/optim/test_offload_fraction.py"
+_IL = "tests/optim/test_interrupted_loads.py"
 
 # -- A. the mutation switches of pipeoff/_faults.py, one mutant per call site -------------
 # The tests that use pipeoff.testing.disable(NAME) switch the mechanism off themselves
@@ -883,8 +884,8 @@ SPECULATIVE = (
                "reads device-part weights the load's copies are still writing"),
     Mutant(
         name="r91:offload-load-unmarked", file="pipeoff/optim/offload.py",
-        old="        self._device.mark(self.inner)  # (the device part's loaded state: for the "
-            "readers)\n",
+        old="            self._device.mark(self.inner)  # (the device part's loaded state: for "
+            "the readers)\n",
         new="",
         tests=("tests/optim/test_optim_cuda.py::test_a_reader_off_the_callers_stream_after_"
                "load_state_dict_waits",),
@@ -1252,7 +1253,8 @@ SPECULATIVE = (
     Mutant(
         name="r132:loop-read-ends-the-accumulation-before-its-edits",
         file="pipeoff/optim/_full_offload/_lifecycle.py",
-        old="            self.grads.withdraw(stepping=False)\n            acc = self.acc\n",
+        old=("            self.grads.withdraw(stepping=False, keep=True)\n"
+             "            acc = self.acc\n"),
         new="            acc = self.acc\n",
         tests=("tests/optim/test_full_offload_clip.py::test_a_gradient_dropped_or_replaced_"
                "before_the_loops_read_stays_so",),
@@ -1281,8 +1283,8 @@ SPECULATIVE = (
     Mutant(
         name="r135:adamw-loads-an-adam-checkpoints-flags",
         file="pipeoff/optim/_full_offload/_surface.py",
-        old=("        _checkpoint.as_torch_loads(self._config.optimizer_class, self.defaults,\n"
-             "                                   self.param_groups)\n"),
+        old=("            _checkpoint.as_torch_loads(self._config.optimizer_class, self.defaults,\n"
+             "                                       self.param_groups)\n"),
         new="",
         tests=("tests/optim/test_full_offload.py::test_an_adam_checkpoint_loads_into_adamw_as_"
                "torchs_does",),
@@ -1447,6 +1449,74 @@ SPECULATIVE = (
                "backward_and_step_are_refused",),
         hazard="a checkpoint between the final backward and step() holds that step: a "
                "resume applies the batch twice"),
+    Mutant(
+        name="r154:kept-grads-not-restored",
+        file="pipeoff/optim/_full_offload/_lifecycle.py",
+        old="        self.grads.restore_kept()  # (after the folds",
+        new="        pass  # (after the folds",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_foreach_writes_over_gradients_taken_before_a_read_reach_the_step",),
+        hazard="a foreach write after a read reaches a tensor no longer in .grad: unclipped"),
+    Mutant(
+        name="r155:grad-data-set-on-the-placeholder",
+        file="pipeoff/optim/_full_offload/_placeholder.py",
+        old="                          torch.Tensor.data.__set__})",
+        new="                          })",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_grad_data_and_set_are_what_steps",),
+        hazard="g.data = t on a gradient placeholder is read by nothing: the old sum steps"),
+    Mutant(
+        name="r156:grad-set-refused",
+        file="pipeoff/optim/_full_offload/_grads.py",
+        old="        if func.overloadpacket is aten.set_:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_grad_data_and_set_are_what_steps",),
+        hazard="grad.set_(t) raises an error about DTensors on a plain model"),
+    Mutant(
+        name="r157:the-loops-own-grad-hook-unseen",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="        if why is not None:  # (a tester's find",
+        new="        if False:  # (a tester's find",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_a_post_accumulate_grad_hook_"
+               "registered_later_is_refused_at_the_backward",
+               "tests/optim/test_full_offload_loop_writes.py::test_such_a_hook_in_a_later_"
+               "backward_of_an_accumulation_is_refused"),
+        hazard="the loop's own post-accumulate-grad hook sees None or one backward's gradient"),
+    Mutant(
+        name="r158:float64-masters",
+        file="pipeoff/optim/_full_offload/_param.py",
+        old="            if p.dtype == torch.float64:",
+        new="            if False:",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_a_float64_parameter_is_refused",),
+        hazard="a float64 model trains with FP32 masters, silently"),
+    Mutant(
+        name="r159:offload-load-not-held",
+        file="pipeoff/optim/offload.py",
+        old="        with held_through(\"load_state_dict() wrote the optimizer's state\"):\n",
+        new="        with contextlib.nullcontext():\n",
+        tests=(f"{_IL}::test_a_ctrl_c_while_load_state_dict_writes_is_passed_on_after_a_whole_load",),
+        hazard="a Ctrl-C between two parameters' entries: old state and new, mixed"),
+    Mutant(
+        name="r160:full-offload-load-not-held",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old=("        with held_through(\"load_state_dict() wrote the optimizer's state and "
+             "weights\"):"),
+        new="        if True:",
+        tests=(f"{_IL}::test_a_ctrl_c_while_load_state_dict_writes_is_passed_on_after_a_whole_load",),
+        hazard="a Ctrl-C between two parameters' masters: some loaded, the weights not"),
+    Mutant(
+        name="r161:single-pass-ctrl-c-says-step-again",
+        file="pipeoff/optim/_offload/_graph.py",
+        old="        if isinstance(err, KeyboardInterrupt):\n",
+        new="        if False:\n",
+        tests=(f"{_IL}::test_a_ctrl_c_inside_a_single_pass_step_does_not_say_to_step_again",),
+        hazard="a Ctrl-C inside single_pass's step says to step again: some parameters twice"),
+    Mutant(
+        name="r162:unfrozen-parameter-silent",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="        if owner is None and id(p) in self.frozen_at_build:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_constructors.py::test_a_parameter_frozen_when_the_model_form_"
+               "was_built_warns_once_unfrozen",),
+        hazard="a parameter unfrozen after a warm-up is never stepped, silently"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

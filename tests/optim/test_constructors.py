@@ -213,3 +213,37 @@ def test_errors_do_not_dump_whole_param_groups() -> None:
         with pytest.raises(ConfigError) as err:
             make()
         assert len(str(err.value)) < 400, str(err.value)
+
+
+def test_a_parameter_frozen_when_the_model_form_was_built_warns_once_unfrozen() -> None:
+    """The model form takes the parameters that require grad (as the HF Trainer's groups);
+    one unfrozen after a warm-up is in no group, where torch's AdamW(model.parameters())
+    steps it: its first gradient warns (a tester's find: silently never stepped)."""
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model[2].weight.requires_grad_(True)
+    with pytest.warns(RuntimeWarning, match=r"'2\.weight' was frozen when the optimizer"):
+        model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model[2].weight.grad = None
+    opt.add_param_group({"params": [model[2].weight]})  # (what the warning says)
+    model(torch.ones(4, 8)).sum().backward()
+    w = model[2].weight.detach().clone()
+    opt.step()
+    opt.wait_for_step()
+    assert not torch.equal(model[2].weight, w)
+
+
+@pytest.mark.parametrize("how", ["params", "model_params", "add_param_group"])
+def test_a_set_of_parameters_is_refused_as_torch_refuses_it(how: str) -> None:
+    model = _model()
+    with pytest.raises(ConfigError, match="is a set, whose order changes between runs"):
+        if how == "params":
+            FullOffloadOptimizer(set(model.parameters()), torch.optim.AdamW)
+        elif how == "model_params":
+            FullOffloadOptimizer(model, torch.optim.AdamW, params=set(model.parameters()))
+        else:
+            opt = FullOffloadOptimizer(model, torch.optim.AdamW, params=[model[0].weight])
+            opt.add_param_group({"params": {model[0].bias}})

@@ -276,12 +276,20 @@ def model_and_params(model: Any, params: Any) -> tuple[Any, torch.nn.Module | No
         if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
             raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
                               f"param groups) to optimize, got {short_repr(model)}")
+        _refuse_set(model)
         return list(model), None
     check_model(model)
+    _refuse_set(params)
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
     return params, model
+
+
+def _refuse_set(params: Any) -> None:
+    if isinstance(params, (set, frozenset)):  # (as torch refuses one)
+        raise ConfigError("params is a set, whose order changes between runs (and with it "
+                          "the state dict's indices): use a list")
 
 
 def check_clip_args(max_norm: Any, norm_type: Any, overlap: str) -> tuple[float, bool]:

@@ -100,6 +100,9 @@ class LoopGrads:
         self.acc: Accumulation | None = None
         self.showing = False
         """Whether the placeholders are in ``param.grad`` now."""
+        self.kept: tuple[Accumulation, dict[tuple[bool, int], torch.Tensor]] | None = None
+        """The tensors the loop put or wrote in ``.grad`` that a read made the sums', to be
+        ``.grad`` again once that read has waited for the folds (:meth:`restore_kept`)."""
 
     # -- in and out of param.grad --------------------------------------------------------
     def install(self, acc: Accumulation, params: Sequence[OffloadedParam]) -> None:
@@ -142,6 +145,7 @@ class LoopGrads:
         if self.acc is not acc:
             self.slots, self.device_slots = {}, {}
             self.acc = acc
+            self.kept = None
 
     def device_shown(self) -> frozenset[int]:
         """The ``id()`` of the device-part parameters whose ``.grad`` is (or was, until the
@@ -157,6 +161,7 @@ class LoopGrads:
         self.slots, self.device_slots = {}, {}
         self.acc = None
         self.showing = False
+        self.kept = None
 
     def edited(self) -> bool:
         """Whether the loop dropped or replaced a gradient a placeholder shows (or wrote
@@ -166,13 +171,14 @@ class LoopGrads:
                        or (s.real is not None and _written(s)))
             for s in [*self.slots.values(), *self.device_slots.values()])
 
-    def withdraw(self, *, stepping: bool) -> dict[int, tuple[Edit, ...]]:
+    def withdraw(self, *, stepping: bool, keep: bool = False) -> dict[int, tuple[Edit, ...]]:
         """Take the placeholders out of ``.grad``, before a forward or at ``step()``
         (``stepping``), and make what the loop did to ``.grad`` the sums': a tensor
         put in ``.grad`` or written through is the gradient, ``None`` drops it (all of
         them ``None``: the accumulation is discarded, as by ``zero_grad()``). At
         ``step()``, returns the recorded edits per parameter (the step applies them)
-        and forgets the placeholders.
+        and forgets the placeholders. ``keep`` (a read ending the accumulation): each
+        such tensor is kept for :meth:`restore_kept`.
 
         Raises:
             GradientError: a gradient put in ``.grad`` by hand is not of the parameter's
@@ -182,6 +188,7 @@ class LoopGrads:
                 (``max_norm``, ``clip_grad_norm_()``).
         """
         acc = self.acc
+        self.kept = None
         if acc is None:
             return {}
         if acc is not self.micro.acc:
@@ -234,6 +241,9 @@ class LoopGrads:
             # gone for dropped gradients (a tester's find). Held back: step() passes it
             # on once the step is launched; elsewhere it is passed on below.
             with held.hold():
+                if keep and replaced:
+                    self.kept = (acc, {k: g for k in replaced
+                                       if (g := slots[k].rec.param.grad) is not None})
                 for key, slot in out.items():
                     p = slot.rec.param
                     p.grad = wrap_like(p, arriving[key]) if key in arriving else None
@@ -256,6 +266,25 @@ class LoopGrads:
             edits = {i: tuple(s.edits) for i, s in self.slots.items() if s.edits}
             self.slots, self.device_slots, self.acc = {}, {}, None
         return edits
+
+    def restore_kept(self) -> None:
+        """After a read that made the loop's tensors in ``.grad`` the sums (:meth:`withdraw`
+        with ``keep``) and waited for the folds: each is ``.grad`` again, where its new
+        placeholder still is. Hazard: the loop holds that tensor (a list of gradients a
+        foreach clip took before the read); its next write to it (``clip_grad_value_``'s
+        ``clamp_max_`` after ``clamp_min_``) reached no gradient, and the step stepped
+        the sum of before (a tester's find)."""
+        kept, self.kept = self.kept, None
+        if kept is None or kept[0] is not self.acc:
+            return
+        for (dev, k), g in kept[1].items():
+            slot = (self.device_slots if dev else self.slots).get(k)
+            if slot is None or not slot.out or slot.real is not None:
+                continue
+            p = slot.rec.param
+            if p.grad is slot.shown:
+                slot.real, slot.shown = local(g), g
+                p.grad = g  # (its values are the sum's now: written again, it is replaced)
 
     def _edit_sums(self, slots: dict[tuple[bool, int], GradSlot],
                    replaced: dict[tuple[bool, int], torch.Tensor],
@@ -331,6 +360,12 @@ class LoopGrads:
             return args[0]
         if func is aten.zero_.default:
             self.edit(_slot_of(args[0]), ("zero",))
+            return args[0]
+        if func.overloadpacket is aten.set_:
+            # ``grad.set_(t)`` (torch gives it no __torch_function__): the real gradient,
+            # ``param.grad`` from now on, takes ``t`` (a tester's find: it raised).
+            slot = _slot_of(args[0])
+            func(self.materialize(slot), *real_of(tuple(args[1:])), **kwargs)
             return args[0]
         if (func is aten.add_.Tensor and _compat.backward_id() >= 0
                 and isinstance(args[0], HostGrad)):
@@ -452,7 +487,8 @@ class LoopGrads:
                 "FullOffloadOptimizer(overlap='backward') steps during the final backward, "
                 "before the loop's call: use overlap='forward' (the default), under which "
                 "the clipping happens in the step (a clip whose coefficient is 1, under "
-                "its max_norm, changes nothing and passes)")
+                "its max_norm, changes nothing and passes; a clamp, whatever its bound, "
+                "does not)")
         self._ready(slot, "scaling")
         if slot.dev is not None:
             self.micro.part.scale(slot.dev, [e])  # (its sum is in device memory: now)

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeoff import _compat
 from pipeoff._contract import Health
-from pipeoff._errors import GradientError
+from pipeoff._errors import ConfigError, GradientError
 from pipeoff._inert import InertHook, inert
 from pipeoff.optim._full_offload._common import checked_gradient
 from pipeoff.optim._full_offload._config import refuse_environment
@@ -48,6 +48,32 @@ class _GradHook:
         intake = self.ref()
         if intake is not None:
             intake.on_grad(p)
+
+
+def hook_refusal(p: torch.Tensor, later_backward: bool) -> str | None:
+    """Why a post-accumulate-grad hook of the loop's own on ``p`` sees the wrong gradient,
+    or ``None``: one that runs after full offload's sees ``None`` (the gradient is taken);
+    one before it sees this backward's gradient alone, which is torch's accumulated
+    ``.grad`` only in an accumulation's first backward (``later_backward``: not it)."""
+    ours = False
+    for h in _compat.post_accumulate_grad_hooks(p):
+        if isinstance(h, _GradHook):
+            ours = True
+        elif ours:
+            return "runs after full offload's own, which took the gradient: it sees None"
+        elif later_backward:
+            return ("runs before full offload's own, in a backward after the first of an "
+                    "accumulation: it sees that backward's gradient alone")
+    return None
+
+
+def _hook_refused(name: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"parameter {name!r} has a post-accumulate-grad hook of the loop's own "
+        f"(register_post_accumulate_grad_hook) that {why}, never the accumulated .grad "
+        "torch's hook sees (full offload takes each gradient off the device in its own "
+        "hook); do that work between the backward and step(), where param.grad holds the "
+        "sum (clip_grad_value_, clip_grad_norm_ work there), or remove the hook")
 
 
 def _remove_hooks(handles: dict[int, Any], probe: list[Any]) -> None:
@@ -154,6 +180,9 @@ class GradientIntake:
         self.had_grad: set[int] = set()
         """The parameters (by ``id()``) whose ``.grad`` torch held at the last ``step()``
         (and keeps after it): ``zero_grad(set_to_none=False)`` zeroes those."""
+        self.frozen_at_build: set[int] = set()
+        """The parameters (by ``id()``) the model form left out as frozen, not yet warned
+        about (see :meth:`trainable_of`)."""
         self.delivered: set[int] = set()
         """The parameters (by ``id()``) a backward's gradient reached since the last
         ``step()`` or ``zero_grad()`` (taken in, so ``.grad`` may not show it)."""
@@ -212,6 +241,16 @@ class GradientIntake:
             if ddp is not None and any(q is module for q in ddp.modules()):
                 self.lifecycle.use_wrapper(ddp)
 
+    def trainable_of(self, model: torch.nn.Module | None) -> list[torch.Tensor]:
+        """The model form's default parameters: those of ``model`` that require grad. The
+        frozen ones are remembered: one that gets a gradient later (unfrozen after a
+        warm-up) is in no group, where torch's ``AdamW(model.parameters())`` would step
+        it; a warning says so (a tester's find: it was left in ``.grad``, silently)."""
+        assert model is not None
+        params = list(model.parameters())
+        self.frozen_at_build = {id(p) for p in params if not p.requires_grad}
+        return [p for p in params if p.requires_grad]
+
     def explicitly_non_final(self) -> bool:
         """Whether this backward is marked non-final: ``no_sync()``, or the wrapper does
         not reduce gradients in it (FSDP2's ``set_requires_gradient_sync(False)``,
@@ -230,10 +269,25 @@ class GradientIntake:
         it to the lifecycle (under DDP, leave it to the wrapper: the end of the backward
         takes it)."""
         owner = _OWNERS.get(p)
+        if owner is None and id(p) in self.frozen_at_build:
+            self.frozen_at_build.discard(id(p))
+            warnings.warn(
+                f"FullOffloadOptimizer: parameter {self.registry.name_of(p)!r} was frozen "
+                "when the optimizer was built from the model, so it is in no param group: "
+                "its gradient stays in .grad and nothing steps it (torch's AdamW("
+                "model.parameters()) would); add it with opt.add_param_group({'params': "
+                "[p]}), or build with params=list(model.parameters())",
+                RuntimeWarning, stacklevel=2)
         if owner is None or owner() is not self:
             return  # another (newer) optimizer's parameter, or none's
         if _compat.compiled_autograd_active():  # (turned on after the constructor's check)
             refuse_environment()
+        acc = self.lifecycle.acc
+        why = hook_refusal(p, acc is not None and any(ms.ended for ms in acc.micro))
+        if why is not None:  # (a tester's find: such hooks saw None, silently)
+            i = self.registry.position(p)
+            rec = self.registry[i] if i is not None else self.lifecycle.part.owns(p)
+            raise _hook_refused(rec.name if rec is not None else "?", why)
         lifecycle = self.lifecycle
         if lifecycle.grads.showing:
             # A backward whose forward this optimizer did not see (a submodule called

@@ -392,7 +392,7 @@ class Lifecycle:
             # read (the loop's clip, grad_norm): the final micro-step took the replacement
             # as one more gradient and showed the dropped sum again, or (a known-final
             # backward's) the norm missed the edit. Edits reach the sums first.
-            self.grads.withdraw(stepping=False)
+            self.grads.withdraw(stepping=False, keep=True)
             acc = self.acc
             if acc is None:
                 return None  # every gradient was dropped: nothing is left to end
@@ -421,7 +421,9 @@ class Lifecycle:
             return torch.zeros(()) if had and self.acc is None else None
         _one_pass.fold(acc, why)
         self.launcher.reduce_norm(acc)
-        return acc.wait_norm(self.config.timeout)
+        norm = acc.wait_norm(self.config.timeout)
+        self.grads.restore_kept()  # (after the folds: the sums hold what it replaced)
+        return norm
 
     def prepare_hand_over(self) -> None:
         """``step()``'s waits before :meth:`hand_over` (a Ctrl-C may cut them): a final

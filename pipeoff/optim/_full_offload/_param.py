@@ -253,6 +253,9 @@ class ParamRegistry:
             raise ConfigError("a param group needs a 'params' entry (its parameters), got keys "
                               f"{sorted(group)}")
         ps = group["params"]
+        if isinstance(ps, (set, frozenset)):  # (as torch refuses one; a tester's find)
+            raise ConfigError("a param group's 'params' is a set, whose order changes between "
+                              "runs (and with it the state dict's indices): use a list")
         params = group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):
             # Named parameters (torch 2.6+): as torch does, names go to "param_names".
@@ -282,6 +285,11 @@ class ParamRegistry:
             if not p.dtype.is_floating_point or memory_order(local(p)) is None:
                 raise ConfigError(f"parameter {name!r} must be a dense floating-point tensor, "
                                   f"got {p.dtype} with strides {local(p).stride()}")
+            if p.dtype == torch.float64:  # (a tester's find: it trained in FP32, silently)
+                raise ConfigError(
+                    f"parameter {name!r} is float64: FullOffloadOptimizer keeps FP32 masters "
+                    "and gradient sums, which would round its gradients and updates; use "
+                    "OffloadOptimizer (state in the parameter's dtype) or torch's optimizer")
         return group
 
     def name_of(self, p: torch.Tensor) -> str | None:

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 __all__ = ["GradSlot", "HostGrad", "NeedsRealGradient", "incoming_of", "is_placeholder",
            "real_of", "slots_in"]
 
-_VALUE_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+_VALUE_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
+                          torch.Tensor.data.__set__})  # type: ignore[attr-defined]
 """Reads of the values that bypass aten (a wrapper subclass has no storage to give
-them): they run on the real gradient."""
+them), and ``grad.data = t`` (which set_data would leave on the placeholder, unread: a
+tester's find): they run on the real gradient."""
 
 
 class GradSlot:

@@ -259,7 +259,14 @@ def single_pass(layout: Layout, inner: torch.optim.Optimizer,
     ex = execute(graph, Schedule.synchronous())
     try:
         ex.wait()
-    except BaseException:
+    except BaseException as err:
+        if isinstance(err, KeyboardInterrupt):
+            # (Not "call step() again": the step may have written some parameters,
+            # and a retry steps them twice; a tester's find.)
+            err.add_note("pipeoff: this Ctrl-C came inside mode='single_pass''s step, which "
+                         "runs the wrapped optimizer's step on this thread as torch does: "
+                         "some parameters and their state may be stepped and others not; "
+                         "load a checkpoint rather than call step() again")
         # Hazard: the state left in this step's device copies for the rest of the
         # run (memory_stats() counting it as host memory) when the closure or the
         # step raised before d2h ran. Its values go back as they are (torch's own

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pipeoff._compat import local_tensor as _local
+from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
 from pipeoff.optim._offload._graph_shape import offload_step
 from pipeoff.optim._offload._host_state import (
@@ -154,10 +155,13 @@ class HostLayout:
         it is loaded or (on any error) nothing is.
 
         Raises:
-            ConfigError: a per-element state tensor does not have its parameter's shape,
-                or the loaded groups are invalid.
+            ConfigError: not an optimizer state dict; a per-element state tensor does not
+                have its parameter's shape, or the loaded groups are invalid.
             ValueError: torch's own checks (a group of another size).
         """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ConfigError("load_state_dict expects an optimizer state dict (a dict with "
+                              f"'state' and 'param_groups'), got {type(state_dict).__name__}")
         # The wrapped optimizer's load_state_dict would move every state tensor
         # to its parameter's device, all at once: on a GPU, the whole optimizer
         # state this class exists to keep off it. Load the groups through it
