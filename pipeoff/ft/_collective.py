@@ -80,7 +80,16 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
         return
     # AVG: torchft divides by the participant count inside wait(), so the bucket
     # holds the mean only once wait() has returned.
-    work = manager.allreduce(flat)
+    try:
+        work = manager.allreduce(flat)
+    except BaseException:
+        # Raised out of torchft's allreduce (a Ctrl-C in its wait for the quorum, a
+        # tester's find), joined or not. Hazard: the later collectives joined one
+        # behind the peers' (gloo aborted the process: no handler, no checkpoint).
+        # They are skipped, as torchft's propagating error skips them; the peers
+        # time out and reject.
+        link.broken = True
+        raise
     if _compat.skipped_by_torchft(work) and manager.errored() is not None:
         # Not joined: torchft's allreduce caught an error issuing it, reported it and
         # returned a dummy (it was not errored just before; a mock's dummy is no error).

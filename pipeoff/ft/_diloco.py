@@ -6,6 +6,7 @@ import contextlib
 import functools
 import threading
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -421,12 +422,20 @@ class DiLoCo(_TorchftDiLoCo):  # type: ignore[misc]  # torchft ships no type hin
             self.wait_for_sync()
         finally:
             self._uninstall()
-            for f in self._fragments:
-                if isinstance(f, OffloadedFragment):
-                    # Hazard: lanes left waiting forever for the decision of a sync
-                    # that was prepared but will never be performed.
-                    f.abandon(exc_value if isinstance(exc_value, BaseException) else
-                              PipeoffError("DiLoCo exited with a fragment sync in flight"))
+            # Hazard: lanes left waiting forever for the decision of a sync that was
+            # prepared but will never be performed.
+            dropped = [f for f in self._fragments if isinstance(f, OffloadedFragment)
+                       and f.abandon(exc_value if isinstance(exc_value, BaseException) else
+                                     PipeoffError("DiLoCo exited with a fragment sync in "
+                                                  "flight"))]
+            if dropped and exc_value is None:  # (a tester's find: it was silent)
+                warnings.warn(
+                    "DiLoCo: the `with` block ended with a fragment sync prepared and in "
+                    f"flight (fragment_sync_delay={self._fragment_sync_delay}): it is "
+                    "abandoned and every replica rejects it, where torchft's DiLoCo "
+                    "performs it at the first step after the block is entered again; end "
+                    "the block right after a sync, or enter it once for the whole run",
+                    RuntimeWarning, stacklevel=2)
         return bool(super().__exit__(exc_type, exc_value, traceback))
 
     def _on_trace(self, trace: Trace) -> None:

@@ -394,13 +394,14 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             if ex.done() and not (self._tail is not None and self._tail.in_flight):
                 self._on_trace(ex.trace)
 
-    def abandon(self, why: BaseException) -> None:
+    def abandon(self, why: BaseException) -> bool:
         """Stop the sync in flight, if any, without a decision: its all-reduces still
-        run (peers wait for them), nothing is written, and no outer step runs."""
+        run (peers wait for them), nothing is written, and no outer step runs. Returns
+        whether there was one."""
         ex = self._ex
         self._formation.end()
         if ex is None:
-            return
+            return False
         self._ex = None
         self._abandoned = PipeoffError(
             "this DiLoCo fragment sync was abandoned: the DiLoCo context exited while it "
@@ -426,6 +427,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # to perform_sync: the loop raised, and that exception goes on).
         with contextlib.suppress(BaseException):
             self._vote()
+        return True
 
     def _vote(self) -> None:
         """This sync's vote (``pipeoff/ft/_collective.py``), once, after its all-reduces:

@@ -476,3 +476,30 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
                           healthy["own"], strict=True):
         assert torch.equal(a, b)  # both hold the average, whole
         assert torch.equal(a, (x + y) / 2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["local_sgd_sync", "local_sgd_buckets", "diloco"])
+def test_an_error_out_of_torchfts_allreduce_skips_the_later_collectives(kind: str) -> None:
+    """An exception raised out of ``manager.allreduce`` itself (a Ctrl-C in its wait
+    for the quorum, under LocalSGD's synchronous schedule; a tester's find): the later
+    all-reduces of the sync were joined one behind the peer's and gloo aborted the
+    process (SIGABRT: no handler, no checkpoint). Now they are skipped, as torchft's
+    propagating error skips them: the replica rejects, the peer times out and rejects.
+    In a process of its own (the failure aborts it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "tests.ft.allreduce_raises_worker", kind],
+                         cwd=root, capture_output=True, text=True, timeout=150,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    failing, peer = json.loads(out.stdout.strip().splitlines()[-1])
+    # (The sync's task failed: reported to the manager, so it rejects; not raised.)
+    assert "injected" in str(failing["raised"] or failing["errored"]), failing
+    assert peer["errored"] is not None  # (its all-reduce timed out: it rejected)
+    if kind == "diloco":  # (rejected: both back at their backups; LocalSGD keeps its own)
+        assert not any(peer["moved"]) and not any(failing["moved"])

@@ -1022,8 +1022,8 @@ SPECULATIVE = (
                "three replica groups"),
     Mutant(
         name="r107:unissued-all-reduce-joins-on", file="pipeoff/ft/_collective.py",
-        old="        link.broken = True\n",
-        new="        pass\n",
+        old="no error).\n        link.broken = True\n",
+        new="no error).\n        pass\n",
         tests=("tests/ft/test_local_sgd_peers.py::test_an_all_reduce_that_could_not_be_"
                "issued_fails_the_sync_on_both[sync]",
                "tests/ft/test_peer_failed.py::test_a_diloco_all_reduce_that_could_not_be_"
@@ -1517,6 +1517,59 @@ SPECULATIVE = (
         tests=("tests/optim/test_constructors.py::test_a_parameter_frozen_when_the_model_form_"
                "was_built_warns_once_unfrozen",),
         hazard="a parameter unfrozen after a warm-up is never stepped, silently"),
+    Mutant(
+        name="r163:torchfts-allreduce-raising-joins-the-rest",
+        file="pipeoff/ft/_collective.py",
+        old="        link.broken = True\n        raise\n",
+        new="        raise\n",
+        tests=("tests/ft/test_peer_failed.py::test_an_error_out_of_torchfts_allreduce_skips_"
+               "the_later_collectives",),
+        hazard="a Ctrl-C in torchft's allreduce: the later all-reduces join one behind the "
+               "peer's and gloo aborts the process"),
+    Mutant(
+        name="r164:diloco-clean-exit-abandons-silently",
+        file="pipeoff/ft/_diloco.py",
+        old="            if dropped and exc_value is None:",
+        new="            if False:",
+        tests=("tests/ft/test_diloco.py::test_a_block_that_ends_cleanly_with_a_sync_in_flight_"
+               "says_it_is_abandoned",),
+        hazard="a with-block ended with a sync in flight drops it silently (torchft performs "
+               "it after re-entry)"),
+    Mutant(
+        name="r165:an-older-optimizers-hook-is-ours",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="            ours = ours or h.ref() is intake\n",
+        new="            ours = True\n",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_an_older_optimizers_hook_does_not_make_the_loops_hook_refused",),
+        hazard="a hook registered between an old and a new optimizer is refused falsely"),
+    Mutant(
+        name="r166:later-backward-by-the-host-accumulation",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="        why = hook_refusal(p, id(p) in self.delivered, self)\n",
+        new="        why = hook_refusal(p, False, self)\n",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_such_a_hook_in_a_second_backward_without_no_sync_is_refused",),
+        hazard="a hook before the optimizer sees one backward's gradient of several, silently"),
+    Mutant(
+        name="r167:a-dropped-placeholder-read",
+        file="pipeoff/optim/_full_offload/_grads.py",
+        old="        if what != \"scaling\" and not self._current(slot):\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_a_placeholder_kept_after_its_gradient_was_dropped",),
+        hazard="a placeholder kept after p.grad = None reads garbage memory (accumulate gpu)"),
+    Mutant(
+        name="r168:float64-after-a-cast",
+        file="pipeoff/optim/_full_offload/_param.py",
+        old="                if q.dtype == torch.float64:  # (cast after construction",
+        new="                if False:  # (cast after construction",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_a_model_cast_to_float64_after_construction_is_refused",),
+        hazard="model.double() after construction trains with FP32 masters, silently"),
+    Mutant(
+        name="r169:ctrl-c-taken-for-a-failed-step",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old=" is not None or isinstance(err, KeyboardInterrupt):",
+        new=" is not None:",
+        tests=(f"{_IL}::test_a_ctrl_c_with_no_step_in_flight_is_not_taken_for_a_failed_step",),
+        hazard="a Ctrl-C in load_state_dict()'s first wait is swallowed"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -840,7 +840,7 @@ def test_a_gradient_of_the_wrong_dtype_is_refused() -> None:
 
 def test_a_second_gradient_in_one_backward_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # (The hook below injects a second gradient after the optimizer's: not refused.)
-    monkeypatch.setattr(_intake, "hook_refusal", lambda p, later: None)
+    monkeypatch.setattr(_intake, "hook_refusal", lambda *a: None)
     model = make_model()
     opt = build(model)
 
@@ -972,7 +972,7 @@ def test_shipped_gradients_are_freed_once_copied(accumulate: str,
     import weakref
 
     # (The hooks below only watch each backward's gradient: not refused here.)
-    monkeypatch.setattr(_intake, "hook_refusal", lambda p, later: None)
+    monkeypatch.setattr(_intake, "hook_refusal", lambda *a: None)
     model = make_model()
     refs: list[Any] = []
     for p in model.parameters():

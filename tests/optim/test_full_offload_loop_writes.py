@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoff import ConfigError
+from pipeoff import ConfigError, GradientError
 from pipeoff.optim import FullOffloadOptimizer
 
 
@@ -192,3 +192,80 @@ def test_an_older_optimizers_hooks_are_not_the_loops() -> None:
 def test_a_float64_parameter_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"'0\.weight' is float64.*OffloadOptimizer"):
         FullOffloadOptimizer(_model().double(), torch.optim.AdamW, lr=1e-2)
+
+
+def test_an_older_optimizers_hook_does_not_make_the_loops_hook_refused() -> None:
+    """Resuming on the same model while the old optimizer lives: a hook registered
+    between the two is before the new optimizer's (the old one's takes nothing now)."""
+    weights = []
+    for full in (False, True):
+        model = _model()
+        old: Any = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2) if full else None
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_clamp_hook)
+        if full:
+            with pytest.warns(RuntimeWarning, match="belonged to another"):
+                opt: Any = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.ones(8, 16)).sum().backward()
+        opt.step()
+        getattr(opt, "wait_for_step", lambda: None)()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        del old
+    for a, b in zip(*weights, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_such_a_hook_in_a_second_backward_without_no_sync_is_refused(fraction: float) -> None:
+    model = _model()
+    model[2].bias.register_post_accumulate_grad_hook(_clamp_hook)
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, offload_fraction=fraction)
+    model(torch.randn(8, 16)).sum().backward()
+    with pytest.raises(ConfigError, match=r"'2\.bias' has a post-accumulate-grad hook.*"
+                                          r"sees that backward's gradient alone"):
+        model(torch.randn(8, 16)).sum().backward()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("kw", [{}, {"accumulate": "gpu"}, {"offload_fraction": 0.5}],
+                         ids=["full", "gpu_sums", "fraction"])
+def test_a_placeholder_kept_after_its_gradient_was_dropped(kw: dict[str, Any]) -> None:
+    """``g = p.grad; p.grad = None``: a read of ``g`` raises (its sum is gone; it read
+    garbage memory under accumulate='gpu', or raised a TypeError in a device part); an
+    edit of it reaches nothing, as torch's edit of a tensor no longer in .grad."""
+    def drop_then_scale(model: nn.Module) -> None:
+        g = model[0].bias.grad
+        model[0].bias.grad = None
+        g.mul_(0.5)
+
+    _alike(drop_then_scale, **kw)
+    model = _model()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, **kw)
+    model(torch.ones(8, 16)).pow(2).mean().backward()
+    g = model[0].bias.grad
+    model[0].bias.grad = None
+    with pytest.raises(GradientError, match="was dropped or replaced in .grad"):
+        float(g.sum())
+    with pytest.raises(GradientError, match="was dropped or replaced in .grad"):
+        float(g.norm())
+    opt.zero_grad()
+
+
+def test_a_model_cast_to_float64_after_construction_is_refused() -> None:
+    model = _model()
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model.double()
+    with pytest.raises(ConfigError, match=r"is float64"):
+        model(torch.ones(8, 16, dtype=torch.float64)).sum().backward()
+        opt.step()
+    opt.zero_grad()
+
+
+def test_a_set_inside_a_param_group_is_refused() -> None:
+    model = _model()
+    with pytest.raises(ConfigError, match="is a set"):
+        FullOffloadOptimizer(model, torch.optim.AdamW, params=[{"params": set(model.parameters())}])
+    with pytest.raises(ConfigError, match="is a set"):
+        FullOffloadOptimizer([{"params": set(model.parameters())}], torch.optim.AdamW)

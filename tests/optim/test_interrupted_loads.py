@@ -140,3 +140,27 @@ def test_a_ctrl_c_inside_a_single_pass_step_does_not_say_to_step_again() -> None
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "load a checkpoint rather than call step() again" in notes, notes
     assert "call step() again to take it" not in notes, notes
+
+
+@pytest.mark.parametrize("call", ["load_state_dict", "refresh_device_weights"])
+def test_a_ctrl_c_with_no_step_in_flight_is_not_taken_for_a_failed_step(
+        call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C in the wait for the step in flight once none was (or it had just ended)
+    was taken for that step's failure and swallowed (a tester's find)."""
+    from pipeoff.optim._full_offload import _lifecycle
+
+    model, opt = _trained("full", seed=1)
+    sd = opt.state_dict()
+    wait_step = _lifecycle.Lifecycle.wait_step
+
+    armed = [True]
+
+    def interrupted(self: Any) -> Any:
+        if armed[0]:  # (once: the first wait, in the quiesce before anything is written)
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)  # (the handler runs at the next bytecode)
+        return wait_step(self)
+
+    monkeypatch.setattr(_lifecycle.Lifecycle, "wait_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.load_state_dict(sd) if call == "load_state_dict" else opt.refresh_device_weights()

@@ -181,7 +181,7 @@ def test_step_waiting_for_a_micro_step_whose_backward_never_ended(
 def test_step_settling_the_executions_of_a_failed_accumulation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # (The hook below injects a refused gradient in the second backward: not refused.)
-    monkeypatch.setattr(_intake, "hook_refusal", lambda p, later: None)
+    monkeypatch.setattr(_intake, "hook_refusal", lambda *a: None)
     model = make_model()
     ref_model = copy.deepcopy(model)
     w = model[0].weight

@@ -291,6 +291,10 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
     ``"auto"``) at the chosen fraction, the choice (``None`` without ``"auto"``), and
     ``params`` (a list with ``"auto"``, which reads them)."""
     if params is not None:  # (read twice: a group's iterator of parameters, listed)
+        if any(isinstance(item, Mapping) and isinstance(item.get("params"), (set, frozenset))
+               for item in params):  # (as torch refuses one; a tester's find)
+            raise ConfigError("a param group's 'params' is a set, whose order changes between "
+                              "runs (and with it the state dict's indices): use a list")
         params = [{**item, "params": ([item["params"]] if isinstance(item["params"], torch.Tensor)
                                       else list(item["params"]))}
                   if isinstance(item, Mapping) and "params" in item else item

@@ -434,7 +434,21 @@ class LoopGrads:
             raise GradientError(
                 f"{what} the gradient of {slot.rec.name!r} before the final backward under "
                 f"overlap='backward': its sum is known once that backward has run{counted}")
+        if what != "scaling" and not self._current(slot):
+            # (A tester's find: a sum dropped or replaced since (the read above took the
+            # edit in) was read as garbage, or raised deep inside.)
+            raise GradientError(
+                f"this gradient of {slot.rec.name!r} was dropped or replaced in .grad "
+                "(param.grad = None, or = t) after it was taken from there, and its host "
+                "sum with it: its values are gone; read param.grad instead")
         return slot.acc
+
+    def _current(self, slot: GradSlot) -> bool:
+        """Whether ``slot`` still stands for its parameter's gradient sum (not dropped or
+        replaced in ``.grad`` since)."""
+        if slot.dev is not None:
+            return self.device_slots.get(id(slot.rec.param)) is slot
+        return self.slots.get(slot.i) is slot
 
     def _rec_now(self, slot: GradSlot) -> Any:
         if slot.dev is not None:
@@ -490,6 +504,8 @@ class LoopGrads:
                 "its max_norm, changes nothing and passes; a clamp, whatever its bound, "
                 "does not)")
         self._ready(slot, "scaling")
+        if not self._current(slot):
+            return  # (no longer in .grad: it reaches nothing, as torch's edit of it)
         if slot.dev is not None:
             self.micro.part.scale(slot.dev, [e])  # (its sum is in device memory: now)
             slot.applied = True

@@ -50,15 +50,16 @@ class _GradHook:
             intake.on_grad(p)
 
 
-def hook_refusal(p: torch.Tensor, later_backward: bool) -> str | None:
+def hook_refusal(p: torch.Tensor, later_backward: bool, intake: Any) -> str | None:
     """Why a post-accumulate-grad hook of the loop's own on ``p`` sees the wrong gradient,
-    or ``None``: one that runs after full offload's sees ``None`` (the gradient is taken);
+    or ``None``: one that runs after ``intake``'s sees ``None`` (the gradient is taken);
     one before it sees this backward's gradient alone, which is torch's accumulated
-    ``.grad`` only in an accumulation's first backward (``later_backward``: not it)."""
+    ``.grad`` only in an accumulation's first backward (``later_backward``: not it). An
+    older optimizer's hook (it takes nothing now) is neither."""
     ours = False
     for h in _compat.post_accumulate_grad_hooks(p):
         if isinstance(h, _GradHook):
-            ours = True
+            ours = ours or h.ref() is intake
         elif ours:
             return "runs after full offload's own, which took the gradient: it sees None"
         elif later_backward:
@@ -282,8 +283,8 @@ class GradientIntake:
             return  # another (newer) optimizer's parameter, or none's
         if _compat.compiled_autograd_active():  # (turned on after the constructor's check)
             refuse_environment()
-        acc = self.lifecycle.acc
-        why = hook_refusal(p, acc is not None and any(ms.ended for ms in acc.micro))
+        # (This parameter's gradient came in an earlier backward of the step: either part.)
+        why = hook_refusal(p, id(p) in self.delivered, self)
         if why is not None:  # (a tester's find: such hooks saw None, silently)
             i = self.registry.position(p)
             rec = self.registry[i] if i is not None else self.lifecycle.part.owns(p)

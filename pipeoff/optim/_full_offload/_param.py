@@ -35,6 +35,10 @@ _STATE_LOCK = threading.Lock()
 """Makes an allocation of missing state keys one step (see ``ensure_state``)."""
 
 
+_FLOAT64 = ("parameter {name!r} is float64: FullOffloadOptimizer keeps FP32 masters and "
+            "gradient sums, which would round its gradients and updates; use "
+            "OffloadOptimizer (state in the parameter's dtype) or torch's optimizer")
+
 class OffloadedParam:
     """One parameter and its host state: the FP32 master, the FP32 gradient accumulator
     and the optimizer's per-element state, each laid out in the parameter's memory
@@ -286,10 +290,7 @@ class ParamRegistry:
                 raise ConfigError(f"parameter {name!r} must be a dense floating-point tensor, "
                                   f"got {p.dtype} with strides {local(p).stride()}")
             if p.dtype == torch.float64:  # (a tester's find: it trained in FP32, silently)
-                raise ConfigError(
-                    f"parameter {name!r} is float64: FullOffloadOptimizer keeps FP32 masters "
-                    "and gradient sums, which would round its gradients and updates; use "
-                    "OffloadOptimizer (state in the parameter's dtype) or torch's optimizer")
+                raise ConfigError(_FLOAT64.format(name=name))
         return group
 
     def name_of(self, p: torch.Tensor) -> str | None:
@@ -331,6 +332,8 @@ class ParamRegistry:
                 if id(q) in seen:
                     raise ConfigError(f"parameter {name!r} is listed twice in param_groups")
                 seen.add(id(q))
+                if q.dtype == torch.float64:  # (cast after construction: model.double())
+                    raise ConfigError(_FLOAT64.format(name=name))
 
     def index(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
         """Follow ``param_groups``: host state for new parameters (the master copied from
