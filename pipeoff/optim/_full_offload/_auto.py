@@ -47,7 +47,7 @@ from pipeoff._errors import ConfigError, PlanMismatchError
 from pipeoff._validate import check_bytes
 from pipeoff.optim import _update
 from pipeoff.optim._full_offload import _host_kernel
-from pipeoff.optim._full_offload._config import accepted
+from pipeoff.optim._full_offload._config import accepted, refuse_set
 from pipeoff.optim._offload._auto import (
     FractionChoice,
     Rates,
@@ -291,10 +291,9 @@ def resolve(config: Any, fraction: Any, params: Any, found: torch.nn.Module | No
     ``"auto"``) at the chosen fraction, the choice (``None`` without ``"auto"``), and
     ``params`` (a list with ``"auto"``, which reads them)."""
     if params is not None:  # (read twice: a group's iterator of parameters, listed)
-        if any(isinstance(item, Mapping) and isinstance(item.get("params"), (set, frozenset))
-               for item in params):  # (as torch refuses one; a tester's find)
-            raise ConfigError("a param group's 'params' is a set, whose order changes between "
-                              "runs (and with it the state dict's indices): use a list")
+        for item in params:  # (listed below: refused first, as check_group would)
+            if isinstance(item, Mapping):
+                refuse_set(item.get("params"), "a param group's 'params'")
         params = [{**item, "params": ([item["params"]] if isinstance(item["params"], torch.Tensor)
                                       else list(item["params"]))}
                   if isinstance(item, Mapping) and "params" in item else item

@@ -20,7 +20,7 @@ from pipeoff.optim._offload._args import check_fraction
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOT_BYTES", "Accumulate", "FullOffloadConfig",
            "Overlap", "check_clip_args", "check_max_norm", "check_model", "chunk_numel_of",
-           "model_and_params", "refuse_environment"]
+           "model_and_params", "refuse_environment", "refuse_set"]
 
 Accumulate = Literal["cpu", "gpu"]
 Overlap = Literal["backward", "forward", "none"]
@@ -276,19 +276,24 @@ def model_and_params(model: Any, params: Any) -> tuple[Any, torch.nn.Module | No
         if not isinstance(model, Iterable) or isinstance(model, (str, bytes, dict)):
             raise ConfigError(f"model must be a torch.nn.Module, or the parameters (or "
                               f"param groups) to optimize, got {short_repr(model)}")
-        _refuse_set(model)
+        refuse_set(model)
         return list(model), None
     check_model(model)
-    _refuse_set(params)
+    refuse_set(params)
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
     return params, model
 
 
-def _refuse_set(params: Any) -> None:
-    if isinstance(params, (set, frozenset)):  # (as torch refuses one)
-        raise ConfigError("params is a set, whose order changes between runs (and with it "
+def refuse_set(params: Any, what: str = "params") -> None:
+    """Refuse a set of parameters, as torch does (a tester's find: they were taken).
+
+    Raises:
+        ConfigError: ``params`` (``what``) is a set, whose order changes between runs.
+    """
+    if isinstance(params, (set, frozenset)):
+        raise ConfigError(f"{what} is a set, whose order changes between runs (and with it "
                           "the state dict's indices): use a list")
 
 

@@ -18,7 +18,7 @@ from pipeoff import _accel
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import ConfigError
 from pipeoff.optim import _update
-from pipeoff.optim._full_offload._config import FullOffloadConfig
+from pipeoff.optim._full_offload._config import FullOffloadConfig, refuse_set
 from pipeoff.optim._full_offload._graph import MicroStepPlan, ParamSizes
 from pipeoff.optim._tensors import (
     casts_to,
@@ -257,9 +257,7 @@ class ParamRegistry:
             raise ConfigError("a param group needs a 'params' entry (its parameters), got keys "
                               f"{sorted(group)}")
         ps = group["params"]
-        if isinstance(ps, (set, frozenset)):  # (as torch refuses one; a tester's find)
-            raise ConfigError("a param group's 'params' is a set, whose order changes between "
-                              "runs (and with it the state dict's indices): use a list")
+        refuse_set(ps, "a param group's 'params'")
         params = group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):
             # Named parameters (torch 2.6+): as torch does, names go to "param_names".
