@@ -338,8 +338,9 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
 def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
     """Join a SUM all-reduce of ``tensor`` (in place) on ``manager``'s process group
     (``Manager._pg``), bypassing the manager (a no-op once an error was reported), and
-    wait (``pipeoff/ft/_collective.py``). Whether it completed (failures swallowed), or
-    ``None`` without a torch process group (a test's mock: no peers)."""
+    wait (``pipeoff/ft/_collective.py``). Whether it completed (a failed wait swallowed),
+    or ``None`` without a torch process group (a test's mock: no peers). Raises what
+    issuing it raised (the collective was not joined)."""
     from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp
 
     pg = getattr(manager, "_pg", None)
@@ -347,8 +348,9 @@ def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
         return None
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+    work = pg.allreduce([tensor], opts)
     try:
-        pg.allreduce([tensor], opts).wait()
+        work.wait()
     except Exception:  # noqa: BLE001 - this replica's sync has already failed
         return False
     return True

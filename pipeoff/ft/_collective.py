@@ -23,14 +23,14 @@ __all__ = ["Link", "allreduce_bucket", "vote"]
 class Link:
     """This replica's collectives of one sync, matched one for one with its peers'.
 
-    Until one of them could not be issued (torchft's ``allreduce`` caught the
-    error, reported it and returned without joining): then ``broken``, and the
-    sync's later collectives, its vote included, are skipped, as torchft skips
-    every all-reduce after an error. Hazard: joining them one behind the peers',
-    a bucket's all-reduce meeting another bucket's (gloo aborts the process on
-    the size mismatch; with equal sizes the vote was summed into a parameter).
-    The replica has reported the error, so it rejects the sync; its peers time
-    out once and reject, as under torchft.
+    Until one of them could not be issued (the process group raised issuing a failed
+    replica's collective, or an error was raised out of torchft's ``allreduce``):
+    then ``broken``, and the sync's later collectives, its vote included, are
+    skipped, as torchft skips every all-reduce after an error. Hazard: joining them
+    one behind the peers', a bucket's all-reduce meeting another bucket's (gloo
+    aborts the process on the size mismatch; with equal sizes the vote was summed
+    into a parameter). The replica has reported the error, so it rejects the sync;
+    its peers time out once and reject, as under torchft.
     """
 
     __slots__ = ("broken",)
@@ -60,45 +60,64 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
         if local_failure is not None:
             raise local_failure
         return
-    if local_failure is not None or ctx.failed is not None or manager.errored() is not None:
-        # This replica has failed this sync (it will not commit), and torchft's
-        # allreduce is a no-op after an error. Hazard: peer replicas waiting out
-        # the process group's timeout for the collectives this replica would
-        # skip. Join them with the local values, as torchft's own path (which
-        # issues every all-reduce before waiting) does; the result is discarded.
-        # (Values that are not this replica's to give are told to the peers by
-        # vote(), before should_commit().)
-        if manager.is_participating() is False:
-            # Hazard: a healing replica's stale values summed into the peers'
-            # average, which torchft divides by a participant count without it
-            # (torchft's allreduce zeroes them).
-            flat.zero_()
-        if not _compat.allreduce_discarded(manager, flat):
-            ctx.retire_buffer(dev)
-        if local_failure is not None:
-            raise local_failure
-        return
-    # AVG: torchft divides by the participant count inside wait(), so the bucket
-    # holds the mean only once wait() has returned.
+    if local_failure is None and ctx.failed is None and manager.errored() is None:
+        # AVG: torchft divides by the participant count inside wait(), so the bucket
+        # holds the mean only once wait() has returned.
+        try:
+            work = manager.allreduce(flat)
+        except BaseException:
+            # Raised out of torchft's allreduce (a Ctrl-C in its wait for the quorum, a
+            # tester's find), joined or not. Hazard: the later collectives joined one
+            # behind the peers' (gloo aborted the process: no handler, no checkpoint).
+            # They are skipped, as torchft's propagating error skips them; the peers
+            # time out and reject.
+            link.broken = True
+            raise
+        if not (_compat.skipped_by_torchft(work) and manager.errored() is not None):
+            if not work.wait():
+                # wait() reported the failure to the manager (so this replica will not
+                # commit) and returned False. Hazard: the staging block going back to
+                # the pool while the failed collective may still write it. (It was
+                # issued: the later ones are still joined, as torchft issues them all
+                # before waiting.)
+                ctx.retire_buffer(dev)
+            return
+        # torchft returned without joining (a mock's dummy is no error): an error was
+        # reported after the check above (by the training loop, on its own thread:
+        # torchft's allreduce is a no-op from then on), or issuing it raised inside
+        # torchft. Either way this replica joins the collective as a failed one below.
+    _join_failed(manager, ctx, dev, flat, link)
+    if local_failure is not None:
+        raise local_failure
+
+
+def _join_failed(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
+                 link: Link) -> None:
+    """Join the bucket's all-reduce for a replica that has failed this sync (it will
+    not commit), bypassing torchft's allreduce (a no-op after an error), and discard
+    the result.
+
+    Hazard: peer replicas waiting out the process group's timeout for the collectives
+    this replica would skip, or (an error reported by the loop between the sync's
+    all-reduces, a race the CI hit) rejecting a sync torchft's peers commit: torchft's
+    own path issues every all-reduce before waiting. The values are this replica's
+    (those that are not its to give are told to the peers by :func:`vote`).
+    """
+    if manager.is_participating() is False:
+        # Hazard: a healing replica's stale values summed into the peers' average,
+        # which torchft divides by a participant count without it (torchft's
+        # allreduce zeroes them).
+        flat.zero_()
     try:
-        work = manager.allreduce(flat)
-    except BaseException:
-        # Raised out of torchft's allreduce (a Ctrl-C in its wait for the quorum, a
-        # tester's find), joined or not. Hazard: the later collectives joined one
-        # behind the peers' (gloo aborted the process: no handler, no checkpoint).
-        # They are skipped, as torchft's propagating error skips them; the peers
-        # time out and reject.
+        joined = _compat.allreduce_discarded(manager, flat)
+    except Exception:  # noqa: BLE001 - this replica's sync has already failed
+        # Not issued. Hazard: the later collectives joined one behind the peers' (gloo
+        # aborts the process on the size mismatch): they are skipped (see Link).
         link.broken = True
-        raise
-    if _compat.skipped_by_torchft(work) and manager.errored() is not None:
-        # Not joined: torchft's allreduce caught an error issuing it, reported it and
-        # returned a dummy (it was not errored just before; a mock's dummy is no error).
-        link.broken = True
-    elif not work.wait():
-        # wait() reported the failure to the manager (so this replica will not
-        # commit) and returned False. Hazard: the staging block going back to the
-        # pool while the failed collective may still write it. (It was issued: the
-        # later ones are still joined, as torchft issues them all before waiting.)
+        joined = False
+    if not joined:
+        # Hazard: the staging block going back to the pool while a failed collective
+        # may still write it.
         ctx.retire_buffer(dev)
 
 
@@ -129,7 +148,10 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
     if link.broken:
         return  # (this replica reported an error: it rejects; the peers time out)
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
-    joined = _compat.allreduce_discarded(manager, flag)
+    try:
+        joined = _compat.allreduce_discarded(manager, flag)
+    except Exception:  # noqa: BLE001 - not issued: told to the manager below
+        joined = False
     if failed or joined is None:
         return  # (this replica rejects the sync already; or it has no peers)
     if not joined:

@@ -92,20 +92,24 @@ def test_a_local_failure_mid_sync_costs_only_that_replica(mode: str,
 
 
 class FailingIssue(ProcessGroupWrapper):  # type: ignore[misc]
-    """The ``fail_at``-th all-reduce raises as it is issued: torchft's
-    ``Manager.allreduce`` reports it and returns without joining that collective.
-    ``issued``, if given, is set once an all-reduce has been issued (see ``IssuedAfter``)."""
+    """The ``fail_at``-th all-reduce and the ``fails - 1`` after it raise as they are
+    issued: torchft's ``Manager.allreduce`` reports the first and returns without
+    joining that collective; pipeoff then joins it as a failed replica's, the
+    ``fail_at + 1``-th call (``fails=2``: the process group is broken for the rest
+    of the sync, and that raises too). ``issued``, if given, is set once an
+    all-reduce has been issued (see ``IssuedAfter``)."""
 
     def __init__(self, fail_at: int, timeout_s: float,
-                 issued: threading.Event | None = None) -> None:
+                 issued: threading.Event | None = None, fails: int = 1) -> None:
         super().__init__(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)))
         self.calls = 0
         self.fail_at = fail_at
+        self.fails = fails
         self.issued = issued
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.fail_at <= self.calls < self.fail_at + self.fails:
             raise RuntimeError("injected: issuing the all-reduce failed")
         work = super().allreduce(tensors, opts)
         if self.issued is not None:
@@ -136,15 +140,19 @@ class IssuedAfter(ProcessGroupWrapper):  # type: ignore[misc]
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_an_all_reduce_that_could_not_be_issued_fails_the_sync_on_both(mode: str) -> None:
-    """A replica whose second all-reduce could not be issued skips the rest, as torchft's
-    does; its peer waits out the timeout and rejects too. pipeoff's replica joined the
+    """A replica whose second all-reduce could not be issued, nor joined after (its
+    process group broken), skips the rest, as torchft's does; its peer waits out the
+    timeout and rejects too. pipeoff's replica joined the
     later collectives, one behind its peer's: a bucket's all-reduce met another's, and
     gloo aborted the process on the size mismatch (a tester's find)."""
     order = [threading.Event(), threading.Event()]
 
     def pg(replica_id: int) -> Any:
         if replica_id == 0:
-            return FailingIssue(fail_at=2, timeout_s=3, issued=order[0])
+            # (torchft's own path issues no second one this sync: its third call is
+            # the next sync's.)
+            return FailingIssue(fail_at=2, timeout_s=3, issued=order[0],
+                                fails=1 if mode == "original" else 2)
         return IssuedAfter(order, timeout_s=3)
 
     def reported(replica_id: int, e: Exception) -> None:
@@ -161,3 +169,23 @@ def test_an_all_reduce_that_could_not_be_issued_fails_the_sync_on_both(mode: str
                                           runs[1].params_before_sync[1])]
     for r in runs:
         assert all(torch.allclose(a, b) for a, b in zip(second, r.params_after_sync[1]))
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_whose_issue_failed_once_is_joined_and_the_peer_commits() -> None:
+    """torchft's ``allreduce`` reports an error issuing replica 0's second all-reduce and
+    returns without joining it; pipeoff joins it on the process group directly, as a
+    failed replica's, and so every later one: replica 0 rejects, its peer commits the
+    average of values that are all right (torchft's peer would time out and reject)."""
+    def pg(replica_id: int) -> Any:
+        if replica_id == 0:
+            return FailingIssue(fail_at=2, timeout_s=20)
+        return ProcessGroupGloo(timeout=timedelta(seconds=20))
+
+    r0, r1 = run_replicas(MODES["pipelined_split"], syncs=2, pg=pg)
+    assert [str(e) for e in r0.errors_reported] == ["injected: issuing the all-reduce failed"]
+    assert r1.errors_reported == []  # the peer was never left waiting
+    assert all(torch.equal(a, b) for a, b in zip(r0.params_before_sync[0],
+                                                 r0.params_after_sync[0]))
+    avg = [(a + b) / 2 for a, b in zip(r0.params_before_sync[0], r1.params_before_sync[0])]
+    assert all(torch.allclose(a, b) for a, b in zip(avg, r1.params_after_sync[0]))

@@ -126,13 +126,14 @@ def test_a_peer_that_failed_the_sync_is_never_averaged_in(kind: str, how: str) -
 
 def _issue_fails(i: int, lighthouse: str, order: list[threading.Event]) -> dict[str, Any]:
     """DiLoCo, pipelined in buckets: replica 1's second all-reduce raises as it is
-    issued (torchft's ``Manager.allreduce`` reports it and returns its dummy work).
+    issued (torchft's ``Manager.allreduce`` reports it and returns its dummy work),
+    and so does pipeoff's join of it as a failed replica's (the group is broken).
     ``order``: replica 1 has issued its first all-reduce; it has reported the failure
     of its second. The peer issues each of its first two only after the matching one."""
     model = _model(i)
     before = [p.detach().clone() for p in model.parameters()]
     opt = optim.SGD(model.parameters(), lr=0.1)
-    pg = (FailingIssue(fail_at=2, timeout_s=3, issued=order[0]) if i == 1
+    pg = (FailingIssue(fail_at=2, timeout_s=3, issued=order[0], fails=2) if i == 1
           else IssuedAfter(order, timeout_s=3))
     manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
                                       load_state_dict=model.load_state_dict, pg=pg,

@@ -381,10 +381,8 @@ REVIEW = (
                "stream and every rank agreed: they read sources still being written"),
     Mutant(
         name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_collective.py",
-        old="        # later ones are still joined, as torchft issues them all before waiting.)\n"
-            "        ctx.retire_buffer(dev)\n",
-        new="        # later ones are still joined, as torchft issues them all before waiting.)\n"
-            "        pass\n",
+        old="                # before waiting.)\n                ctx.retire_buffer(dev)\n",
+        new="                # before waiting.)\n                pass\n",
         tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
@@ -761,8 +759,8 @@ SPECULATIVE = (
                "failed the sync before its first all-reduce (torchft's peers reject)"),
     Mutant(
         name="r76:healing-replica-not-zeroed", file="pipeoff/ft/_collective.py",
-        old="        if manager.is_participating() is False:\n",
-        new="        if False:\n",
+        old="    if manager.is_participating() is False:\n",
+        new="    if False:\n",
         tests=("tests/ft/test_peer_failed.py",),
         hazard="a healing replica's stale values summed into its peers' average, divided "
                "by a participant count without it"),
@@ -1022,8 +1020,8 @@ SPECULATIVE = (
                "three replica groups"),
     Mutant(
         name="r107:unissued-all-reduce-joins-on", file="pipeoff/ft/_collective.py",
-        old="no error).\n        link.broken = True\n",
-        new="no error).\n        pass\n",
+        old="size mismatch): they are skipped (see Link).\n        link.broken = True\n",
+        new="size mismatch): they are skipped (see Link).\n        pass\n",
         tests=("tests/ft/test_local_sgd_peers.py::test_an_all_reduce_that_could_not_be_"
                "issued_fails_the_sync_on_both[sync]",
                "tests/ft/test_peer_failed.py::test_a_diloco_all_reduce_that_could_not_be_"
@@ -1520,8 +1518,8 @@ SPECULATIVE = (
     Mutant(
         name="r163:torchfts-allreduce-raising-joins-the-rest",
         file="pipeoff/ft/_collective.py",
-        old="        link.broken = True\n        raise\n",
-        new="        raise\n",
+        old="            link.broken = True\n            raise\n",
+        new="            raise\n",
         tests=("tests/ft/test_peer_failed.py::test_an_error_out_of_torchfts_allreduce_skips_"
                "the_later_collectives",),
         hazard="a Ctrl-C in torchft's allreduce: the later all-reduces join one behind the "
@@ -1570,6 +1568,16 @@ SPECULATIVE = (
         new=" is not None:",
         tests=(f"{_IL}::test_a_ctrl_c_with_no_step_in_flight_is_not_taken_for_a_failed_step",),
         hazard="a Ctrl-C in load_state_dict()'s first wait is swallowed"),
+    Mutant(
+        name="r170:unjoined-all-reduce-taken-for-joined",
+        file="pipeoff/ft/_collective.py",
+        old="        if not (_compat.skipped_by_torchft(work) and manager.errored() is not None):",
+        new="        if True:",
+        tests=("tests/ft/test_diloco_race.py",
+               "tests/ft/test_local_sgd_peers.py::test_an_all_reduce_whose_issue_failed_once_"
+               "is_joined_and_the_peer_commits"),
+        hazard="an error the loop reports inside torchft's allreduce leaves the collective "
+               "unjoined: the peer times out and rejects a sync torchft's peer commits"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
