@@ -23,6 +23,7 @@ from pipeoff import _accel, _faults
 from pipeoff._compat import local_tensor
 from pipeoff._contract import StepWrites
 from pipeoff._errors import ConfigError, PipeoffError
+from pipeoff._held_interrupt import held_through
 from pipeoff._lowlevel import is_failure_of
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
@@ -308,7 +309,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             return False
         if ex is None:
             raise RuntimeError("perform_sync() without prepare_sync()")
-        opened = False
+        opened = deciding = False
         try:
             if self._failed is None:
                 self._settle("staged")
@@ -348,6 +349,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 self.restore_parameters()
                 raise
             self._vote()  # (all staged)
+            deciding = True
             committed = bool(manager.should_commit())
             self.last_committed = committed
             ex.gate("commit").open(committed)
@@ -387,6 +389,14 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                     if not is_failure_of(failure, ex):
                         raise
                 self._vote()
+            if deciding:
+                # should_commit() raised (or a Ctrl-C in it): torchft restored the
+                # backup before asking, so its parameters are the global ones; so are
+                # these (every task has ended: nothing of the sync writes them now).
+                # Hazard: a loop that catches the error training on local values where
+                # torchft's trains on the backup.
+                with held_through("restoring the fragment's parameters from its backup"):
+                    self.restore_parameters()
             raise
         finally:
             self._ex = None

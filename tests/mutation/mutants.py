@@ -1578,6 +1578,14 @@ SPECULATIVE = (
                "is_joined_and_the_peer_commits"),
         hazard="an error the loop reports inside torchft's allreduce leaves the collective "
                "unjoined: the peer times out and rejects a sync torchft's peer commits"),
+    Mutant(
+        name="r171:raising-decision-keeps-local-values",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="            if deciding:\n",
+        new="            if False:\n",
+        tests=("tests/ft/test_diloco_commit_raises.py",),
+        hazard="a should_commit() that raises leaves the local parameters where torchft's "
+               "restore left the backup: a loop that catches it trains on other values"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
