@@ -269,3 +269,16 @@ def test_a_set_inside_a_param_group_is_refused() -> None:
         FullOffloadOptimizer(model, torch.optim.AdamW, params=[{"params": set(model.parameters())}])
     with pytest.raises(ConfigError, match="is a set"):
         FullOffloadOptimizer([{"params": set(model.parameters())}], torch.optim.AdamW)
+
+
+def test_another_parameters_placeholder_as_a_gradient_is_refused_by_name() -> None:
+    """``q.grad = p.grad`` (same shape): refused, naming both parameters, not by a
+    message saying the tensor's shape, dtype and device are wrong and what they should
+    be, the same ones (a tester's find)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.ones(2, 8)).sum().backward()
+    model[1].weight.grad = model[0].weight.grad
+    with pytest.raises(GradientError, match=r"'1\.weight' was set by hand to the \.grad "
+                       r"FullOffloadOptimizer shows for '0\.weight' .*clone\(\)"):
+        opt.step()

@@ -314,8 +314,13 @@ class LoopGrads:
     def _checked(slot: GradSlot, t: torch.Tensor) -> torch.Tensor:
         rec = slot.rec
         p = local(rec.param)
+        if isinstance(t, HostGrad):
+            raise GradientError(
+                f"param.grad of {rec.name!r} was set by hand to the .grad FullOffloadOptimizer "
+                f"shows for {t._slot.rec.name!r} (a placeholder: that gradient's values are "
+                "on the host); give it a tensor of its own, e.g. that .grad's clone()")
         if (t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
-                or t.layout != torch.strided or isinstance(t, HostGrad)):
+                or t.layout != torch.strided):
             raise GradientError(
                 f"param.grad of {rec.name!r} was set by hand to a tensor of shape "
                 f"{tuple(t.shape)}, {t.dtype} on {t.device}; FullOffloadOptimizer takes a "
