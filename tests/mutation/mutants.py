@@ -1586,6 +1586,15 @@ SPECULATIVE = (
         tests=("tests/ft/test_diloco_commit_raises.py",),
         hazard="a should_commit() that raises leaves the local parameters where torchft's "
                "restore left the backup: a loop that catches it trains on other values"),
+    Mutant(
+        name="r172:edit-of-dropped-placeholders-raises",
+        file="pipeoff/optim/_full_offload/_grads.py",
+        old="        if slot.dropped:\n            return  # (no longer",
+        new="        if False:\n            return  # (no longer",
+        tests=("tests/optim/test_full_offload_loop_writes.py::test_a_foreach_edit_of_"
+               "gradients_all_set_to_none_reaches_nothing",),
+        hazard="a foreach edit of gradients the loop set to None raises a misleading error "
+               "where torch's reaches nothing"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -282,3 +282,28 @@ def test_another_parameters_placeholder_as_a_gradient_is_refused_by_name() -> No
     with pytest.raises(GradientError, match=r"'1\.weight' was set by hand to the \.grad "
                        r"FullOffloadOptimizer shows for '0\.weight' .*clone\(\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_foreach_edit_of_gradients_all_set_to_none_reaches_nothing(fraction: float) -> None:
+    """Every ``p.grad = None``, then a foreach edit of the list taken before: as torch's,
+    it reaches nothing (it raised a GradientError saying the placeholders were kept
+    across step()); a read of one raises, its values being gone."""
+    def drop_all_then_scale(m: nn.Module) -> None:
+        grads = [p.grad for p in m.parameters()]
+        for p in m.parameters():
+            p.grad = None
+        torch._foreach_mul_(grads, 0.5)
+        m[0].bias.grad = torch.ones_like(m[0].bias)  # (one gradient, so that a step is taken)
+
+    _alike(drop_all_then_scale, offload_fraction=fraction)
+
+    model = _model()
+    FullOffloadOptimizer(model, torch.optim.AdamW, lr=1e-2, offload_fraction=fraction)
+    model(torch.ones(2, 16)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    torch._foreach_mul_(grads, 0.5)
+    with pytest.raises(GradientError, match="set to None in .grad with every other one"):
+        grads[0].sum()

@@ -251,6 +251,8 @@ class LoopGrads:
                     slot.out = False
                 self.showing = False
                 if dropped and everything:
+                    for key in dropped:
+                        slots[key].dropped = True
                     self.micro.discard("every param.grad was set to None after the "
                                        "backward (model.zero_grad())", classify_final=True)
                 elif dropped or replaced:
@@ -414,6 +416,9 @@ class LoopGrads:
     def _ready(self, slot: GradSlot, what: str) -> Accumulation:
         """The accumulation ``slot`` stands for, ended and its folds finished."""
         micro = self.micro
+        if slot.dropped:  # (set to None with every other .grad: the accumulation discarded)
+            raise GradientError(f"this gradient of {slot.rec.name!r} was set to None in .grad "
+                                "with every other one: its values are gone")
         if slot.acc is not micro.acc or slot.rec is not self._rec_now(slot):
             raise GradientError(
                 f"this gradient of {slot.rec.name!r} belongs to a step already taken or "
@@ -494,6 +499,8 @@ class LoopGrads:
             t = slot.real
             apply_edits(t, [e])
             return
+        if slot.dropped:
+            return  # (no longer in .grad, its sum discarded: it reaches nothing, as torch's)
         if e[0] in ("mul", "div") and _is_one(e[1]):
             # x * 1.0 is x: a clip call under its max_norm (or with max_norm=inf, as
             # the HF Trainer asks for the norm to log it) changes nothing.

@@ -39,7 +39,7 @@ class GradSlot:
     backward), read there; the lanes never touch it.
     """
 
-    __slots__ = ("acc", "applied", "dev", "edits", "i", "incoming", "out", "owner",
+    __slots__ = ("acc", "applied", "dev", "dropped", "edits", "i", "incoming", "out", "owner",
                  "placeholder", "real", "rec", "shown")
 
     def __init__(self, owner: LoopGrads, acc: Accumulation, i: int, rec: OffloadedParam,
@@ -62,6 +62,9 @@ class GradSlot:
         the optimizer did not see), until the parameter's hook takes it."""
         self.real: torch.Tensor | None = None
         """The gradient copied to the device by an operation that needed its values."""
+        self.dropped = False
+        """The loop set every ``param.grad`` to ``None`` while this was shown there (its
+        accumulation discarded): an edit of it reaches nothing, as torch's."""
         self.placeholder = HostGrad(local(rec.param), self)
         self.shown: torch.Tensor = wrap_like(rec.param, self.placeholder)
         self.out = False
