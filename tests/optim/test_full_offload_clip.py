@@ -314,15 +314,6 @@ def test_the_loop_and_the_optimizer_both_clipping_is_refused() -> None:
     opt.zero_grad()
 
 
-def test_scaling_by_a_tensor_is_refused_naming_what_works() -> None:
-    model = make_model()
-    opt = build(model)
-    loss_fn(model, batches(1, 1)[0][0]).backward()
-    with pytest.raises(GradientError, match="one-element tensor"):
-        model.l1.weight.grad.mul_(torch.ones_like(model.l1.weight))
-    opt.zero_grad()
-
-
 @pytest.mark.parametrize("mutated", [False, True])
 def test_a_clip_call_waits_for_the_host_folds(mutated: bool) -> None:
     """The clip call's norm waits for the folds of the last micro-step: the fold is

@@ -307,3 +307,30 @@ def test_a_foreach_edit_of_gradients_all_set_to_none_reaches_nothing(fraction: f
     torch._foreach_mul_(grads, 0.5)
     with pytest.raises(GradientError, match="set to None in .grad with every other one"):
         grads[0].sum()
+
+
+def _mask(t: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(t.numel()).reshape(t.shape) % 3 != 0).to(t.dtype)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("how", ["mul_", "imul", "foreach", "foreach_mixed"])
+def test_an_element_wise_scaling_is_torchs(how: str, fraction: float) -> None:
+    """A mask multiplied into the gradients (pruning, a frozen slice): it was refused
+    with "only scaling by a number or a one-element tensor" (a tester's find, who found
+    ``masked_fill_`` working); it runs on the real gradient now, bitwise torch's. In
+    one foreach call beside a number-like operand, neither is taken twice."""
+    def edit(m: nn.Module) -> None:
+        ps = list(m.parameters())
+        if how == "mul_":
+            ps[0].grad.mul_(_mask(ps[0]))
+        elif how == "imul":
+            g = ps[2].grad
+            g *= _mask(ps[2])
+        elif how == "foreach":
+            torch._foreach_mul_([p.grad for p in ps], [_mask(p) for p in ps])
+        else:
+            torch._foreach_mul_([p.grad for p in ps],
+                                [torch.tensor(0.5), *[_mask(p) for p in ps[1:]]])
+
+    _alike(edit, offload_fraction=fraction)

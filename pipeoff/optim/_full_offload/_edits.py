@@ -12,6 +12,7 @@ import torch
 
 from pipeoff._compat import local_tensor as local
 from pipeoff._errors import GradientError
+from pipeoff.optim._full_offload._placeholder import NeedsRealGradient
 
 __all__ = ["FOREACH_CLAMP", "FOREACH_SCALE", "SCALE", "Edit", "apply_edits", "fusable",
            "value"]
@@ -62,10 +63,10 @@ def value(v: Any, what: str) -> Any:
     if isinstance(v, torch.Tensor):
         v = local(v)
         if v.numel() != 1:
-            raise GradientError(
-                f"{what} of a FullOffloadOptimizer gradient by a tensor of shape "
-                f"{tuple(v.shape)}: only scaling by a number or a one-element tensor is "
-                "applied to the host gradient (as clip_grad_norm_ does)")
+            # Element-wise (a mask): run on the real gradient, as any other operation
+            # that needs its values (a tester's find: it was refused).
+            raise NeedsRealGradient(f"{what} of a gradient by a tensor of shape "
+                                    f"{tuple(v.shape)} needs its values")
         return v.detach().to("cpu", copy=True).reshape(())
     return v
 

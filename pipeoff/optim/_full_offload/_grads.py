@@ -387,21 +387,20 @@ class LoopGrads:
 
     def _foreach(self, args: tuple[Any, ...], kind: str, func: Any) -> None:
         tensors, operand = args[0], args[1]
-        operands = (list(operand) if isinstance(operand, (list, tuple)) else
-                    [operand] * len(tensors))
-        name = func.__name__
-        plain: list[torch.Tensor] = []
-        plain_operands: list[Any] = []
-        for t, v in zip(tensors, operands):
+        listed = isinstance(operand, (list, tuple))
+        operands = list(operand) if listed else [operand] * len(tensors)
+        # Every operand first: one that needs the gradients' values raises before any
+        # edit (a device-part edit is applied at once: it would be taken twice).
+        values = [_value(v, func.__name__) if isinstance(t, HostGrad) else v
+                  for t, v in zip(tensors, operands)]
+        for t, v in zip(tensors, values):
             if isinstance(t, HostGrad):  # (by its own optimizer's LoopGrads)
-                t._slot.loop_grads().edit(t._slot, (kind, _value(v, name)))
-            else:
-                plain.append(t)
-                plain_operands.append(v)
+                t._slot.loop_grads().edit(t._slot, (kind, v))
+        plain = [(t, v) for t, v in zip(tensors, values) if not isinstance(t, HostGrad)]
         if plain:
             # The real gradients among them (a clip call over this optimizer's parameters
             # and others'): the same op on those, with their own operands.
-            func(plain, plain_operands if isinstance(operand, (list, tuple)) else operand)
+            func([t for t, _ in plain], [v for _, v in plain] if listed else operand)
 
     def _on_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         names = sorted({s.rec.name for s in slots_in(args, kwargs)})
