@@ -20,15 +20,16 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["active_data_parallel", "allreduce_discarded", "backward_id", "check_private_apis",
+__all__ = ["active_data_parallel", "backward_id", "check_private_apis",
            "compiled_autograd_active", "compiled_original", "cuda_sleep", "data_parallel",
            "ddp_gradient_sync", "dispatch_mode_active", "dtensor_box", "dynamo_disable",
            "eager_math", "force_eager", "fsdp_all_gather_streams", "fsdp_cpu_offload",
            "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state",
            "fused_adam_kernel", "hookless", "init_optimizer_hooks", "installed_version",
-           "is_compiling", "local_tensor", "make_wrapper_subclass", "outer_backward_frame",
-           "outermost_backward_frame", "post_accumulate_grad_hooks", "PRIVATE_APIS", "PrivateAPI",
-           "profiler_enabled", "queue_backward_callback", "recompile_with_hooks", "restore_stance",
+           "is_compiling", "issue_on_group", "local_tensor", "make_wrapper_subclass",
+           "outer_backward_frame", "outermost_backward_frame", "post_accumulate_grad_hooks",
+           "PRIVATE_APIS", "PrivateAPI", "profiler_enabled", "queue_backward_callback",
+           "recompile_with_hooks", "restore_stance",
            "runs_compiled", "set_torch_function_stack", "skipped_by_torchft", "step_body",
            "TESTED", "torch_function_stack", "uncompiled_name"]
 
@@ -130,7 +131,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "make_wrapper_subclass: FullOffloadOptimizer's gradient placeholders "
                "(param.grad stands for the host sum; the loop's clip calls see it)"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
-               "allreduce_discarded: a failed replica still joins its peers' collectives"),
+               "issue_on_group: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.manager:_DummyWork", "skipped_by_torchft"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._perform_sync",
                "pipeoff.ft.LocalSGD overrides it (torchft's extension point)"),
@@ -335,25 +336,20 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
     return _eager_math_lock
 
 
-def allreduce_discarded(manager: Any, tensor: torch.Tensor) -> bool | None:
-    """Join a SUM all-reduce of ``tensor`` (in place) on ``manager``'s process group
-    (``Manager._pg``), bypassing the manager (a no-op once an error was reported), and
-    wait (``pipeoff/ft/_collective.py``). Whether it completed (a failed wait swallowed),
-    or ``None`` without a torch process group (a test's mock: no peers). Raises what
-    issuing it raised (the collective was not joined)."""
-    from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp
+def issue_on_group(manager: Any, tensor: torch.Tensor, op: Any) -> Any:
+    """Issue an all-reduce (``op``) of ``tensor`` in place on ``manager``'s process group
+    (``Manager._pg``), bypassing the manager (a no-op once an error was reported), as
+    ``pipeoff/ft/_collective.py`` joins a failed replica's collectives. Its work, or
+    ``None`` without a torch process group (a test's mock: no peers). Raises what
+    issuing it raised (not joined)."""
+    from torch.distributed import AllreduceOptions, ProcessGroup
 
     pg = getattr(manager, "_pg", None)
     if not isinstance(pg, ProcessGroup):
         return None
     opts = AllreduceOptions()
-    opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
-    work = pg.allreduce([tensor], opts)
-    try:
-        work.wait()
-    except Exception:  # noqa: BLE001 - this replica's sync has already failed
-        return False
-    return True
+    opts.reduceOp = op
+    return pg.allreduce([tensor], opts)
 
 
 def skipped_by_torchft(work: Any) -> bool:

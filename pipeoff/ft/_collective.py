@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from pipeoff import _compat
 from pipeoff._errors import PeerSyncFailedError
@@ -33,10 +34,22 @@ class Link:
     its peers time out once and reject, as under torchft.
     """
 
-    __slots__ = ("broken",)
+    __slots__ = ("broken", "unfilled")
 
     def __init__(self) -> None:
         self.broken = False
+        self.unfilled = False
+        """A bucket's ``fill`` raised (a Ctrl-C too): joined with what its buffer held."""
+
+
+class _Progress:
+    """How far one bucket's collective got: ``issued`` (joined: the peers' matching
+    collective has this replica's), then ``ended`` (nothing writes the buffer now)."""
+
+    __slots__ = ("ended", "issued")
+
+    def __init__(self) -> None:
+        self.issued = self.ended = False
 
 
 def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
@@ -49,50 +62,70 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
     failed, an error already reported to the manager) it still joins the
     collective with whatever ``flat`` holds and discards the result, then
     re-raises ``fill``'s error if there was one. Once ``link`` is broken it joins
-    nothing (see :class:`Link`).
+    nothing (see :class:`Link`). A Ctrl-C (the synchronous schedule runs this on the
+    caller's thread) in ``fill`` is raised once the collective is joined; anywhere
+    after, before the collective is issued, it breaks the link.
     """
     local_failure: BaseException | None = None
     try:
         fill(flat)
-    except Exception as err:  # noqa: BLE001 - raised once the collective is joined
+    except BaseException as err:  # noqa: BLE001 - raised once the collective is joined
         local_failure = err
+        link.unfilled = True
     if link.broken:
         if local_failure is not None:
             raise local_failure
         return
-    if local_failure is None and ctx.failed is None and manager.errored() is None:
-        # AVG: torchft divides by the participant count inside wait(), so the bucket
-        # holds the mean only once wait() has returned.
-        try:
-            work = manager.allreduce(flat)
-        except BaseException:
-            # Raised out of torchft's allreduce (a Ctrl-C in its wait for the quorum, a
-            # tester's find), joined or not. Hazard: the later collectives joined one
-            # behind the peers' (gloo aborted the process: no handler, no checkpoint).
-            # They are skipped, as torchft's propagating error skips them; the peers
-            # time out and reject.
+    progress = _Progress()
+    try:
+        if local_failure is not None or ctx.failed is not None or not _average_on_manager(
+                manager, ctx, dev, flat, progress):
+            _join_failed(manager, ctx, dev, flat, link, progress)
+    except BaseException:
+        # Raised out of torchft's allreduce (a Ctrl-C in its wait for the quorum), or
+        # a Ctrl-C anywhere here (two testers' finds).
+        if not progress.issued:
+            # Hazard: the later collectives joined one behind the peers' (gloo aborted
+            # the process: no handler, no checkpoint). They are skipped, as torchft's
+            # propagating error skips them; the peers time out and reject.
             link.broken = True
-            raise
-        if not (_compat.skipped_by_torchft(work) and manager.errored() is not None):
-            if not work.wait():
-                # wait() reported the failure to the manager (so this replica will not
-                # commit) and returned False. Hazard: the staging block going back to
-                # the pool while the failed collective may still write it. (It was
-                # issued: the later ones are still joined, as torchft issues them all
-                # before waiting.)
-                ctx.retire_buffer(dev)
-            return
-        # torchft returned without joining (a mock's dummy is no error): an error was
-        # reported after the check above (by the training loop, on its own thread:
-        # torchft's allreduce is a no-op from then on), or issuing it raised inside
-        # torchft. Either way this replica joins the collective as a failed one below.
-    _join_failed(manager, ctx, dev, flat, link)
+        elif not progress.ended:
+            # Hazard: the staging block going back to the pool while the collective
+            # may still write it.
+            ctx.retire_buffer(dev)
+        raise
     if local_failure is not None:
         raise local_failure
 
 
+def _average_on_manager(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
+             progress: _Progress) -> bool:
+    """torchft's allreduce of the bucket, waited for; ``False`` if this replica has
+    failed the sync (it joins as a failed one)."""
+    if manager.errored() is not None:
+        return False
+    # AVG: torchft divides by the participant count inside wait(), so the bucket
+    # holds the mean only once wait() has returned.
+    work = manager.allreduce(flat)
+    if _compat.skipped_by_torchft(work) and manager.errored() is not None:
+        # torchft returned without joining (a mock's dummy is no error): an error was
+        # reported after the check above (by the training loop, on its own thread:
+        # torchft's allreduce is a no-op from then on), or issuing it raised inside
+        # torchft. Either way this replica joins the collective as a failed one.
+        return False
+    progress.issued = True
+    if not work.wait():
+        # wait() reported the failure to the manager (so this replica will not
+        # commit) and returned False. Hazard: the staging block going back to the
+        # pool while the failed collective may still write it. (It was issued: the
+        # later ones are still joined, as torchft issues them all before waiting.)
+        ctx.retire_buffer(dev)
+    progress.ended = True
+    return True
+
+
 def _join_failed(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
-                 link: Link) -> None:
+                 link: Link, progress: _Progress) -> None:
     """Join the bucket's all-reduce for a replica that has failed this sync (it will
     not commit), bypassing torchft's allreduce (a no-op after an error), and discard
     the result.
@@ -103,22 +136,39 @@ def _join_failed(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
     own path issues every all-reduce before waiting. The values are this replica's
     (those that are not its to give are told to the peers by :func:`vote`).
     """
-    if manager.is_participating() is False:
-        # Hazard: a healing replica's stale values summed into the peers' average,
-        # which torchft divides by a participant count without it (torchft's
-        # allreduce zeroes them).
-        flat.zero_()
     try:
-        joined = _compat.allreduce_discarded(manager, flat)
+        # Hazard: issuing on the process group before the quorum has reconfigured it,
+        # under torchft's asynchronous quorum (this collective on the old group, the
+        # later ones one behind the peers' on the new: gloo aborted the process), and
+        # reading is_participating() before the quorum has said (a tester's find).
+        # torchft's allreduce waits for it first too.
+        manager.wait_quorum()
+        if manager.is_participating() is False:
+            # Hazard: a healing replica's stale values summed into the peers' average,
+            # which torchft divides by a participant count without it (torchft's
+            # allreduce zeroes them).
+            flat.zero_()
+        work = _compat.issue_on_group(manager, flat, ReduceOp.SUM)
     except Exception:  # noqa: BLE001 - this replica's sync has already failed
-        # Not issued. Hazard: the later collectives joined one behind the peers' (gloo
-        # aborts the process on the size mismatch): they are skipped (see Link).
+        # Not issued: the later collectives are skipped (see Link).
         link.broken = True
-        joined = False
-    if not joined:
+        return
+    progress.issued = True
+    if work is None or not _waited(work):
         # Hazard: the staging block going back to the pool while a failed collective
-        # may still write it.
+        # may still write it. (No process group: a test's mock, no peers.)
         ctx.retire_buffer(dev)
+    progress.ended = True
+
+
+def _waited(work: Any) -> bool:
+    """Wait for ``work``: whether it completed (a failure swallowed: this replica's
+    outcome is decided by then)."""
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - see above
+        return False
+    return True
 
 
 def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
@@ -149,9 +199,11 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
         return  # (this replica reported an error: it rejects; the peers time out)
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
     try:
-        joined = _compat.allreduce_discarded(manager, flag)
+        manager.wait_quorum()  # (the group the quorum configured: see _join_failed)
+        work = _compat.issue_on_group(manager, flag, ReduceOp.SUM)
     except Exception:  # noqa: BLE001 - not issued: told to the manager below
-        joined = False
+        work = False
+    joined = None if work is None else work is not False and _waited(work)
     if failed or joined is None:
         return  # (this replica rejects the sync already; or it has no peers)
     if not joined:

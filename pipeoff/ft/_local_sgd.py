@@ -347,9 +347,11 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 # its tasks on this thread): every task has ended, the must_run
                 # all-reduces included, and no decision came. The peers still wait for
                 # this replica's vote, which the decide task would have given; a second
-                # Ctrl-C skips it.
+                # Ctrl-C skips it. Hazard: a bucket the Ctrl-C left half-filled (it is
+                # joined all the same) averaged into the peers' commit: it says failed.
                 with contextlib.suppress(BaseException):
-                    vote(self._manager, commit["errored_at_start"], device, link)
+                    vote(self._manager, commit["errored_at_start"] or link.unfilled, device,
+                         link)
             raise
         except Exception as err:
             self._after_failure(err, ex, buckets, device, link, commit)
@@ -382,9 +384,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         # still called once, as in every sync: the replica group's other ranks wait on it.
         self._manager.report_error(err)
         if ex is not None and "voted" not in commit:  # (its all-reduces ran: ex.wait())
-            unfilled = any(c.status == "failed" for c in ex.events_for(
-                [f"allreduce:b{k}" for k in range(len(buckets))]))
-            vote(self._manager, commit["errored_at_start"] or unfilled, device, link)
+            vote(self._manager, commit["errored_at_start"] or link.unfilled, device, link)
         self._manager.should_commit()
 
     def _build_graph(

@@ -116,8 +116,10 @@ def _compiled_read(waits: ForwardWaits) -> None:
     if not waits.warned_compiled:
         waits.warned_compiled = True
         warnings.warn(
-            "pipeoff: torch.compile'd code ran while an OffloadOptimizer(mode='overlap') step "
-            "was still writing parameters, and the optimizer is not attached to the model: "
+            "pipeoff: torch.compile'd code ran while an optimizer step overlapped with the "
+            "forward (OffloadOptimizer(mode='overlap'), FullOffloadOptimizer(overlap="
+            "'forward')) was still writing parameters, and the optimizer is not attached to "
+            "the model: "
             "compiled code cannot wait per parameter, so it waited for the whole step (no "
             "overlap). Call opt.attach(model): its forward hooks run before every module, "
             "compiled or not.",

@@ -381,8 +381,10 @@ REVIEW = (
                "stream and every rank agreed: they read sources still being written"),
     Mutant(
         name="r18:failed-allreduce-keeps-buffer", file="pipeoff/ft/_collective.py",
-        old="                # before waiting.)\n                ctx.retire_buffer(dev)\n",
-        new="                # before waiting.)\n                pass\n",
+        old="        # later ones are still joined, as torchft issues them all before waiting.)\n"
+            "        ctx.retire_buffer(dev)\n",
+        new="        # later ones are still joined, as torchft issues them all before waiting.)\n"
+            "        pass\n",
         tests=(f"{_LOCAL_SGD_CUDA}::test_a_block_a_failed_all_reduce_may_still_write_is_never_reused",),
         hazard="after a failed all-reduce the staging block goes back to the pool while "
                "the collective may still write it: another bucket's data is overwritten"),
@@ -1020,8 +1022,10 @@ SPECULATIVE = (
                "three replica groups"),
     Mutant(
         name="r107:unissued-all-reduce-joins-on", file="pipeoff/ft/_collective.py",
-        old="size mismatch): they are skipped (see Link).\n        link.broken = True\n",
-        new="size mismatch): they are skipped (see Link).\n        pass\n",
+        old="        # Not issued: the later collectives are skipped (see Link).\n"
+            "        link.broken = True\n",
+        new="        # Not issued: the later collectives are skipped (see Link).\n"
+            "        pass\n",
         tests=("tests/ft/test_local_sgd_peers.py::test_an_all_reduce_that_could_not_be_"
                "issued_fails_the_sync_on_both[sync]",
                "tests/ft/test_peer_failed.py::test_a_diloco_all_reduce_that_could_not_be_"
@@ -1518,8 +1522,10 @@ SPECULATIVE = (
     Mutant(
         name="r163:torchfts-allreduce-raising-joins-the-rest",
         file="pipeoff/ft/_collective.py",
-        old="            link.broken = True\n            raise\n",
-        new="            raise\n",
+        old="            # propagating error skips them; the peers time out and reject.\n"
+            "            link.broken = True\n",
+        new="            # propagating error skips them; the peers time out and reject.\n"
+            "            pass\n",
         tests=("tests/ft/test_peer_failed.py::test_an_error_out_of_torchfts_allreduce_skips_"
                "the_later_collectives",),
         hazard="a Ctrl-C in torchft's allreduce: the later all-reduces join one behind the "
@@ -1571,8 +1577,8 @@ SPECULATIVE = (
     Mutant(
         name="r170:unjoined-all-reduce-taken-for-joined",
         file="pipeoff/ft/_collective.py",
-        old="        if not (_compat.skipped_by_torchft(work) and manager.errored() is not None):",
-        new="        if True:",
+        old="    if _compat.skipped_by_torchft(work) and manager.errored() is not None:",
+        new="    if False:",
         tests=("tests/ft/test_diloco_race.py",
                "tests/ft/test_local_sgd_peers.py::test_an_all_reduce_whose_issue_failed_once_"
                "is_joined_and_the_peer_commits"),
@@ -1595,6 +1601,32 @@ SPECULATIVE = (
                "gradients_all_set_to_none_reaches_nothing",),
         hazard="a foreach edit of gradients the loop set to None raises a misleading error "
                "where torch's reaches nothing"),
+    Mutant(
+        name="r173:failed-join-before-the-quorum",
+        file="pipeoff/ft/_collective.py",
+        old="        manager.wait_quorum()\n        if manager.is_participating() is False:",
+        new="        if manager.is_participating() is False:",
+        tests=("tests/ft/test_failed_joins.py::test_a_failed_replica_joins_on_the_group_its_"
+               "asynchronous_quorum_configured",),
+        hazard="a failed replica joins on the process group before its asynchronous quorum "
+               "reconfigured it: the later collectives one behind the peer's, gloo aborts"),
+    Mutant(
+        name="r174:ctrl-c-in-fill-escapes-the-join",
+        file="pipeoff/ft/_collective.py",
+        old="    except BaseException as err:  # noqa: BLE001 - raised once the collective is",
+        new="    except Exception as err:  # noqa: BLE001 - raised once the collective is",
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_while_a_bucket_is_filled_joins_"
+               "it_and_the_peer_rejects",),
+        hazard="a Ctrl-C while a bucket is filled leaves it unjoined: the later all-reduces "
+               "join one behind the peer's and gloo aborts the process"),
+    Mutant(
+        name="r175:half-filled-bucket-voted-fine",
+        file="pipeoff/ft/_collective.py",
+        old="        local_failure = err\n        link.unfilled = True\n",
+        new="        local_failure = err\n",
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_while_a_bucket_is_filled_joins_"
+               "it_and_the_peer_rejects",),
+        hazard="a bucket a Ctrl-C left half-filled is averaged into the peer's commit"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
