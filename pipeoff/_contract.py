@@ -104,12 +104,16 @@ class Health:
                 f"{what} refused: {self.torn}, so the parameters and optimizer state are "
                 "not those of a whole step the loop asked for (partly stepped, or stepped "
                 "by a backward that then raised). Load a checkpoint (the model's and this "
-                "optimizer's load_state_dict) to go on.") from self.torn_cause
+                "optimizer's load_state_dict) to go on; with torch.distributed.checkpoint, "
+                "take the template for dcp.load from a freshly built model and optimizer "
+                "(set_state_dict() loads into these without calling state_dict()).") \
+                from self.torn_cause
         if stale and self.stale is not None:
             raise StepFailedError(
                 f"{what} refused: the device weights are stale (a host-to-device copy "
                 "failed after the masters were stepped); call "
-                "opt.refresh_device_weights()") from self.stale
+                "opt.refresh_device_weights() (before a checkpoint: then the model's weights "
+                "are the masters' too)") from self.stale
 
     def __repr__(self) -> str:
         return f"Health(torn={self.torn!r}, dirty={self.dirty!r}, stale={self.stale!r})"

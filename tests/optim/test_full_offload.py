@@ -643,6 +643,38 @@ def test_a_failed_h2d_leaves_the_masters_as_the_truth() -> None:
     assert_bitwise(model, ref)
 
 
+def test_a_checkpoint_with_stale_weights_is_refused_until_they_are_refreshed() -> None:
+    """An emergency checkpoint in the handler of a failed copy paired the stepped
+    masters with the model's stale weights, and a load keeps a weight its master does
+    not cast to: the resume trained from the stale ones, 1e-2 off (a tester's find).
+    state_dict() refuses until refresh_device_weights(); the checkpoint taken after it
+    resumes bitwise."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="none", chunk_numel=200)
+    data = batches(3, 1)
+    last = len(opt._registry.plan.chunks) - 1
+    with testing.fail_work(f"h2d:{last}", RuntimeError("h2d failed")):
+        _micro_steps(opt, model, data[0])
+        with pytest.raises(RuntimeError, match="h2d failed"):
+            opt.step()
+    with pytest.raises(StepFailedError, match=r"state_dict\(\) refused.*stale.*refresh_device_"
+                                              r"weights\(\) \(before a checkpoint"):
+        opt.state_dict()
+    opt.refresh_device_weights()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    resumed = build(fresh, overlap="none", chunk_numel=200)
+    fresh.load_state_dict(saved[0])
+    resumed.load_state_dict(saved[1])
+    train_reference(ref, data)
+    train(resumed, fresh, data[1:])
+    assert_bitwise(fresh, ref)
+
+
 class _Boom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:

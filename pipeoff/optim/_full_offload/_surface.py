@@ -206,14 +206,18 @@ class MastersAndCheckpoints:
         """torch's optimizer state dict (host tensors), each entry with its FP32 ``"master"``.
 
         Raises:
-            StepFailedError: the last step failed after stepping some masters.
+            StepFailedError: the last step failed after stepping some masters, or a
+                failed copy left the device weights stale (``refresh_device_weights()``).
             GradientError: under ``overlap="backward"``, between the final backward
                 (which stepped the host part) and ``step()``: the state is a step ahead
                 of the loop's (a resume would apply that batch twice), or, with a device
                 part, half a step.
         """
         self._quiesce()
-        self._health.check("state_dict()", stale=False)
+        # Hazard: a checkpoint pairing stepped masters with the model's stale weights (an
+        # emergency save after a failed copy): a load keeps a weight its master does not
+        # cast to, so the resume trained from the stale weights (a tester's find).
+        self._health.check("state_dict()")
         acc = self._lifecycle.acc
         if (acc is not None and acc.final is not None
                 and self._lifecycle.config.overlap == "backward"):
