@@ -1627,6 +1627,15 @@ SPECULATIVE = (
         tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_while_a_bucket_is_filled_joins_"
                "it_and_the_peer_rejects",),
         hazard="a bucket a Ctrl-C left half-filled is averaged into the peer's commit"),
+    Mutant(
+        name="r176:checkpoint-with-stale-weights",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old='        self._health.check("state_dict()")\n',
+        new='        self._health.check("state_dict()", stale=False)\n',
+        tests=("tests/optim/test_full_offload.py::test_a_checkpoint_with_stale_weights_is_"
+               "refused_until_they_are_refreshed",),
+        hazard="an emergency checkpoint pairs the stepped masters with stale weights: the "
+               "resume trains from the stale ones"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
