@@ -336,19 +336,19 @@ def eager_math() -> contextlib.AbstractContextManager[Any]:
     return _eager_math_lock
 
 
-def issue_on_group(manager: Any, tensor: torch.Tensor, op: Any) -> Any:
-    """Issue an all-reduce (``op``) of ``tensor`` in place on ``manager``'s process group
+def issue_on_group(manager: Any, tensor: torch.Tensor) -> Any:
+    """Issue a SUM all-reduce of ``tensor`` in place on ``manager``'s process group
     (``Manager._pg``), bypassing the manager (a no-op once an error was reported), as
     ``pipeoff/ft/_collective.py`` joins a failed replica's collectives. Its work, or
     ``None`` without a torch process group (a test's mock: no peers). Raises what
     issuing it raised (not joined)."""
-    from torch.distributed import AllreduceOptions, ProcessGroup
+    from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp
 
     pg = getattr(manager, "_pg", None)
     if not isinstance(pg, ProcessGroup):
         return None
     opts = AllreduceOptions()
-    opts.reduceOp = op
+    opts.reduceOp = ReduceOp(ReduceOp.SUM)
     return pg.allreduce([tensor], opts)
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
 
 from pipeoff import _compat
 from pipeoff._errors import PeerSyncFailedError
@@ -99,7 +98,7 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
 
 
 def _average_on_manager(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
-             progress: _Progress) -> bool:
+                        progress: _Progress) -> bool:
     """torchft's allreduce of the bucket, waited for; ``False`` if this replica has
     failed the sync (it joins as a failed one)."""
     if manager.errored() is not None:
@@ -148,7 +147,7 @@ def _join_failed(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
             # which torchft divides by a participant count without it (torchft's
             # allreduce zeroes them).
             flat.zero_()
-        work = _compat.issue_on_group(manager, flat, ReduceOp.SUM)
+        work = _compat.issue_on_group(manager, flat)
     except Exception:  # noqa: BLE001 - this replica's sync has already failed
         # Not issued: the later collectives are skipped (see Link).
         link.broken = True
@@ -198,12 +197,14 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
     if link.broken:
         return  # (this replica reported an error: it rejects; the peers time out)
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
+    joined: bool | None  # (None: no process group, so no peers)
     try:
         manager.wait_quorum()  # (the group the quorum configured: see _join_failed)
-        work = _compat.issue_on_group(manager, flag, ReduceOp.SUM)
+        work = _compat.issue_on_group(manager, flag)
     except Exception:  # noqa: BLE001 - not issued: told to the manager below
-        work = False
-    joined = None if work is None else work is not False and _waited(work)
+        joined = False
+    else:
+        joined = None if work is None else _waited(work)
     if failed or joined is None:
         return  # (this replica rejects the sync already; or it has no peers)
     if not joined:

@@ -15,7 +15,7 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 from pipeoff import _accel
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
-from pipeoff._errors import ConfigError
+from pipeoff._errors import ConfigError, StepFailedError
 from pipeoff._lowlevel import SyncStats, is_failure_of, settle, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._args import check_manager, check_module, check_optimizer
@@ -342,6 +342,12 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     with contextlib.suppress(Exception):
                         self._after_failure(failure, ex, buckets, device, link, commit)
                 err.add_note(_ended_note(failure, commit))
+            elif ex is not None and commit.get("decided") and is_failure_of(err, ex):
+                # Ctrl-C in a write-back after the commit (the synchronous schedule writes
+                # on this thread). Hazard: a partly averaged replica that torchft takes
+                # for a whole one (a tester's find: nothing said so). As a failed
+                # write-back: reported, noted, raised.
+                self._after_failure(err, ex, buckets, device, link, commit)
             elif ex is not None and "voted" not in commit and is_failure_of(err, ex):
                 # Ctrl-C in a task (an all-reduce's wait; the synchronous schedule runs
                 # its tasks on this thread): every task has ended, the must_run
@@ -370,7 +376,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # average, the rest the local values. Nothing can undo
             # that; tell torchft, so that this replica group's next
             # should_commit() is False, and raise.
-            self._manager.report_error(err)
+            self._manager.report_error(_reportable(err))
             err.add_note(
                 "pipeoff: a write-back failed after the quorum committed; this "
                 "replica's parameters are partly averaged. Restart it so that "
@@ -499,6 +505,17 @@ def _write_back_slice(
     # non_blocking: src is pinned host staging that stays allocated until this
     # task's end event has fired (the pool waits on it before reuse).
     dst.copy_(src, non_blocking=cuda)
+
+
+def _reportable(err: BaseException) -> Exception:
+    """``err`` as torchft's ``report_error`` takes it (an ``Exception``; a Ctrl-C is
+    reported as the write-back it interrupted)."""
+    if isinstance(err, Exception):
+        return err
+    reported = StepFailedError(
+        f"the write-back after the quorum committed was interrupted ({type(err).__name__})")
+    reported.__cause__ = err
+    return reported
 
 
 def _sync_ends_first(ex: Any) -> BaseException | None:

@@ -1,14 +1,21 @@
-"""Run as a script (``python -m tests.ft.sigint_in_fill_worker``): two real torchft
-replicas behind a Lighthouse, LocalSGD with ``schedule="synchronous"`` (its tasks run
-on the caller's thread). Replica 1 runs on the main thread, and a real SIGINT arrives
-while its second bucket is copied into staging (a tester's find: the bucket was never
-joined and the later ones joined one behind the peer's; gloo aborted the process).
-Prints a JSON outcome. Run in a process of its own: that failure aborts the process."""
+"""Run as a script (``python -m tests.ft.sigint_in_fill_worker [fill|write-back]``): two
+real torchft replicas behind a Lighthouse, LocalSGD with ``schedule="synchronous"`` (its
+tasks run on the caller's thread; one bucket per parameter). Replica 1 runs on the main
+thread, and a real SIGINT arrives there:
+
+- ``fill`` (the default): while its second bucket is copied into staging (a tester's
+  find: the bucket was never joined and the later ones joined one behind the peer's;
+  gloo aborted the process);
+- ``write-back``: after the commit, once the first parameter is written back and before
+  the second is (a tester's find: a partly averaged replica, and nothing said so).
+
+Prints a JSON outcome. Run in a process of its own: a failure can abort the process."""
 
 from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,14 +31,17 @@ from tests.ft._managers import replica_manager
 _copy = local_sgd._memory_order
 _armed = threading.Event()
 _copies = [0]
+_BUCKETS = 6  # (the model's parameters: the fill copies each once, then the write-back)
+_AT = {"fill": 2, "write-back": _BUCKETS + 2}[(sys.argv[1:] or ["fill"])[0]]
+_before: dict[int, list[torch.Tensor]] = {}
 
 
 def _copy_then_interrupt(t: torch.Tensor) -> Any:
-    """The fill's copy of a parameter into staging; on replica 1 (the main thread), a
-    SIGINT at the second one, as a Ctrl-C there."""
+    """The fill's copy of a parameter into staging, or the write-back's of one into the
+    model; on replica 1 (the main thread), a SIGINT at the ``_AT``-th, as a Ctrl-C."""
     if _armed.is_set() and threading.current_thread() is threading.main_thread():
         _copies[0] += 1
-        if _copies[0] == 2:
+        if _copies[0] == _AT:
             signal.raise_signal(signal.SIGINT)
     return _copy(t)
 
@@ -43,11 +53,12 @@ def _replica(i: int, lighthouse: str) -> dict[str, Any]:
     manager, _store = replica_manager(
         f"r{i}", lighthouse, state_dict=model.state_dict,
         load_state_dict=model.load_state_dict, timeout_s=30)
-    before: list[torch.Tensor] = []
+    before = _before.setdefault(i, [])
     # Registered before LocalSGD's hook, so it runs first: the values the sync starts from.
     opt.register_step_post_hook(lambda *_: before.extend(
         p.detach().clone() for p in model.parameters()))
     raised = None
+    notes: list[str] = []
     try:
         with pipeoff.ft.LocalSGD(manager, model, opt, 1, offload_to_cpu=True,
                                  schedule="synchronous"):
@@ -57,12 +68,14 @@ def _replica(i: int, lighthouse: str) -> dict[str, Any]:
                 _armed.set()
             try:
                 opt.step()  # sync_every=1: syncs
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as err:
                 raised = "KeyboardInterrupt"
+                notes = getattr(err, "__notes__", [])
         errored = manager.errored()
         kept = all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
         return {"raised": raised, "errored": None if errored is None else str(errored),
-                "kept_its_own": kept}
+                "kept_its_own": kept, "notes": notes,
+                "after": [p.detach().clone() for p in model.parameters()]}
     finally:
         manager.shutdown(wait=False)
 
@@ -77,6 +90,13 @@ def main() -> None:
             runs = [peer.result(timeout=120), interrupted]
     finally:
         lighthouse.shutdown()
+    average = [(a + b) / 2 for a, b in zip(_before[0], _before[1], strict=True)]
+    for i, run in enumerate(runs):
+        # Each parameter: the replica's own values, or the average (SGD's sum of two
+        # in FP32 then halved, as torchft's allreduce: to rounding).
+        run["params"] = ["own" if torch.equal(p, b) else
+                         "average" if torch.allclose(p, v, rtol=0, atol=1e-6) else "other"
+                         for p, b, v in zip(run.pop("after"), _before[i], average, strict=True)]
     print(json.dumps(runs))
 
 

@@ -48,3 +48,19 @@ def test_a_ctrl_c_while_a_bucket_is_filled_joins_it_and_the_peer_rejects() -> No
     assert interrupted["raised"] == "KeyboardInterrupt"
     assert "peer replica group(s) failed this sync" in str(peer["errored"])
     assert peer["kept_its_own"] and interrupted["kept_its_own"]
+
+
+@pytest.mark.slow  # a subprocess with two replicas
+@pytest.mark.timeout(240)
+def test_a_ctrl_c_in_the_write_back_after_the_commit_is_reported_as_a_failed_one() -> None:
+    """The synchronous schedule writes the average back on the caller's thread: a Ctrl-C
+    there, after the quorum committed, left the replica partly averaged with nothing
+    said (torchft's Manager not told, no note). Now it is a failed write-back: reported
+    to torchft (the replica group's next should_commit() is False), noted on the
+    Ctrl-C, raised; the peer keeps its commit."""
+    peer, interrupted = _worker("tests.ft.sigint_in_fill_worker", "write-back")
+    assert peer["errored"] is None and peer["params"] == ["average"] * 6
+    assert interrupted["raised"] == "KeyboardInterrupt"
+    assert interrupted["params"] == ["average"] + ["own"] * 5  # (the interrupted write-back)
+    assert "write-back after the quorum committed was interrupted" in interrupted["errored"]
+    assert any("partly averaged" in n for n in interrupted["notes"])

@@ -1636,6 +1636,25 @@ SPECULATIVE = (
                "refused_until_they_are_refreshed",),
         hazard="an emergency checkpoint pairs the stepped masters with stale weights: the "
                "resume trains from the stale ones"),
+    Mutant(
+        name="r177:refresh-masters-while-stale",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old='        self._health.check("refresh_masters()")\n',
+        new="",
+        tests=("tests/optim/test_full_offload.py::test_a_failed_h2d_leaves_the_masters_as_"
+               "the_truth",),
+        hazard="refresh_masters() after a failed copy adopts the stale weights as masters: "
+               "the step is lost"),
+    Mutant(
+        name="r178:ctrl-c-in-write-back-unreported",
+        file="pipeoff/ft/_local_sgd.py",
+        old=('            elif ex is not None and commit.get("decided") and '
+             'is_failure_of(err, ex):\n'),
+        new='            elif False:\n',
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_in_the_write_back_after_the_"
+               "commit_is_reported_as_a_failed_one",),
+        hazard="a Ctrl-C in the synchronous write-back leaves a partly averaged replica "
+               "that torchft takes for a whole one"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -621,21 +621,33 @@ def test_a_failed_chunk_after_others_stepped_is_a_torn_step() -> None:
     train(opt, model, data[1:])
 
 
+def _weights_behind_masters(opt: FullOffloadOptimizer) -> bool:
+    """Whether some device weight is not its master's cast (a failed copy's drift)."""
+    return any(not same_bits(p.detach(), opt.host_master(p).to(p.dtype))
+               for p in (rec.param for rec in opt._registry))
+
+
 def test_a_failed_h2d_leaves_the_masters_as_the_truth() -> None:
     model = make_model()
     ref = reference(model)
     opt = build(model, overlap="none", chunk_numel=200)
     data = batches(2, 1)
     last = len(opt._registry.plan.chunks) - 1  # every chunk has stepped its masters by then
-    with testing.fail_work(f"h2d:{last}", RuntimeError("h2d failed")):
+    # The copy fails before it runs (fail_work's default raises after it ran: no drift).
+    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
         _micro_steps(opt, model, data[0])
         with pytest.raises(RuntimeError, match="h2d failed") as info:
             opt.step()
     assert any("refresh_device_weights" in n for n in info.value.__notes__)
+    assert _weights_behind_masters(opt)  # the drift is real
     opt.zero_grad()
     with pytest.raises(StepFailedError, match="refresh_device_weights"):
         opt.step()
+    # Adopting the stale weights as masters would lose the step (a tester's find).
+    with pytest.raises(StepFailedError, match=r"refresh_masters\(\) refused.*stale"):
+        opt.refresh_masters()
     opt.refresh_device_weights()
+    assert not _weights_behind_masters(opt)
     train_reference(ref, data[:1])
     assert_bitwise(model, ref)
     train(opt, model, data[1:])
@@ -654,10 +666,11 @@ def test_a_checkpoint_with_stale_weights_is_refused_until_they_are_refreshed() -
     opt = build(model, overlap="none", chunk_numel=200)
     data = batches(3, 1)
     last = len(opt._registry.plan.chunks) - 1
-    with testing.fail_work(f"h2d:{last}", RuntimeError("h2d failed")):
+    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
         _micro_steps(opt, model, data[0])
         with pytest.raises(RuntimeError, match="h2d failed"):
             opt.step()
+    assert _weights_behind_masters(opt)
     with pytest.raises(StepFailedError, match=r"state_dict\(\) refused.*stale.*refresh_device_"
                                               r"weights\(\) \(before a checkpoint"):
         opt.state_dict()
