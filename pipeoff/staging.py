@@ -100,6 +100,7 @@ class StagingPool:
         self.pinned = pinned
         self._lock = threading.Lock()
         self._free: list[tuple[int, int, StagingBlock]] = []  # (capacity, id, block), sorted
+        self._retiring: list[StagingBlock] = []  # discarded, until their marker completes
         self._live = 0
         self._peak = 0
         self._reserved = 0
@@ -164,19 +165,35 @@ class StagingPool:
                 block.ready = ready
             bisect.insort(self._free, (block.capacity, id(block), block))
 
-    def discard(self, block: StagingBlock) -> None:
-        """Drop ``block`` instead of returning it: it will not be handed out again."""
+    def discard(self, block: StagingBlock, ready: Any = None) -> None:
+        """Drop ``block`` instead of returning it: it will not be handed out again.
+
+        ``ready``: the event of its last user (CUDA) or ``None``. A block with a
+        marker is held until :meth:`forget_events` says it completed. Hazard: freeing
+        memory that queued stream work still writes (the caching allocator hands it
+        to the next allocation on the stream it was made on at once; the simulated
+        device's find, once a Ctrl-C retired a staging buffer).
+        """
         with self._lock:
             self._live -= block.in_use
             block.in_use = 0
-            self._reserved -= block.capacity
+            if ready is not None:
+                block.ready = ready  # (else the previous owner's marker, if unmet)
+            if block.ready is None:
+                self._reserved -= block.capacity
+            else:
+                self._retiring.append(block)
 
     def forget_events(self, events: set[Any]) -> None:
-        """Drop ``ready`` markers that are in ``events`` (they completed and are recycled)."""
+        """Drop ``ready`` markers that are in ``events`` (they completed and are
+        recycled), and the discarded blocks that waited for them."""
         with self._lock:
             for _, _, block in self._free:
                 if block.ready is not None and block.ready in events:
                     block.ready = None
+            done = [b for b in self._retiring if b.ready in events]
+            self._retiring = [b for b in self._retiring if b.ready not in events]
+            self._reserved -= sum(b.capacity for b in done)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -195,12 +212,14 @@ class StagingPool:
     def trim(self) -> int:
         """Free every idle block; returns the bytes freed."""
         with self._lock:
-            for _, _, block in self._free:
+            idle = [block for _, _, block in self._free] + self._retiring
+            for block in idle:
                 if block.ready is not None:
                     # Hazard: freeing memory a stream may still read or write.
                     block.ready.synchronize()
-            freed = sum(c for c, _, _ in self._free)
+            freed = sum(block.capacity for block in idle)
             self._free.clear()
+            self._retiring.clear()
             self._reserved -= freed
         return freed
 

@@ -105,6 +105,35 @@ def test_a_cancelled_last_user_releases_its_block_after_the_issued_ones(gpu: Gpu
     assert torch.all(host == 1.0)
 
 
+def test_a_retired_block_is_freed_only_once_its_last_user_has_run(gpu: Gpu) -> None:
+    """``ctx.retire_buffer`` (a collective's buffer that may still be written) drops the
+    block instead of returning it to the pool: only once its last user's stream work
+    has run (hazard: the caching allocator handing the memory to the next allocation
+    at once while a late stream still copies out of it; the simulated device's find,
+    a Ctrl-C in a LocalSGD all-reduce's wait)."""
+    host = gpu.host(N)
+    g = TaskGraph(device=gpu.device)
+    g.add_buffer("stage", 4 * N)
+
+    def fill(ctx: Any) -> None:
+        ctx.buffer("stage", torch.float32).fill_(1.0)
+        ctx.retire_buffer("stage")
+
+    g.add_task("fill", TaskKind.H2D, fill, buffers=["stage"])
+    g.add_task("back", TaskKind.D2H,
+               lambda ctx: host.copy_(ctx.buffer("stage", torch.float32), non_blocking=True),
+               deps=["fill"], buffers=["stage"])
+    pool = pipeoff.pools_for(gpu.device).device
+    with pipeoff.testing.delay_lane("d2h", 0.05):
+        ex = pipeoff.execute(g)
+    _issued(ex, "back", gpu)  # the last user: the block is dropped from the pool
+    pipeoff.execute(_overwrite(gpu)).wait()
+    ex.wait()
+    gpu.synchronize()
+    assert torch.all(host == 1.0)
+    assert pool.stats().live_bytes == 0
+
+
 def test_a_failed_execution_is_finalized_after_its_device_work(gpu: Gpu) -> None:
     """A failure re-raised by ``wait(task)`` finalizes the execution: its events and
     blocks are recycled only once its issued work has run (hazard: a block whose

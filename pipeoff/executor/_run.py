@@ -310,10 +310,11 @@ class Run:
             if block is None:
                 continue
             pool = self.pools.for_where(specs[b].where)
+            marker = ready_of(b) if ready_of is not None else ready
             if b in self.retired:
-                pool.discard(block)
+                pool.discard(block, marker)
             else:
-                pool.release(block, ready_of(b) if ready_of is not None else ready)
+                pool.release(block, marker)
 
     # -- running ------------------------------------------------------------
     def cancel(self, i: int, ready_of: Callable[[str], Any] | None = None) -> None:

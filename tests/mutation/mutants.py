@@ -1655,6 +1655,26 @@ SPECULATIVE = (
                "commit_is_reported_as_a_failed_one",),
         hazard="a Ctrl-C in the synchronous write-back leaves a partly averaged replica "
                "that torchft takes for a whole one"),
+    Mutant(
+        name="r179:ctrl-c-in-wait-keeps-buffer",
+        file="pipeoff/ft/_collective.py",
+        old=("            # may still write it.\n"
+             "            ctx.retire_buffer(dev)\n"),
+        new="            # may still write it.\n            pass\n",
+        tests=("tests/ft/test_local_sgd_cuda.py::test_a_block_a_failed_all_reduce_may_still_"
+               "write_is_never_reused",),
+        hazard="a Ctrl-C in an all-reduce's wait hands its staging block to the next user "
+               "while the collective may still write it"),
+    Mutant(
+        name="r180:retired-block-freed-at-once",
+        file="pipeoff/staging.py",
+        old=("            if block.ready is None:\n"
+             "                self._reserved -= block.capacity\n"),
+        new="            if True:\n                self._reserved -= block.capacity\n",
+        tests=("tests/test_cuda_waits.py::test_a_retired_block_is_freed_only_once_its_last_"
+               "user_has_run",),
+        hazard="a retired staging block freed while its last user's stream still reads it: "
+               "the allocator hands the memory to the next allocation"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
