@@ -27,9 +27,9 @@ __all__ = ["active_data_parallel", "backward_id", "check_private_apis",
            "fsdp_gradient_sync", "fsdp_prefetch_states", "fsdp_sharded_params", "fsdp_state",
            "fused_adam_kernel", "hookless", "init_optimizer_hooks", "installed_version",
            "is_compiling", "issue_on_group", "local_tensor", "make_wrapper_subclass",
-           "outer_backward_frame", "outermost_backward_frame", "post_accumulate_grad_hooks",
-           "PRIVATE_APIS", "PrivateAPI", "profiler_enabled", "queue_backward_callback",
-           "recompile_with_hooks", "restore_stance",
+           "note_step_called", "outer_backward_frame", "outermost_backward_frame",
+           "post_accumulate_grad_hooks", "PRIVATE_APIS", "PrivateAPI", "profiler_enabled",
+           "queue_backward_callback", "recompile_with_hooks", "restore_stance",
            "runs_compiled", "set_torch_function_stack", "skipped_by_torchft", "step_body",
            "TESTED", "torch_function_stack", "uncompiled_name"]
 
@@ -47,10 +47,8 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
 class PrivateAPI:
     """One private name pipeoff uses: where it lives and what uses it."""
 
-    package: str
-    """``"torch"`` or ``"torchft"``."""
-    path: str
-    """``module:attribute.attribute`` (resolved by :func:`check_private_apis`)."""
+    package: str  # "torch" or "torchft"
+    path: str  # module:attribute.attribute (resolved by check_private_apis)
     used_for: str
 
 
@@ -130,6 +128,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI("torch", "torch:Tensor._make_wrapper_subclass",
                "make_wrapper_subclass: FullOffloadOptimizer's gradient placeholders "
                "(param.grad stands for the host sum; the loop's clip calls see it)"),
+    PrivateAPI("torch", "torch.optim.lr_scheduler:LRScheduler.step",
+               "note_step_called: the flag (_opt_called) its order check reads"),
     PrivateAPI("torchft", "torchft.manager:Manager._pg",
                "issue_on_group: a failed replica still joins its peers' collectives"),
     PrivateAPI("torchft", "torchft.manager:_DummyWork", "skipped_by_torchft"),
@@ -167,8 +167,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "LocalSGD: the inner optimizer (its step count, waits)"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._manager", "LocalSGD: its Manager"),
     PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._model", "LocalSGD: the averaged params"),
-    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._step_post_hook",
-               "pipeoff.ft.LocalSGD overrides it"),
+    PrivateAPI("torchft", "torchft.local_sgd:LocalSGD._step_post_hook", "LocalSGD overrides it"),
 )
 """Every private name pipeoff uses."""
 
@@ -523,6 +522,11 @@ def outer_backward_frame() -> Any:
 def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable[..., Any]]:
     """``opt``'s own hooks of one ``kind`` (``"step_pre"``, ``"state_dict_post"``...), a list."""
     return list(getattr(opt, f"_optimizer_{kind}_hooks", {}).values())
+
+
+def note_step_called(opt: torch.optim.Optimizer) -> None:
+    """Set what an LR scheduler's wrapper of ``opt.step`` sets (pipeoff steps around it)."""
+    opt._opt_called = True  # type: ignore[attr-defined]
 
 
 def init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:

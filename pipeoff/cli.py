@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -532,6 +533,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _group_help(parser, hint)
     try:
         return int(args.fn(args))
+    except BrokenPipeError:
+        # The reader went away (`... | head`): as a Unix tool, stop quietly. Python's
+        # recipe: point stdout at devnull, so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (PipeoffError, OSError, _UsageError) as err:  # OSError: a path that is not usable
         print(f"pipeoff: error: {err}", file=sys.stderr)
         return 2

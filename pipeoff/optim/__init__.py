@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from pipeoff.optim._full_offload._grads import HostGrad
 from pipeoff.optim._full_offload._host_kernel import host_step_status
+from pipeoff.optim._offload._auto import FractionChoice
 from pipeoff.optim._offload._check import OverlapReport, check_overlap
 from pipeoff.optim._plan import Chunk, ChunkPlan, ParamMeta, Segment, plan_chunks, planned_numel
 from pipeoff.optim._update import ELEMENTWISE
@@ -27,6 +28,7 @@ __all__ = [
     "HostGrad",
     "ELEMENTWISE",
     "host_step_status",
+    "FractionChoice",  # what offload_fraction="auto" chose (opt.offload_choice)
     # checking a model for overlap mode
     "OverlapReport",
     "check_overlap",

@@ -146,7 +146,7 @@ def refuse_foreign(kwargs: Mapping[str, Any], where: str) -> None:
                                   f"(torchao's flag), got {kwargs[key]!r}")
             if kwargs[key] == (where == _FULL):
                 continue  # what the optimizer does (the caller drops the key)
-        raise ConfigError(f"{where}({key}=...): {why}")
+        raise ConfigError(f"{where} does not take {key}=: {why}")
 
 
 def optimizer_class_of(value: Any) -> Any:

@@ -1675,6 +1675,15 @@ SPECULATIVE = (
                "user_has_run",),
         hazard="a retired staging block freed while its last user's stream still reads it: "
                "the allocator hands the memory to the next allocation"),
+    Mutant(
+        name="r181:scheduler-on-inner-not-told",
+        file="pipeoff/optim/_offloaded.py",
+        old="    _compat.note_step_called(inner)\n",
+        new="",
+        tests=("tests/optim/test_optim_errors.py::test_a_scheduler_built_on_the_wrapped_"
+               "optimizer_sees_its_steps",),
+        hazard="a scheduler built on the wrapped optimizer warns that the loop stepped it "
+               "in the wrong order"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

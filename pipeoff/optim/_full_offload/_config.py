@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -79,9 +80,12 @@ class FullOffloadConfig:
     def __post_init__(self) -> None:
         cls = self.optimizer_class
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            got = (f"got an instance of {type(cls).__name__}: pass the class (the optimizer "
+                   "takes the model, or its parameters)" if isinstance(
+                       cls, torch.optim.Optimizer) else f"got {cls!r}")
             raise ConfigError(
                 f"optimizer_class must be a torch.optim.Optimizer class such as "
-                f"torch.optim.AdamW, got {cls!r}")
+                f"torch.optim.AdamW, {got}")
         if cls not in _update.ELEMENTWISE:
             names = ", ".join(f"torch.optim.{t.__name__}" for t in _update.ELEMENTWISE)
             raise UnsupportedOptimizerError(
@@ -135,6 +139,11 @@ class FullOffloadConfig:
         try:
             return self.optimizer_class([torch.zeros(1, requires_grad=True)], **hyper)
         except (TypeError, ValueError) as err:
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            if unknown and not group:  # (the tester's lrr=: as OffloadOptimizer says it)
+                raise ConfigError(
+                    f"{unknown.group(1)}= is neither a FullOffloadOptimizer argument nor a "
+                    f"hyperparameter of {self.optimizer_class.__name__}") from None
             what = "hyperparameters" if not group else "group's hyperparameters"
             raise ConfigError(f"{self.optimizer_class.__name__} refused the {what} "
                               f"{group or dict(self.defaults)}: {err}") from None

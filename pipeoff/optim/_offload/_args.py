@@ -78,8 +78,10 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
     cls = torch.optim.AdamW if optimizer_class is None else optimizer_class_of(optimizer_class)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
             cls, Offloaded):
+        got = (f"got an instance of {type(cls).__name__}: pass the class" if isinstance(
+            cls, torch.optim.Optimizer) else f"got {short_repr(cls)}")
         raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
-                          f"torch.optim.AdamW, got {short_repr(cls)}")
+                          f"torch.optim.AdamW, {got}")
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
