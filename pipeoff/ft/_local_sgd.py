@@ -268,13 +268,20 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         else:
             with torch.profiler.record_function("pipeoff::ft::local_sgd::perform_sync"):
                 committed = self._offloaded_sync()
-        opt = self._local_optimizer
-        if committed and isinstance(opt, MasterCopy):
-            # Hazard: an optimizer whose masters are the truth
-            # (pipeoff.optim.FullOffloadOptimizer) overwriting the averaged weights
-            # with its own, un-averaged masters at the next step.
-            opt.refresh_masters()
+        if committed:
+            self._adopt_average()
         return committed
+
+    def _adopt_average(self) -> None:
+        """After a committed sync wrote the average into the weights: an optimizer whose
+        masters are the truth (``FullOffloadOptimizer``) takes them as its masters.
+
+        Hazard: its next step overwriting the averaged weights with its own,
+        un-averaged masters (also after a Ctrl-C the sync ran to its end before
+        passing on: a tester's find, the loop that caught it trained 1e-2 off)."""
+        opt = self._local_optimizer
+        if isinstance(opt, MasterCopy):
+            opt.refresh_masters()
 
     def _original_sync(self) -> bool:
         """torchft's own averaging; whether the quorum committed."""
@@ -341,6 +348,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                 if failure is not None:  # (what a failed sync owes torchft, then the Ctrl-C)
                     with contextlib.suppress(Exception):
                         self._after_failure(failure, ex, buckets, device, link, commit)
+                elif commit.get("decided"):
+                    self._adopt_average()  # (as a sync that returned would)
                 err.add_note(_ended_note(failure, commit))
             elif ex is not None and commit.get("decided") and is_failure_of(err, ex):
                 # Ctrl-C in a write-back after the commit (the synchronous schedule writes

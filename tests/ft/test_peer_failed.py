@@ -28,6 +28,7 @@ from torchft.manager import Manager
 import pipeoff.ft
 import pipeoff.testing
 from pipeoff import PeerSyncFailedError
+from pipeoff.optim import FullOffloadOptimizer
 from tests.ft._managers import replica_manager
 from tests.ft.test_local_sgd_peers import FailingIssue, IssuedAfter
 
@@ -389,15 +390,19 @@ def test_ctrl_c_while_a_diloco_sync_waits_before_its_decision_lets_the_peer_comm
     assert healthy["step"] == 1  # committed
 
 
-@pytest.mark.parametrize("write_back", ["lands", "fails"])
+@pytest.mark.parametrize(("write_back", "inner"), [("lands", "sgd"), ("fails", "sgd"),
+                                                   ("lands", "full_offload")])
 def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_ended(
-        write_back: str) -> None:
+        write_back: str, inner: str) -> None:
     """A real SIGINT to replica 1 (on the main thread) while it waits for its pipelined
     sync, the write-back held: the sync runs on to its end (the peer commits, and so does
     this replica), then the interrupt is passed on, saying so. It came with no word,
     from a wait that only happened to end with the sync (a tester's find). A write-back
     that fails after the commit is reported to torchft as without the Ctrl-C (a review's
-    find: it was not), and the note says the parameters are partly averaged."""
+    find: it was not), and the note says the parameters are partly averaged. Under
+    FullOffloadOptimizer the masters take the average too, as after a sync that returned
+    (they kept their own, and the loop that caught the Ctrl-C trained on from them,
+    1e-2 off: a tester's find)."""
     import signal
     import time
 
@@ -414,7 +419,8 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
 
     def replica(i: int, lighthouse: str) -> dict[str, Any]:
         model = _model(i)
-        opt = optim.SGD(model.parameters(), lr=0.1)
+        opt: Any = (optim.SGD(model.parameters(), lr=0.1) if inner == "sgd" else
+                    FullOffloadOptimizer(model, optim.SGD, lr=0.1, overlap="none"))
         stepped: dict[str, list[torch.Tensor]] = {}
         opt.register_step_post_hook(lambda *_: stepped.__setitem__(
             "own", [p.detach().clone() for p in model.parameters()]))
@@ -432,7 +438,9 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
         try:
             return {"step": manager.current_step(), "raised": raised, "own": stepped["own"],
                     "errored": manager.errored(),
-                    "params": [p.detach().clone() for p in model.parameters()]}
+                    "params": [p.detach().clone() for p in model.parameters()],
+                    "masters": ([opt.host_master(p).clone() for p in model.parameters()]
+                                if inner == "full_offload" else None)}
         finally:
             manager.shutdown(wait=False)
 
@@ -477,6 +485,10 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
                           healthy["own"], strict=True):
         assert torch.equal(a, b)  # both hold the average, whole
         assert torch.equal(a, (x + y) / 2)
+    if inner == "full_offload":  # (FP32 weights: the masters are the weights, bit for bit)
+        for run in (stopped, healthy):
+            assert all(torch.equal(m, p) for m, p in zip(run["masters"], run["params"],
+                                                         strict=True))
 
 
 @pytest.mark.timeout(180)
