@@ -1684,6 +1684,24 @@ SPECULATIVE = (
                "optimizer_sees_its_steps",),
         hazard="a scheduler built on the wrapped optimizer warns that the loop stepped it "
                "in the wrong order"),
+    Mutant(
+        name="r182:backward-on-stale-weights-taken",
+        file="pipeoff/optim/_full_offload/_intake.py",
+        old="        if health.stale is not None and health.dirty is None:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload.py::test_a_backward_on_stale_weights_steps_"
+               "nothing",),
+        hazard="gradients of stale device weights step the masters (overlap='backward': "
+               "during the backward; else after refresh_device_weights())"),
+    Mutant(
+        name="r183:ctrl-c-after-commit-masters-kept",
+        file="pipeoff/ft/_local_sgd.py",
+        old="                    self._adopt_average()  # (as a sync that returned would)\n",
+        new="                    pass\n",
+        tests=("tests/ft/test_peer_failed.py::test_ctrl_c_in_a_pipelined_local_sgd_sync_is_"
+               "passed_on_once_the_sync_has_ended",),
+        hazard="a Ctrl-C passed on after a committed sync leaves FullOffloadOptimizer's "
+               "masters un-averaged: the next step undoes the average"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -655,6 +655,39 @@ def test_a_failed_h2d_leaves_the_masters_as_the_truth() -> None:
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_a_backward_on_stale_weights_steps_nothing(overlap: str) -> None:
+    """The loop goes on after a failed copy without refresh_device_weights(): under
+    overlap="backward" the next final backward stepped the masters with gradients of
+    the stale weights, and step() refused only after (a tester's find: 1.7e-2 off once
+    the loop followed each error's advice). Those gradients are dropped, under every
+    overlap: step() refuses (stale, then dirty until zero_grad())."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap=overlap, chunk_numel=200)
+    data = batches(4, 2)
+    last = len(opt._registry.plan.chunks) - 1
+    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
+        _micro_steps(opt, model, data[0])
+        with pytest.raises(RuntimeError, match="h2d failed"):
+            opt.step()
+    opt.zero_grad()
+    masters = [opt.host_master(p).clone() for p in model.parameters()]
+    _micro_steps(opt, model, data[1])  # on the stale weights
+    assert all(torch.equal(m, opt.host_master(p))
+               for m, p in zip(masters, model.parameters(), strict=True))
+    with pytest.raises(StepFailedError, match="stale"):
+        opt.step()
+    opt.refresh_device_weights()
+    with pytest.raises(StepFailedError, match="zero_grad"):
+        opt.step()  # (its gradients came from the stale weights)
+    opt.zero_grad()
+    train_reference(ref, data[:1])  # (the failed step had stepped every master)
+    train(opt, model, data[2:])
+    train_reference(ref, data[2:])
+    assert_bitwise(model, ref)
+
+
 def test_a_checkpoint_with_stale_weights_is_refused_until_they_are_refreshed() -> None:
     """An emergency checkpoint in the handler of a failed copy paired the stepped
     masters with the model's stale weights, and a load keeps a weight its master does

@@ -325,6 +325,14 @@ class GradientIntake:
                 f"a gradient for {name!r} reached FullOffloadOptimizer outside a backward "
                 "(a post-accumulate-grad hook called by hand?): gradients are taken in "
                 "only from loss.backward()")
+        health = lifecycle.health
+        if health.stale is not None and health.dirty is None:
+            # Hazard: gradients of the stale weights stepping the masters (a final
+            # backward under overlap="backward" stepped them at once: a tester's find,
+            # 1.7e-2 off; or a step() after refresh_device_weights()).
+            health.dirty = GradientError(
+                f"the gradient of {name!r} came from a backward on the stale device "
+                "weights (a failed copy; refresh_device_weights() was not called first)")
         marked = self.explicitly_non_final  # asked when a micro-step begins
         if dev is not None:
             lifecycle.receive_device(dev, marked=marked)
