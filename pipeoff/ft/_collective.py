@@ -33,12 +33,14 @@ class Link:
     its peers time out once and reject, as under torchft.
     """
 
-    __slots__ = ("broken", "unfilled")
+    __slots__ = ("broken", "entered", "unfilled")
 
     def __init__(self) -> None:
         self.broken = False
         self.unfilled = False
         """A bucket's ``fill`` raised (a Ctrl-C too): joined with what its buffer held."""
+        self.entered = 0
+        """How many buckets, in order, have reached :func:`allreduce_bucket`."""
 
 
 class _Progress:
@@ -52,7 +54,7 @@ class _Progress:
 
 
 def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tensor,
-                     fill: Callable[[torch.Tensor], None], link: Link) -> None:
+                     fill: Callable[[torch.Tensor], None], link: Link, index: int) -> None:
     """Fill ``flat`` (the staging buffer ``dev``) with ``fill`` and average it over
     the replica groups in place.
 
@@ -63,10 +65,18 @@ def allreduce_bucket(manager: Any, ctx: TaskContext, dev: str, flat: torch.Tenso
     re-raises ``fill``'s error if there was one. Once ``link`` is broken it joins
     nothing (see :class:`Link`). A Ctrl-C (the synchronous schedule runs this on the
     caller's thread) in ``fill`` is raised once the collective is joined; anywhere
-    after, before the collective is issued, it breaks the link.
+    after, before the collective is issued, it breaks the link; before this call (in
+    the task, on its way here: ``index``, the bucket's place in the sync, says so at
+    the next bucket), too.
     """
+    if index != link.entered:
+        # Hazard: an earlier bucket's task interrupted (a Ctrl-C) or failed before it
+        # reached this function: that collective was never joined, and this one would
+        # be one behind the peers' (gloo aborted the process: a tester's find).
+        link.broken = True
     local_failure: BaseException | None = None
     try:
+        link.entered = index + 1
         fill(flat)
     except BaseException as err:  # noqa: BLE001 - raised once the collective is joined
         local_failure = err

@@ -180,7 +180,7 @@ class SyncWork:
                     # this replica did not move in this bucket.
                     flat.zero_()
 
-            allreduce_bucket(self.manager, ctx, dev, flat, fill, self.link)
+            allreduce_bucket(self.manager, ctx, dev, flat, fill, self.link, k)
 
         return run
 

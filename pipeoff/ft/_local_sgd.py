@@ -422,7 +422,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     flat[pc.offset:pc.offset + pc.numel].copy_(src[pc.start:pc.start + pc.numel])
 
             def allreduce(ctx: TaskContext) -> None:
-                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), fill, link)
+                allreduce_bucket(manager, ctx, dev, ctx.buffer(dev, b.dtype), fill, link, k)
 
             return allreduce
 

@@ -7,7 +7,10 @@ thread, and a real SIGINT arrives there:
   find: the bucket was never joined and the later ones joined one behind the peer's;
   gloo aborted the process);
 - ``write-back``: after the commit, once the first parameter is written back and before
-  the second is (a tester's find: a partly averaged replica, and nothing said so).
+  the second is (a tester's find: a partly averaged replica, and nothing said so);
+- ``before-bucket``: in the second bucket's task, before it reaches ``allreduce_bucket``
+  (a tester's find: that collective was never joined, the later ones one behind the
+  peer's; gloo aborted the process).
 
 Prints a JSON outcome. Run in a process of its own: a failure can abort the process."""
 
@@ -32,7 +35,10 @@ _copy = local_sgd._memory_order
 _armed = threading.Event()
 _copies = [0]
 _BUCKETS = 6  # (the model's parameters: the fill copies each once, then the write-back)
-_AT = {"fill": 2, "write-back": _BUCKETS + 2}[(sys.argv[1:] or ["fill"])[0]]
+_MODE = (sys.argv[1:] or ["fill"])[0]
+_AT = {"fill": 2, "write-back": _BUCKETS + 2, "before-bucket": 2}[_MODE]
+_allreduce_bucket = local_sgd.allreduce_bucket
+_entered = [0]
 _before: dict[int, list[torch.Tensor]] = {}
 
 
@@ -46,13 +52,24 @@ def _copy_then_interrupt(t: torch.Tensor) -> Any:
     return _copy(t)
 
 
+def _interrupt_then_allreduce(*args: Any) -> None:
+    """A bucket's task on its way to ``allreduce_bucket``; on replica 1 (the main
+    thread), a SIGINT before the ``_AT``-th gets there."""
+    if _armed.is_set() and threading.current_thread() is threading.main_thread():
+        _entered[0] += 1
+        if _entered[0] == _AT:
+            signal.raise_signal(signal.SIGINT)
+    _allreduce_bucket(*args)
+
+
 def _replica(i: int, lighthouse: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(i)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 3))
     opt = optim.SGD(model.parameters(), lr=0.1)
     manager, _store = replica_manager(
         f"r{i}", lighthouse, state_dict=model.state_dict,
-        load_state_dict=model.load_state_dict, timeout_s=30)
+        load_state_dict=model.load_state_dict,
+        timeout_s=10 if _MODE == "before-bucket" else 30)  # (the peer times out)
     before = _before.setdefault(i, [])
     # Registered before LocalSGD's hook, so it runs first: the values the sync starts from.
     opt.register_step_post_hook(lambda *_: before.extend(
@@ -81,7 +98,10 @@ def _replica(i: int, lighthouse: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    local_sgd._memory_order = _copy_then_interrupt  # type: ignore[assignment]
+    if _MODE == "before-bucket":
+        local_sgd.allreduce_bucket = _interrupt_then_allreduce  # type: ignore[assignment]
+    else:
+        local_sgd._memory_order = _copy_then_interrupt  # type: ignore[assignment]
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         with ThreadPoolExecutor(1) as pool:

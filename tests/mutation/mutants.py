@@ -1702,6 +1702,15 @@ SPECULATIVE = (
                "passed_on_once_the_sync_has_ended",),
         hazard="a Ctrl-C passed on after a committed sync leaves FullOffloadOptimizer's "
                "masters un-averaged: the next step undoes the average"),
+    Mutant(
+        name="r184:bucket-skipped-before-entry-unseen",
+        file="pipeoff/ft/_collective.py",
+        old="    if index != link.entered:\n",
+        new="    if False:\n",
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_before_a_bucket_reaches_its_"
+               "all_reduce_skips_the_later_ones",),
+        hazard="a Ctrl-C before a bucket's task reached its all-reduce: the later ones join "
+               "one behind the peer's (gloo aborts the process)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
