@@ -1711,6 +1711,15 @@ SPECULATIVE = (
                "all_reduce_skips_the_later_ones",),
         hazard="a Ctrl-C before a bucket's task reached its all-reduce: the later ones join "
                "one behind the peer's (gloo aborts the process)"),
+    Mutant(
+        name="r185:half-step-said-stale",
+        file="pipeoff/optim/_full_offload/_fraction.py",
+        old="        if self.part.params and health.stale is not None and health.torn is None:\n",
+        new="        if False:\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_copy_after_a_final_"
+               "backward_with_a_device_part_is_a_torn_step",),
+        hazard="host chunks stepped, the device part not: said stale, the loop refreshes the "
+               "weights and trains on from half a step"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

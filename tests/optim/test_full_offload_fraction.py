@@ -865,3 +865,29 @@ def test_the_loops_clip_sees_host_sums_after_a_backward_with_device_gradients_on
         assert torch.equal(norm, want), (norm, want)
     opt.wait_for_step()
     assert_bitwise(model, ref)
+
+
+def test_a_failed_copy_after_a_final_backward_with_a_device_part_is_a_torn_step() -> None:
+    """overlap="backward", a device part: the final backward steps every host chunk,
+    the last chunk's weight copy fails, and step() raised before the device part
+    stepped (its wait for the norm saw the failure first: a race, forced here by a late
+    norm). zero_grad() then said only "stale", and after refresh_device_weights() the
+    loop trained on from half a step (a tester's find, 3.7e-2 off). Now it is torn:
+    refused until a checkpoint is loaded, whichever way the race goes."""
+    from tests.optim.test_full_offload import _micro_steps
+
+    model = make_model()
+    opt = build(model, 0.5, overlap="backward", chunk_numel=200)
+    data = batches(2, 2)
+    train(opt, model, data[:1])
+    last = len(opt._registry.plan.chunks) - 1
+    with pipeoff.testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")), \
+            pipeoff.testing.delay_task("norm", 0.3):
+        _micro_steps(opt, model, data[1])
+        with pytest.raises(RuntimeError, match="h2d failed|refused"):
+            opt.step()
+    with contextlib.suppress(StepFailedError):
+        opt.zero_grad()  # (refuses once the step is known torn)
+    assert opt.health.torn is not None, opt.health
+    with pytest.raises(StepFailedError, match="load_state_dict"):
+        opt.step()
