@@ -33,9 +33,11 @@ class Link:
     its peers time out once and reject, as under torchft.
     """
 
-    __slots__ = ("broken", "entered", "unfilled")
+    __slots__ = ("broken", "buckets", "entered", "unfilled")
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: int) -> None:
+        self.buckets = buckets
+        """How many all-reduces the sync has (each peer's as many)."""
         self.broken = False
         self.unfilled = False
         """A bucket's ``fill`` raised (a Ctrl-C too): joined with what its buffer held."""
@@ -204,8 +206,11 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
     is on the group then). A manager without a torch process group (a test's mock)
     has no peers to tell.
     """
-    if link.broken:
-        return  # (this replica reported an error: it rejects; the peers time out)
+    if link.broken or link.entered != link.buckets:
+        # (This replica reported an error, or its last bucket never reached its
+        # all-reduce: the vote would meet the peers' last bucket, a tester's find, gloo
+        # aborted. It rejects; the peers time out.)
+        return
     flag = torch.tensor([1.0 if failed else 0.0], dtype=torch.float32, device=device)
     joined: bool | None  # (None: no process group, so no peers)
     try:

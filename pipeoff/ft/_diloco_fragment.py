@@ -184,7 +184,8 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # torchft's would skip them all, so this replica's values are not its to give.
         self._errored_at_start = self._manager.errored() is not None
         self._voted = False
-        self._link = Link()  # (this sync's collectives, one for one with the peers')
+        # (This sync's collectives, one for one with the peers'.)
+        self._link = Link(len(self._buckets))
         self._speculative = self._spec_stale = False
         if self._spec is not None:
             try:

@@ -331,7 +331,7 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
         device = local_tensor(params[0], data=True).device if params else torch.device("cpu")
         # (An error reported before the first all-reduce: torchft's would skip them all.)
         commit: dict[str, bool] = {"errored_at_start": self._manager.errored() is not None}
-        link = Link()  # (this sync's collectives, one for one with the peers')
+        link = Link(len(buckets))  # (this sync's collectives, one for one with the peers')
         self.last_trace = None
         pipelined = self._schedule_name == "pipelined"
         graph = self._build_graph(params, buckets, device, commit, link)

@@ -10,7 +10,8 @@ thread, and a real SIGINT arrives there:
   the second is (a tester's find: a partly averaged replica, and nothing said so);
 - ``before-bucket``: in the second bucket's task, before it reaches ``allreduce_bucket``
   (a tester's find: that collective was never joined, the later ones one behind the
-  peer's; gloo aborted the process).
+  peer's; gloo aborted the process); ``before-last-bucket``: in the last one's (the
+  vote met the peer's last bucket: gloo aborted, the last layer being wider than 1).
 
 Prints a JSON outcome. Run in a process of its own: a failure can abort the process."""
 
@@ -36,7 +37,8 @@ _armed = threading.Event()
 _copies = [0]
 _BUCKETS = 6  # (the model's parameters: the fill copies each once, then the write-back)
 _MODE = (sys.argv[1:] or ["fill"])[0]
-_AT = {"fill": 2, "write-back": _BUCKETS + 2, "before-bucket": 2}[_MODE]
+_AT = {"fill": 2, "write-back": _BUCKETS + 2, "before-bucket": 2,
+       "before-last-bucket": _BUCKETS}[_MODE]
 _allreduce_bucket = local_sgd.allreduce_bucket
 _entered = [0]
 _before: dict[int, list[torch.Tensor]] = {}
@@ -64,12 +66,13 @@ def _interrupt_then_allreduce(*args: Any) -> None:
 
 def _replica(i: int, lighthouse: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(i)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 3))
+    # (The last bucket wider than the vote: a vote met in its place aborts gloo.)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 300))
     opt = optim.SGD(model.parameters(), lr=0.1)
     manager, _store = replica_manager(
         f"r{i}", lighthouse, state_dict=model.state_dict,
         load_state_dict=model.load_state_dict,
-        timeout_s=10 if _MODE == "before-bucket" else 30)  # (the peer times out)
+        timeout_s=10 if _MODE.startswith("before") else 30)  # (the peer times out)
     before = _before.setdefault(i, [])
     # Registered before LocalSGD's hook, so it runs first: the values the sync starts from.
     opt.register_step_post_hook(lambda *_: before.extend(
@@ -98,7 +101,7 @@ def _replica(i: int, lighthouse: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    if _MODE == "before-bucket":
+    if _MODE.startswith("before"):
         local_sgd.allreduce_bucket = _interrupt_then_allreduce  # type: ignore[assignment]
     else:
         local_sgd._memory_order = _copy_then_interrupt  # type: ignore[assignment]

@@ -1720,6 +1720,15 @@ SPECULATIVE = (
                "backward_with_a_device_part_is_a_torn_step",),
         hazard="host chunks stepped, the device part not: said stale, the loop refreshes the "
                "weights and trains on from half a step"),
+    Mutant(
+        name="r186:last-bucket-skipped-vote-joins",
+        file="pipeoff/ft/_collective.py",
+        old="    if link.broken or link.entered != link.buckets:\n",
+        new="    if link.broken:\n",
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_before_a_bucket_reaches_its_"
+               "all_reduce_skips_the_later_ones",),
+        hazard="the last bucket never reached its all-reduce: the vote meets the peer's last "
+               "bucket (gloo aborts, or sums the vote into a parameter)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
