@@ -90,9 +90,9 @@ class SyncWork:
     alpha: float
     synchronous: bool
     form_first: bool
+    link: Link
     masters: Sequence[torch.Tensor] | None = None
     spec: SpeculativeStep | None = None
-    link: Link = dataclasses.field(default_factory=Link)
     results: SyncResults = dataclasses.field(default_factory=SyncResults)
 
     def work(self) -> DiLoCoWork:

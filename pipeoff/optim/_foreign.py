@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from pipeoff._errors import ConfigError
+from pipeoff._validate import short_repr
 
-__all__ = ["optimizer_class_of", "refuse_foreign"]
+__all__ = ["not_an_optimizer_class", "optimizer_class_of", "refuse_foreign"]
 
 _FULL = "FullOffloadOptimizer"
 _STATE = "OffloadOptimizer"
@@ -165,3 +166,15 @@ def optimizer_class_of(value: Any) -> Any:
         raise ConfigError(f"optimizer_class {value!r} names no torch.optim optimizer; give a "
                           "class (torch.optim.AdamW) or its name ('AdamW', 'SGD', 'Adam')")
     return cls
+
+
+def not_an_optimizer_class(value: Any, instead: str = "") -> ConfigError:
+    """The error for an ``optimizer_class`` that is not a ``torch.optim.Optimizer``
+    class; an optimizer instance is told to pass its class (and ``instead``, what the
+    caller takes in its place)."""
+    if isinstance(value, torch.optim.Optimizer):
+        got = f"got an instance of {type(value).__name__}: pass the class{instead}"
+    else:
+        got = f"got {short_repr(value)}"
+    return ConfigError("optimizer_class must be a torch.optim.Optimizer class such as "
+                       f"torch.optim.AdamW, {got}")

@@ -116,7 +116,7 @@ def test_offload_optimizer_forms_are_the_same_run(form: str) -> None:
     (lambda m: FullOffloadOptimizer(m, use_precision_aware_optimizer=True), "FP32 masters"),
     # (new users' finds: the instance's whole repr; a typo blamed on AdamW)
     (lambda m: FullOffloadOptimizer(m, torch.optim.AdamW(m.parameters())),
-     "got an instance of AdamW: pass the class"),
+     r"got an instance of AdamW: pass the class \(the optimizer takes the model"),
     (lambda m: OffloadOptimizer(m.parameters(), torch.optim.AdamW(m.parameters())),
      "got an instance of AdamW: pass the class"),
     (lambda m: FullOffloadOptimizer(m, torch.optim.AdamW, lrr=1e-3),

@@ -16,6 +16,7 @@ from pipeoff import _compat
 from pipeoff._errors import ConfigError, UnsupportedOptimizerError
 from pipeoff._validate import check_int, check_process_group, parse_bytes, short_repr
 from pipeoff.optim import _update
+from pipeoff.optim._foreign import not_an_optimizer_class
 from pipeoff.optim._full_offload import _accumulate
 from pipeoff.optim._offload._args import check_fraction
 
@@ -80,12 +81,8 @@ class FullOffloadConfig:
     def __post_init__(self) -> None:
         cls = self.optimizer_class
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            got = (f"got an instance of {type(cls).__name__}: pass the class (the optimizer "
-                   "takes the model, or its parameters)" if isinstance(
-                       cls, torch.optim.Optimizer) else f"got {cls!r}")
-            raise ConfigError(
-                f"optimizer_class must be a torch.optim.Optimizer class such as "
-                f"torch.optim.AdamW, {got}")
+            raise not_an_optimizer_class(
+                cls, " (the optimizer takes the model, or its parameters)")
         if cls not in _update.ELEMENTWISE:
             names = ", ".join(f"torch.optim.{t.__name__}" for t in _update.ELEMENTWISE)
             raise UnsupportedOptimizerError(

@@ -14,7 +14,7 @@ import torch
 
 from pipeoff._errors import ConfigError
 from pipeoff._validate import check_bytes, check_int, parse_bytes, short_repr
-from pipeoff.optim._foreign import optimizer_class_of, refuse_foreign
+from pipeoff.optim._foreign import not_an_optimizer_class, optimizer_class_of, refuse_foreign
 from pipeoff.optim._offloaded import Offloaded
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MODES", "check_fraction", "mode_of", "staging_args",
@@ -78,10 +78,7 @@ def wrapped(params: Any, optimizer_class: Any, optimizer: Any,
     cls = torch.optim.AdamW if optimizer_class is None else optimizer_class_of(optimizer_class)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or issubclass(
             cls, Offloaded):
-        got = (f"got an instance of {type(cls).__name__}: pass the class" if isinstance(
-            cls, torch.optim.Optimizer) else f"got {short_repr(cls)}")
-        raise ConfigError(f"optimizer_class must be a torch.optim.Optimizer class such as "
-                          f"torch.optim.AdamW, {got}")
+        raise not_an_optimizer_class(cls)
     if isinstance(params, torch.Tensor):
         raise ConfigError("params must be an iterable of parameters or of param group "
                           f"dicts, got a single tensor of shape {tuple(params.shape)}")
