@@ -371,34 +371,23 @@ class FractionLifecycle(Lifecycle):
             if self.inflight is None:  # the step ended (a wait interrupted goes on)
                 self.part.wait()
 
-    def _half_step(self) -> None:
-        """After a final execution was classified stale (every host chunk stepped, a
-        copy failed): with a device part, torn, as :meth:`_report` says it too.
+    def _classify(self, acc: Accumulation, err: BaseException) -> None:
+        """As :class:`Lifecycle`'s; with a device part, a step classified stale (every
+        host chunk stepped, a copy failed) is torn, as :meth:`_report` says it too.
 
         Hazard: half a step taken as a whole one. Under overlap="backward" the host
         part's chunks step during the final backward, the device part at step(),
         which raised first: stale alone, refresh_device_weights() and the loop trained
         on from the mix (a tester's find, 3.7e-2 off; a race: other runs were torn)."""
+        super()._classify(acc, err)
         health = self.health
         if self.part.params and health.stale is not None and health.torn is None:
             health.torn_cause = health.stale
             health.torn = ("a step failed after every host chunk had stepped its masters; "
                            "the device part (offload_fraction < 1) had not, or may have")
 
-    def settle_failure(self) -> Execution | None:
-        settled = super().settle_failure()
-        self._half_step()
-        return settled
-
-    def settle_final_backward(self) -> Execution | None:
-        settled = super().settle_final_backward()
-        self._half_step()
-        return settled
-
     def discard(self, why: str, *, classify_final: bool) -> None:
         super().discard(why, classify_final=classify_final)
-        if classify_final:
-            self._half_step()
         self.part.discard()
         self._both = (None, None)
         if _compat.backward_id() < 0:  # (zero_grad() after a backward that raised)

@@ -318,6 +318,10 @@ class Lifecycle:
             if ms.execution is not None:
                 settle(ms.execution, timeout=self.config.timeout)  # failed by abandon()
 
+    def _classify(self, acc: Accumulation, err: BaseException) -> None:
+        """Say on :attr:`health` and ``err`` what a failed final execution left."""
+        classify(self.health, acc, err)
+
     def settle_failure(self) -> Execution | None:
         """A micro-step of the accumulation failed: let every execution settle, and say
         what the failure left (a final micro-step may have stepped chunks). Returns the
@@ -341,7 +345,7 @@ class Lifecycle:
             if ms.final and ex.done():
                 cause = ex.exception or self.health.dirty
                 assert cause is not None
-                classify(self.health, acc, cause)
+                self._classify(acc, cause)
                 settled = ex
         return settled
 
@@ -351,8 +355,7 @@ class Lifecycle:
         return the execution."""
         acc = self.acc
         fin = acc.final if acc is not None else None
-        if acc is None or fin is None or fin.execution is None or (
-                self.config.overlap != "backward"):
+        if acc is None or fin is None or fin.execution is None or self.config.overlap != "backward":
             return None
         ex = fin.execution
         self.settle_deferred()
@@ -364,7 +367,7 @@ class Lifecycle:
             return None
         self.acc = None
         acc.move(Phase.DISCARDED)
-        classify(self.health, acc, root_cause(acc, ex.exception))
+        self._classify(acc, root_cause(acc, ex.exception))
         return ex
 
     # -- transitions step() and zero_grad() drive ---------------------------------------------
@@ -463,8 +466,7 @@ class Lifecycle:
         before it failed left (a torn step, which this does not clear).
 
         Raises:
-            KeyboardInterrupt: while waiting (the accumulation stays, to be discarded
-                again).
+            KeyboardInterrupt: while waiting (the accumulation stays, to discard again).
         """
         acc = self.acc
         self.grads.clear()
@@ -480,7 +482,7 @@ class Lifecycle:
                 cause = ex.exception or self.health.dirty
                 if classify_final and ms.final and ex.done() and cause is not None:
                     # Chunks that stepped before the failure make a torn step.
-                    classify(self.health, acc, cause)
+                    self._classify(acc, cause)
             acc.move(Phase.DISCARDED)
         self.acc = None
         self.micro = None
@@ -564,7 +566,7 @@ class Lifecycle:
             if not is_failure_of(err, ex):
                 raise  # interrupted or timed out: still in flight
             self._end_step(acc)
-            classify(self.health, acc, err)
+            self._classify(acc, err)
             root = root_cause(acc, err)
             if root is not err:
                 raise root from err
