@@ -349,7 +349,11 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
                     with contextlib.suppress(Exception):
                         self._after_failure(failure, ex, buckets, device, link, commit)
                 elif commit.get("decided"):
-                    self._adopt_average()  # (as a sync that returned would)
+                    try:
+                        self._adopt_average()  # (as a sync that returned would)
+                    except Exception as refused:  # (the Ctrl-C stays what is raised)
+                        err.add_note("pipeoff: the optimizer did not take the averaged "
+                                     f"weights as its masters: {refused!r}")
                 err.add_note(_ended_note(failure, commit))
             elif ex is not None and commit.get("decided") and is_failure_of(err, ex):
                 # Ctrl-C in a write-back after the commit (the synchronous schedule writes

@@ -390,8 +390,9 @@ def test_ctrl_c_while_a_diloco_sync_waits_before_its_decision_lets_the_peer_comm
     assert healthy["step"] == 1  # committed
 
 
-@pytest.mark.parametrize(("write_back", "inner"), [("lands", "sgd"), ("fails", "sgd"),
-                                                   ("lands", "full_offload")])
+@pytest.mark.parametrize(("write_back", "inner"), [
+    ("lands", "sgd"), ("fails", "sgd"), ("lands", "full_offload"),
+    ("lands", "full_offload_refuses")])
 def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_ended(
         write_back: str, inner: str) -> None:
     """A real SIGINT to replica 1 (on the main thread) while it waits for its pipelined
@@ -402,7 +403,8 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
     find: it was not), and the note says the parameters are partly averaged. Under
     FullOffloadOptimizer the masters take the average too, as after a sync that returned
     (they kept their own, and the loop that caught the Ctrl-C trained on from them,
-    1e-2 off: a tester's find)."""
+    1e-2 off: a tester's find); if they refuse it, the Ctrl-C is still what is raised,
+    and its note says so (a review's find: the refusal replaced it)."""
     import signal
     import time
 
@@ -424,6 +426,11 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
         stepped: dict[str, list[torch.Tensor]] = {}
         opt.register_step_post_hook(lambda *_: stepped.__setitem__(
             "own", [p.detach().clone() for p in model.parameters()]))
+        if inner == "full_offload_refuses" and i == 1:
+            def refuse() -> None:
+                raise RuntimeError("refresh_masters() refused")
+
+            opt.refresh_masters = refuse
         manager, _store = replica_manager(f"r{i}", lighthouse, state_dict=model.state_dict,
                                           load_state_dict=model.load_state_dict)
         raised: BaseException | None = None
@@ -440,7 +447,7 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
                     "errored": manager.errored(),
                     "params": [p.detach().clone() for p in model.parameters()],
                     "masters": ([opt.host_master(p).clone() for p in model.parameters()]
-                                if inner == "full_offload" else None)}
+                                if inner != "sgd" else None)}
         finally:
             manager.shutdown(wait=False)
 
@@ -480,6 +487,10 @@ def test_ctrl_c_in_a_pipelined_local_sgd_sync_is_passed_on_once_the_sync_has_end
         assert isinstance(healthy["raised"], RuntimeError)
         return
     assert "committed: the parameters hold the average" in notes
+    if inner == "full_offload_refuses":
+        assert "did not take the averaged weights as its masters" in notes
+        assert "refresh_masters() refused" in notes
+        return
     assert healthy["raised"] is None and healthy["step"] == stopped["step"] == 1
     for a, b, x, y in zip(stopped["params"], healthy["params"], stopped["own"],
                           healthy["own"], strict=True):

@@ -1729,6 +1729,16 @@ SPECULATIVE = (
                "all_reduce_skips_the_later_ones",),
         hazard="the last bucket never reached its all-reduce: the vote meets the peer's last "
                "bucket (gloo aborts, or sums the vote into a parameter)"),
+    Mutant(
+        name="r187:adopt-refusal-replaces-ctrl-c",
+        file="pipeoff/ft/_local_sgd.py",
+        old=("                    except Exception as refused:  "
+             "# (the Ctrl-C stays what is raised)\n"),
+        new="                    except ZeroDivisionError as refused:\n",
+        tests=("tests/ft/test_peer_failed.py::test_ctrl_c_in_a_pipelined_local_sgd_sync_is_"
+               "passed_on_once_the_sync_has_ended",),
+        hazard="the masters refuse the average after a Ctrl-C the sync ran past: the refusal "
+               "is raised, not the Ctrl-C"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
