@@ -346,3 +346,16 @@ def test_an_unread_size_option_at_its_default_in_other_units_is_accepted(
 
     assert main(["simulate", "--model", "0.6b", "--feature", "full-offload", *option]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.slow  # runs a Python interpreter (subprocess)
+def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
+    """``pipeoff simulate | head -0``: the pipe is closed before the command writes; it
+    stops with code 1 and no traceback, as a Unix tool does (Python's recipe)."""
+    proc = subprocess.Popen([*pipeoff_cmd(), "simulate"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # (the reader went away before the first write)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1, err
+    assert err == ""
