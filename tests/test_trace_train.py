@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import pipeoff
+import pipeoff.testing
 import pipeoff.trace
 from pipeoff.optim import FullOffloadOptimizer, OffloadOptimizer
 from pipeoff.trace import StepStats, Trace
@@ -195,6 +196,37 @@ def test_step_stats_match_the_trace_and_reach_a_hook_for_every_step(make: Any) -
     _train(model, opt, 1)
     opt.wait_for_step()
     assert len(got) == 3
+
+
+@pytest.mark.parametrize(("make", "last"), [(_overlap, r"d2h\d+"), (_full, "done")],
+                         ids=["overlap", "full_offload"])
+def test_a_steps_wait_for_the_one_before_is_exposed_time_with_a_hook_too(
+        make: Any, last: str) -> None:
+    """step() first waits for the step before it: that wait is what the loop pays, in
+    ``exposed_ms``, with a stats hook registered as without one (with one, it was waited
+    for before the clock started: a tester's find, full offload's ``exposed_ms`` read
+    0.4 of step()'s wall time). The step before is held by a delay of its last tasks;
+    no forward runs in between (it would wait for them instead), the gradients are set
+    by hand."""
+    import time
+
+    model, opt = make()
+    got: list[StepStats] = []
+    opt.register_step_stats_hook(got.append)
+    _train(model, opt, 1)
+    opt.wait_for_step()
+    delay = 0.4
+    with pipeoff.testing.delay_task(last, delay):
+        _train(model, opt, 1)  # step 1: in flight, its last tasks held
+        launched = time.perf_counter_ns()
+        for p in model.parameters():
+            p.grad = torch.ones(p.shape)
+        waited = time.perf_counter_ns()
+        opt.step()  # step 2 waits for step 1
+        opt.wait_for_step()
+    assert [s.step for s in got] == [0, 1, 2]
+    # (at least the delay's rest once step 2 began; a busy machine only lengthens it)
+    assert got[2].exposed_ms >= (delay * 1e9 - (waited - launched)) / 1e6 - 1, got[2]
 
 
 def test_step_stats_of_a_step_equal_its_traces_figures() -> None:

@@ -369,13 +369,11 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._stats_pending is not None and self._stats_hooks:
-            self.wait_for_step()  # (_step waits for it anyway, first thing)
-            self._emit_stats()  # the previous step's figures, now that it has finished
-        step = self._steps_called
-        start = time.perf_counter_ns()
-        handed = self._handed_over
+        step, start, handed = self._steps_called, time.perf_counter_ns(), self._handed_over
         with torch.no_grad(), train_span("step", step):  # (while a region is recorded)
+            if self._stats_pending is not None and self._stats_hooks:
+                self.wait_for_step()  # (_step waits for it anyway, first thing: timed)
+                start += self._emit_stats()  # the last step's figures (hooks' time: untimed)
             try:
                 # A Ctrl-C held back (the device part, the withdraw), passed on after.
                 with self._lifecycle.part.interrupt.passed_on(

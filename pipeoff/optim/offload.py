@@ -498,14 +498,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
         return self._counted_step(closure)
 
     def _counted_step(self, closure: Callable[[], float] | None) -> float | None:
-        if self._stats_pending is not None and self._stats_hooks:
-            _wait_before_step(self)  # (step() waits for it anyway, first thing)
-            self._emit_stats()  # the previous step's figures, now that it has finished
-        step = self._steps_called
-        start = time.perf_counter_ns()
-        # The training thread's "step N" span while a region is recorded.
-        launched = self._last
-        with train_span("step", step):
+        step, start, launched = self._steps_called, time.perf_counter_ns(), self._last
+        with train_span("step", step):  # (the training thread's, while a region is recorded)
+            if self._stats_pending is not None and self._stats_hooks:
+                _wait_before_step(self)  # (step() waits for it anyway, first thing: timed)
+                start += self._emit_stats()  # the last step's figures (hooks' time: untimed)
             try:
                 return _offloaded.with_step_hooks(  # type: ignore[no-any-return]
                     self.inner, closure, self._step, self.wait_for_step)

@@ -41,8 +41,10 @@ class StepStats:
     chunks: int
     """Optimizer chunks stepped (buckets all-reduced, for a sync)."""
     exposed_ms: float
-    """Time the training thread spent inside ``step()`` (or the sync): what the step
-    cost the loop, before any forward-hook wait."""
+    """Time the training thread spent inside ``step()`` (or the sync), its wait for the
+    step before it included: what the step cost the loop, before any forward-hook wait.
+    Not counted: the stats hooks' own time, and torch's wrapper around ``step()`` (its
+    profiler range, whose exit on CPU can wait for the GIL while lanes run Python)."""
     makespan_ms: float
     """From the step's first task's start to its last task's end."""
     committed: bool | None = None
@@ -50,8 +52,8 @@ class StepStats:
     failed: int = 0
     """Tasks that raised."""
     offload_fraction: float | None = None
-    """``OffloadOptimizer``'s share of the state in host memory at this step (the one
-    ``offload_fraction="auto"`` chose, too); ``None`` elsewhere."""
+    """The optimizer's share of the state in host memory at this step (the one
+    ``offload_fraction="auto"`` chose, too); ``None`` for a sync."""
 
     def as_dict(self, prefix: str = "pipeoff/") -> dict[str, Any]:
         """The figures as a flat dict of numbers, keys prefixed (``"pipeoff/d2h_bytes"``):

@@ -1739,6 +1739,16 @@ SPECULATIVE = (
                "passed_on_once_the_sync_has_ended",),
         hazard="the masters refuse the average after a Ctrl-C the sync ran past: the refusal "
                "is raised, not the Ctrl-C"),
+    Mutant(
+        name="r188:wait-before-the-clock",
+        file="pipeoff/optim/full_offload.py",
+        old=("                start += self._emit_stats()  "
+             "# the last step's figures (hooks' time: untimed)\n"),
+        new="                self._emit_stats()\n                start = time.perf_counter_ns()\n",
+        tests=("tests/test_trace_train.py::test_a_steps_wait_for_the_one_before_is_exposed_"
+               "time_with_a_hook_too",),
+        hazard="with a stats hook, the wait for the step before is outside exposed_ms (it "
+               "read 0.4 of step()'s wall time)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
