@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from pipeoff import _compat
-from pipeoff._errors import PeerSyncFailedError
+from pipeoff._errors import PeerSyncFailedError, StepFailedError
 from pipeoff.graph import TaskContext
 
-__all__ = ["Link", "allreduce_bucket", "vote"]
+__all__ = ["Link", "allreduce_bucket", "reportable", "vote"]
 
 
 class Link:
@@ -231,3 +231,14 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
             f"pipeoff: {int(flag.item())} peer replica group(s) failed this sync after "
             "joining its all-reduces (their values are not theirs to average); this "
             "replica group rejects it too, as under torchft"))
+
+
+def reportable(err: BaseException, interrupted: str) -> Exception:
+    """``err`` as torchft's ``report_error`` takes it: an ``Exception``; a Ctrl-C is
+    reported as a ``StepFailedError`` saying it ``interrupted`` the sync there,
+    chained to it."""
+    if isinstance(err, Exception):
+        return err
+    reported = StepFailedError(f"{interrupted} was interrupted ({type(err).__name__})")
+    reported.__cause__ = err
+    return reported

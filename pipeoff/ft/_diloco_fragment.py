@@ -27,7 +27,7 @@ from pipeoff._held_interrupt import held_through
 from pipeoff._lowlevel import is_failure_of
 from pipeoff.executor import execute
 from pipeoff.ft._buckets import TensorInfo, plan_buckets
-from pipeoff.ft._collective import Link, vote
+from pipeoff.ft._collective import Link, reportable, vote
 from pipeoff.ft._diloco_graph import DiLoCoWork, diloco_graph, diloco_schedule
 from pipeoff.ft._diloco_tail import SyncTail, late_note
 from pipeoff.ft._diloco_work import SyncWork
@@ -352,6 +352,7 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
             self._vote()  # (all staged)
             deciding = True
             committed = bool(manager.should_commit())
+            deciding = False  # (a failure from here on is after the decision)
             self.last_committed = committed
             ex.gate("commit").open(committed)
             opened = True
@@ -378,6 +379,10 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # Ctrl-C (or a failing should_commit) before the decision: stop the
                 # lanes that wait for it, so that nothing of this sync runs on. (Not
                 # with err itself, which the caller gets: no note of pipeoff's on it.)
+                # The buckets not yet formed or staged go in as formed first, as in
+                # abandon() (a tester's find: they went in as zeros, the peer
+                # committed them).
+                self._join_all_reduces(ex)
                 ex.gate("commit").fail(PipeoffError(
                     f"the sync was stopped before its decision ({type(err).__name__})"))
             with contextlib.suppress(BaseException):  # (a second Ctrl-C skips it)
@@ -398,6 +403,8 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
                 # torchft's trains on the backup.
                 with held_through("restoring the fragment's parameters from its backup"):
                     self.restore_parameters()
+            elif opened and self._tail is None and not isinstance(err, Exception):
+                self._interrupted_after_decision(err, ex)
             raise
         finally:
             self._ex = None
@@ -423,10 +430,8 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # went on: the parameters still hold what the formation reads (the next inner
         # step and eager writes wait for it); failing the decision's gate now would skip
         # the formation still to come.
-        with contextlib.suppress(BaseException):  # (a failed or interrupted sync)
-            if not _faults.disabled("diloco_abandon_forms"):
-                for c in ex.events_for([f"allreduce:b{k}" for k in range(len(self._buckets))]):
-                    c.wait()
+        if not _faults.disabled("diloco_abandon_forms"):
+            self._join_all_reduces(ex)
         if ex.gate("commit").state == "pending":
             ex.gate("commit").fail(self._abandoned)  # (not why: the loop's own error)
         try:
@@ -439,6 +444,32 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         with contextlib.suppress(BaseException):
             self._vote()
         return True
+
+    def _join_all_reduces(self, ex: Execution) -> None:
+        """Wait for the sync's all-reduces, each with its bucket as formed (a second
+        Ctrl-C, or a failure of the sync, ends the wait)."""
+        with contextlib.suppress(BaseException):
+            for c in ex.events_for([f"allreduce:b{k}" for k in range(len(self._buckets))]):
+                c.wait()
+
+    def _interrupted_after_decision(self, err: BaseException, ex: Execution) -> None:
+        """A Ctrl-C in the wait for the writes (synchronous schedule), after the decision,
+        and after the execution was waited for again: say what the sync left, on
+        ``err``; a write it stopped is reported to torchft as a failed one.
+
+        Hazard: a replica partly written, or whole but said nothing of (a tester's
+        find: the committed merge was restored away, with no word)."""
+        committed = self.last_committed
+        if not ex.done():
+            return  # (a second Ctrl-C: the writes go on)
+        if ex.exception is not None:
+            self._manager.report_error(reportable(err, "DiLoCo's sync after its decision"))
+            err.add_note(late_note(committed))
+            return
+        self.outer.alias()  # (as a sync that returned)
+        err.add_note("pipeoff: DiLoCo's sync ran to its end before the Ctrl-C was passed on: "
+                     + ("committed; the parameters hold the merge" if committed else
+                        "rejected; the parameters are restored from the backup"))
 
     def _vote(self) -> None:
         """This sync's vote (``pipeoff/ft/_collective.py``), once, after its all-reduces:

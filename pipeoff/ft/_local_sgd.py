@@ -15,12 +15,12 @@ from torchft.local_sgd import LocalSGD as _TorchftLocalSGD
 from pipeoff import _accel
 from pipeoff._compat import local_tensor
 from pipeoff._contract import AsyncStep, MasterCopy, steps_taken
-from pipeoff._errors import ConfigError, StepFailedError
+from pipeoff._errors import ConfigError
 from pipeoff._lowlevel import SyncStats, is_failure_of, settle, train_span
 from pipeoff.executor import execute
 from pipeoff.ft._args import check_manager, check_module, check_optimizer
 from pipeoff.ft._buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorInfo, plan_buckets
-from pipeoff.ft._collective import Link, allreduce_bucket, vote
+from pipeoff.ft._collective import Link, allreduce_bucket, reportable, vote
 from pipeoff.ft._options import StagingOptions, check_sync_schedule, offload_flag
 from pipeoff.ft._sync_graph import SyncWork, sync_graph, sync_schedule
 from pipeoff.graph import TaskContext, TaskGraph
@@ -389,7 +389,8 @@ class LocalSGD(_TorchftLocalSGD):  # type: ignore[misc]  # torchft ships no type
             # average, the rest the local values. Nothing can undo
             # that; tell torchft, so that this replica group's next
             # should_commit() is False, and raise.
-            self._manager.report_error(_reportable(err))
+            self._manager.report_error(reportable(
+                err, "the write-back after the quorum committed"))
             err.add_note(
                 "pipeoff: a write-back failed after the quorum committed; this "
                 "replica's parameters are partly averaged. Restart it so that "
@@ -518,17 +519,6 @@ def _write_back_slice(
     # non_blocking: src is pinned host staging that stays allocated until this
     # task's end event has fired (the pool waits on it before reuse).
     dst.copy_(src, non_blocking=cuda)
-
-
-def _reportable(err: BaseException) -> Exception:
-    """``err`` as torchft's ``report_error`` takes it (an ``Exception``; a Ctrl-C is
-    reported as the write-back it interrupted)."""
-    if isinstance(err, Exception):
-        return err
-    reported = StepFailedError(
-        f"the write-back after the quorum committed was interrupted ({type(err).__name__})")
-    reported.__cause__ = err
-    return reported
 
 
 def _sync_ends_first(ex: Any) -> BaseException | None:

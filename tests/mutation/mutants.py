@@ -1749,6 +1749,23 @@ SPECULATIVE = (
                "time_with_a_hook_too",),
         hazard="with a stats hook, the wait for the step before is outside exposed_ms (it "
                "read 0.4 of step()'s wall time)"),
+    Mutant(
+        name="r189:ctrl-c-before-decision-zeros",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="                self._join_all_reduces(ex)\n                ex.gate(\"commit\").fail(",
+        new="                ex.gate(\"commit\").fail(",
+        tests=("tests/ft/test_diloco_interrupts.py::test_a_ctrl_c_before_the_decision_joins_"
+               "every_bucket_as_formed",),
+        hazard="a Ctrl-C before DiLoCo's decision: the buckets not yet formed go in as zeros "
+               "and the peer commits that average"),
+    Mutant(
+        name="r190:merge-restored-after-commit",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="            deciding = False  # (a failure from here on is after the decision)\n",
+        new="",
+        tests=("tests/ft/test_diloco_interrupts.py::test_a_ctrl_c_after_the_commit_keeps_the_"
+               "merge_and_says_so",),
+        hazard="a Ctrl-C after DiLoCo's commit restores the backup over the merge, silently"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
