@@ -1766,6 +1766,15 @@ SPECULATIVE = (
         tests=("tests/ft/test_diloco_interrupts.py::test_a_ctrl_c_after_the_commit_keeps_the_"
                "merge_and_says_so",),
         hazard="a Ctrl-C after DiLoCo's commit restores the backup over the merge, silently"),
+    Mutant(
+        name="r191:stale-weights-adopted",
+        file="pipeoff/optim/_full_offload/_model_sync.py",
+        old="        if health.stale is None:\n            return False\n",
+        new="        if True:\n            return False\n",
+        tests=("tests/optim/test_full_offload.py::test_weights_written_while_stale_are_neither_"
+               "adopted_nor_overwritten",),
+        hazard="weights written while stale: adopted as masters (the step they missed lost) or "
+               "overwritten by refresh_device_weights() (the write lost)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -688,6 +688,48 @@ def test_a_backward_on_stale_weights_steps_nothing(overlap: str) -> None:
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+@pytest.mark.parametrize("then", ["backward", "refresh_device_weights", "adopt_outside_writes"])
+def test_weights_written_while_stale_are_neither_adopted_nor_overwritten(
+        overlap: str, then: str) -> None:
+    """After a failed copy the loop clamps its weights (as after every step): the next
+    backward adopted the clamped stale weights as masters (the step they missed lost),
+    or refresh_device_weights() undid the clamp, and the loop trained on 2.5e-2 off (a
+    tester's find). Neither write nor step can be kept: the state is torn (nothing
+    adopted, nothing overwritten), and a checkpoint's load goes on bitwise."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap=overlap, chunk_numel=200)
+    data = batches(4, 2)
+    train(opt, model, data[:1])
+    opt.wait_for_step()
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    last = len(opt._registry.plan.chunks) - 1
+    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
+        _micro_steps(opt, model, data[1])
+        with pytest.raises(RuntimeError, match="h2d failed"):
+            opt.step()
+    opt.zero_grad()
+    masters = [opt.host_master(p).clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.1, 0.1)
+    if then == "backward":
+        _micro_steps(opt, model, data[2])  # (the first gradient adopts outside writes)
+    refused = opt.step if then == "backward" else getattr(opt, then)
+    with pytest.raises(StepFailedError, match="written from outside while the device weights "
+                                              "were stale"):
+        refused()
+    assert all(torch.equal(m, opt.host_master(p))
+               for m, p in zip(masters, model.parameters(), strict=True))
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    opt.zero_grad()
+    train(opt, model, data[2:])
+    train_reference(ref, [data[0], *data[2:]])
+    assert_bitwise(model, ref)
+
+
 def test_a_checkpoint_with_stale_weights_is_refused_until_they_are_refreshed() -> None:
     """An emergency checkpoint in the handler of a failed copy paired the stepped
     masters with the model's stale weights, and a load keeps a weight its master does

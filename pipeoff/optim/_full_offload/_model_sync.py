@@ -12,7 +12,7 @@ intake calls down to it and nothing here calls back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeoff import _accel, _faults
@@ -121,14 +121,16 @@ class ModelSync:
                 recs = [rec for rec in recs if id(rec.param) in copied]
             changed = [rec for rec in recs
                        if not casts_to(rec.flat_master, flat(rec.local, rec.order))]
-            self.registry.adopt(changed)
+            if not self.written_while_stale(changed):
+                self.registry.adopt(changed)
             if late and changed:
                 raise ConfigError(late_write_message([rec.name for rec in changed]))
             return
         # Asked again now that the step's copies are done: one that wrote a weight
         # but had not yet noted its version was no outside write.
         changed = self._written_from_outside(late)
-        self.registry.adopt(changed)
+        if not self.written_while_stale(changed):
+            self.registry.adopt(changed)
         if late and changed:
             raise ConfigError(late_write_message([rec.name for rec in changed]))
 
@@ -138,6 +140,30 @@ class ModelSync:
         if not any(hasattr(p, "placements") for p in self.lifecycle.all_tensors()):
             return
         self.state_dict_taken = True
+
+    def written_while_stale(self, changed: Sequence[OffloadedParam] | None = None) -> bool:
+        """Whether weights were written from outside (``changed``; default: by their
+        version counters) while a failed copy left the device weights stale: then the
+        state is torn (nothing adopted, nothing overwritten).
+
+        Hazard: a master taken from a stale weight misses the step the failed copy
+        was to bring, and ``refresh_device_weights()`` undoes the write (a tester's
+        find: a loop that clamped its weights, then followed the advice, trained
+        2.5e-2 off)."""
+        health = self.lifecycle.health
+        if health.stale is None:
+            return False
+        changed = self.registry.written_from_outside() if changed is None else changed
+        if not changed:
+            return False
+        if health.torn is None:
+            names = ", ".join(rec.name for rec in changed[:3]) + (
+                ", ..." if len(changed) > 3 else "")
+            health.torn_cause = health.stale
+            health.torn = (f"weights ({names}) were written from outside while the device "
+                           "weights were stale (behind their masters after a failed copy): "
+                           "neither the write nor the step it missed can be kept")
+        return True
 
     def _written_from_outside(self, late: bool) -> list[OffloadedParam]:
         changed = self.registry.written_from_outside()

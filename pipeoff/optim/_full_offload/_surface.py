@@ -74,8 +74,18 @@ class MastersAndCheckpoints:
         self._quiesce()
 
     def refresh_device_weights(self) -> None:
-        """Write every device weight from its master (the truth), e.g. after a failed copy."""
+        """Write every device weight from its master (the truth), e.g. after a failed copy.
+
+        Raises:
+            StepFailedError: the state is torn; also when weights were written from
+                outside while stale (their write and the step they missed conflict).
+        """
         self._quiesce_keeping_failures()
+        self._model_sync.written_while_stale()
+        self._health.check("refresh_device_weights()", stale=False)
+        self._weights_from_masters()
+
+    def _weights_from_masters(self) -> None:
         for rec in self._registry:
             rec.weight_from_master()
         self._lifecycle.part.weights_from_masters()
@@ -128,9 +138,12 @@ class MastersAndCheckpoints:
         Raises:
             ConfigError: under ``overlap="backward"``, a weight written after the final
                 backward began (as ``step()`` raises).
+            StepFailedError: the state is torn; also when weights were written while a
+                failed copy left the device weights stale.
         """
         if self._model_sync.sync():
             self._intake.ensure_hooks()
+        self._health.check("adopt_outside_writes()", stale=False)
         self._lifecycle.part.adopt()
 
     def host_master(self, param: torch.Tensor) -> torch.Tensor:
@@ -284,7 +297,8 @@ class MastersAndCheckpoints:
             foreign += self._lifecycle.part.load(others, self.param_groups)
             self._health.torn = None
             self._health.dirty = None
-            self.refresh_device_weights()
+            self._quiesce_keeping_failures()
+            self._weights_from_masters()  # (the loaded masters: what the weights held is gone)
         if foreign:
             warnings.warn(_checkpoint.foreign_masters_message(foreign), RuntimeWarning,
                           stacklevel=3)
