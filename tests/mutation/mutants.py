@@ -1775,6 +1775,15 @@ SPECULATIVE = (
                "adopted_nor_overwritten",),
         hazard="weights written while stale: adopted as masters (the step they missed lost) or "
                "overwritten by refresh_device_weights() (the write lost)"),
+    Mutant(
+        name="r192:final-folds-after-failed-micro-step",
+        file="pipeoff/optim/_full_offload/_launcher.py",
+        old="            if failed is not None:\n",
+        new="            if False:\n",
+        tests=("tests/optim/test_full_offload.py::test_a_failed_earlier_micro_step_under_"
+               "overlap_backward_steps_nothing",),
+        hazard="a micro-step launched after an earlier one of its step failed folds and, under "
+               "overlap='backward', steps on the later gradients alone (a torn step)"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -599,6 +599,49 @@ def test_a_failed_copy_or_add_makes_the_step_dirty_until_zero_grad(task: str) ->
     assert_bitwise(model, ref)
 
 
+@pytest.mark.parametrize("earlier", ["ended", "running"])
+@pytest.mark.parametrize("task", ["acc:.*", "d2h:.*"])
+def test_a_failed_earlier_micro_step_under_overlap_backward_steps_nothing(
+        task: str, earlier: str) -> None:
+    """Under overlap="backward" the final backward steps the chunks: after a failed copy
+    in the first of three micro-steps, it stepped them on the later two micro-steps'
+    gradients alone, a torn step no zero_grad() clears (a tester's find): that
+    micro-step had ended when the next one launched (``ended``), which then ran free.
+    Now a micro-step launched after an earlier one of its step failed fails at once;
+    one launched while it runs (``running``: its failing task held back by a delay)
+    fails with it, as before. Dirty, nothing written, zero_grad() goes on."""
+    model = make_model()
+    ref = reference(model)
+    opt = build(model, overlap="backward")
+    data = batches(3, 3)
+    train(opt, model, data[:1])
+    masters = [opt.host_master(p).clone() for p in model.parameters()]
+    delay = testing.delay_task(task, 0.5) if earlier == "running" else contextlib.nullcontext()
+    with opt.no_sync(), testing.fail_task(task, RuntimeError("copy failed")), delay:
+        loss_fn(model, data[1][0]).backward()
+    if earlier == "ended":
+        acc = opt._lifecycle.acc
+        assert acc is not None and acc.micro[0].execution is not None
+        with contextlib.suppress(RuntimeError):
+            acc.micro[0].execution.wait()
+    with opt.no_sync():
+        loss_fn(model, data[1][1]).backward()
+    loss_fn(model, data[1][2]).backward()  # the final: its chunks step during it
+    acc = opt._lifecycle.acc
+    assert acc is not None and acc.final is not None and acc.final.execution is not None
+    with contextlib.suppress(Exception):
+        acc.final.execution.wait()  # (its chunks have stepped, or refused, before step())
+    with pytest.raises(BaseException, match="copy failed|refuses until"):
+        opt.step()
+    assert all(torch.equal(m, opt.host_master(p))
+               for m, p in zip(masters, model.parameters(), strict=True))
+    assert opt.health.torn is None
+    opt.zero_grad()
+    train(opt, model, data[2:])
+    train_reference(ref, [data[0], data[2]])
+    assert_bitwise(model, ref)
+
+
 def test_a_failed_chunk_after_others_stepped_is_a_torn_step() -> None:
     model = make_model()
     opt = build(model, overlap="none", chunk_numel=200)

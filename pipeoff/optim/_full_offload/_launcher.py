@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeoff import _faults
+from pipeoff._errors import GradientError
 from pipeoff.execution import Execution
 from pipeoff.executor import execute
 from pipeoff.graph import TaskGraph
@@ -94,15 +95,24 @@ class Launcher:
         graph, schedule = self.graph(final=final, grad_itemsize=itemsize, lanes=lanes, acc=acc)
         ex = execute(graph, schedule)
         prev = self.prev
+        ours = [ms.execution for ms in acc.micro if ms.execution is not None]
+        failed = next((e.exception for e in ours if e.done() and e.exception is not None), None)
         try:
             if views is not None:
                 self.held.order_after_reader(ex)
-            if prev is None or prev.done() or _faults.disabled("micro_step_order"):
+            if failed is not None:
+                # Hazard: sums an earlier micro-step of this step failed to add to,
+                # folded into and (under overlap="backward") stepped: a tester's find,
+                # the step taken on the later micro-steps' gradients alone.
+                ex.gate(PREV).fail(GradientError(
+                    f"an earlier micro-step of this step failed ({failed!r})"))
+            elif prev is None or prev.done() or _faults.disabled("micro_step_order"):
                 ex.gate(PREV).close()
             else:
                 # Hazard: folding into accumulators (or stepping masters) that the
                 # previous micro-step's execution, or a step still in flight, is
-                # still reading or writing.
+                # still reading or writing. (If it fails, its 'done' is cancelled
+                # and so fail the tasks that wait for this gate.)
                 ex.gate(PREV).open(None, event=prev.events_for(DONE)[0])
         except BaseException as err:
             # The previous execution failed meanwhile: this one must not wait on
