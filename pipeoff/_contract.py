@@ -89,9 +89,9 @@ class Health:
         """
         if self.dirty is not None:
             raise StepFailedError(
-                f"{what} refused: this step failed before any master was stepped (a "
-                "gradient copy, an accumulation or the step itself); it refuses until "
-                "opt.zero_grad() clears the accumulated gradients") from self.dirty
+                f"{what} refused: this step failed before any master was stepped "
+                f"({self.dirty}); it refuses until opt.zero_grad() clears the "
+                "accumulated gradients") from self.dirty
 
     def check(self, what: str, *, stale: bool = True) -> None:
         """Refuse ``what`` if the state is torn (or, with ``stale``, the weights stale).

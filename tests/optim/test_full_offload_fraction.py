@@ -884,10 +884,15 @@ def test_a_failed_copy_after_a_final_backward_with_a_device_part_is_a_torn_step(
     with pipeoff.testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")), \
             pipeoff.testing.delay_task("norm", 0.3):
         _micro_steps(opt, model, data[1])
-        with pytest.raises(RuntimeError, match="h2d failed|refused"):
+        with pytest.raises(RuntimeError, match="h2d failed|refused") as info:
             opt.step()
     with contextlib.suppress(StepFailedError):
         opt.zero_grad()  # (refuses once the step is known torn)
     assert opt.health.torn is not None, opt.health
     with pytest.raises(StepFailedError, match="load_state_dict"):
         opt.step()
+    # (One advice: the error said refresh_device_weights() too, which then changed
+    # nothing: a tester's find.)
+    assert "refresh_device_weights" not in " ".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(StepFailedError, match="load_state_dict"):
+        opt.refresh_device_weights()

@@ -239,12 +239,14 @@ def root_cause(acc: Accumulation, err: BaseException) -> BaseException:
     return err
 
 
-def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
+def classify(health: Health, acc: Accumulation, err: BaseException, *,
+             device_part: bool = False) -> None:
     """Set what a failed final execution leaves, and say so on ``err``: nothing stepped
     (dirty: ``zero_grad()`` clears it), every chunk stepped but a weight copy failed
-    (stale: ``refresh_device_weights()``), or some chunks (or some masters of one)
-    stepped (torn: load a checkpoint). A chunk counts as stepped once its optimizer
-    step returned, even if its task failed afterwards (in the cast)."""
+    (stale: ``refresh_device_weights()``; torn with a ``device_part``, which steps at
+    ``step()`` and may not have), or some chunks (or some masters of one) stepped
+    (torn: load a checkpoint). A chunk counts as stepped once its optimizer step
+    returned, even if its task failed afterwards (in the cast)."""
     ex = acc.execution
     fin = acc.final
     assert fin is not None and fin.lanes is not None
@@ -270,13 +272,15 @@ def classify(health: Health, acc: Accumulation, err: BaseException) -> None:
         health.dirty = err
         err.add_note("pipeoff: no master was stepped; step() refuses until "
                      "opt.zero_grad()")
-    elif len(stepped) == nchunks:
+    elif len(stepped) == nchunks and not device_part:
         health.stale = err
         err.add_note("pipeoff: every master was stepped, but device weights were "
                      "not all written; call opt.refresh_device_weights()")
     else:
         health.torn = (f"a step failed in {ex.failed_task!r} after chunk(s) "
-                       f"{stepped} had stepped their masters")
+                       f"{stepped} had stepped their masters" + (
+                           "; the device part (offload_fraction < 1) had not, or may have"
+                           if len(stepped) == nchunks else ""))
         err.add_note(f"pipeoff: {health.torn}; later steps are refused until a "
                      "checkpoint is loaded")
 

@@ -46,6 +46,7 @@ from pipeoff.optim._full_offload._common import (
     after_final_message,
     backward_mark,
     capture_hyper,
+    classify,
     twice_message,
     unfinished_before,
 )
@@ -344,12 +345,14 @@ class FractionLifecycle(Lifecycle):
         parts = ([f"host chunk(s) {stepped}"] if stepped else []) + (
             ["the device part"] if self.part.written else [])
         if parts:
+            noted = self.health.torn is not None  # (by the host part's classification)
             self.health.dirty = None
             self.health.torn_cause = err
             self.health.torn = (f"a step failed in {failed} after {' and '.join(parts)} "
                                 "had (or may have) written their masters")
-            err.add_note(f"pipeoff: {self.health.torn}; later steps are refused until a "
-                         "checkpoint is loaded (model and optimizer load_state_dict)")
+            if not noted:
+                err.add_note(f"pipeoff: {self.health.torn}; later steps are refused until "
+                             "a checkpoint is loaded (model and optimizer load_state_dict)")
         else:
             self.health.dirty = err
             err.add_note("pipeoff: no master was stepped, in either part; step() refuses "
@@ -372,19 +375,15 @@ class FractionLifecycle(Lifecycle):
                 self.part.wait()
 
     def _classify(self, acc: Accumulation, err: BaseException) -> None:
-        """As :class:`Lifecycle`'s; with a device part, a step classified stale (every
+        """As :class:`Lifecycle`'s; with a device part, a step that would be stale (every
         host chunk stepped, a copy failed) is torn, as :meth:`_report` says it too.
 
         Hazard: half a step taken as a whole one. Under overlap="backward" the host
         part's chunks step during the final backward, the device part at step(),
         which raised first: stale alone, refresh_device_weights() and the loop trained
-        on from the mix (a tester's find, 3.7e-2 off; a race: other runs were torn)."""
-        super()._classify(acc, err)
-        health = self.health
-        if self.part.params and health.stale is not None and health.torn is None:
-            health.torn_cause = health.stale
-            health.torn = ("a step failed after every host chunk had stepped its masters; "
-                           "the device part (offload_fraction < 1) had not, or may have")
+        on from the mix (a tester's find, 3.7e-2 off; a race: other runs were torn).
+        (Not stale, then torn: the error said both, a tester's find.)"""
+        classify(self.health, acc, err, device_part=bool(self.part.params))
 
     def discard(self, why: str, *, classify_final: bool) -> None:
         super().discard(why, classify_final=classify_final)
