@@ -67,6 +67,15 @@ class GroupRef:
         self._default = group is None and initialized
         if group is None:
             return
+        if type(group).__module__.split(".")[0] == "torchft":
+            # (Refused on every rank alike, before any collective: a check that
+            # compared ranks would refuse on some only, the others waiting.)
+            raise ConfigError(
+                f"process_group is torchft's {type(group).__name__}, which torch.distributed "
+                "does not know: StateTransfer's collectives run over a torch.distributed "
+                "group (init_process_group, new_group, a DeviceMesh's). Across torchft "
+                "replica groups a recovering replica heals through torchft's own checkpoint "
+                "transport (the Manager's state_dict/load_state_dict)")
         if not initialized:
             raise ConfigError("process_group was given, but torch.distributed is not initialized")
         try:

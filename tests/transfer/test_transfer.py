@@ -296,8 +296,15 @@ def test_launch_then_wait_raises_the_same_errors() -> None:
     ({"wire": "nvlink"}, "wire must be"),
     ({"schedule": "eager"}, "schedule must be"),
     ({"process_group": object()}, "torch.distributed is not initialized"),
+    # (a tester's find: refused on one replica only, or a torch error, or a KeyError)
+    ({"process_group": "torchft"}, r"torchft's ProcessGroupGloo, which torch.distributed "
+                                   "does not know"),
 ])
 def test_bad_arguments_are_named(kw: dict[str, Any], words: str) -> None:
+    if kw.get("process_group") == "torchft":
+        from torchft.process_group import ProcessGroupGloo
+
+        kw = {"process_group": ProcessGroupGloo()}
     with pytest.raises(ConfigError, match=words):
         StateTransfer({}, {}, **kw)
 
