@@ -116,7 +116,9 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         # stalls the device and, under NCCL, can deadlock against peers).
         self._form_first = (options.schedule == "pipelined"
                             and int(self._fragment_sync_delay) > 0)
-        self._formation = ForwardWaits(self._formation_failed, writes_only=True)
+        self._formation = ForwardWaits(
+            self._formation_failed, writes_only=True, wait_call="diloco.wait_for_sync()",
+            waited_for="DiLoCo's sync in flight (its pseudo-gradients' formation)")
         self._spec = SpeculativeStep(outer, self._backups) if self._form_first else None
         """The outer step before the decision, under the inner steps (``form_first``)."""
         self._speculative = False

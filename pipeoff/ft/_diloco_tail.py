@@ -107,7 +107,9 @@ class SyncTail:
         self.fragments = [(m, tuple(ps)) for m, ps in fragments]
         self.device = device
         self.manager = manager
-        self.waits = [ForwardWaits(self._failed) for _ in self.fragments]
+        self.waits = [ForwardWaits(self._failed, waited_for="DiLoCo's sync in flight (its "
+                                   "outer step and writes)", wait_call="diloco.wait_for_sync()")
+                      for _ in self.fragments]
         self._handles: list[Any] = []
         self._ex: Execution | None = None
         self._writer = 0

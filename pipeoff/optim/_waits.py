@@ -216,9 +216,15 @@ class ForwardWaits:
             assignment, ``__setitem__``); reads go on.
     """
 
-    def __init__(self, on_failure: Callable[[], None], *, writes_only: bool = False) -> None:
+    def __init__(self, on_failure: Callable[[], None], *, writes_only: bool = False,
+                 waited_for: str = "the optimizer step in flight",
+                 wait_call: str = "wait_for_step()") -> None:
         self._on_failure = on_failure
         self.writes_only = writes_only
+        self._interrupted = (f"pipeoff: interrupted while a read waited for {waited_for}, "
+                             "which goes on: it has not failed and must not be repeated. "
+                             f"Call {wait_call} to wait for it.")
+        """The note on a Ctrl-C in a read's wait: what it waited for, how to wait."""
         self._lock = threading.Lock()
         self.step: StepWrites | None = None
         """The step in flight: what it writes (the only thing read of an optimizer)."""
@@ -518,9 +524,7 @@ class ForwardWaits:
                     else:
                         comp.wait()  # host lanes: block until the chunk has written them
             except KeyboardInterrupt as err:
-                err.add_note("pipeoff: interrupted while a read waited for the optimizer "
-                             "step in flight, which goes on: it has not failed and must not "
-                             "be repeated. Call wait_for_step() to wait for it.")
+                err.add_note(self._interrupted)
                 raise
             t1 = time.perf_counter_ns()
             with self._lock:

@@ -391,6 +391,35 @@ def test_a_failed_enter_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch
 
 
 
+def test_a_ctrl_c_in_a_forwards_wait_for_the_tail_names_the_sync() -> None:
+    """A Ctrl-C while a forward waits for the parameters the tail still writes: its note
+    named "the optimizer step in flight" and wait_for_step(), which DiLoCo has not (a
+    tester's find); it names the sync and wait_for_sync()."""
+    main = threading.main_thread().ident
+    assert main is not None
+    with _diloco() as (model, inner, d, _manager):
+        with pipeoff.testing.hold_task("write:b.*") as release:
+            _inner_step(model, inner)
+            _inner_step(model, inner)  # the sync: its tail in flight, its writes held
+
+            def interrupt_then_release() -> None:
+                install()
+                while waiting_in(stack_of(main), ("wait_for",)) is None:
+                    time.sleep(0.001)
+                signal.pthread_kill(main, signal.SIGINT)
+                release.set()
+
+            t = threading.Thread(target=interrupt_then_release)
+            t.start()
+            with pytest.raises(KeyboardInterrupt) as info:
+                model(torch.ones(2, 12))
+            t.join()
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "DiLoCo's sync in flight" in notes and "wait_for_sync()" in notes, notes
+        assert "wait_for_step" not in notes
+        d.wait_for_sync()
+
+
 def test_a_ctrl_c_in_the_tail_wait_keeps_a_failure_that_comes_after_it() -> None:
     """A Ctrl-C while the loop waits for the tail, whose write then fails: the wait let
     the tail end and dropped its failure, unreported, and later syncs committed the
