@@ -222,6 +222,11 @@ def vote(manager: Any, failed: bool, device: torch.device, link: Link) -> None:
         joined = None if work is None else _waited(work)
     if failed or joined is None:
         return  # (this replica rejects the sync already; or it has no peers)
+    if manager.errored() is not None:
+        # (Rejected already, for the cause reported first: a peer's all-reduce that
+        # failed, whose error a report of the vote's failure would replace; a
+        # tester's find, a dead peer's "connection reset" was lost.)
+        return
     if not joined:
         manager.report_error(PeerSyncFailedError(
             "pipeoff: the all-reduce of the replica groups' sync outcomes failed; this "

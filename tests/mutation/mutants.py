@@ -1784,6 +1784,15 @@ SPECULATIVE = (
                "overlap_backward_steps_nothing",),
         hazard="a micro-step launched after an earlier one of its step failed folds and, under "
                "overlap='backward', steps on the later gradients alone (a torn step)"),
+    Mutant(
+        name="r193:vote-failure-replaces-cause",
+        file="pipeoff/ft/_collective.py",
+        old="    if manager.errored() is not None:\n        # (Rejected already,",
+        new="    if False:\n        # (Rejected already,",
+        tests=("tests/ft/test_failed_joins.py::test_a_ctrl_c_before_a_bucket_reaches_its_"
+               "all_reduce_skips_the_later_ones",),
+        hazard="the vote's failure reported over the first cause (a dead peer's all-reduce "
+               "error): manager.errored() no longer says what happened"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
