@@ -391,6 +391,22 @@ def test_a_failed_enter_leaves_nothing_installed(monkeypatch: pytest.MonkeyPatch
 
 
 
+def _interrupt_then_release(main: int, where: str, release: threading.Event
+                            ) -> threading.Thread:
+    """A thread that sends SIGINT to ``main`` once it waits in ``where``, then sets
+    ``release`` (held tasks go on after the interrupt: ordered by events)."""
+    def run() -> None:
+        install()
+        while waiting_in(stack_of(main), (where,)) is None:
+            time.sleep(0.001)
+        signal.pthread_kill(main, signal.SIGINT)
+        release.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_a_ctrl_c_in_a_forwards_wait_for_the_tail_names_the_sync() -> None:
     """A Ctrl-C while a forward waits for the parameters the tail still writes: its note
     named "the optimizer step in flight" and wait_for_step(), which DiLoCo has not (a
@@ -402,15 +418,7 @@ def test_a_ctrl_c_in_a_forwards_wait_for_the_tail_names_the_sync() -> None:
             _inner_step(model, inner)
             _inner_step(model, inner)  # the sync: its tail in flight, its writes held
 
-            def interrupt_then_release() -> None:
-                install()
-                while waiting_in(stack_of(main), ("wait_for",)) is None:
-                    time.sleep(0.001)
-                signal.pthread_kill(main, signal.SIGINT)
-                release.set()
-
-            t = threading.Thread(target=interrupt_then_release)
-            t.start()
+            t = _interrupt_then_release(main, "wait_for", release)
             with pytest.raises(KeyboardInterrupt) as info:
                 model(torch.ones(2, 12))
             t.join()
@@ -434,17 +442,7 @@ def test_a_ctrl_c_in_the_tail_wait_keeps_a_failure_that_comes_after_it() -> None
             _inner_step(model, inner)  # the sync: its tail in flight, write:b1 held
             assert d._tail.in_flight
 
-            def interrupt_then_release() -> None:
-                # Ordered by events: the SIGINT once the loop waits for the tail, the
-                # held write (which fails) released after it.
-                install()
-                while waiting_in(stack_of(main), ("wait_for_sync",)) is None:
-                    time.sleep(0.001)
-                signal.pthread_kill(main, signal.SIGINT)
-                release.set()
-
-            t = threading.Thread(target=interrupt_then_release)
-            t.start()
+            t = _interrupt_then_release(main, "wait_for_sync", release)
             with pytest.raises(KeyboardInterrupt) as info:
                 d.wait_for_sync()
             t.join()
