@@ -579,6 +579,17 @@ def _micro_steps(opt: FullOffloadOptimizer, model: torch.nn.Module, step: Sequen
             loss_fn(model, b).backward()
 
 
+def _fail_last_copy(opt: FullOffloadOptimizer, model: torch.nn.Module,
+                    step: Sequence[Any]) -> None:
+    """A step whose last chunk's weight copy fails: every master stepped, the weights
+    stale."""
+    last = len(opt._registry.plan.chunks) - 1
+    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
+        _micro_steps(opt, model, step)
+        with pytest.raises(RuntimeError, match="h2d failed"):
+            opt.step()
+
+
 @pytest.mark.parametrize("task", ["acc:.*", "d2h:.*"])
 def test_a_failed_copy_or_add_makes_the_step_dirty_until_zero_grad(task: str) -> None:
     model = make_model()
@@ -709,11 +720,7 @@ def test_a_backward_on_stale_weights_steps_nothing(overlap: str) -> None:
     ref = reference(model)
     opt = build(model, overlap=overlap, chunk_numel=200)
     data = batches(4, 2)
-    last = len(opt._registry.plan.chunks) - 1
-    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
-        _micro_steps(opt, model, data[0])
-        with pytest.raises(RuntimeError, match="h2d failed"):
-            opt.step()
+    _fail_last_copy(opt, model, data[0])
     opt.zero_grad()
     masters = [opt.host_master(p).clone() for p in model.parameters()]
     _micro_steps(opt, model, data[1])  # on the stale weights
@@ -747,11 +754,7 @@ def test_weights_written_while_stale_are_neither_adopted_nor_overwritten(
     train(opt, model, data[:1])
     opt.wait_for_step()
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    last = len(opt._registry.plan.chunks) - 1
-    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
-        _micro_steps(opt, model, data[1])
-        with pytest.raises(RuntimeError, match="h2d failed"):
-            opt.step()
+    _fail_last_copy(opt, model, data[1])
     opt.zero_grad()
     masters = [opt.host_master(p).clone() for p in model.parameters()]
     with torch.no_grad():
@@ -783,11 +786,7 @@ def test_a_checkpoint_with_stale_weights_is_refused_until_they_are_refreshed() -
     ref = reference(model)
     opt = build(model, overlap="none", chunk_numel=200)
     data = batches(3, 1)
-    last = len(opt._registry.plan.chunks) - 1
-    with testing.fail_task(f"h2d:{last}", RuntimeError("h2d failed")):
-        _micro_steps(opt, model, data[0])
-        with pytest.raises(RuntimeError, match="h2d failed"):
-            opt.step()
+    _fail_last_copy(opt, model, data[0])
     assert _weights_behind_masters(opt)
     with pytest.raises(StepFailedError, match=r"state_dict\(\) refused.*stale.*refresh_device_"
                                               r"weights\(\) \(before a checkpoint"):
