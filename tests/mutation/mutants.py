@@ -1714,8 +1714,8 @@ SPECULATIVE = (
     Mutant(
         name="r185:half-step-said-stale",
         file="pipeoff/optim/_full_offload/_fraction.py",
-        old="        classify(self.health, acc, err, device_part=bool(self.part.params))\n",
-        new="        classify(self.health, acc, err)\n",
+        old="        self.device_part = bool(self.part.params)\n",
+        new="        self.device_part = False\n",
         tests=("tests/optim/test_full_offload_fraction.py::test_a_failed_copy_after_a_final_"
                "backward_with_a_device_part_is_a_torn_step",),
         hazard="host chunks stepped, the device part not: said stale, the loop refreshes the "

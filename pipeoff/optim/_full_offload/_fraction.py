@@ -46,7 +46,6 @@ from pipeoff.optim._full_offload._common import (
     after_final_message,
     backward_mark,
     capture_hyper,
-    classify,
     twice_message,
     unfinished_before,
 )
@@ -105,6 +104,13 @@ class FractionLifecycle(Lifecycle):
         """
         on = self.part.split(self.param_groups(), probe, self.registry.names)
         self.registry.on_device = on
+        # Hazard: half a step taken as a whole one. Under overlap="backward" the host
+        # part's chunks step during the final backward, the device part at step(),
+        # which raised first: said stale, refresh_device_weights() and the loop trained
+        # on from the mix (a tester's find, 3.7e-2 off). A failed copy after every host
+        # chunk stepped is torn wherever it is classified (the error then said stale
+        # and torn: a tester's find).
+        self.device_part = bool(self.part.params)
         if on and self.ddp is not None:
             raise ConfigError(NO_DDP)
 
@@ -373,17 +379,6 @@ class FractionLifecycle(Lifecycle):
         finally:
             if self.inflight is None:  # the step ended (a wait interrupted goes on)
                 self.part.wait()
-
-    def _classify(self, acc: Accumulation, err: BaseException) -> None:
-        """As :class:`Lifecycle`'s; with a device part, a step that would be stale (every
-        host chunk stepped, a copy failed) is torn, as :meth:`_report` says it too.
-
-        Hazard: half a step taken as a whole one. Under overlap="backward" the host
-        part's chunks step during the final backward, the device part at step(),
-        which raised first: stale alone, refresh_device_weights() and the loop trained
-        on from the mix (a tester's find, 3.7e-2 off; a race: other runs were torn).
-        (Not stale, then torn: the error said both, a tester's find.)"""
-        classify(self.health, acc, err, device_part=bool(self.part.params))
 
     def discard(self, why: str, *, classify_final: bool) -> None:
         super().discard(why, classify_final=classify_final)

@@ -94,6 +94,9 @@ class Lifecycle:
         self.launcher = Launcher(registry, config, param_groups)
         """Builds and launches each micro-step's execution (and orders them)."""
         self.last_path: HostStepPath | None = None  # the last step's (host_step_status)
+        self.device_part = False
+        """A device part steps at ``step()`` (``_fraction.py``): a failed copy after every
+        host chunk stepped is then a torn step, not a stale one (``classify``)."""
 
     @property
     def phase(self) -> Phase:
@@ -318,10 +321,6 @@ class Lifecycle:
             if ms.execution is not None:
                 settle(ms.execution, timeout=self.config.timeout)  # failed by abandon()
 
-    def _classify(self, acc: Accumulation, err: BaseException) -> None:
-        """Say on :attr:`health` and ``err`` what a failed final execution left."""
-        classify(self.health, acc, err)
-
     def settle_failure(self) -> Execution | None:
         """A micro-step of the accumulation failed: let every execution settle, and say
         what the failure left (a final micro-step may have stepped chunks). Returns the
@@ -345,7 +344,7 @@ class Lifecycle:
             if ms.final and ex.done():
                 cause = ex.exception or self.health.dirty
                 assert cause is not None
-                self._classify(acc, cause)
+                classify(self.health, acc, cause, device_part=self.device_part)
                 settled = ex
         return settled
 
@@ -367,7 +366,8 @@ class Lifecycle:
             return None
         self.acc = None
         acc.move(Phase.DISCARDED)
-        self._classify(acc, root_cause(acc, ex.exception))
+        classify(self.health, acc, root_cause(acc, ex.exception),
+                 device_part=self.device_part)
         return ex
 
     # -- transitions step() and zero_grad() drive ---------------------------------------------
@@ -482,7 +482,7 @@ class Lifecycle:
                 cause = ex.exception or self.health.dirty
                 if classify_final and ms.final and ex.done() and cause is not None:
                     # Chunks that stepped before the failure make a torn step.
-                    self._classify(acc, cause)
+                    classify(self.health, acc, cause, device_part=self.device_part)
             acc.move(Phase.DISCARDED)
         self.acc = None
         self.micro = None
@@ -566,7 +566,7 @@ class Lifecycle:
             if not is_failure_of(err, ex):
                 raise  # interrupted or timed out: still in flight
             self._end_step(acc)
-            self._classify(acc, err)
+            classify(self.health, acc, err, device_part=self.device_part)
             root = root_cause(acc, err)
             if root is not err:
                 raise root from err
