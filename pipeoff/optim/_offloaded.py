@@ -142,6 +142,8 @@ class Offloaded:
     _stats_pending: tuple[int, int] | None = None
     """``(step, exposed_ns)`` of the last step, until its figures went to the hooks."""
     _stats_last: tuple[int, int] | None = None
+    _stats_hook_ns = 0
+    """Nanoseconds the stats hooks took, all calls (not the steps' exposed time)."""
 
     @property
     def steps_taken(self) -> int:
@@ -191,20 +193,26 @@ class Offloaded:
         if self._stats_hooks and self._step_finished():
             self._emit_stats()
 
-    def _emit_stats(self) -> int:
-        """Hand the last step's figures to the hooks (once, when it has finished).
-        Returns the nanoseconds the hooks took (not the optimizer's: not exposed)."""
-        start = time.perf_counter_ns()
+    def _emit_stats(self) -> None:
+        """Hand the last step's figures to the hooks (once, when it has finished)."""
         if self._stats_pending is None:
-            return 0
+            return
         if not self._stats_hooks:  # (hooks get the steps that finish after they came)
             self._stats_pending = None
-            return 0
+            return
         self._stats_pending = None
         stats = self.last_step_stats
         if stats is not None:
-            self._stats_hooks(stats)
-        return time.perf_counter_ns() - start
+            start = time.perf_counter_ns()
+            try:
+                self._stats_hooks(stats)
+            finally:
+                self._stats_hook_ns += time.perf_counter_ns() - start
+
+    def _exposed_since(self, start: int, hooks: int) -> int:
+        """Nanoseconds since ``start`` (``perf_counter_ns``), less what the stats hooks
+        took since :attr:`_stats_hook_ns` was ``hooks``: theirs, not the optimizer's."""
+        return time.perf_counter_ns() - start - (self._stats_hook_ns - hooks)
 
     def _train_spans_on(self, model: torch.nn.Module) -> None:
         """Record ``model``'s forward and backward on the ``train`` row while a region is

@@ -370,10 +370,11 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             with torch.enable_grad():
                 loss = closure()
         step, start, handed = self._steps_called, time.perf_counter_ns(), self._handed_over
+        hooks = self._stats_hook_ns  # (the hooks' time in this call: not the step's)
         with torch.no_grad(), train_span("step", step):  # (while a region is recorded)
             if self._stats_pending is not None and self._stats_hooks:
                 self.wait_for_step()  # (_step waits for it anyway, first thing: timed)
-                start += self._emit_stats()  # the last step's figures (hooks' time: untimed)
+                self._emit_stats()  # the last step's figures, now that it has finished
             try:
                 # A Ctrl-C held back (the device part, the withdraw), passed on after.
                 with self._lifecycle.part.interrupt.passed_on(
@@ -382,7 +383,7 @@ class FullOffloadOptimizer(MastersAndCheckpoints, HostReports, Offloaded, torch.
             finally:
                 self._steps_called += 1
                 if self._handed_over != handed:  # (a step without gradients steps nothing)
-                    self._stats_after_step(step, time.perf_counter_ns() - start)
+                    self._stats_after_step(step, self._exposed_since(start, hooks))
         return loss
 
     def _step_finished(self) -> bool:

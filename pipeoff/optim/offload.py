@@ -499,10 +499,11 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
 
     def _counted_step(self, closure: Callable[[], float] | None) -> float | None:
         step, start, launched = self._steps_called, time.perf_counter_ns(), self._last
+        hooks = self._stats_hook_ns  # (the hooks' time in this call: not the step's)
         with train_span("step", step):  # (the training thread's, while a region is recorded)
             if self._stats_pending is not None and self._stats_hooks:
                 _wait_before_step(self)  # (step() waits for it anyway, first thing: timed)
-                start += self._emit_stats()  # the last step's figures (hooks' time: untimed)
+                self._emit_stats()  # the last step's figures, now that it has finished
             try:
                 return _offloaded.with_step_hooks(  # type: ignore[no-any-return]
                     self.inner, closure, self._step, self.wait_for_step)
@@ -512,7 +513,7 @@ class OffloadOptimizer(Offloaded, torch.optim.Optimizer):
             finally:
                 self._steps_called += 1
                 if self._last is not launched:  # (a step that raised before launching has none)
-                    self._stats_after_step(step, time.perf_counter_ns() - start)
+                    self._stats_after_step(step, self._exposed_since(start, hooks))
 
     def _step_finished(self) -> bool:
         return self._last is None or self._last.done()

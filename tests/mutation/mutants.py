@@ -1742,8 +1742,8 @@ SPECULATIVE = (
     Mutant(
         name="r188:wait-before-the-clock",
         file="pipeoff/optim/full_offload.py",
-        old=("                start += self._emit_stats()  "
-             "# the last step's figures (hooks' time: untimed)\n"),
+        old=("                self._emit_stats()  "
+             "# the last step's figures, now that it has finished\n"),
         new="                self._emit_stats()\n                start = time.perf_counter_ns()\n",
         tests=("tests/test_trace_train.py::test_a_steps_wait_for_the_one_before_is_exposed_"
                "time_with_a_hook_too",),
@@ -1793,6 +1793,13 @@ SPECULATIVE = (
                "all_reduce_skips_the_later_ones",),
         hazard="the vote's failure reported over the first cause (a dead peer's all-reduce "
                "error): manager.errored() no longer says what happened"),
+    Mutant(
+        name="r194:hook-time-exposed",
+        file="pipeoff/optim/_offloaded.py",
+        old="        return time.perf_counter_ns() - start - (self._stats_hook_ns - hooks)\n",
+        new="        return time.perf_counter_ns() - start\n",
+        tests=("tests/test_trace_train.py::test_the_stats_hooks_own_time_is_not_exposed_time",),
+        hazard="a stats hook's own time (a logger) counted as the step's exposed time"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
