@@ -448,11 +448,17 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
         return True
 
     def _join_all_reduces(self, ex: Execution) -> None:
-        """Wait for the sync's all-reduces, each with its bucket as formed (a second
-        Ctrl-C, or a failure of the sync, ends the wait)."""
-        with contextlib.suppress(BaseException):
+        """Wait for the sync's all-reduces, each with its bucket as formed (a failure of
+        the sync ends the wait). A second Ctrl-C ends it too, and breaks the link: the
+        collectives not yet joined and the vote are skipped, the peers time out and
+        reject. Hazard: the buckets not yet formed joined as zeros, and voted for (a
+        tester's find: the peer committed that average)."""
+        try:
             for c in ex.events_for([f"allreduce:b{k}" for k in range(len(self._buckets))]):
                 c.wait()
+        except BaseException as err:  # noqa: BLE001 - the sync's failure, or a Ctrl-C
+            if not is_failure_of(err, ex):
+                self._link.broken = True
 
     def _interrupted_after_decision(self, err: BaseException, ex: Execution) -> None:
         """A Ctrl-C in the wait for the writes (synchronous schedule), after the decision,

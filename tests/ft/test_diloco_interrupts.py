@@ -25,11 +25,12 @@ from tests.ft._managers import replica_manager
 
 
 def _sync(interrupt: Callable[[Any, int], bool] | None, *, schedule: str, delay: int,
-          alpha: float) -> tuple[dict[str, Any], dict[str, Any]]:
+          alpha: float, second: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """One DiLoCo sync of two replicas (4 buckets, one parameter each); with
     ``interrupt``, a SIGINT reaches the main thread (replica 1) in the task of the
     bucket or write for which ``interrupt(work, k)`` is true, once the main thread
-    waits in ``perform_sync``; the task runs on once the interrupt was raised."""
+    waits in ``perform_sync``; the task runs on once the interrupt was raised (with
+    ``second``, once a second one reached the main thread's join of the all-reduces)."""
     import signal
 
     from tests._interrupts import no_collection
@@ -44,16 +45,22 @@ def _sync(interrupt: Callable[[Any, int], bool] | None, *, schedule: str, delay:
         delivered.set()
         raise KeyboardInterrupt
 
-    def send(work: Any, k: int) -> None:
-        if interrupt is None or work.manager is not target[0] or not interrupt(work, k):
-            return
+    def interrupt_in(where: str) -> None:
         deadline = time.monotonic() + 120
-        while waiting_in(stack_of(main), ("perform_sync",)) is None:
+        while waiting_in(stack_of(main), (where,)) is None:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.001)
+        delivered.clear()
         signal.pthread_kill(main, signal.SIGINT)
         delivered.wait(120)  # (raised on the main thread: this task goes on)
+
+    def send(work: Any, k: int) -> None:
+        if interrupt is None or work.manager is not target[0] or not interrupt(work, k):
+            return
+        interrupt_in("perform_sync")
+        if second:
+            interrupt_in("_join_all_reduces")
 
     def replica(i: int, lighthouse: str) -> dict[str, Any]:
         g = torch.Generator().manual_seed(i)
@@ -163,3 +170,18 @@ def test_a_ctrl_c_after_the_commit_keeps_the_merge_and_says_so() -> None:
     assert "ran to its end" in " ".join(err.__notes__)
     assert "committed; the parameters hold the merge" in " ".join(err.__notes__)
     assert all(_equal(stopped["params"], clean["params"]))
+
+
+@pytest.mark.slow  # (the peer's vote times out: 10 s)
+@pytest.mark.timeout(240)
+def test_a_second_ctrl_c_in_the_join_skips_the_vote_and_the_peer_rejects() -> None:
+    """A second SIGINT while the first one's handler joins the all-reduces: the join was
+    swallowed, the buckets not yet formed went in as zeros and the vote said all was
+    well, so the peer committed that average (7e-2 off; a tester's find). It breaks
+    the link now: the later collectives and the vote are skipped, the peer times out,
+    rejects, and keeps its own parameters."""
+    kwargs = {"schedule": "pipelined", "delay": 0, "alpha": 0.0}
+    peer, stopped = _sync(lambda w, k: w.kind == "allreduce" and k == 1, second=True,
+                          **kwargs)
+    assert isinstance(stopped["raised"], KeyboardInterrupt), stopped
+    assert peer["errored"] is not None and peer["step"] == 0, peer

@@ -1800,6 +1800,15 @@ SPECULATIVE = (
         new="        return time.perf_counter_ns() - start\n",
         tests=("tests/test_trace_train.py::test_the_stats_hooks_own_time_is_not_exposed_time",),
         hazard="a stats hook's own time (a logger) counted as the step's exposed time"),
+    Mutant(
+        name="r195:second-ctrl-c-in-join-votes",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="                self._link.broken = True\n",
+        new="                pass\n",
+        tests=("tests/ft/test_diloco_interrupts.py::test_a_second_ctrl_c_in_the_join_skips_the_"
+               "vote_and_the_peer_rejects",),
+        hazard="a second Ctrl-C in the join of the all-reduces: the buckets not yet formed go in "
+               "as zeros, the vote says all is well, the peer commits them"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
