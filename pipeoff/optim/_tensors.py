@@ -12,7 +12,7 @@ import torch
 
 from pipeoff import _compat
 
-__all__ = ["casts_to", "describe", "flat", "host_alloc", "memory_order", "relaid",
+__all__ = ["NEVER", "casts_to", "describe", "flat", "host_alloc", "memory_order", "relaid",
            "snapshot", "version_of", "wrap_like"]
 
 
@@ -22,6 +22,10 @@ def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
     cast = master.detach().to(weight.dtype)
     return cast.shape == weight.shape and bool(torch.equal(
         cast.cpu().view(torch.uint8), weight.detach().cpu().view(torch.uint8)))
+
+
+NEVER: tuple[int, int, Any] = (-1, -1, None)
+"""A version no :func:`version_of` is: a weight noted with it counts as written since."""
 
 
 def version_of(param: torch.Tensor) -> tuple[int, int, Any]:

@@ -1809,6 +1809,15 @@ SPECULATIVE = (
                "vote_and_the_peer_rejects",),
         hazard="a second Ctrl-C in the join of the all-reduces: the buckets not yet formed go in "
                "as zeros, the vote says all is well, the peer commits them"),
+    Mutant(
+        name="r196:load-takes-written-weight-at-once",
+        file="pipeoff/optim/_full_offload/_surface.py",
+        old="            if i in keep:\n",
+        new="            if i in keep:\n                rec.master_from_weight()\n",
+        tests=("tests/optim/test_full_offload.py::test_a_checkpoint_loaded_after_a_clamp_resumes_"
+               "bitwise_in_either_order",),
+        hazard="a clamp, then a checkpoint loaded optimizer first: the clamped weight is the "
+               "master, and the model's weights adopted next lose the FP32 bits"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -149,30 +149,38 @@ def plan_load(registry: ParamRegistry, param_groups: Sequence[Mapping[str, Any]]
 
 
 def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
-         saved_groups: Sequence[Mapping[str, Any]], plan: Plan) -> list[str]:
+         saved_groups: Sequence[Mapping[str, Any]], plan: Plan) -> tuple[list[str], set[int]]:
     """Write a checked state dict: the groups' hyperparameters, each parameter's state
     and master (a parameter without a saved master, or without an entry, or whose saved
     master is another optimizer's (:func:`foreign_master`), takes the model's weight as
     its master: load the model's state dict first). Does not write the device weights.
 
     Returns:
-        The names of the parameters whose saved master was another optimizer's.
+        The names of the parameters whose saved master was another optimizer's; the
+        positions of those whose weight was written since and is not the saved
+        master's cast: their weights are to be left as they are, and the next
+        adoption decides (the weight, unless by then it is the master's cast).
     """
     for s, g in zip(saved_groups, param_groups):
         for k, v in s.items():
             if k != "params":
                 g[k] = v
     # Weights written since this optimizer last wrote them (the model's checkpoint,
-    # loaded first): a saved master whose cast is not that weight is not the weight's
-    # master (a fresh optimizer's own, in a template a partial load left as it was; a
-    # checkpoint of another run): the weight is taken, as torch's load leaves the
-    # weights as they are. A master that casts to it keeps its FP32 bits. Written: the
-    # version counters moved, or the weight is not the current master's cast (a write
-    # that bumps none: DCP loading in place into an FSDP2 model's state dict).
+    # loaded first; or a clamp, with the model's load to come: set_state_dict loads
+    # the optimizer first): a saved master whose cast is not that weight may not be
+    # the weight's master (a fresh optimizer's own, in a template a partial load left
+    # as it was; a checkpoint of another run). The weight is left as it is, as torch's
+    # load leaves the weights, and the next adoption takes it unless by then it is the
+    # saved master's cast (the model's load came after: the FP32 bits kept; taken at
+    # once, they were lost, a tester's find). A master that casts to it keeps its FP32
+    # bits. Written: the version counters moved, or the weight is not the current
+    # master's cast (a write that bumps none: DCP loading in place into an FSDP2
+    # model's state dict).
     written = {i for i, entry in plan if "master" in entry and written_since(registry[i])}
     for rec in registry:
         rec.forget_state()
     foreign: list[str] = []
+    deferred: set[int] = set()
     with torch.no_grad():
         loaded = {i for i, _ in plan}
         for i, rec in enumerate(registry):
@@ -180,9 +188,10 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 rec.flat_master.copy_(flat(rec.local, rec.order))
         for i, entry in plan:
             rec = registry[i]
-            take_weight = "master" not in entry or foreign_master(entry) or (
-                i in written and not casts_to(flat_like(local(entry["master"]), rec.order),
-                                              flat(rec.local, rec.order)))
+            take_weight = "master" not in entry or foreign_master(entry)
+            if not take_weight and i in written and not casts_to(
+                    flat_like(local(entry["master"]), rec.order), flat(rec.local, rec.order)):
+                deferred.add(i)
             keys = []
             keys_of_group = registry.state_keys(param_groups[rec.group])
             st = rec.ensure_state(keys_of_group, registry.pin)
@@ -209,7 +218,7 @@ def load(registry: ParamRegistry, param_groups: Sequence[dict[str, Any]],
                 rec.master.copy_(rec.local)
             if foreign_master(entry):
                 foreign.append(rec.name)
-    return foreign
+    return foreign, deferred
 
 
 def write_entry(registry: ParamRegistry, i: int, entry: Mapping[str, Any],

@@ -21,6 +21,7 @@ from pipeoff.optim._full_offload import _checkpoint
 from pipeoff.optim._full_offload._common import Phase
 from pipeoff.optim._full_offload._state_view import StateView
 from pipeoff.optim._offloaded import fires_load_state_dict_hooks, fires_state_dict_hooks
+from pipeoff.optim._tensors import NEVER
 
 if TYPE_CHECKING:
     from pipeoff._contract import Health
@@ -85,8 +86,13 @@ class MastersAndCheckpoints:
         self._health.check("refresh_device_weights()", stale=False)
         self._weights_from_masters()
 
-    def _weights_from_masters(self) -> None:
-        for rec in self._registry:
+    def _weights_from_masters(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Every weight written from its master; those in ``keep`` are left as they are,
+        and taken as written from outside (the next adoption compares)."""
+        for i, rec in enumerate(self._registry):
+            if i in keep:
+                rec.version = NEVER  # (no version_of is this: adopted, or found the cast)
+                continue
             rec.weight_from_master()
         self._lifecycle.part.weights_from_masters()
         self._health.stale = None
@@ -290,15 +296,15 @@ class MastersAndCheckpoints:
         with held_through("load_state_dict() wrote the optimizer's state and weights"):
             self._lifecycle.discard("discarded", classify_final=False)
             self._model_sync.accel_sync()
-            foreign = _checkpoint.load(self._registry, self.param_groups,
-                                       state_dict["param_groups"], plan)
+            foreign, undecided = _checkpoint.load(self._registry, self.param_groups,
+                                                  state_dict["param_groups"], plan)
             _checkpoint.as_torch_loads(self._config.optimizer_class, self.defaults,
                                        self.param_groups)
             foreign += self._lifecycle.part.load(others, self.param_groups)
             self._health.torn = None
             self._health.dirty = None
             self._quiesce_keeping_failures()
-            self._weights_from_masters()  # (the loaded masters: what the weights held is gone)
+            self._weights_from_masters(keep=undecided)  # (the rest: the loaded masters')
         if foreign:
             warnings.warn(_checkpoint.foreign_masters_message(foreign), RuntimeWarning,
                           stacklevel=3)
