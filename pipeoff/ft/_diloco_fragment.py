@@ -463,15 +463,18 @@ class OffloadedFragment(_StreamingDiLoCoFragment):  # type: ignore[misc]
     def _interrupted_after_decision(self, err: BaseException, ex: Execution) -> None:
         """A Ctrl-C in the wait for the writes (synchronous schedule), after the decision,
         and after the execution was waited for again: say what the sync left, on
-        ``err``; a write it stopped is reported to torchft as a failed one.
+        ``err``. A task that failed meanwhile (the Ctrl-C does not stop the lanes) is
+        reported to torchft, and named on ``err``.
 
         Hazard: a replica partly written, or whole but said nothing of (a tester's
         find: the committed merge was restored away, with no word)."""
         committed = self.last_committed
         if not ex.done():
             return  # (a second Ctrl-C: the writes go on)
-        if ex.exception is not None:
-            self._manager.report_error(reportable(err, "DiLoCo's sync after its decision"))
+        failure = ex.exception
+        if failure is not None:
+            self._manager.report_error(reportable(failure, "DiLoCo's sync after its decision"))
+            err.add_note(f"pipeoff: {ex.failed_task!r} failed meanwhile: {failure!r}")
             err.add_note(late_note(committed))
             return
         self.outer.alias()  # (as a sync that returned)

@@ -25,12 +25,14 @@ from tests.ft._managers import replica_manager
 
 
 def _sync(interrupt: Callable[[Any, int], bool] | None, *, schedule: str, delay: int,
-          alpha: float, second: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+          alpha: float, second: bool = False,
+          fail: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """One DiLoCo sync of two replicas (4 buckets, one parameter each); with
     ``interrupt``, a SIGINT reaches the main thread (replica 1) in the task of the
     bucket or write for which ``interrupt(work, k)`` is true, once the main thread
     waits in ``perform_sync``; the task runs on once the interrupt was raised (with
-    ``second``, once a second one reached the main thread's join of the all-reduces)."""
+    ``second``, once a second one reached the main thread's join of the all-reduces;
+    with ``fail``, that task fails then, on its own)."""
     import signal
 
     from tests._interrupts import no_collection
@@ -61,6 +63,8 @@ def _sync(interrupt: Callable[[Any, int], bool] | None, *, schedule: str, delay:
         interrupt_in("perform_sync")
         if second:
             interrupt_in("_join_all_reduces")
+        if fail:
+            raise RuntimeError("a write failed (injected)")
 
     def replica(i: int, lighthouse: str) -> dict[str, Any]:
         g = torch.Generator().manual_seed(i)
@@ -170,6 +174,21 @@ def test_a_ctrl_c_after_the_commit_keeps_the_merge_and_says_so() -> None:
     assert "ran to its end" in " ".join(err.__notes__)
     assert "committed; the parameters hold the merge" in " ".join(err.__notes__)
     assert all(_equal(stopped["params"], clean["params"]))
+
+
+@pytest.mark.timeout(240)
+def test_a_write_that_fails_after_a_ctrl_c_after_the_commit_is_reported() -> None:
+    """As above, but bucket 1's write then fails on its own (the Ctrl-C does not stop
+    the lanes): the Ctrl-C says the sync failed after its commit, and torchft is told
+    the write's own failure, so that this replica group's next ``should_commit()`` is
+    False."""
+    kwargs = {"schedule": "synchronous", "delay": 0, "alpha": 0.5}
+    _, stopped = _sync(lambda w, k: w.kind == "write" and k == 1, fail=True, **kwargs)
+    err = stopped["raised"]
+    assert isinstance(err, KeyboardInterrupt), stopped
+    notes = " ".join(err.__notes__)
+    assert "failed after the quorum committed" in notes and "injected" in notes, notes
+    assert "a write failed (injected)" in str(stopped["errored"]), stopped
 
 
 @pytest.mark.slow  # (the peer's vote times out: 10 s)

@@ -1818,6 +1818,16 @@ SPECULATIVE = (
                "bitwise_in_either_order",),
         hazard="a clamp, then a checkpoint loaded optimizer first: the clamped weight is the "
                "master, and the model's weights adopted next lose the FP32 bits"),
+    Mutant(
+        name="r197:ctrl-c-hides-a-failed-write",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="            self._manager.report_error(reportable(failure, \"DiLoCo's sync after its "
+            "decision\"))\n",
+        new="",
+        tests=("tests/ft/test_diloco_interrupts.py::test_a_write_that_fails_after_a_ctrl_c_after_"
+               "the_commit_is_reported",),
+        hazard="a write fails while a Ctrl-C waits for it after the commit: torchft is not "
+               "told, and the partly written replica commits its next sync"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
