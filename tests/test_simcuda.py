@@ -438,6 +438,53 @@ def test_a_host_scalar_in_a_device_operation_does_not_synchronize() -> None:
     flagged(program)
 
 
+def test_a_copy_of_a_0_dim_host_tensor_is_a_copy() -> None:
+    """A 0-dim host tensor is a scalar argument in a kernel, not in a copy: a
+    ``non_blocking`` copy into a 0-dim pinned tensor wrote into a copy of it taken at
+    the issue (a scalar parameter's gradient never reached its host buffer; a
+    tester's find), and a blocking one did not synchronize."""
+
+    def lands(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.full((), 3.0)
+        pinned = sim.host_empty((), torch.float32, pinned=True)
+        with sim.use_stream(a):
+            pinned.copy_(x, non_blocking=True)
+        a.synchronize()
+        pageable = sim.host_empty((), torch.float32, pinned=False)
+        with sim.use_stream(a):
+            pageable.copy_(x)  # (blocking: the host waits)
+        assert pinned.item() == 3.0 and pageable.item() == 3.0
+
+    def read_before_sync(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.full((), 3.0)
+        h = sim.host_empty((), torch.float32, pinned=True)
+        sim.sleep(a, 0.05)
+        with sim.use_stream(a):
+            h.copy_(x, non_blocking=True)
+        h.add_(1)  # no synchronize
+
+    accepted(lands)
+    flagged(read_before_sync)
+
+
+def test_a_scalar_argument_is_read_at_the_launch() -> None:
+    """Freeing a 0-dim host tensor a kernel took as a scalar argument needs no
+    synchronization (a tester's find: plain ``a + empty.sum()`` was called a race)."""
+
+    def program(sim: Sim) -> None:
+        a = torch.ones(4)
+        e = torch.zeros(0)
+        for _ in range(3):
+            b = a + e.sum()
+        assert b[0].item() == 1.0
+
+    accepted(program)
+
+
 def test_a_collective_writes_its_tensors() -> None:
     """c10d's schemas mark no write: a read on another stream without a wait races."""
     import torch.distributed as dist

@@ -63,7 +63,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -74,9 +73,11 @@ from pipeoff.testing._simops import HOST_VALUES as _HOST_VALUES
 from pipeoff.testing._simops import METADATA_IN_PLACE as _METADATA_IN_PLACE
 from pipeoff.testing._simops import METADATA_ONLY as _METADATA_ONLY
 from pipeoff.testing._simops import SHAPE_FROM_DATA as _SHAPE_FROM_DATA
+from pipeoff.testing._simops import HostReads as _HostReads
 from pipeoff.testing._simops import host_waits as _host_waits
 from pipeoff.testing._simops import on_meta as _on_meta
 from pipeoff.testing._simops import ptr as _ptr
+from pipeoff.testing._simops import scalar_argument as _scalar_argument
 from pipeoff.testing._simops import span as _span
 from pipeoff.testing._simops import where as _where
 from pipeoff.testing._simreports import Access as _Access
@@ -114,24 +115,6 @@ class _Checker(TorchDispatchMode):
 
 def _answers_itself(cls: type) -> bool:
     return getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
-
-
-class _HostReads(TorchFunctionMode):
-    """On host threads: reads that bypass aten (``.tolist()``, ``.numpy()``) are checked
-    like an aten read, and on device memory synchronize the host first."""
-
-    _READS = frozenset({"tolist", "numpy", "__array__"})
-
-    def __init__(self, sim: SimulatedCuda) -> None:
-        super().__init__()
-        self.sim = sim
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in self._READS and args and isinstance(args[0], torch.Tensor):
-            self.sim.host_read(args[0], name)
-        return func(*args, **(kwargs or {}))
 
 
 class SimulatedCuda:
@@ -398,7 +381,8 @@ class SimulatedCuda:
             # (a fill, in its order: after what is queued there; an allocation
             # alone does not wait).
             src = tensors[0] if tensors else None
-            host = src is not None and self.memory.host_range(_ptr(src)) is not None
+            host = (src is not None and self.memory.host_range(_ptr(src)) is not None
+                    and "device" not in kwargs)  # (device=: the device's, as a factory's)
             actor = self._actor(device=not host,
                                 fresh=func.overloadpacket in _ALLOCATE_ONLY)
             return actor, self.clocks.tick(actor), frozenset(_ptr(t) for t in tensors)
@@ -428,8 +412,14 @@ class SimulatedCuda:
         op = str(func).replace("aten::", "").replace(".default", "")
         where = getattr(self.clocks.tls, "where", None) or _where()
         epoch = self.clocks.tick(actor)
+        # A scalar argument is read by the host at the launch, not by the stream
+        # (a tester's find: freeing it before a synchronization was called a race).
+        scalars = {id(t) for t, k in zip(tensors, kinds) if not _is_host(actor)
+                   and _scalar_argument(func, t, k, id(t) in written)
+                   and self.clocks.worker() is None}
+        reader = self.clocks.host_actor() if scalars else actor
+        read_at = self.clocks.tick(reader) if scalars else epoch
         with self.lock:
-            vc = actor.vc
             for t in tensors:
                 ptr = _ptr(t)
                 span = _span(t)
@@ -438,8 +428,9 @@ class SimulatedCuda:
                 base = self.memory.base(ptr)
                 lo, hi = span[0] + ptr - base, span[1] + ptr - base
                 write = id(t) in written
-                self._check(base, lo, hi, write, actor, vc, op, t)
-                self.accesses.record(base, lo, hi, actor, epoch, write, op, where)
+                who, at = (reader, read_at) if id(t) in scalars else (actor, epoch)
+                self._check(base, lo, hi, write, who, who.vc, op, t)
+                self.accesses.record(base, lo, hi, who, at, write, op, where)
                 if base not in self._watched and self.memory.host_range(base) is None:
                     self._watch(t, base, actor)
         if sync_after is not None:
@@ -498,7 +489,7 @@ class SimulatedCuda:
         # What the kernel will touch is fixed now: the tensors' storages and strides
         # at issue (a later `p.data = new` or swap_tensors must not redirect it),
         # and a 0-dim host tensor's value (a scalar argument, read at the launch).
-        fixed = tree_map_only(torch.Tensor, self.memory.as_issued, (args, kwargs))
+        fixed = tree_map_only(torch.Tensor, self.memory.issued_by(func, args), (args, kwargs))
         stream = self.current_stream()
         stream._enqueue(("launch", functools.partial(
             self._run_deferred, func, fixed[0], fixed[1], _where())))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from pipeoff.testing._simops import COPIES, written_first
 from pipeoff.testing._simops import ptr as _ptr
 
 __all__ = ["MemoryMap"]
@@ -59,9 +62,16 @@ class MemoryMap:
         r = self.host_range(_ptr(t))
         return r is not None and r[2]
 
-    def as_issued(self, t: torch.Tensor) -> torch.Tensor:
-        """What a deferred kernel will touch: ``t``'s storage and strides now, and a 0-dim
-        host tensor's value (a scalar argument, read at the launch)."""
-        if t.dim() == 0 and self.host_range(_ptr(t)) is not None:
-            return t.clone()
-        return t.as_strided(t.size(), t.stride(), t.storage_offset())
+    def issued_by(self, func: Any, args: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What a deferred kernel of ``func`` on ``args`` will touch, given a tensor: its
+        storage and strides now, and a scalar argument's value (read at the launch:
+        ``pipeoff.testing._simops.scalar_argument``)."""
+        copy = func.overloadpacket in COPIES
+        written = written_first(func, args)
+
+        def as_issued(t: torch.Tensor) -> torch.Tensor:
+            if (not copy and t.dim() == 0 and t is not written
+                    and self.host_range(_ptr(t)) is not None):
+                return t.clone()
+            return t.as_strided(t.size(), t.stride(), t.storage_offset())
+        return as_issued

@@ -1828,6 +1828,22 @@ SPECULATIVE = (
                "the_commit_is_reported",),
         hazard="a write fails while a Ctrl-C waits for it after the commit: torchft is not "
                "told, and the partly written replica commits its next sync"),
+    Mutant(
+        name="r198:sim-copies-a-0-dim-copy-target",
+        file="pipeoff/testing/_simops.py",
+        old="            and func.overloadpacket not in COPIES)\n",
+        new="            )\n",
+        tests=("tests/test_simcuda.py::test_a_copy_of_a_0_dim_host_tensor_is_a_copy",),
+        hazard="the simulated device writes a copy into a 0-dim pinned tensor into a copy of "
+               "it: a scalar parameter steps wrongly there, never on a GPU"),
+    Mutant(
+        name="r199:sim-device-like-is-host",
+        file="pipeoff/testing/_simcuda.py",
+        old="                    and \"device\" not in kwargs)",
+        new="                    and True)",
+        tests=("tests/optim/test_optim_cuda.py::test_a_0_dim_parameter_steps_as_torch",),
+        hazard="empty_like(x, device=dev) of a host tensor is host memory on the simulated "
+               "device: single_pass's step runs on host copies, its device path unchecked"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)

@@ -232,3 +232,39 @@ def test_a_held_gradient_overwritten_before_its_step_read_it_is_a_race(gpu: Gpu,
     opt.zero_grad()
     races = _races(gpu)
     assert any("pinned host tensor" in r for r in races) if mutated else races == [], races
+
+
+class _Scaled(nn.Module):
+    """A 0-dim parameter (a learned scale, CLIP's ``logit_scale``) beside a vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.bfloat16))
+        self.vec = nn.Parameter(torch.linspace(-1, 1, 40, dtype=torch.bfloat16))
+
+    def forward(self, k: int) -> torch.Tensor:
+        return (self.scale * self.vec).float().pow(2).sum() * (k + 1)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("overlap", ["none", "backward", "forward"])
+def test_a_0_dim_parameter_steps_as_the_reference(gpu: Gpu, overlap: str,
+                                                   fraction: float) -> None:
+    """The simulated device took a 0-dim host tensor for a scalar argument in a copy
+    too: its gradient's copy to the host went into a copy of it (a tester's find:
+    1.2e25 where the lanes gave -0.5)."""
+    ref = Reference(_Scaled(), torch.optim.AdamW, lr=1e-1)
+    net = _Scaled()
+    opt = FullOffloadOptimizer(net, torch.optim.AdamW, overlap=overlap,
+                               offload_fraction=fraction, lr=1e-1)
+    opt.attach()
+    for k in range(3):
+        ref.micro_step(lambda m, k=k: m(k))
+        ref.step()
+        net(k).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_step()
+    gpu.synchronize()
+    for p, q in zip(net.parameters(), ref.model.parameters()):
+        assert torch.equal(gpu.read(p), gpu.read(q))
