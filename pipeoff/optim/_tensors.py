@@ -20,8 +20,10 @@ def casts_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``master`` cast to ``weight``'s dtype is ``weight``, bit for bit (a master
     and the weight written from it; on either device, the same shape)."""
     cast = master.detach().to(weight.dtype)
+    # (Flat first: a 0-dim tensor has no bytes view; a tester's find, CLIP's logit_scale.)
     return cast.shape == weight.shape and bool(torch.equal(
-        cast.cpu().view(torch.uint8), weight.detach().cpu().view(torch.uint8)))
+        cast.cpu().reshape(-1).view(torch.uint8),
+        weight.detach().cpu().reshape(-1).view(torch.uint8)))
 
 
 NEVER: tuple[int, int, Any] = (-1, -1, None)

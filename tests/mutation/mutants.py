@@ -1844,6 +1844,15 @@ SPECULATIVE = (
         tests=("tests/optim/test_optim_cuda.py::test_a_0_dim_parameter_steps_as_torch",),
         hazard="empty_like(x, device=dev) of a host tensor is host memory on the simulated "
                "device: single_pass's step runs on host copies, its device path unchecked"),
+    Mutant(
+        name="r200:0-dim-bytes-view",
+        file="pipeoff/optim/_tensors.py",
+        old="        cast.cpu().reshape(-1).view(torch.uint8),\n",
+        new="        cast.cpu().view(torch.uint8),\n",
+        tests=("tests/optim/test_full_offload_fraction.py::test_a_0_dim_parameter_written_"
+               "from_outside_and_loaded_has_the_bits_of_fraction_1",),
+        hazard="a 0-dim weight in the device part written from outside, or loaded: the "
+               "next step raises torch's RuntimeError"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
