@@ -467,8 +467,31 @@ def test_a_copy_of_a_0_dim_host_tensor_is_a_copy() -> None:
             h.copy_(x, non_blocking=True)
         h.add_(1)  # no synchronize
 
+    def overwrite_source(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = sim.host_empty((), torch.float32, pinned=True)
+        h.fill_(1)
+        with sim.use_stream(a):
+            x = torch.empty(())
+        sim.sleep(a, 0.05)
+        with sim.use_stream(a):
+            x.copy_(h, non_blocking=True)
+        h.fill_(2)  # the pending H2D still reads it
+
     accepted(lands)
     flagged(read_before_sync)
+    flagged(overwrite_source)
+
+
+def test_a_like_with_device_is_device_memory() -> None:
+    """``empty_like(host, device=...)`` is the device's, as a factory's result; without
+    ``device=`` it is where its source is (``mode="single_pass"``'s device copies of
+    state were host memory: its step ran on host copies, unchecked)."""
+    with device() as sim:
+        h = sim.host_empty(4, torch.float32, pinned=True)
+        assert sim.memory.on_device(torch.empty_like(h, device=sim.device))
+        assert sim.memory.on_device(h.new_zeros(4, device=sim.device))
+        assert not sim.memory.on_device(torch.empty_like(h))
 
 
 def test_a_scalar_argument_is_read_at_the_launch() -> None:

@@ -1841,7 +1841,7 @@ SPECULATIVE = (
         file="pipeoff/testing/_simcuda.py",
         old="                    and \"device\" not in kwargs)",
         new="                    and True)",
-        tests=("tests/optim/test_optim_cuda.py::test_a_0_dim_parameter_steps_as_torch",),
+        tests=("tests/test_simcuda.py::test_a_like_with_device_is_device_memory",),
         hazard="empty_like(x, device=dev) of a host tensor is host memory on the simulated "
                "device: single_pass's step runs on host copies, its device path unchecked"),
     Mutant(
