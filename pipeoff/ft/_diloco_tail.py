@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from pipeoff.execution import Execution
     from pipeoff.trace import Trace
 
-__all__ = ["Settled", "SyncTail", "failed_after_decision", "late_note", "write_task"]
+__all__ = ["Settled", "SyncTail", "failed_after_decision", "interrupted_note", "late_note",
+           "write_task"]
 
 
 def write_task(k: int) -> str:
@@ -62,6 +63,27 @@ def late_note(committed: bool) -> str:
             + ("committed; the backup, the outer state and the parameters are partly "
                "updated." if committed else "rejected; the parameters are partly restored.")
             + " Restart this replica so that torchft heals it from a peer.")
+
+
+def interrupted_note(where: str, counted: bool = False) -> str:
+    """The note on a Ctrl-C that stopped a sync ``where`` ("before" its decision, or
+    "in" torchft's ``should_commit()``; ``counted``: after torchft counted a commit):
+    what the replica holds, and how to go on."""
+    if where == "before":
+        held = ("was stopped before its decision: every bucket's all-reduce ran as "
+                "formed (the peers may commit their average); this replica did not "
+                "commit, and its parameters hold its own inner steps")
+    elif counted:
+        held = ("was interrupted in should_commit() after torchft counted its commit "
+                "(this replica's step moved on with its peers'), before the merge: its "
+                "parameters are restored from the backup, as torchft's DiLoCo leaves "
+                "them, so it is out of step with its peers and no quorum heals it")
+    else:
+        held = ("was interrupted in should_commit(), before torchft counted a commit: its "
+                "parameters are restored from the backup (the global model)")
+    return (f"pipeoff: DiLoCo's sync {held}. torchft's DiLoCo does not go on after a sync "
+            "that raised (its next step() fails an assertion): restart this replica so "
+            "that torchft heals it from a peer.")
 
 
 def failed_after_decision(err: BaseException) -> StepFailedError:

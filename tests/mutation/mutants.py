@@ -1853,6 +1853,16 @@ SPECULATIVE = (
                "from_outside_and_loaded_has_the_bits_of_fraction_1",),
         hazard="a 0-dim weight in the device part written from outside, or loaded: the "
                "next step raises torch's RuntimeError"),
+    Mutant(
+        name="r201:diloco-ctrl-c-counted-commit-unsaid",
+        file="pipeoff/ft/_diloco_fragment.py",
+        old="interrupted_note(\"in\", manager.current_step() > asked_at)",
+        new="interrupted_note(\"in\", False)",
+        tests=("tests/ft/test_diloco_interrupts.py::test_a_ctrl_c_in_should_commit_after_"
+               "torchft_counted_the_commit_says_so",),
+        hazard="a Ctrl-C in should_commit() after torchft counted the commit: the replica, "
+               "restored from its backup, is out of step with its peers and told it holds "
+               "the global model"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
