@@ -451,7 +451,8 @@ def test_refresh_device_weights_and_masters_cover_the_device_part() -> None:
 # -- refusals ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("value", "match"), [
-    (-0.1, "offload_fraction must be a number in"), (1.5, "offload_fraction must be"),
+    (-0.1, "offload_fraction must be a number in .* the FP32 masters, optimizer state and "
+           "gradient sums kept in host"), (1.5, "offload_fraction must be"),
     (math.nan, "offload_fraction must be"), (True, "offload_fraction must be"),
     ("0.5", "offload_fraction must be"),
     ("auto", "offload_fraction='auto' needs device_budget_bytes"),  # (on CPU, without one)

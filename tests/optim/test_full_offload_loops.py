@@ -477,8 +477,12 @@ def test_chunk_bytes_is_accepted_as_on_offload_optimizer() -> None:
     assert opt.chunk_numel == 64  # bytes of FP32 masters
     with pytest.raises(ConfigError, match="give chunk_numel or chunk_bytes, not both"):
         build(make_model(), chunk_bytes=256, chunk_numel=64)
-    with pytest.raises(ConfigError, match="chunk_bytes must be an int >= 4"):
+    with pytest.raises(ConfigError, match="chunk_bytes must be an int >= 4 .bytes. or a size "
+                       "string"):
         build(make_model(), chunk_bytes=2)
+    with pytest.raises(ConfigError, match="slot_bytes must be an int >= 16 .bytes. or a size "
+                       "string"):
+        build(make_model(), slot_bytes=3)
 
 
 # -- found by a review that tried to break it --------------------------------------------------

@@ -96,7 +96,8 @@ class FullOffloadConfig:
         if self.max_norm is not None:
             object.__setattr__(self, "max_norm", check_max_norm(self.max_norm, self.overlap))
         check_int("chunk_numel", self.chunk_numel, as_bound=True)
-        check_int("slot_bytes", self.slot_bytes, minimum=16)
+        check_int("slot_bytes", self.slot_bytes, minimum=16, unit="bytes",
+                  also="or a size string such as '64MiB'")
         check_int("slots", self.slots, as_bound=True)
         if not isinstance(self.pin_memory, bool):
             raise ConfigError(f"pin_memory must be True or False, got {self.pin_memory!r}")
@@ -206,7 +207,8 @@ def chunk_numel_of(chunk_numel: Any, chunk_bytes: Any) -> int:
         raise ConfigError(f"give chunk_numel or chunk_bytes, not both (got chunk_numel="
                           f"{chunk_numel!r}, chunk_bytes={chunk_bytes!r})")
     nbytes = parse_bytes(chunk_bytes, name="chunk_bytes")
-    check_int("chunk_bytes", nbytes, minimum=4, unit="bytes")
+    check_int("chunk_bytes", nbytes, minimum=4, unit="bytes",
+              also="or a size string such as '256MiB' (one FP32 element at least)")
     return nbytes // 4
 
 

@@ -171,14 +171,16 @@ def check_fraction(value: Any, owner: str) -> float:
             string, NaN), outside [0, 1], or ``"auto"``, which ``owner`` does not
             offer yet.
     """
+    share = ("the FP32 masters, optimizer state and gradient sums" if owner ==
+             "FullOffloadOptimizer" else "the optimizer state")
     if isinstance(value, str) and value == "auto":
         raise ConfigError(
             f"offload_fraction='auto' is not available yet for {owner}; give a number in "
-            "[0, 1]: the share of the optimizer state kept in host memory (1.0, the "
+            f"[0, 1]: the share of {share} kept in host memory (1.0, the "
             "default: all of it; 0.0: none, all on the device)")
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or math.isnan(value) or not 0.0 <= float(value) <= 1.0):
         raise ConfigError(
-            f"offload_fraction must be a number in [0, 1] (the share of the optimizer "
-            f"state kept in host memory: 1.0 all of it, 0.0 none), got {short_repr(value)}")
+            f"offload_fraction must be a number in [0, 1] (the share of {share} kept in "
+            f"host memory: 1.0 all of it, 0.0 none), got {short_repr(value)}")
     return float(value) + 0.0  # (-0.0 is 0.0)
