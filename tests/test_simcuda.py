@@ -456,6 +456,13 @@ def test_a_copy_of_a_0_dim_host_tensor_is_a_copy() -> None:
         with sim.use_stream(a):
             pageable.copy_(x)  # (blocking: the host waits)
         assert pinned.item() == 3.0 and pageable.item() == 3.0
+        source = sim.host_empty((), torch.float32, pinned=False)
+        source.fill_(5.0)
+        with sim.use_stream(a):
+            y = torch.empty(())
+            y.copy_(source)  # (blocking, from pageable memory: reusable at its return)
+        source.fill_(6.0)
+        assert y.item() == 5.0
 
     def read_before_sync(sim: Sim) -> None:
         a = sim.new_stream(sim.device)
