@@ -462,7 +462,8 @@ def test_a_copy_of_a_0_dim_host_tensor_is_a_copy() -> None:
             y = torch.empty(())
             y.copy_(source)  # (blocking, from pageable memory: reusable at its return)
         source.fill_(6.0)
-        assert y.item() == 5.0
+        with sim.use_stream(a):
+            assert y.item() == 5.0
 
     def read_before_sync(sim: Sim) -> None:
         a = sim.new_stream(sim.device)
