@@ -502,6 +502,56 @@ def test_a_like_with_device_is_device_memory() -> None:
         assert not sim.memory.on_device(torch.empty_like(h))
 
 
+def test_an_in_place_kernels_scalar_argument_is_read_at_its_launch() -> None:
+    """``y.add_(h)`` with ``h`` a 0-dim pinned tensor a pending D2H writes: the host
+    reads it at the launch, a race (the in-place kernel's read was never checked, and
+    the stale value was used; a tester's find)."""
+
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        with sim.use_stream(a):
+            x = torch.full((), 3.0)
+        h = sim.host_empty((), torch.float32, pinned=True)
+        h.fill_(1.0)
+        sim.sleep(a, 0.05)
+        with sim.use_stream(a):
+            h.copy_(x, non_blocking=True)
+        torch.ones(4).add_(h)
+        a.synchronize()  # (only the launch's read is unordered)
+
+    flagged(program)
+
+
+def test_item_synchronizes_the_host() -> None:
+    """``.item()`` of device memory waits for its stream, as ``torch.equal`` does (its
+    return type, ``number``, was not taken for a host value: a false race; a
+    tester's find)."""
+
+    def program(sim: Sim) -> None:
+        x = torch.full((1000,), 3.0)
+        h = sim.host_empty(1000, torch.float32, pinned=True)
+        h.copy_(x, non_blocking=True)
+        x.sum().item()
+        assert h[0].item() == 3.0
+
+    accepted(program)
+
+
+def test_a_random_like_with_device_is_device_memory() -> None:
+    """``randn_like(host, device=...)`` is written on the stream, as ``empty_like``'s
+    result is made there (it was host memory: a read on another stream was not
+    checked; a tester's find)."""
+
+    def program(sim: Sim) -> None:
+        a = sim.new_stream(sim.device)
+        h = sim.host_empty(1000, torch.float32, pinned=True)
+        with sim.use_stream(a):
+            z = torch.randn_like(h, device=sim.device)
+        z + 1  # no wait_event
+
+    flagged(program)
+
+
 def test_a_scalar_argument_is_read_at_the_launch() -> None:
     """Freeing a 0-dim host tensor a kernel took as a scalar argument needs no
     synchronization (a tester's find: plain ``a + empty.sum()`` was called a race)."""

@@ -80,6 +80,7 @@ from pipeoff.testing._simops import ptr as _ptr
 from pipeoff.testing._simops import scalar_argument as _scalar_argument
 from pipeoff.testing._simops import span as _span
 from pipeoff.testing._simops import where as _where
+from pipeoff.testing._simops import written_first as _written_first
 from pipeoff.testing._simreports import Access as _Access
 from pipeoff.testing._simreports import AccessLog, Reports
 from pipeoff.testing._simreports import rw as _rw
@@ -490,6 +491,10 @@ class SimulatedCuda:
         # at issue (a later `p.data = new` or swap_tensors must not redirect it),
         # and a 0-dim host tensor's value (a scalar argument, read at the launch).
         fixed = tree_map_only(torch.Tensor, self.memory.issued_by(func, args), (args, kwargs))
+        out = _written_first(func, args)
+        for t, k in zip(tensors, kinds):  # (a tester's find: this read was never checked)
+            if _scalar_argument(func, t, k, t is out):
+                self.host_read(t, str(func))  # the host reads a scalar argument now
         stream = self.current_stream()
         stream._enqueue(("launch", functools.partial(
             self._run_deferred, func, fixed[0], fixed[1], _where())))

@@ -15,7 +15,8 @@ __all__ = ["ALLOCATE_ONLY", "COPIES", "HOST_VALUES", "METADATA_IN_PLACE", "METAD
 
 METADATA_ONLY = frozenset(getattr(torch.ops.aten, n) for n in (
     "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_like",
-    "zeros_like", "ones_like", "full_like", "empty_strided",
+    "zeros_like", "ones_like", "full_like", "empty_strided", "rand_like", "randn_like",
+    "randint_like",
 ))
 
 COPIES = frozenset(getattr(torch.ops.aten, n) for n in ("copy_", "_copy_from", "_foreach_copy_"))
@@ -99,7 +100,9 @@ def span(t: torch.Tensor) -> tuple[int, int] | None:
     return lo, lo + int(last + 1) * size
 
 
-HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+HOST_VALUES = frozenset({"Scalar", "number", "bool", "int", "float", "SymInt", "SymBool"})
+"""Return types that are values for the host (``.item()``'s is ``number``): the host
+waits for them."""
 ALLOCATE_ONLY = frozenset(getattr(torch.ops.aten, n) for n in (
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
 ))

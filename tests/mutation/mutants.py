@@ -1863,6 +1863,24 @@ SPECULATIVE = (
         hazard="a Ctrl-C in should_commit() after torchft counted the commit: the replica, "
                "restored from its backup, is out of step with its peers and told it holds "
                "the global model"),
+    Mutant(
+        name="r202:sim-launch-read-unchecked",
+        file="pipeoff/testing/_simcuda.py",
+        old="                self.host_read(t, str(func))  # the host reads a scalar argument "
+            "now\n",
+        new="                pass\n",
+        tests=("tests/test_simcuda.py::test_an_in_place_kernels_scalar_argument_is_read_at_"
+               "its_launch",),
+        hazard="an in-place kernel reading a 0-dim pinned tensor a pending D2H writes: the "
+               "simulated device misses the race, and computes with the stale value"),
+    Mutant(
+        name="r203:sim-item-no-sync",
+        file="pipeoff/testing/_simops.py",
+        old='HOST_VALUES = frozenset({"Scalar", "number", ',
+        new='HOST_VALUES = frozenset({"Scalar", ',
+        tests=("tests/test_simcuda.py::test_item_synchronizes_the_host",),
+        hazard="item() of device memory does not synchronize the host: a read it orders is "
+               "called a race"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
