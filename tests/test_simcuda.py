@@ -522,21 +522,6 @@ def test_an_in_place_kernels_scalar_argument_is_read_at_its_launch() -> None:
     flagged(program)
 
 
-def test_item_synchronizes_the_host() -> None:
-    """``.item()`` of device memory waits for its stream, as ``torch.equal`` does (its
-    return type, ``number``, was not taken for a host value: a false race; a
-    tester's find)."""
-
-    def program(sim: Sim) -> None:
-        x = torch.full((1000,), 3.0)
-        h = sim.host_empty(1000, torch.float32, pinned=True)
-        h.copy_(x, non_blocking=True)
-        x.sum().item()
-        assert h[0].item() == 3.0
-
-    accepted(program)
-
-
 def test_a_random_like_with_device_is_device_memory() -> None:
     """``randn_like(host, device=...)`` is written on the stream, as ``empty_like``'s
     result is made there (it was host memory: a read on another stream was not

@@ -100,9 +100,13 @@ def span(t: torch.Tensor) -> tuple[int, int] | None:
     return lo, lo + int(last + 1) * size
 
 
-HOST_VALUES = frozenset({"Scalar", "number", "bool", "int", "float", "SymInt", "SymBool"})
-"""Return types that are values for the host (``.item()``'s is ``number``): the host
-waits for them."""
+HOST_VALUES = frozenset({"Scalar", "bool", "int", "float", "SymInt", "SymBool"})
+"""Return types that are values for the host: the host waits for them. Not ``.item()``'s
+(``number``): a tensor made from Python data (AdamW's ``step``, a CPU tensor on CUDA)
+is device memory here, and its ``.item()`` would order the host after the stream
+where CUDA does not, hiding races (two tests lost the race they force). So ``.item()``
+of device memory does not synchronize here: synchronize before reading what it
+would have ordered."""
 ALLOCATE_ONLY = frozenset(getattr(torch.ops.aten, n) for n in (
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
 ))

@@ -1873,14 +1873,6 @@ SPECULATIVE = (
                "its_launch",),
         hazard="an in-place kernel reading a 0-dim pinned tensor a pending D2H writes: the "
                "simulated device misses the race, and computes with the stale value"),
-    Mutant(
-        name="r203:sim-item-no-sync",
-        file="pipeoff/testing/_simops.py",
-        old='HOST_VALUES = frozenset({"Scalar", "number", ',
-        new='HOST_VALUES = frozenset({"Scalar", ',
-        tests=("tests/test_simcuda.py::test_item_synchronizes_the_host",),
-        hazard="item() of device memory does not synchronize the host: a read it orders is "
-               "called a race"),
 )
 
 MUTANTS: tuple[Mutant, ...] = (*SWITCHES, *REVIEW, *SPECULATIVE)
