@@ -113,6 +113,17 @@ _TASK = {"ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0, "name": "t",
                   "bytes": 8, "deps": [], "buffers": [], "status": "ok"}}
 
 
+def test_a_trace_nested_too_deep_is_not_valid_json(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A RecursionError came out as a traceback (a tester's find)."""
+    from pipeoff.cli import main
+
+    path = tmp_path / "t.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["trace", "summary", str(path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
@@ -126,9 +137,14 @@ _TASK = {"ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 0, "name": "t",
          "not a well-formed"),
         ({"traceEvents": [{"ph": "X", "name": "pipeoff::h2d::x", "ts": "abc", "dur": 1}]},
          "not a well-formed"),
+        # (a tester's finds: negative figures in the summary, a traceback from the plot)
+        ({"traceEvents": [{**_TASK, "args": {**_TASK["args"], "t_ns": [0, 9, 1]}}],
+          "pipeoff": {}}, "ends before it starts"),
+        ({"traceEvents": [{**_TASK, "args": {**_TASK["args"], "bytes": -100}}],
+          "pipeoff": {}}, "fewer than 0 bytes"),
     ],
     ids=["event_not_object", "metadata_list", "buffer_where", "budget_text",
-         "profiler_name", "profiler_ts"],
+         "profiler_name", "profiler_ts", "end_before_start", "negative_bytes"],
 )
 def test_malformed_traces_exit_2_with_a_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: object, message: str

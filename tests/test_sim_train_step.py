@@ -220,7 +220,8 @@ def test_cli_auto_says_what_it_chose(capsys: pytest.CaptureFixture[str],
 @pytest.mark.parametrize(("args", "message"), [
     (["--offload-fraction", "1.5"], "--offload-fraction must be a number in [0, 1]"),
     (["--offload-fraction", "half"], "--offload-fraction must be a number in [0, 1]"),
-    (["--mfu", "0"], "--mfu must be in (0, 1]"),
+    (["--mfu", "0"], "--mfu must be in [0.001, 1]"),
+    (["--mfu", "1e-300"], "--mfu must be in [0.001, 1]"),  # (a traceback: ns overflowed)
     (["--device-budget", "40GB"], "--device-budget applies to train-step with"),
     (["--schedules", "none"], "--schedules does not apply to --feature train-step"),
     (["--preset", "cpu_here"], "h200_pcie5"),
@@ -231,6 +232,16 @@ def test_cli_bad_arguments_name_the_option(capsys: pytest.CaptureFixture[str],
     assert main(["simulate", "--feature", "train-step", "--model", "qwen3-30b-a3b",
                  "--seq-len", "1024", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_without_a_budget_names_the_devices_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It blamed a ``--device-budget`` the user never gave (a tester's find)."""
+    assert main(["simulate", "--feature", "train-step", "--model", "70b", "--fsdp", "1",
+                 "--offload-fraction", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "the device's memory (--device-budget not given)" in err, err
+    assert "shard over more ranks (--fsdp)" in err, err
 
 
 def test_cli_train_step_options_are_refused_elsewhere(

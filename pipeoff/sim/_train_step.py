@@ -482,11 +482,14 @@ def _auto(m: _Model, step: TrainStep, cost: CostModel, row: Callable[..., TrainS
                           "has no memory size (DeviceCompute.memory_bytes)")
     least = m.device_bytes(0)
     if least > budget:
+        given = (f"{option}={budget}" if step.device_budget_bytes else
+                 f"the device's memory ({option} not given), {budget} bytes")
         raise BudgetError(
-            f"{option}={budget} ({fmt_bytes(budget)}) is less than the model "
+            f"{given} ({fmt_bytes(budget)}) is less than the model "
             f"needs with all its state offloaded, {least} bytes ({fmt_bytes(least)}: "
-            f"{DEVICE_BYTES_OFFLOADED} B per local parameter); raise it, or shard over "
-            f"more ranks")
+            f"{DEVICE_BYTES_OFFLOADED} B per local parameter); "
+            + ("raise it, or shard over more ranks" if step.device_budget_bytes else
+               "shard over more ranks (--fsdp)"))
     tried = []
     for f in FRACTIONS:
         if backward:

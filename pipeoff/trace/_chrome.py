@@ -173,7 +173,8 @@ def read_json(path: str | Path) -> Any:
         raise TraceFormatError(f"{str(path)!r} is a directory, not a trace file")
     try:
         return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        # (RecursionError: nested too deep to be a trace; a tester's traceback)
         raise TraceFormatError(f"{str(path)!r} is not valid JSON: {err}") from None
 
 
@@ -228,6 +229,11 @@ def _from_chrome(doc: Any, source: str) -> dict[str, Any]:
                 continue
             a = ev["args"]
             enq, start, end = (int(x) for x in a["t_ns"])
+            if end < start or int(a["bytes"]) < 0:  # (a tester's: negative figures, a plot's
+                # raster overflow)
+                raise ValueError(f"task {a['pipeoff.task']!r} has t_ns {a['t_ns']!r} and "
+                                 f"bytes {a['bytes']!r}: it ends before it starts, or moves "
+                                 "fewer than 0 bytes")
             tasks.append(
                 TaskRecord(
                     name=str(a["pipeoff.task"]),
