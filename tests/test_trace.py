@@ -391,3 +391,18 @@ def test_plotting_leaves_matplotlibs_backend_alone(tmp_path: Path) -> None:
     finally:
         matplotlib.use(before, force=True)
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_profiler_traces_summary_says_what_it_cannot_know(tmp_path: Path) -> None:
+    """No dependencies, issue times or staging in a torch.profiler trace: the summary
+    said "efficiency 1.00: no schedule of these tasks finishes sooner" with one lane
+    67 % busy, and "peak 0 B" (a tester's find). They read n/a."""
+    events = [{"ph": "X", "name": f"pipeoff::h2d::c{k}", "ts": 10 * k, "dur": 5, "pid": 0,
+               "tid": 1} for k in range(3)]
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = Trace.load(path).summary()
+    assert s.from_profiler
+    text = s.format()
+    for row in ("critical path", "efficiency", "device staging", "host staging"):
+        assert f"{row:<18}n/a: a torch.profiler trace" in text, text

@@ -93,6 +93,14 @@ def format_summary(s: TraceSummary) -> str:
         f"hook waits        {s.hook_waits}, total {s.hook_wait_total_us / 1e3:.3f} ms,"
         f" worst {s.hook_wait_max_us / 1e3:.3f} ms",
     ]
+    if s.from_profiler:
+        # (a tester's find: "efficiency 1.00: no schedule ... finishes sooner" and "peak
+        # 0 B" for a profiler trace, which has no dependencies, issue times or staging)
+        unknown = "n/a: a torch.profiler trace has no dependencies, issue times or staging"
+        for k, line in enumerate(lines):
+            if line.startswith(("critical path", "efficiency", "device staging",
+                                "host staging")):
+                lines[k] = f"{line[:18]}{unknown}"
     if s.execution_efficiency is not None and s.execution_makespan_us is not None:
         lo, mid, hi = s.execution_efficiency
         mlo, mmid, mhi = (x / 1e3 for x in s.execution_makespan_us)

@@ -110,6 +110,10 @@ class TraceSummary:
     """Full offload: time the host spent folding gradients into the sums (total)."""
     offload_step_us: float = 0.0
     """Full offload: time of the host step, chunks and norm (total)."""
+    from_profiler: bool = False
+    """The trace was read from a torch.profiler trace's ``pipeoff::`` ranges: it has no
+    dependencies, issue times, executions or staging, so the figures built on them
+    (critical path, efficiency, staging) are not known (``format()`` says n/a)."""
     offload_drain_us: float | None = None
     """Full offload with the training loop recorded: from the end of a step's final
     backward to the end of the last fold of its gradients (median over the steps): the
@@ -339,6 +343,7 @@ class Trace:
             gate_waits_by=tuple(sorted(((m, len(w), sum(w) / 1e3) for m, w in by_meaning.items()),
                                        key=lambda x: (-x[2], x[0]))),
             predicted_by=self.predicted_by,
+            from_profiler=self.metadata.get("source") == "torch.profiler",
             **self._train_figures(),
             **self._offload_figures(),
         )
