@@ -415,9 +415,9 @@ class SimulatedCuda:
         epoch = self.clocks.tick(actor)
         # A scalar argument is read by the host at the launch, not by the stream
         # (a tester's find: freeing it before a synchronization was called a race).
-        scalars = {id(t) for t, k in zip(tensors, kinds) if not _is_host(actor)
-                   and _scalar_argument(func, t, k, id(t) in written)
-                   and self.clocks.worker() is None}
+        on_device = not _is_host(actor) and self.clocks.worker() is None
+        scalars = {id(t) for t, k in zip(tensors, kinds)
+                   if on_device and _scalar_argument(func, t, k, id(t) in written)}
         reader = self.clocks.host_actor() if scalars else actor
         read_at = self.clocks.tick(reader) if scalars else epoch
         with self.lock:
@@ -490,8 +490,8 @@ class SimulatedCuda:
         # What the kernel will touch is fixed now: the tensors' storages and strides
         # at issue (a later `p.data = new` or swap_tensors must not redirect it),
         # and a 0-dim host tensor's value (a scalar argument, read at the launch).
-        fixed = tree_map_only(torch.Tensor, self.memory.issued_by(func, args), (args, kwargs))
         out = _written_first(func, args)
+        fixed = tree_map_only(torch.Tensor, self.memory.issued_by(func, out), (args, kwargs))
         for t, k in zip(tensors, kinds):  # (a tester's find: this read was never checked)
             if _scalar_argument(func, t, k, t is out):
                 self.host_read(t, str(func))  # the host reads a scalar argument now

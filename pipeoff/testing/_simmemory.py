@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from pipeoff.testing._simops import COPIES, written_first
 from pipeoff.testing._simops import ptr as _ptr
+from pipeoff.testing._simops import scalar_argument
 
 __all__ = ["MemoryMap"]
 
@@ -62,16 +62,14 @@ class MemoryMap:
         r = self.host_range(_ptr(t))
         return r is not None and r[2]
 
-    def issued_by(self, func: Any, args: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        """What a deferred kernel of ``func`` on ``args`` will touch, given a tensor: its
-        storage and strides now, and a scalar argument's value (read at the launch:
-        ``pipeoff.testing._simops.scalar_argument``)."""
-        copy = func.overloadpacket in COPIES
-        written = written_first(func, args)
+    def issued_by(self, func: Any, written: torch.Tensor | None,
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What a deferred kernel of ``func`` (which writes ``written``) will touch, given
+        a tensor: its storage and strides now, and a scalar argument's value (read at
+        the launch: ``pipeoff.testing._simops.scalar_argument``)."""
 
         def as_issued(t: torch.Tensor) -> torch.Tensor:
-            if (not copy and t.dim() == 0 and t is not written
-                    and self.host_range(_ptr(t)) is not None):
+            if scalar_argument(func, t, self.host_range(_ptr(t)), t is written):
                 return t.clone()
             return t.as_strided(t.size(), t.stride(), t.storage_offset())
         return as_issued
